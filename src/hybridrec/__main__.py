@@ -1,0 +1,3 @@
+from hybridrec.cli.main import main
+
+raise SystemExit(main())
