@@ -1,0 +1,227 @@
+"""Run-directory outputs: metrics.jsonl (+ optional TensorBoard), atomic JSON, peak memory.
+
+``metrics.jsonl`` holds one JSON object per :meth:`MetricLogger.log` call::
+
+    {"step": 100, "split": "train", "time": 1718000000.1, "loss": 0.45, "auc": null}
+
+Values are numbers (or ``null``: NaN and ±inf are not JSON, and an undefined
+metric such as a one-class AUC is written as ``null``), so scripts and
+benchmarks read numbers, never log text.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import numbers
+import os
+import resource
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from hybridrec.errors import HybridrecError
+
+if TYPE_CHECKING:
+    from typing_extensions import Self  # typing.Self needs Python 3.11
+
+METRICS_FILE = "metrics.jsonl"
+TENSORBOARD_DIR = "tensorboard"
+_RESERVED = ("step", "split", "time")
+
+
+def _number(key: str, value: Any) -> int | float | None:
+    """One metric value → int, finite float or None (NaN/inf/None → None)."""
+    if isinstance(value, (torch.Tensor, np.ndarray)):
+        numel = value.numel() if isinstance(value, torch.Tensor) else value.size
+        if numel != 1:
+            raise TypeError(f"metric {key!r}: expected a scalar, got shape {tuple(value.shape)}")
+        # .item() on a device tensor is a host sync; callers on the training path
+        # should pass numbers they already read (e.g. from RunningLoss.compute()).
+        value = value.item()
+    if value is None:
+        return None
+    if isinstance(value, np.generic):
+        value = value.item()
+    if isinstance(value, bool):
+        return int(value)
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if isinstance(value, numbers.Real):
+        value = float(value)
+        return value if math.isfinite(value) else None
+    raise TypeError(f"metric {key!r}: expected a number, got {type(value).__name__}")
+
+
+def to_jsonable(obj: Any) -> Any:
+    """Recursively converts ``obj`` to what ``json.dumps(allow_nan=False)`` accepts.
+
+    Non-finite floats become ``None``; numpy and torch scalars become Python
+    numbers, arrays and tensors become (nested) lists; tuples become lists and
+    paths strings. Anything else is returned unchanged (json then rejects it).
+    """
+    if isinstance(obj, dict):
+        return {k: to_jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [to_jsonable(v) for v in obj]
+    if isinstance(obj, (torch.Tensor, np.ndarray)):
+        return to_jsonable(obj.tolist())
+    if isinstance(obj, np.generic):
+        return to_jsonable(obj.item())
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, os.PathLike):
+        return os.fspath(obj)
+    return obj
+
+
+def write_json_atomic(path: str | os.PathLike[str], obj: Any, *, indent: int | None = 2) -> None:
+    """Writes ``obj`` as JSON to ``path`` so readers see the old file or the new, never half.
+
+    The temporary file lives in the destination directory (``os.replace`` is only
+    atomic within one file system), is fsynced before the rename so a crash
+    cannot leave an empty file under the final name, and is removed on error.
+    NaN and ±inf are written as ``null`` (see :func:`to_jsonable`).
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    text = json.dumps(to_jsonable(obj), indent=indent, allow_nan=False) + "\n"
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    _fsync_dir(path.parent)
+
+
+def _fsync_dir(directory: Path) -> None:
+    """Makes a rename in ``directory`` durable (POSIX); a no-op where unsupported."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def peak_memory_bytes() -> int:
+    """Peak resident set size of this process, in bytes (``ru_maxrss``).
+
+    Linux reports ``ru_maxrss`` in KiB, macOS in bytes.
+    """
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak) if sys.platform == "darwin" else int(peak) * 1024
+
+
+def cuda_peak_memory_bytes(device: torch.device | int | None = None) -> int | None:
+    """``torch.cuda.max_memory_allocated`` for ``device``, or None when CUDA is not in use.
+
+    "In use" means initialised in this process: asking an uninitialised CUDA
+    would create a context (hundreds of MiB) just to report zero.
+    """
+    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return None
+    return int(torch.cuda.max_memory_allocated(device))
+
+
+class MetricLogger:
+    """Appends metrics to ``run_dir/metrics.jsonl`` and optionally to TensorBoard.
+
+    The file is opened in append mode so a resumed run continues the same log.
+
+    Args:
+        run_dir: the run directory (created if missing).
+        tensorboard: also write scalars under ``run_dir/tensorboard`` as
+            ``{split}/{name}`` (needs the ``tensorboard`` package).
+        flush_every: flush the files every this many :meth:`log` calls; 1 loses
+            nothing on a crash, larger values save syscalls on chatty logs.
+    """
+
+    def __init__(
+        self, run_dir: str | os.PathLike[str], *, tensorboard: bool = False, flush_every: int = 1
+    ) -> None:
+        if flush_every < 1:
+            raise ValueError(f"MetricLogger: flush_every must be >= 1, got {flush_every}")
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.path = self.run_dir / METRICS_FILE
+        self.flush_every = flush_every
+        self._writer = _summary_writer(self.run_dir / TENSORBOARD_DIR) if tensorboard else None
+        self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 (closed in close())
+        self._pending = 0
+
+    def log(self, step: int, metrics: dict[str, Any], *, split: str = "train") -> None:
+        """Appends one record ``{"step", "split", "time", **metrics}``.
+
+        Args:
+            step: the global training step.
+            metrics: name → number (int, float, numpy or one-element tensor);
+                NaN/inf/None are written as ``null``.
+            split: "train", "eval", "test", ...
+        """
+        if self._file is None:
+            raise RuntimeError("MetricLogger.log called after close()")
+        record: dict[str, Any] = {"step": int(step), "split": split, "time": time.time()}
+        for key, value in metrics.items():
+            if key in _RESERVED:
+                raise ValueError(f"metric name {key!r} is reserved in metrics.jsonl")
+            record[key] = _number(key, value)
+        self._file.write(json.dumps(record, allow_nan=False) + "\n")
+        if self._writer is not None:
+            for key, value in record.items():
+                if key not in _RESERVED and value is not None:
+                    self._writer.add_scalar(f"{split}/{key}", value, int(step))
+        self._pending += 1
+        if self._pending >= self.flush_every:
+            self.flush()
+
+    def flush(self) -> None:
+        """Flushes buffered lines (and TensorBoard events) to disk."""
+        if self._file is not None:
+            self._file.flush()
+        if self._writer is not None:
+            self._writer.flush()
+        self._pending = 0
+
+    def close(self) -> None:
+        """Flushes and closes; safe to call twice."""
+        if self._file is None:
+            return
+        self.flush()
+        self._file.close()
+        self._file = None
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+def _summary_writer(log_dir: Path) -> Any:
+    """A TensorBoard SummaryWriter, imported only when asked for (optional dependency)."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError as err:
+        raise HybridrecError(
+            "TensorBoard logging needs the tensorboard package: "
+            "pip install tensorboard (or pip install 'hybridrec[tensorboard]')"
+        ) from err
+    return SummaryWriter(log_dir=str(log_dir))

@@ -1,0 +1,94 @@
+"""metrics.jsonl records, NaN → null, atomic JSON writes, optional TensorBoard."""
+
+import json
+import math
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from hybridrec.errors import HybridrecError
+from hybridrec.metrics import MetricLogger, peak_memory_bytes, write_json_atomic
+from hybridrec.metrics import logger as logger_mod
+
+
+def read_lines(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_jsonl_records_and_nan_to_null(tmp_path):
+    run = tmp_path / "run"
+    with MetricLogger(run) as log:
+        log.log(1, {"loss": 0.5, "auc": float("nan"), "n": np.int64(3)})
+        log.log(2, {"loss": torch.tensor(0.25), "inf": math.inf, "none": None}, split="eval")
+    lines = read_lines(run / "metrics.jsonl")
+    assert [(r["step"], r["split"]) for r in lines] == [(1, "train"), (2, "eval")]
+    assert lines[0]["loss"] == 0.5 and lines[0]["auc"] is None and lines[0]["n"] == 3
+    assert lines[1]["loss"] == 0.25 and lines[1]["inf"] is None and lines[1]["none"] is None
+    assert all(isinstance(r["time"], float) for r in lines)
+    # Appending: a resumed run continues the same file.
+    with MetricLogger(run) as log:
+        log.log(3, {"loss": 0.1})
+    assert [r["step"] for r in read_lines(run / "metrics.jsonl")] == [1, 2, 3]
+
+
+def test_log_rejects_non_numbers_and_reserved_names(tmp_path):
+    log = MetricLogger(tmp_path, flush_every=10)
+    with pytest.raises(TypeError, match="'name'"):
+        log.log(0, {"name": "x"})
+    with pytest.raises(ValueError, match="reserved"):
+        log.log(0, {"step": 1})
+    log.log(0, {"ok": 1})
+    log.close()
+    log.close()  # idempotent
+    assert len(read_lines(tmp_path / "metrics.jsonl")) == 1
+    with pytest.raises(RuntimeError):
+        log.log(1, {"ok": 1})
+
+
+def test_write_json_atomic_replaces_and_leaves_no_tmp(tmp_path):
+    path = tmp_path / "sub" / "summary.json"
+    write_json_atomic(path, {"auc": float("nan"), "x": (1, 2), "t": torch.tensor([1.5])})
+    write_json_atomic(path, {"auc": 0.7, "nested": {"v": np.float32(0.5)}})
+    assert json.loads(path.read_text()) == {"auc": 0.7, "nested": {"v": 0.5}}
+    assert sorted(p.name for p in path.parent.iterdir()) == ["summary.json"]
+
+
+def test_write_json_atomic_failure_keeps_old_file(tmp_path):
+    path = tmp_path / "summary.json"
+    write_json_atomic(path, {"a": 1})
+    with pytest.raises(TypeError):
+        write_json_atomic(path, {"a": object()})
+    assert json.loads(path.read_text()) == {"a": 1}
+    assert [p.name for p in tmp_path.iterdir()] == ["summary.json"]
+
+
+def test_tensorboard_missing_gives_clear_error(tmp_path, monkeypatch):
+    # A None entry in sys.modules makes the import fail as if the package were absent.
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)
+    with pytest.raises(HybridrecError, match="pip install tensorboard"):
+        MetricLogger(tmp_path, tensorboard=True)
+
+
+def test_tensorboard_scalars_named_by_split(tmp_path, monkeypatch):
+    calls = []
+
+    class FakeWriter:
+        def add_scalar(self, tag, value, step):
+            calls.append((tag, value, step))
+
+        def flush(self):
+            pass
+
+        def close(self):
+            calls.append("closed")
+
+    monkeypatch.setattr(logger_mod, "_summary_writer", lambda log_dir: FakeWriter())
+    with MetricLogger(tmp_path, tensorboard=True) as log:
+        log.log(5, {"auc": 0.8, "ne": float("nan")}, split="eval")
+    assert calls == [("eval/auc", 0.8, 5), "closed"]
+
+
+def test_peak_memory_is_plausible():
+    assert 1 << 20 < peak_memory_bytes() < 1 << 40
