@@ -1,0 +1,69 @@
+"""DLRM: bottom MLP on dense features, embedding bags, pairwise dot interaction, top MLP.
+
+Single-device module; parallelism (sharded embeddings, data-parallel dense) is
+applied from outside by replacing ``model.sparse`` and wrapping the dense part.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from hybridrec.model.embedding import EmbeddingBagCollection
+from hybridrec.model.interaction import CatInteraction, DotInteraction
+from hybridrec.model.mlp import MLP
+from hybridrec.sparse.keyed_jagged import Batch
+
+
+class DLRM(nn.Module):
+    """Deep Learning Recommendation Model.
+
+    Args:
+        num_dense: dense input features (13 for Criteo).
+        sparse: the embedding-bag collection; every table must have the dim
+            ``bottom_mlp[-1]``.
+        bottom_mlp: hidden and output widths of the bottom MLP (input width is
+            ``num_dense``), e.g. ``[512, 256, 64]``.
+        top_mlp: widths of the top MLP, ending in 1 (the logit), e.g. ``[512, 256, 1]``.
+        interaction: ``dot`` (DLRM) or ``cat``.
+
+    ``forward(batch)`` returns logits ``[B]``.
+    """
+
+    def __init__(
+        self,
+        *,
+        num_dense: int,
+        sparse: EmbeddingBagCollection,
+        bottom_mlp: list[int],
+        top_mlp: list[int],
+        interaction: str = "dot",
+    ) -> None:
+        super().__init__()
+        dim = bottom_mlp[-1]
+        bad = [n for n, d in zip(sparse.feature_names, sparse.feature_dims) if d != dim]
+        if bad:
+            raise ValueError(
+                f"DLRM needs every embedding dim equal to the bottom MLP output ({dim}); "
+                f"features {bad[:5]} differ"
+            )
+        if top_mlp[-1] != 1:
+            raise ValueError(f"the top MLP must end in 1 (the logit), got {top_mlp}")
+        nf = len(sparse.feature_names)
+        if interaction == "dot":
+            self.interaction: nn.Module = DotInteraction(nf)
+            top_in = DotInteraction.output_dim(nf, dim)
+        elif interaction == "cat":
+            self.interaction = CatInteraction()
+            top_in = CatInteraction.output_dim(nf, dim)
+        else:
+            raise ValueError(f"unknown interaction {interaction!r} (dot or cat)")
+        self.sparse = sparse
+        self.bottom = MLP([num_dense, *bottom_mlp], final_relu=True)
+        self.top = MLP([top_in, *top_mlp], final_relu=False)
+
+    def forward(self, batch: Batch) -> torch.Tensor:
+        pooled = self.sparse(batch.sparse)
+        x = self.bottom(batch.dense)
+        z = self.interaction(x, pooled.as_3d())
+        return self.top(z).squeeze(1)

@@ -1,0 +1,256 @@
+"""Embedding-bag collection over many tables, single device.
+
+Tables with the same dim and pooling are stored fused in one weight tensor
+(one ``embedding_bag`` call looks them all up), but the state dict shows one
+tensor per table (``tables.<name>.weight``), so checkpoints do not depend on
+the grouping and a sharder can split the collection table by table.
+
+Gradients never materialise a dense ``[rows, dim]`` table gradient. The pooled
+output is an autograd leaf; after ``backward`` its gradient, together with the
+ids the forward recorded, is what :meth:`pop_sparse_grads` hands to a sparse
+optimizer, which updates only the touched rows (hybridrec.train.sparse_optim).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hybridrec.sparse.keyed_jagged import KeyedJagged
+
+
+@dataclass(kw_only=True)
+class TableConfig:
+    """One embedding table."""
+
+    name: str
+    """Table name (state-dict key ``tables.<name>.weight``)."""
+    num_embeddings: int
+    """Rows."""
+    embedding_dim: int
+    """Columns."""
+    features: list[str] = field(default_factory=list)
+    """Features that read this table (default: one feature named like the table)."""
+    pooling: str = "sum"
+    """How the ids of one bag combine: ``sum`` or ``mean``."""
+
+    def __post_init__(self) -> None:
+        if not self.features:
+            self.features = [self.name]
+        if self.pooling not in ("sum", "mean"):
+            raise ValueError(f"table {self.name}: pooling must be sum or mean, got {self.pooling!r}")
+        if self.num_embeddings <= 0 or self.embedding_dim <= 0:
+            raise ValueError(f"table {self.name}: sizes must be positive")
+
+
+@dataclass
+class KeyedTensor:
+    """Pooled embeddings: ``values`` ``[B, sum(dims)]``, one column block per key."""
+
+    keys: list[str]
+    dims: list[int]
+    values: torch.Tensor
+
+    def as_3d(self) -> torch.Tensor:
+        """``[B, F, D]`` view; all dims must be equal."""
+        d = self.dims[0]
+        if any(x != d for x in self.dims):
+            raise ValueError(f"as_3d needs equal embedding dims, got {sorted(set(self.dims))}")
+        return self.values.view(self.values.shape[0], len(self.keys), d)
+
+
+@dataclass
+class _Group:
+    """Tables fused into one weight: same dim and pooling."""
+
+    dim: int
+    pooling: str
+    tables: list[TableConfig]
+    features: list[str]  # in output order
+    feature_row_offset: list[int]  # row of the feature's table inside the fused weight
+    col_start: int  # first output column of this group's block
+
+
+@dataclass
+class _Lookup:
+    """What backward needs to turn the pooled gradient into per-id gradients."""
+
+    group: int
+    ids: torch.Tensor  # [nnz] rows of the fused weight
+    lengths: torch.Tensor | None  # [B * F_g] int64 bag sizes, sample-major; None if all 1
+    pooled: torch.Tensor  # the autograd leaf, [B, total_dim]
+    batch_size: int
+
+
+class EmbeddingBagCollection(nn.Module):
+    """Pooled embedding lookup for many features.
+
+    ``forward(kjt)`` takes a :class:`KeyedJagged` whose keys include every
+    feature of the collection and returns a :class:`KeyedTensor` with the
+    features in :attr:`feature_names` order.
+    """
+
+    def __init__(self, tables: list[TableConfig], *, device: torch.device | None = None) -> None:
+        super().__init__()
+        self.tables = {t.name: t for t in tables}
+        if len(self.tables) != len(tables):
+            raise ValueError("duplicate table names")
+        self._groups: list[_Group] = []
+        self._table_rows: dict[str, tuple[int, int]] = {}  # name -> (group, first row)
+        self._pending: list[_Lookup] = []
+        self._build_groups(tables, device)
+
+    def _build_groups(self, tables: list[TableConfig], device) -> None:
+        by_key: dict[tuple[int, str], list[TableConfig]] = {}
+        for t in tables:
+            by_key.setdefault((t.embedding_dim, t.pooling), []).append(t)
+        col = 0
+        for gi, ((dim, pooling), ts) in enumerate(by_key.items()):
+            rows, feats, offs = 0, [], []
+            for t in ts:
+                self._table_rows[t.name] = (gi, rows)
+                feats += t.features
+                offs += [rows] * len(t.features)
+                rows += t.num_embeddings
+            weight = torch.empty(rows, dim, device=device)
+            self.register_parameter(f"_fused_{gi}", nn.Parameter(weight, requires_grad=False))
+            self._groups.append(_Group(dim, pooling, ts, feats, offs, col))
+            col += dim * len(feats)
+        self.total_dim = col
+        self.feature_names = [f for g in self._groups for f in g.features]
+        self.feature_dims = [g.dim for g in self._groups for _ in g.features]
+        if len(set(self.feature_names)) != len(self.feature_names):
+            raise ValueError("a feature may read only one table")
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        # DLRM reference: U(-sqrt(1/n), sqrt(1/n)) per table of n rows.
+        with torch.no_grad():
+            for name in self.tables:
+                a = math.sqrt(1.0 / self.tables[name].num_embeddings)
+                self.table_weight(name).uniform_(-a, a)
+
+    # -- storage -------------------------------------------------------------
+    def group_weight(self, group: int) -> torch.Tensor:
+        return getattr(self, f"_fused_{group}")
+
+    @property
+    def num_groups(self) -> int:
+        return len(self._groups)
+
+    def table_slice(self, name: str) -> tuple[int, int, int]:
+        """``(group, first_row, rows)`` of a table inside its fused weight."""
+        g, start = self._table_rows[name]
+        return g, start, self.tables[name].num_embeddings
+
+    def table_weight(self, name: str) -> torch.Tensor:
+        """The table's ``[rows, dim]`` weight (a view into the fused storage)."""
+        g, start, n = self.table_slice(name)
+        return self.group_weight(g)[start : start + n]
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        for name in self.tables:
+            w = self.table_weight(name)
+            destination[f"{prefix}tables.{name}.weight"] = w if keep_vars else w.detach()
+
+    def _load_from_state_dict(
+        self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+    ):
+        for name in self.tables:
+            key = f"{prefix}tables.{name}.weight"
+            if key not in state_dict:
+                missing_keys.append(key)
+                continue
+            src, dst = state_dict[key], self.table_weight(name)
+            if src.shape != dst.shape:
+                error_msgs.append(f"{key}: shape {tuple(src.shape)} != {tuple(dst.shape)}")
+                continue
+            with torch.no_grad():
+                dst.copy_(src)
+        ours = {f"{prefix}tables.{n}.weight" for n in self.tables}
+        for key in state_dict:
+            if key.startswith(f"{prefix}tables.") and key not in ours:
+                unexpected_keys.append(key)
+
+    # -- lookup --------------------------------------------------------------
+    def forward(self, kjt: KeyedJagged) -> KeyedTensor:
+        b = kjt.batch_size
+        blocks, lookups = [], []
+        for gi, g in enumerate(self._groups):
+            ids, lengths, offsets = self._group_ids(g, kjt)
+            pooled = F.embedding_bag(
+                ids, self.group_weight(gi), offsets, mode=g.pooling, include_last_offset=True
+            )
+            blocks.append(pooled.view(b, len(g.features) * g.dim))
+            lookups.append((gi, ids, lengths))
+        # One group (the common case) needs no copy: the bags are sample-major.
+        out = blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=1)
+        if self.training and torch.is_grad_enabled():
+            out.requires_grad_()
+            self._pending += [_Lookup(gi, ids, ln, out, b) for gi, ids, ln in lookups]
+        return KeyedTensor(self.feature_names, self.feature_dims, out)
+
+    def _group_ids(self, g: _Group, kjt: KeyedJagged):
+        """Ids of the group's features offset into the fused weight, in sample-major
+        bag order (sample 0's features, then sample 1's...), so that the pooled
+        output is ``[B, F_g, D]`` without a transpose.
+
+        Returns ``(ids [nnz], lengths [B*F_g] or None when every bag has one id,
+        offsets [B*F_g + 1])``.
+        """
+        if kjt.keys != g.features:
+            missing = [f for f in g.features if f not in kjt.keys]
+            if missing:
+                raise KeyError(f"input has no feature(s) {missing}")
+            kjt = kjt.select_keys(g.features)
+        b, nf = kjt.batch_size, len(g.features)
+        dev = kjt.values.device
+        row_off = torch.tensor(g.feature_row_offset, dtype=torch.int64, device=dev)
+        if kjt.values.numel() == nf * b and bool((kjt.lengths == 1).all()):
+            ids = (kjt.values.view(nf, b) + row_off.unsqueeze(1)).t().reshape(-1)
+            return ids, None, torch.arange(nf * b + 1, device=dev)
+        counts = torch.tensor(kjt.length_per_key(), device=dev)
+        ids_km = kjt.values + torch.repeat_interleave(row_off, counts)
+        # Reorder values from key-major to sample-major bags (an int gather).
+        lengths = kjt.lengths.view(nf, b).t().reshape(-1).to(torch.int64)
+        starts = kjt.offsets()[:-1].view(nf, b).t().reshape(-1)
+        offsets = torch.zeros(nf * b + 1, dtype=torch.int64, device=dev)
+        torch.cumsum(lengths, 0, out=offsets[1:])
+        src = torch.repeat_interleave(starts - offsets[:-1], lengths) + torch.arange(
+            int(offsets[-1]), device=dev
+        )
+        return ids_km.index_select(0, src), lengths, offsets
+
+    # -- gradients -----------------------------------------------------------
+    def pop_sparse_grads(self) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
+        """Per-id gradients of the lookups since the last call.
+
+        Returns ``[(group, ids [nnz], grad_rows [nnz, dim])]``; a row repeats
+        when an id occurs several times (optimizers add them up). ``grad_rows``
+        may alias the pooled output's gradient buffer: the caller owns it and
+        may overwrite it.
+        """
+        out = []
+        for lk in self._pending:
+            if lk.pooled.grad is None:
+                continue  # forward without backward (e.g. a skipped step)
+            out.append((lk.group, lk.ids, self._id_grads(lk)))
+        self._pending = []
+        return out
+
+    def _id_grads(self, lk: _Lookup) -> torch.Tensor:
+        g = self._groups[lk.group]
+        b, nf = lk.batch_size, len(g.features)
+        block = lk.pooled.grad[:, g.col_start : g.col_start + g.dim * nf]
+        bag_grads = block.reshape(b * nf, g.dim)  # sample-major bags, like the ids
+        if lk.lengths is None:
+            return bag_grads
+        bag_of_id = torch.repeat_interleave(torch.arange(nf * b, device=bag_grads.device), lk.lengths)
+        rows = bag_grads.index_select(0, bag_of_id)
+        if g.pooling == "mean":
+            rows /= lk.lengths.clamp(min=1).to(rows.dtype).index_select(0, bag_of_id).unsqueeze(1)
+        return rows

@@ -1,0 +1,305 @@
+"""Typed training configuration: dataclasses, TOML/JSON files, ``key=value`` overrides.
+
+Every field has a docstring; an unknown key or a value of the wrong type is a
+:class:`ConfigError` that names the key (with a suggestion for typos).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import tomllib
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from hybridrec.errors import ConfigError
+
+
+@dataclass(kw_only=True)
+class DataConfig:
+    path: str = ""
+    """Preprocessed dataset directory (``hybridrec data preprocess`` output)."""
+    batch_size: int = 2048
+    """Samples per step per rank."""
+    eval_batch_size: int = 8192
+    """Samples per evaluation batch per rank."""
+    shuffle: bool = True
+    """Shuffle training rows (deterministically, within windows)."""
+    shuffle_window: int = 1 << 20
+    """Rows per shuffle window: larger mixes more, reads less sequentially."""
+    prefetch: int = 2
+    """Batches prepared ahead by a background thread (0 = none)."""
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    arch: str = "dlrm"
+    """Model family: ``dlrm``."""
+    embedding_dim: int = 16
+    """Embedding dim of every table (DLRM: equals the bottom MLP output)."""
+    bottom_mlp: list[int] = field(default_factory=lambda: [512, 256, 64, 16])
+    """Bottom MLP widths after the dense input."""
+    top_mlp: list[int] = field(default_factory=lambda: [512, 256, 1])
+    """Top MLP widths, ending in 1."""
+    interaction: str = "dot"
+    """``dot`` (pairwise dot products) or ``cat``."""
+    pooling: str = "sum"
+    """Pooling of multi-hot bags: ``sum`` or ``mean``."""
+
+
+@dataclass(kw_only=True)
+class OptimConfig:
+    dense: str = "sgd"
+    """Dense optimizer: ``sgd``, ``adagrad`` or ``adam``."""
+    dense_lr: float = 0.1
+    """Dense learning rate (peak, after warm-up)."""
+    sparse: str = "sgd"
+    """Embedding optimizer: ``sgd``, ``rowwise_adagrad`` or ``lazy_adam``."""
+    sparse_lr: float = 0.1
+    """Embedding learning rate (peak, after warm-up)."""
+    momentum: float = 0.0
+    """SGD momentum (dense only)."""
+    weight_decay: float = 0.0
+    """Dense weight decay."""
+    eps: float = 1e-8
+    """Adagrad/Adam epsilon, dense and sparse."""
+    warmup_steps: int = 0
+    """Linear warm-up from 0 to the peak learning rates."""
+    decay: str = "none"
+    """After warm-up: ``none``, ``linear`` (to 0 at the last step), ``cosine`` or ``poly2``."""
+    decay_start: int = 0
+    """Step where decay begins (0 = right after warm-up)."""
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    epochs: int = 1
+    """Passes over the training split."""
+    max_steps: int = 0
+    """Stop after this many steps (0 = no limit)."""
+    eval_every: int = 0
+    """Evaluate every N steps (0 = only at the end)."""
+    log_every: int = 50
+    """Write train metrics to metrics.jsonl every N steps."""
+    checkpoint_every: int = 0
+    """Save a checkpoint every N steps (0 = only at the end)."""
+    keep_checkpoints: int = 2
+    """How many recent checkpoints to keep."""
+    run_dir: str = "runs/latest"
+    """Where the run writes config, metrics, summary and checkpoints."""
+    resume: bool = True
+    """Resume from the newest checkpoint in run_dir if there is one."""
+    seed: int = 0
+    """Seed for initialisation and data order."""
+    tensorboard: bool = False
+    """Also write TensorBoard events (needs the tensorboard package)."""
+    progress: bool = True
+    """Show a progress bar when stderr is a terminal."""
+    threads: int = 0
+    """torch intra-op threads (0 = torch's default)."""
+
+
+@dataclass(kw_only=True)
+class Config:
+    data: DataConfig = field(default_factory=DataConfig)
+    """Dataset and batching."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """Architecture."""
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    """Optimizers and schedule."""
+    train: TrainConfig = field(default_factory=TrainConfig)
+    """Loop, evaluation, checkpoints, run directory."""
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+SECTIONS = {"data": DataConfig, "model": ModelConfig, "optim": OptimConfig, "train": TrainConfig}
+
+
+def _section_fields(section: str) -> dict[str, dataclasses.Field]:
+    return {f.name: f for f in dataclasses.fields(SECTIONS[section])}
+
+
+def _suggest(word: str, options) -> str:
+    close = difflib.get_close_matches(word, list(options), n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _resolve_key(key: str) -> tuple[str, str]:
+    parts = key.split(".")
+    if len(parts) != 2:
+        raise ConfigError(f"config key {key!r}: expected SECTION.NAME, e.g. optim.dense_lr")
+    section, name = parts
+    if section not in SECTIONS:
+        raise ConfigError(f"unknown config section {section!r} in {key!r}{_suggest(section, SECTIONS)}")
+    fields = _section_fields(section)
+    if name not in fields:
+        raise ConfigError(f"unknown config key {key!r}{_suggest(name, fields)}")
+    return section, name
+
+
+def _field_type(section: str, name: str):
+    return typing.get_type_hints(SECTIONS[section])[name]
+
+
+def _coerce(key: str, value, typ):
+    """Check/convert a value (from TOML/JSON or a command-line string) to ``typ``."""
+    origin = typing.get_origin(typ)
+    try:
+        if typ is bool:
+            if isinstance(value, bool):
+                return value
+            if isinstance(value, str) and value.lower() in ("true", "1", "yes", "on", "false", "0", "no", "off"):
+                return value.lower() in ("true", "1", "yes", "on")
+            raise ValueError
+        if typ is int:
+            if isinstance(value, bool):
+                raise ValueError
+            if isinstance(value, int):
+                return value
+            if isinstance(value, str):
+                return int(value.replace("_", ""))
+            raise ValueError
+        if typ is float:
+            if isinstance(value, bool):
+                raise ValueError
+            return float(value)
+        if typ is str:
+            if not isinstance(value, str):
+                raise ValueError
+            return value
+        if origin is list:
+            (inner,) = typing.get_args(typ)
+            if isinstance(value, str):
+                text = value.strip()
+                value = json.loads(text) if text.startswith("[") else [v for v in text.split(",") if v]
+            if not isinstance(value, list):
+                raise ValueError
+            return [_coerce(key, v, inner) for v in value]
+    except (ValueError, TypeError, json.JSONDecodeError):
+        pass
+    else:
+        raise AssertionError(f"unsupported config type {typ} for {key}")
+    raise ConfigError(f"config key {key!r}: {value!r} is not a valid {_type_name(typ)}")
+
+
+def _type_name(typ) -> str:
+    if typing.get_origin(typ) is list:
+        return f"list of {typing.get_args(typ)[0].__name__} (e.g. 512,256,64)"
+    return typ.__name__ if isinstance(typ, type) else str(typ)
+
+
+def set_value(cfg: Config, key: str, value) -> None:
+    section, name = _resolve_key(key)
+    setattr(getattr(cfg, section), name, _coerce(key, value, _field_type(section, name)))
+
+
+def apply_dict(cfg: Config, data: dict, *, source: str) -> None:
+    for section, values in data.items():
+        if section not in SECTIONS:
+            raise ConfigError(f"{source}: unknown config section {section!r}{_suggest(section, SECTIONS)}")
+        if not isinstance(values, dict):
+            raise ConfigError(f"{source}: [{section}] must be a table of keys")
+        for name, value in values.items():
+            try:
+                set_value(cfg, f"{section}.{name}", value)
+            except ConfigError as e:
+                raise ConfigError(f"{source}: {e}") from None
+
+
+def load_file(path: str | Path) -> dict:
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file {p} does not exist")
+    try:
+        if p.suffix == ".json":
+            return json.loads(p.read_text())
+        return tomllib.loads(p.read_text())
+    except (tomllib.TOMLDecodeError, json.JSONDecodeError) as e:
+        raise ConfigError(f"config file {p}: {e}") from None
+
+
+def parse_overrides(items: list[str]) -> list[tuple[str, str]]:
+    out = []
+    for item in items:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r}: expected KEY=VALUE, e.g. optim.dense_lr=0.05")
+        k, v = item.split("=", 1)
+        out.append((k.strip(), v.strip()))
+    return out
+
+
+def build_config(base: dict | None = None, files: list[str] = (), overrides: list[str] = ()) -> Config:
+    """Defaults, then ``base`` (a recipe), then each file, then ``key=value`` overrides."""
+    cfg = Config()
+    if base:
+        apply_dict(cfg, base, source="recipe")
+    for f in files:
+        apply_dict(cfg, load_file(f), source=str(f))
+    for k, v in parse_overrides(list(overrides)):
+        set_value(cfg, k, v)
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg: Config) -> None:
+    m, o, d, t = cfg.model, cfg.optim, cfg.data, cfg.train
+    checks = [
+        (d.batch_size > 0, "data.batch_size must be positive"),
+        (d.eval_batch_size > 0, "data.eval_batch_size must be positive"),
+        (m.arch == "dlrm", f"model.arch {m.arch!r}: only 'dlrm' is available"),
+        (m.interaction in ("dot", "cat"), f"model.interaction {m.interaction!r}: dot or cat"),
+        (m.pooling in ("sum", "mean"), f"model.pooling {m.pooling!r}: sum or mean"),
+        (bool(m.top_mlp) and m.top_mlp[-1] == 1, f"model.top_mlp must end in 1, got {m.top_mlp}"),
+        (bool(m.bottom_mlp) and m.bottom_mlp[-1] == m.embedding_dim,
+         f"model.bottom_mlp must end in model.embedding_dim ({m.embedding_dim}), got {m.bottom_mlp}"),
+        (o.dense in ("sgd", "adagrad", "adam"), f"optim.dense {o.dense!r}: sgd, adagrad or adam"),
+        (o.sparse in ("sgd", "rowwise_adagrad", "lazy_adam"),
+         f"optim.sparse {o.sparse!r}: sgd, rowwise_adagrad or lazy_adam"),
+        (o.dense_lr > 0 and o.sparse_lr > 0, "learning rates must be positive"),
+        (o.decay in ("none", "linear", "cosine", "poly2"), f"optim.decay {o.decay!r}: none, linear, cosine or poly2"),
+        (o.warmup_steps >= 0, "optim.warmup_steps must be >= 0"),
+        (t.epochs > 0, "train.epochs must be positive"),
+        (t.max_steps >= 0 and t.eval_every >= 0 and t.checkpoint_every >= 0 and t.log_every >= 0,
+         "step counts must be >= 0"),
+        (t.keep_checkpoints >= 1, "train.keep_checkpoints must be >= 1"),
+    ]
+    for ok, msg in checks:
+        if not ok:
+            raise ConfigError(msg)
+
+
+def describe() -> str:
+    """Every key with its type, default and docstring (for --help)."""
+    lines = []
+    cfg = Config()
+    for section in SECTIONS:
+        lines.append(f"[{section}]")
+        for name in _section_fields(section):
+            doc = _field_doc(section, name)
+            default = getattr(getattr(cfg, section), name)
+            lines.append(f"  {section}.{name} = {default!r}  ({_type_name(_field_type(section, name))}) {doc}")
+    return "\n".join(lines)
+
+
+def _field_doc(section: str, name: str) -> str:
+    import ast
+    import inspect
+
+    tree = ast.parse(inspect.getsource(SECTIONS[section]))
+    body = tree.body[0].body
+    for i, node in enumerate(body):
+        if isinstance(node, ast.AnnAssign) and getattr(node.target, "id", None) == name:
+            nxt = body[i + 1] if i + 1 < len(body) else None
+            if isinstance(nxt, ast.Expr) and isinstance(getattr(nxt, "value", None), ast.Constant):
+                return str(nxt.value.value)
+    return ""
+
+
+__all__ = [
+    "Config", "DataConfig", "ModelConfig", "OptimConfig", "TrainConfig",
+    "build_config", "set_value", "describe", "validate",
+]

@@ -1,0 +1,151 @@
+"""Sparse embedding optimizers: update only the rows a batch touched.
+
+They read ``(group, ids, grad_rows)`` triples from an embedding collection's
+``pop_sparse_grads()`` (one row per id occurrence) and never build a dense
+``[rows, dim]`` gradient. Semantics match dense optimizers applied to the
+table gradient restricted to the touched rows:
+
+- ``sgd``: ``w[r] -= lr * g[r]``.
+- ``rowwise_adagrad`` (FBGEMM's): one accumulator per row,
+  ``a[r] += mean_j g[r, j]^2``; ``w[r] -= lr * g[r] / (sqrt(a[r]) + eps)``.
+- ``lazy_adam``: Adam moments updated only for touched rows, bias correction
+  with the global step.
+
+Here ``g[r]`` is the summed gradient of row ``r`` over its occurrences.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def aggregate_rows(ids: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sum the gradient rows of repeated ids.
+
+    ``ids`` ``[n]``, ``rows`` ``[n, d]`` -> ``(unique_ids [u], summed [u, d])``,
+    unique ids ascending. Deterministic: a stable sort keeps occurrence order
+    and ``embedding_bag`` adds each bag's rows in that order.
+    """
+    sorted_ids, perm = torch.sort(ids, stable=True)
+    unique, counts = torch.unique_consecutive(sorted_ids, return_counts=True)
+    offsets = torch.zeros(counts.numel() + 1, dtype=torch.int64, device=ids.device)
+    torch.cumsum(counts, 0, out=offsets[1:])
+    summed = F.embedding_bag(perm, rows, offsets, mode="sum", include_last_offset=True)
+    return unique, summed
+
+
+def _scatter_rows_add_(weight: torch.Tensor, ids: torch.Tensor, delta: torch.Tensor) -> None:
+    # scatter_add_ along dim 0 splits the work over columns, so repeated ids are
+    # safe and the result is deterministic; index_add_ is several times slower here.
+    weight.scatter_add_(0, ids.unsqueeze(1).expand(-1, weight.shape[1]), delta)
+
+
+class SparseOptimizer:
+    """Base: holds the collection, the learning rate and per-group state."""
+
+    name = "base"
+
+    def __init__(self, collection, *, lr: float) -> None:
+        if lr <= 0:
+            raise ValueError(f"sparse lr must be positive, got {lr}")
+        self.collection = collection
+        self.lr = lr
+        self.step_count = 0
+
+    def step(self) -> None:
+        self.step_count += 1
+        with torch.no_grad():
+            for group, ids, rows in self.collection.pop_sparse_grads():
+                self._update(group, self.collection.group_weight(group), ids, rows)
+
+    def _update(self, group: int, weight: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor):
+        raise NotImplementedError
+
+    # Per-row state is saved per table so checkpoints survive regrouping/resharding.
+    def _state_tensors(self, group: int) -> dict[str, torch.Tensor]:
+        return {}
+
+    def state_dict(self) -> dict:
+        per_table = {}
+        for name in self.collection.tables:
+            g, start, n = self.collection.table_slice(name)
+            per_table[name] = {k: v[start : start + n] for k, v in self._state_tensors(g).items()}
+        return {"name": self.name, "lr": self.lr, "step": self.step_count, "tables": per_table}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("name") != self.name:
+            raise ValueError(f"optimizer state is for {state.get('name')!r}, not {self.name!r}")
+        self.lr, self.step_count = float(state["lr"]), int(state["step"])
+        for name, tensors in state["tables"].items():
+            g, start, n = self.collection.table_slice(name)
+            dst = self._state_tensors(g)
+            for k, v in tensors.items():
+                dst[k][start : start + n].copy_(v)
+
+
+class SparseSGD(SparseOptimizer):
+    name = "sgd"
+
+    def _update(self, group, weight, ids, rows):
+        _scatter_rows_add_(weight, ids, rows.mul_(-self.lr))  # rows is ours to overwrite
+
+
+class RowWiseAdagrad(SparseOptimizer):
+    name = "rowwise_adagrad"
+
+    def __init__(self, collection, *, lr: float, eps: float = 1e-8, initial_accumulator: float = 0.0):
+        super().__init__(collection, lr=lr)
+        self.eps = eps
+        self._acc = [
+            torch.full((collection.group_weight(g).shape[0],), initial_accumulator,
+                       device=collection.group_weight(g).device)
+            for g in range(collection.num_groups)
+        ]
+
+    def _state_tensors(self, group):
+        return {"sum": self._acc[group]}
+
+    def _update(self, group, weight, ids, rows):
+        unique, grad = aggregate_rows(ids, rows)
+        acc = self._acc[group]
+        new_acc = acc.index_select(0, unique) + grad.pow(2).mean(1)
+        acc.index_copy_(0, unique, new_acc)
+        delta = grad.div_(new_acc.sqrt_().add_(self.eps).unsqueeze(1)).mul_(-self.lr)
+        _scatter_rows_add_(weight, unique, delta)
+
+
+class LazyAdam(SparseOptimizer):
+    name = "lazy_adam"
+
+    def __init__(self, collection, *, lr: float, betas=(0.9, 0.999), eps: float = 1e-8):
+        super().__init__(collection, lr=lr)
+        self.beta1, self.beta2 = betas
+        self.eps = eps
+        self._m = [torch.zeros_like(collection.group_weight(g)) for g in range(collection.num_groups)]
+        self._v = [torch.zeros_like(collection.group_weight(g)) for g in range(collection.num_groups)]
+
+    def _state_tensors(self, group):
+        return {"exp_avg": self._m[group], "exp_avg_sq": self._v[group]}
+
+    def _update(self, group, weight, ids, rows):
+        unique, grad = aggregate_rows(ids, rows)
+        m = self._m[group].index_select(0, unique).mul_(self.beta1).add_(grad, alpha=1 - self.beta1)
+        v = self._v[group].index_select(0, unique).mul_(self.beta2).addcmul_(grad, grad, value=1 - self.beta2)
+        self._m[group].index_copy_(0, unique, m)
+        self._v[group].index_copy_(0, unique, v)
+        t = self.step_count
+        step_size = self.lr / (1 - self.beta1**t)
+        denom = v.div_(1 - self.beta2**t).sqrt_().add_(self.eps)
+        _scatter_rows_add_(weight, unique, m.div_(denom).mul_(-step_size))
+
+
+SPARSE_OPTIMIZERS = {c.name: c for c in (SparseSGD, RowWiseAdagrad, LazyAdam)}
+
+
+def build_sparse_optimizer(name: str, collection, *, lr: float, **kwargs) -> SparseOptimizer:
+    try:
+        cls = SPARSE_OPTIMIZERS[name]
+    except KeyError:
+        raise ValueError(f"unknown sparse optimizer {name!r}; choose from {sorted(SPARSE_OPTIMIZERS)}") from None
+    return cls(collection, lr=lr, **kwargs)

@@ -1,0 +1,135 @@
+"""Model pieces against plain-PyTorch references."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hybridrec.model import kernels
+from hybridrec.model.dlrm import DLRM
+from hybridrec.model.embedding import EmbeddingBagCollection, TableConfig
+from hybridrec.model.interaction import CatInteraction, DotInteraction
+from hybridrec.sparse.keyed_jagged import Batch, KeyedJagged
+
+
+@pytest.mark.parametrize("relu", [False, True])
+def test_linear_matches_f_linear(relu):
+    torch.manual_seed(0)
+    x = torch.randn(37, 19, requires_grad=True)
+    w = torch.randn(11, 19, requires_grad=True)
+    b = torch.randn(11, requires_grad=True)
+    y = kernels.linear(x, w, b, relu=relu)
+    ref_y = F.linear(x, w, b)
+    ref_y = F.relu(ref_y) if relu else ref_y
+    go = torch.randn_like(y)
+    grads = torch.autograd.grad((y * go).sum(), (x, w, b))
+    ref = torch.autograd.grad((ref_y * go).sum(), (x, w, b))
+    torch.testing.assert_close(y, ref_y, rtol=1e-5, atol=1e-5)
+    for g, r in zip(grads, ref):
+        torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-5)
+
+
+def test_linear_fallback_switch(monkeypatch):
+    monkeypatch.setenv("HYBRIDREC_ONEDNN_LINEAR", "0")
+    assert not kernels.onednn_linear_enabled()
+    x, w = torch.randn(4, 3), torch.randn(2, 3)
+    torch.testing.assert_close(kernels.linear(x, w, None), x @ w.t())
+
+
+def test_dot_interaction_matches_bmm_reference():
+    torch.manual_seed(0)
+    b, f, d = 5, 4, 3
+    dense = torch.randn(b, d, requires_grad=True)
+    sparse = torch.randn(b, f, d, requires_grad=True)
+    out = DotInteraction(f)(dense, sparse)
+    z = torch.cat([dense.unsqueeze(1), sparse], 1)
+    gram = torch.bmm(z, z.transpose(1, 2))
+    r, c = torch.tril_indices(f + 1, f + 1, offset=-1)
+    ref = torch.cat([dense, gram[:, r, c]], 1)
+    assert out.shape == (b, DotInteraction.output_dim(f, d))
+    torch.testing.assert_close(out, ref)
+    go = torch.randn_like(out)
+    got = torch.autograd.grad((out * go).sum(), (dense, sparse))
+    want = torch.autograd.grad((ref * go).sum(), (dense, sparse))
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w)
+
+
+def test_cat_interaction_shape():
+    out = CatInteraction()(torch.randn(2, 3), torch.randn(2, 4, 3))
+    assert out.shape == (2, CatInteraction.output_dim(4, 3))
+
+
+def _jagged_example():
+    # keys a, b over 3 samples; bag (b, sample 1) is empty; ids repeat.
+    keys = ["a", "b"]
+    values = torch.tensor([1, 1, 4, 0, 2, 2, 3])
+    lengths = torch.tensor([2, 1, 1, 1, 0, 2], dtype=torch.int32)
+    return KeyedJagged(keys, values, lengths)
+
+
+def _reference_pool(ebc, kjt, name, feature, mode):
+    w = ebc.table_weight(name)
+    vals, lens = kjt.split_by_key()[feature]
+    off = torch.zeros(lens.numel() + 1, dtype=torch.int64)
+    off[1:] = torch.cumsum(lens, 0)
+    return F.embedding_bag(vals, w, off, mode=mode, include_last_offset=True)
+
+
+@pytest.mark.parametrize("mode", ["sum", "mean"])
+def test_ebc_pools_like_embedding_bag(mode):
+    torch.manual_seed(0)
+    tables = [TableConfig(name="ta", num_embeddings=5, embedding_dim=3, features=["a"], pooling=mode),
+              TableConfig(name="tb", num_embeddings=6, embedding_dim=3, features=["b"], pooling=mode)]
+    ebc = EmbeddingBagCollection(tables)
+    kjt = _jagged_example()
+    out = ebc(kjt).as_3d()
+    torch.testing.assert_close(out[:, 0], _reference_pool(ebc, kjt, "ta", "a", mode))
+    torch.testing.assert_close(out[:, 1], _reference_pool(ebc, kjt, "tb", "b", mode))
+    assert torch.all(out[1, 1] == 0)  # empty bag pools to zero
+
+
+def test_ebc_groups_by_dim_and_reorders_keys():
+    torch.manual_seed(0)
+    tables = [TableConfig(name="x", num_embeddings=4, embedding_dim=2),
+              TableConfig(name="y", num_embeddings=4, embedding_dim=5)]
+    ebc = EmbeddingBagCollection(tables)
+    assert ebc.num_groups == 2
+    kjt = KeyedJagged.from_dense(["y", "x"], torch.tensor([[1, 2], [3, 0]]))
+    out = ebc(kjt)
+    assert out.keys == ["x", "y"] and out.values.shape == (2, 7)
+    torch.testing.assert_close(out.values[:, :2], ebc.table_weight("x")[[2, 0]])
+    torch.testing.assert_close(out.values[:, 2:], ebc.table_weight("y")[[1, 3]])
+    with pytest.raises(ValueError):
+        out.as_3d()
+
+
+def test_ebc_state_dict_is_per_table_and_round_trips():
+    tables = [TableConfig(name=n, num_embeddings=3 + i, embedding_dim=2) for i, n in enumerate("pq")]
+    a, b = EmbeddingBagCollection(tables), EmbeddingBagCollection(tables)
+    sd = a.state_dict()
+    assert sorted(sd) == ["tables.p.weight", "tables.q.weight"]
+    assert sd["tables.q.weight"].shape == (4, 2)
+    b.load_state_dict(sd)
+    for n in "pq":
+        torch.testing.assert_close(a.table_weight(n), b.table_weight(n))
+    with pytest.raises(RuntimeError, match="Missing"):
+        b.load_state_dict({"tables.p.weight": sd["tables.p.weight"]})
+
+
+def test_ebc_missing_feature_is_a_clear_error():
+    ebc = EmbeddingBagCollection([TableConfig(name="a", num_embeddings=3, embedding_dim=2)])
+    with pytest.raises(KeyError, match="no feature"):
+        ebc(KeyedJagged.from_dense(["b"], torch.tensor([[0]])))
+
+
+def test_dlrm_forward_and_validation():
+    torch.manual_seed(0)
+    ebc = EmbeddingBagCollection([TableConfig(name=f"c{i}", num_embeddings=10, embedding_dim=4) for i in range(3)])
+    model = DLRM(num_dense=2, sparse=ebc, bottom_mlp=[8, 4], top_mlp=[6, 1])
+    kjt = KeyedJagged.from_dense(["c0", "c1", "c2"], torch.randint(0, 10, (7, 3)))
+    batch = Batch(torch.randn(7, 2), kjt, torch.zeros(7))
+    assert model(batch).shape == (7,)
+    with pytest.raises(ValueError, match="bottom MLP output"):
+        DLRM(num_dense=2, sparse=ebc, bottom_mlp=[8, 5], top_mlp=[6, 1])
+    with pytest.raises(ValueError, match="end in 1"):
+        DLRM(num_dense=2, sparse=ebc, bottom_mlp=[8, 4], top_mlp=[6, 2])
