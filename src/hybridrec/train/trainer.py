@@ -77,6 +77,7 @@ class Trainer:
         self.run_dir = run_dir
         self.total_steps = total_steps
         self.step = 0
+        self._saved_step: int | None = None  # step of the newest checkpoint on disk
 
     # -- one step --------------------------------------------------------------
     def train_step(self, batch: Batch) -> torch.Tensor:
@@ -116,15 +117,18 @@ class Trainer:
         self.step = int(state["step"])
 
     def save_checkpoint(self) -> Path:
-        return ckpt.save_checkpoint(
+        path = ckpt.save_checkpoint(
             self.run_dir, self.step, self.state_dict(), keep=self.cfg.train.keep_checkpoints
         )
+        self._saved_step = self.step
+        return path
 
     def maybe_resume(self) -> int | None:
         path = ckpt.latest_checkpoint(self.run_dir) if self.cfg.train.resume else None
         if path is None:
             return None
         self.load_state_dict(ckpt.load_checkpoint(path))
+        self._saved_step = self.step
         return self.step
 
     # -- the loop --------------------------------------------------------------
@@ -155,7 +159,7 @@ class Trainer:
         bar.close()
         if not t.log_every or self.step % t.log_every:
             last_loss = self._log_train(running, meter, None)  # the steps since the last log
-        if self.step > 0 and (resumed is None or self.step != resumed):
+        if self.step > 0 and self._saved_step != self.step:
             self.save_checkpoint()
         final = self._eval_and_log()
         if self.logger:

@@ -1,0 +1,220 @@
+#!/usr/bin/env python3
+"""Single-process training throughput: hybridrec vs TorchRec, side by side.
+
+Model: DLRM, 26 tables x 100,000 rows x dim 64, bottom MLP 13-512-256-64,
+top MLP 512-256-1, batch 2048, SGD (dense and sparse), one process.
+
+    .venv/bin/python benchmarks/throughput.py                 # both, 3 alternating rounds
+    .venv/bin/python benchmarks/throughput.py --no-peer       # hybridrec only
+
+Data: a synthetic Criteo-like click log (Zipf ids) preprocessed into the binary
+shards with 100,000-row tables (hex ids modulo 100,000). hybridrec reads its
+batches from the shards through the loader while it trains. TorchRec trains on
+the first --peer-batches batches that the same loader yields (dumped to .npz,
+cycled in memory, as TorchRec's own benchmarks do with random batches).
+Each framework runs in its own process (peak RSS is per process); rounds
+alternate hybridrec / TorchRec so that drift of the machine hits both.
+The TorchRec environment is made by benchmarks/peers/setup_torchrec.sh.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PEER_PY = ROOT / "benchmarks/peers/.venv-torchrec/bin/python"
+PEER_SCRIPT = ROOT / "benchmarks/peers/torchrec_dlrm.py"
+TABLE_ROWS = 100_000
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    p.add_argument("--out", default=str(ROOT / "benchmarks/out/throughput"), help="work directory")
+    p.add_argument("--rows", type=int, default=400_000, help="training rows to synthesize")
+    p.add_argument("--multi-hot", type=int, default=0, help="ids per feature (0 = one-hot)")
+    p.add_argument("--batch-size", type=int, default=2048)
+    p.add_argument("--steps", type=int, default=60, help="timed steps per run")
+    p.add_argument("--warmup", type=int, default=10, help="untimed steps first")
+    p.add_argument("--rounds", type=int, default=3, help="alternating rounds")
+    p.add_argument("--peer", action=argparse.BooleanOptionalAction, default=True,
+                   help="also run TorchRec (needs benchmarks/peers/setup_torchrec.sh)")
+    p.add_argument("--peer-batches", type=int, default=16, help="batches handed to TorchRec")
+    p.add_argument("--ablation", action=argparse.BooleanOptionalAction, default=True,
+                   help="also run hybridrec with torch's default linear (MKL) kernels")
+    p.add_argument("--worker", choices=["hybridrec"], help=argparse.SUPPRESS)
+    p.add_argument("--data", help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def prepare_data(args) -> Path:
+    from hybridrec.data.preprocess import preprocess_criteo
+    from hybridrec.data.synth import generate
+
+    out = Path(args.out)
+    tag = f"rows{args.rows}-mh{args.multi_hot}"
+    data = out / f"data-{tag}"
+    if (data / "meta.json").is_file():
+        return data
+    raw = out / f"raw-{tag}"
+    # Day 0 trains, day 1 (small) is the held-out split the loader needs.
+    generate(raw, days=2, rows_per_day=args.rows, seed=0, multi_hot=args.multi_hot,
+             scale=1.0)
+    files = sorted(raw.glob("day_*"))
+    mh = [f"C{i}" for i in range(1, 27)] if args.multi_hot else ()
+    preprocess_criteo(files, data, table_size=TABLE_ROWS, multi_hot_fields=mh, overwrite=True)
+    return data
+
+
+def dump_peer_batches(data: Path, args) -> Path:
+    import numpy as np
+
+    from hybridrec.data.loader import ShardedLoader
+    from hybridrec.data.schema import DatasetMeta
+
+    path = Path(args.out) / f"peer-batches-{data.name}.npz"
+    if path.is_file():
+        return path
+    loader = ShardedLoader(DatasetMeta.load(data), split="train", batch_size=args.batch_size,
+                           shuffle=True, seed=0, prefetch=0)
+    dense, ids, labels = [], [], []
+    for i, b in enumerate(loader):
+        if i == args.peer_batches:
+            break
+        k = max(1, args.multi_hot)
+        per_key = b.sparse.values.view(len(b.sparse.keys), b.batch_size, k)  # fixed k ids per bag
+        dense.append(b.dense.numpy())
+        ids.append(per_key.permute(1, 0, 2).reshape(b.batch_size, -1).numpy())
+        labels.append(b.labels.numpy())
+    np.savez(path, dense=np.concatenate(dense), ids=np.concatenate(ids), labels=np.concatenate(labels))
+    return path
+
+
+def worker_hybridrec(args) -> dict:
+    """Train the benchmark model from the shards; print one JSON line."""
+    import torch
+
+    from hybridrec.model.kernels import onednn_linear_enabled
+    from hybridrec.train import recipes
+    from hybridrec.train.build import build_trainer
+    from hybridrec.train.config import build_config
+
+    cfg = build_config(recipes.recipe("bench"), overrides=[
+        f"data.path={args.data}", f"data.batch_size={args.batch_size}",
+        f"train.run_dir={Path(args.out) / 'run-hybridrec'}", "train.resume=false",
+        "train.progress=false"])
+    trainer = build_trainer(cfg)
+    total = args.warmup + args.steps
+    it = iter(trainer.train_loader)
+    start = None
+    for i in range(total):
+        if i == args.warmup:
+            start = time.perf_counter()
+        try:
+            batch = next(it)
+        except StopIteration:
+            it = iter(trainer.train_loader)
+            batch = next(it)
+        trainer.train_step(batch)
+    secs = time.perf_counter() - start
+    return {"framework": "hybridrec", "onednn_linear": onednn_linear_enabled(),
+            "samples_per_sec": args.steps * args.batch_size / secs, "steps": args.steps,
+            "batch_size": args.batch_size, "threads": torch.get_num_threads(),
+            "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+
+
+def run_json(cmd: list[str], env=None) -> dict:
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    return json.loads(lines[-1])
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.worker:
+        print(json.dumps(worker_hybridrec(args)))
+        return 0
+    if args.peer and not PEER_PY.exists():
+        print("TorchRec venv missing: run benchmarks/peers/setup_torchrec.sh (or pass --no-peer)",
+              file=sys.stderr)
+        return 2
+    data = prepare_data(args)
+    me = [sys.executable, __file__, "--worker", "hybridrec", "--data", str(data), "--out", args.out,
+          "--steps", str(args.steps), "--warmup", str(args.warmup), "--batch-size", str(args.batch_size)]
+    runs: dict[str, list[dict]] = {"hybridrec": [], "hybridrec (torch F.linear)": [], "torchrec": []}
+    peer = None
+    if args.peer:
+        npz = dump_peer_batches(data, args)
+        peer = [str(PEER_PY), str(PEER_SCRIPT), "--batches", str(npz), "--steps", str(args.steps),
+                "--warmup", str(args.warmup), "--batch-size", str(args.batch_size),
+                "--multi-hot", str(max(1, args.multi_hot))]
+    for r in range(args.rounds):
+        runs["hybridrec"].append(run_json(me))
+        if args.ablation:
+            runs["hybridrec (torch F.linear)"].append(
+                run_json(me, env={**os.environ, "HYBRIDREC_ONEDNN_LINEAR": "0"}))
+        if peer:
+            runs["torchrec"].append(run_json(peer))
+        print(f"round {r + 1}/{args.rounds}: " + ", ".join(
+            f"{k} {v[-1]['samples_per_sec']:,.0f}" for k, v in runs.items() if v), file=sys.stderr)
+    report = summarize(runs, args, data)
+    out = Path(args.out) / "throughput.json"
+    out.write_text(json.dumps(report, indent=2))
+    print(format_report(report))
+    print(f"\nwritten: {out}")
+    return 0
+
+
+def summarize(runs: dict, args, data: Path) -> dict:
+    rows = {}
+    for name, rs in runs.items():
+        if not rs:
+            continue
+        sps = [r["samples_per_sec"] for r in rs]
+        rows[name] = {"median_samples_per_sec": statistics.median(sps), "runs": sps,
+                      "peak_rss_mib": max(r["peak_rss_bytes"] for r in rs) / 2**20}
+    if "torchrec" in rows:
+        base = rows["torchrec"]["median_samples_per_sec"]
+        for v in rows.values():
+            v["vs_torchrec"] = v["median_samples_per_sec"] / base
+    return {"date": time.strftime("%Y-%m-%d"), "machine": machine(), "data": str(data),
+            "settings": {k: getattr(args, k) for k in ("rows", "multi_hot", "batch_size", "steps",
+                                                       "warmup", "rounds", "peer_batches")},
+            "results": rows}
+
+
+def machine() -> str:
+    model = "unknown cpu"
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{model}, {os.cpu_count()} cores"
+
+
+def format_report(rep: dict) -> str:
+    lines = [f"machine: {rep['machine']}   date: {rep['date']}", "",
+             "| run | samples/s (median) | runs | peak RSS | vs TorchRec |", "|---|---|---|---|---|"]
+    for name, v in rep["results"].items():
+        ratio = f"{v['vs_torchrec']:.2f}x" if "vs_torchrec" in v else "-"
+        runs = ", ".join(f"{x:,.0f}" for x in v["runs"])
+        lines.append(f"| {name} | {v['median_samples_per_sec']:,.0f} | {runs} | "
+                     f"{v['peak_rss_mib']:,.0f} MiB | {ratio} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

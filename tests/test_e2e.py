@@ -1,0 +1,121 @@
+"""End to end through the CLI: synth -> preprocess -> train -> eval, resume exactness, errors."""
+
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from hybridrec.cli.main import main
+from hybridrec.train import checkpoint as ckpt
+
+SMALL = ["model.embedding_dim=8", "model.bottom_mlp=16,8", "model.top_mlp=16,1",
+         "data.batch_size=128", "data.eval_batch_size=1000", "train.progress=false"]
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory):
+    root = tmp_path_factory.mktemp("e2e")
+    assert main(["data", "synth", "--out", str(root / "raw"), "--days", "3", "--rows-per-day", "3000"]) == 0
+    days = sorted(str(p) for p in (root / "raw").glob("day_*"))
+    assert main(["data", "preprocess", *days, "--out", str(root / "data")]) == 0
+    return root / "data"
+
+
+def _train(dataset, run_dir, *extra):
+    return main(["train", "--recipe", "demo", f"data.path={dataset}", f"train.run_dir={run_dir}",
+                 *SMALL, *extra])
+
+
+def test_train_writes_run_directory_and_eval_reads_it(dataset, tmp_path, capsys):
+    run = tmp_path / "run"
+    assert _train(dataset, run, "train.max_steps=30", "train.log_every=10", "train.eval_every=15") == 0
+    out = capsys.readouterr().out
+    assert "AUC" in out and "samples/s" in out
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["step"] == 30
+    assert 0.5 < summary["eval"]["auc"] <= 1.0
+    assert summary["eval"]["count"] == 3000  # the whole held-out day, last partial batch included
+    for key in ("throughput", "peak_memory_bytes", "comm", "config", "versions"):
+        assert key in summary
+    lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lines if x["split"] == "train"] == [10, 20, 30]
+    assert [x["step"] for x in lines if x["split"] == "eval"] == [15, 30]
+    assert json.loads((run / "config.json").read_text())["data"]["path"] == str(dataset)
+
+    assert main(["eval", str(run)]) == 0
+    ev = json.loads((run / "eval.json").read_text())
+    assert ev["auc"] == pytest.approx(summary["eval"]["auc"], abs=1e-12)
+
+
+def _final_state(run):
+    return ckpt.load_checkpoint(ckpt.latest_checkpoint(run))
+
+
+def _assert_same_run(full, cut):
+    a, b = _final_state(full), _final_state(cut)
+    assert a["step"] == b["step"]
+    for k in a["model"]:
+        assert torch.equal(a["model"][k], b["model"][k]), k
+    ea = json.loads((full / "summary.json").read_text())["eval"]
+    eb = json.loads((cut / "summary.json").read_text())["eval"]
+    for k in ("auc", "log_loss", "ne", "calibration", "accuracy", "count"):
+        assert ea[k] == eb[k], k
+
+
+@pytest.mark.parametrize("optim", [["optim.sparse=sgd", "optim.dense=sgd"],
+                                   ["optim.sparse=lazy_adam", "optim.dense=adam"], []])
+def test_resume_equals_uninterrupted(dataset, tmp_path, optim):
+    # decay=none: the schedule must not depend on max_steps, which differs between the runs.
+    common = ["train.checkpoint_every=7", "optim.warmup_steps=5", *optim]
+    full, cut = tmp_path / "full", tmp_path / "cut"
+    assert _train(dataset, full, "train.max_steps=30", *common) == 0
+    assert _train(dataset, cut, "train.max_steps=14", *common) == 0  # stops at a checkpoint
+    assert _train(dataset, cut, "train.max_steps=30", *common) == 0  # resumes from step 14
+    _assert_same_run(full, cut)
+
+
+def test_resume_after_a_killed_process(dataset, tmp_path):
+    """A process killed (SIGKILL) mid-run resumes from its last checkpoint and ends
+    exactly where an uninterrupted run ends, learning-rate decay included."""
+    args = [sys.executable, "-m", "hybridrec", "train", "--recipe", "demo", f"data.path={dataset}",
+            *SMALL, "train.max_steps=60", "train.checkpoint_every=5", "train.keep_checkpoints=20",
+            "optim.decay=linear", "optim.warmup_steps=3"]
+    full, cut = tmp_path / "full", tmp_path / "cut"
+    subprocess.run([*args, f"train.run_dir={full}"], check=True, capture_output=True)
+    proc = subprocess.Popen([*args, f"train.run_dir={cut}"], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while not ckpt.list_checkpoints(cut) and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.005)
+    proc.kill()
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL, "the run ended before it could be interrupted"
+    killed_at = ckpt.list_checkpoints(cut)[-1][0]
+    assert killed_at < 60
+    subprocess.run([*args, f"train.run_dir={cut}"], check=True, capture_output=True)
+    _assert_same_run(full, cut)
+
+
+def test_demo_command(tmp_path, capsys):
+    assert main(["demo", "--out", str(tmp_path / "demo"), "--days", "3", "--rows-per-day", "4000",
+                 "train.progress=false"]) == 0
+    out = capsys.readouterr().out
+    assert "teacher AUC (ceiling)" in out
+    summary = json.loads((tmp_path / "demo/run/summary.json").read_text())
+    assert summary["teacher"]["auc"] > 0.6 and summary["eval"]["auc"] > 0.55
+
+
+@pytest.mark.parametrize("args, message", [
+    (["train", "data.path=/nonexistent/dataset"], "/nonexistent/dataset"),
+    (["train", "optim.dense_lr=fast"], "optim.dense_lr"),
+    (["train", "train.epochz=2"], "did you mean 'epochs'"),
+    (["eval", "/nonexistent/run"], "not a run directory"),
+])
+def test_cli_errors_are_one_clear_line(args, message, capsys):
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
