@@ -1,0 +1,260 @@
+"""``hybridrec data``: synthesize, preprocess and inspect datasets (parsing only)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from hybridrec.errors import ConfigError
+
+_FORMATS = ("criteo", "csv", "parquet")
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "data",
+        help="make, preprocess and inspect datasets",
+        description="Synthetic click logs, preprocessing into memory-mappable shards, inspection.",
+    )
+    sub = p.add_subparsers(dest="data_command", metavar="SUBCOMMAND", required=True)
+    _add_synth(sub)
+    _add_preprocess(sub)
+    _add_inspect(sub)
+
+
+def _add_synth(sub) -> None:
+    p = sub.add_parser(
+        "synth",
+        help="generate Criteo-format days from a planted teacher model",
+        description=(
+            "Write day_0.tsv .. day_{D-1}.tsv in the Criteo Kaggle format, sampled from a "
+            "known logistic teacher (per-id biases, dense effects, a few FM interactions; "
+            "Zipf ids, Criteo-like missing values and click rate), and teacher.json with the "
+            "teacher's AUC on the last day: the ceiling a model trained on the other days "
+            "can approach."
+        ),
+    )
+    p.add_argument("--out", required=True, metavar="DIR", help="output directory")
+    p.add_argument("--days", type=int, default=7, help="day files to write (default 7)")
+    p.add_argument(
+        "--rows-per-day", type=int, default=100_000, help="rows per day (default 100000)"
+    )
+    p.add_argument(
+        "--multi-hot",
+        type=int,
+        default=0,
+        metavar="N",
+        help="0: one id per field; N: multi-hot fields hold about N comma-separated ids",
+    )
+    p.add_argument(
+        "--multi-hot-fields",
+        default=None,
+        metavar="C1,C2,...",
+        help="which fields are multi-hot with --multi-hot (default: all 26)",
+    )
+    p.add_argument(
+        "--scale",
+        type=float,
+        default=0.01,
+        help="vocabulary sizes = Criteo Kaggle's x SCALE (default 0.01)",
+    )
+    p.add_argument(
+        "--max-cardinality",
+        type=int,
+        default=100_000,
+        help="cap on any vocabulary size (default 100000)",
+    )
+    p.add_argument("--zipf", type=float, default=1.1, help="id popularity exponent (default 1.1)")
+    p.add_argument("--ctr", type=float, default=0.25, help="target click rate (default 0.25)")
+    p.add_argument("--gzip", action="store_true", help="write day_i.tsv.gz")
+    p.add_argument("--seed", type=int, default=0, help="teacher and sampling seed (default 0)")
+    p.add_argument("--overwrite", action="store_true", help="replace files in a non-empty --out")
+    p.set_defaults(func=_synth)
+
+
+def _add_preprocess(sub) -> None:
+    p = sub.add_parser(
+        "preprocess",
+        help="raw logs (Criteo TSV, CSV, Parquet) -> dataset directory",
+        description=(
+            "Convert input files (one part each, in order) into a dataset directory of .npy "
+            "shards + meta.json (docs/data-format.md). Dense values: missing/negative -> 0, "
+            "log(x+1). Categorical ids: modulo --table-size, or a vocabulary of the ids seen "
+            "at least --min-count times in the training parts (rare/unseen -> 0); with neither, "
+            "the exact vocabulary. The last input is the eval split unless --eval-parts says "
+            "otherwise. Written atomically: OUT appears only when complete."
+        ),
+    )
+    p.add_argument("inputs", nargs="+", metavar="INPUT", help="input files (plain or .gz)")
+    p.add_argument("--out", required=True, metavar="DIR", help="dataset directory to create")
+    p.add_argument(
+        "--format",
+        choices=_FORMATS,
+        default="criteo",
+        help="input format (default criteo); csv/parquet need --schema",
+    )
+    p.add_argument(
+        "--schema",
+        metavar="FILE",
+        help="JSON schema of CSV/Parquet inputs (label, dense, categorical, multihot, "
+        "table_size, min_count, dense_transform, list_delimiter)",
+    )
+    p.add_argument(
+        "--table-size",
+        metavar="N",
+        help="ids = hash %% N; N, one N per feature (N1,N2,...) or N,C3=M overrides",
+    )
+    p.add_argument(
+        "--min-count",
+        type=int,
+        metavar="K",
+        help="vocabulary: ids seen fewer than K times in training parts -> 0",
+    )
+    p.add_argument(
+        "--on-bad-line",
+        choices=("error", "skip"),
+        default="error",
+        help="malformed line: stop with file:line:field (default) or skip and count",
+    )
+    p.add_argument(
+        "--multi-hot-fields",
+        default="",
+        metavar="C1,C2,...",
+        help="Criteo fields holding comma-separated id lists ('all' for every field)",
+    )
+    p.add_argument(
+        "--eval-parts",
+        default=None,
+        metavar="LIST",
+        help="eval parts: input indices (-1 = last), part names or input files, "
+        "comma-separated; 'none' for no eval split (default: the last input)",
+    )
+    p.add_argument("--overwrite", action="store_true", help="replace an existing dataset at --out")
+    p.set_defaults(func=_preprocess)
+
+
+def _add_inspect(sub) -> None:
+    p = sub.add_parser(
+        "inspect",
+        help="summarize a dataset directory",
+        description="Print the schema, parts, splits, preprocessing report and per-feature stats.",
+    )
+    p.add_argument("dataset", metavar="DIR", help="dataset directory (with meta.json)")
+    p.add_argument("--json", action="store_true", help="print meta.json instead of tables")
+    p.set_defaults(func=_inspect)
+
+
+def _synth(args: argparse.Namespace) -> int:
+    from hybridrec.data.synth import generate
+
+    fields = None
+    if args.multi_hot_fields:
+        fields = tuple(f.strip() for f in args.multi_hot_fields.split(",") if f.strip())
+    report = generate(
+        args.out,
+        days=args.days,
+        rows_per_day=args.rows_per_day,
+        seed=args.seed,
+        multi_hot=args.multi_hot,
+        scale=args.scale,
+        gzip=args.gzip,
+        overwrite=args.overwrite,
+        multi_hot_fields=fields,
+        max_cardinality=args.max_cardinality,
+        zipf_exponent=args.zipf,
+        target_ctr=args.ctr,
+    )
+    print(
+        f"wrote {report['rows']} rows in {len(report['files'])} files to {args.out} "
+        f"({report['rows_per_second']:,} rows/s)"
+    )
+    print(
+        f"click rate {report['ctr']:.4f}; teacher AUC on {report['eval_file']}: "
+        f"{report['teacher_auc']:.4f} (log loss {report['teacher_logloss']:.4f})"
+    )
+    if report["multi_hot_fields"]:
+        print("preprocess with: --multi-hot-fields " + ",".join(report["multi_hot_fields"]))
+    return 0
+
+
+def _preprocess(args: argparse.Namespace) -> int:
+    from hybridrec.data.preprocess import preprocess_criteo, preprocess_tabular
+
+    common = {
+        "table_size": args.table_size,
+        "min_count": args.min_count,
+        "on_bad_line": args.on_bad_line,
+        "eval_parts": args.eval_parts,
+        "overwrite": args.overwrite,
+    }
+    if args.format == "criteo":
+        if args.schema:
+            raise ConfigError("--schema is for --format csv/parquet (Criteo's layout is fixed)")
+        meta = preprocess_criteo(
+            args.inputs, args.out, multi_hot_fields=args.multi_hot_fields, **common
+        )
+    else:
+        if not args.schema:
+            raise ConfigError(f"--format {args.format} needs --schema FILE")
+        if args.multi_hot_fields:
+            raise ConfigError("--multi-hot-fields is for criteo; list multihot columns in --schema")
+        meta = preprocess_tabular(
+            args.inputs, args.out, schema_path=args.schema, fmt=args.format, **common
+        )
+    r = meta.report
+    print(
+        f"wrote {r['rows_written']} rows ({len(meta.parts)} parts) to {meta.path} "
+        f"in {r['seconds']:.1f}s; bad lines skipped: {r['bad_lines_skipped']}"
+    )
+    for example in r["bad_line_examples"]:
+        print(f"  skipped: {example}")
+    return 0
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    from hybridrec.data.schema import DatasetMeta
+
+    meta = DatasetMeta.load(args.dataset)
+    if args.json:
+        print(json.dumps(meta.to_dict(), indent=2))
+        return 0
+    for line in describe(meta):
+        print(line)
+    return 0
+
+
+def describe(meta) -> list[str]:
+    """Human-readable summary lines of a dataset."""
+    s = meta.schema
+    out = [
+        f"dataset {meta.path} (format_version {meta.format_version}, {meta.created_by})",
+        f"label: {s.label}; dense ({len(s.dense)}): {', '.join(s.dense)}",
+        f"features: {len(s.onehot)} one-hot, {len(s.multihot)} multi-hot",
+        "splits: "
+        + "; ".join(
+            f"{k} {meta.split_rows(k):,} rows in {len(v)} parts" for k, v in meta.splits.items()
+        ),
+    ]
+    pp = meta.preprocessing
+    out.append(
+        f"ids: {pp.get('categorical')} (min_count {pp.get('min_count')}), "
+        f"dense: {pp.get('dense_transform')}"
+    )
+    r = meta.report
+    out.append(
+        f"report: {r.get('lines_read', 0):,} lines read, {r.get('rows_written', 0):,} "
+        f"rows written, {r.get('bad_lines_skipped', 0)} bad lines skipped, "
+        f"{r.get('seconds', 0)}s"
+    )
+    out.append(
+        f"{'feature':<14}{'kind':<9}{'rows':>12}{'distinct':>12}{'ids/sample':>11}"
+        f"{'top1%':>8}{'top10%':>8}"
+    )
+    for f in s.features:
+        st = meta.stats.get(f.name, {})
+        out.append(
+            f"{f.name:<14}{f.kind:<9}{f.num_embeddings:>12,}{st.get('distinct', 0):>12,}"
+            f"{st.get('mean_ids_per_sample', 0):>11.2f}{st.get('top1pct_share', 0):>8.3f}"
+            f"{st.get('top10pct_share', 0):>8.3f}"
+        )
+    return out

@@ -1,0 +1,196 @@
+"""Writing part directories (streamed ``.npy`` arrays) and the per-feature statistics.
+
+Row counts are unknown until a file has been read, so arrays are appended to an
+``.npy`` whose header reserves room for any shape and is rewritten on close: one
+pass, no temporary copy.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+
+import numpy as np
+
+from hybridrec.data.encode import KeyCounter
+from hybridrec.data.schema import Schema
+
+COUNTS_FILE_MAX_ROWS = 50_000_000
+"""Tables up to this size get ``stats/<feature>.counts.npy``; larger ones only summary stats."""
+
+_NPY_MAGIC = b"\x93NUMPY\x01\x00"
+_NPY_ALIGN = 64
+
+
+def _npy_header(dtype: np.dtype, shape: tuple[int, ...], total: int | None = None) -> bytes:
+    """A version-1.0 ``.npy`` header, space-padded to ``total`` bytes (or to 64-alignment)."""
+    d = {"descr": np.lib.format.dtype_to_descr(dtype), "fortran_order": False, "shape": shape}
+    text = repr(d).encode("latin1")
+    if total is None:
+        total = -(-(len(_NPY_MAGIC) + 2 + len(text) + 1) // _NPY_ALIGN) * _NPY_ALIGN
+    pad = total - len(_NPY_MAGIC) - 2 - len(text) - 1
+    if pad < 0:
+        raise ValueError("npy header does not fit the reserved space")
+    body = text + b" " * pad + b"\n"
+    return _NPY_MAGIC + len(body).to_bytes(2, "little") + body
+
+
+class NpyAppender:
+    """An ``.npy`` file of ``[rows, *inner]`` written by appending blocks of rows."""
+
+    def __init__(self, path: Path, dtype: np.dtype | str, inner: tuple[int, ...] = ()) -> None:
+        self.path = Path(path)
+        self.dtype = np.dtype(dtype).newbyteorder("<")
+        self.inner = tuple(inner)
+        self.rows = 0
+        # Reserve the header size of the largest shape we could ever write.
+        self._header_size = len(_npy_header(self.dtype, (10**18, *self.inner)))
+        self._f = open(self.path, "wb")  # noqa: SIM115 (closed in close())
+        self._f.write(_npy_header(self.dtype, (0, *self.inner), self._header_size))
+
+    def append(self, block: np.ndarray) -> None:
+        block = np.ascontiguousarray(block, dtype=self.dtype)
+        if block.shape[1:] != self.inner:
+            raise ValueError(f"{self.path.name}: block shape {block.shape} vs inner {self.inner}")
+        if block.size:  # memoryview.cast refuses zero-sized shapes
+            self._f.write(memoryview(block).cast("B"))
+        self.rows += block.shape[0]
+
+    def close(self) -> None:
+        if self._f.closed:
+            return
+        self._f.seek(0)
+        self._f.write(_npy_header(self.dtype, (self.rows, *self.inner), self._header_size))
+        self._f.close()
+
+    def abort(self) -> None:
+        self._f.close()
+
+
+class PartWriter:
+    """Writes one ``part-XXXXX/`` directory (docs/data-format.md)."""
+
+    def __init__(self, directory: Path, schema: Schema) -> None:
+        self.directory = Path(directory)
+        self.directory.mkdir(parents=True)
+        d = self.directory
+        self.labels = NpyAppender(d / "labels.npy", np.uint8)
+        self.dense = NpyAppender(d / "dense.npy", np.float32, (len(schema.dense),))
+        self.onehot = NpyAppender(d / "onehot.npy", np.int32, (len(schema.onehot),))
+        self.mh: dict[str, tuple[NpyAppender, NpyAppender]] = {}
+        for f in schema.multihot:
+            values = NpyAppender(d / f"mh-{f.name}.values.npy", np.int32)
+            offsets = NpyAppender(d / f"mh-{f.name}.offsets.npy", np.int64)
+            offsets.append(np.zeros(1, np.int64))
+            self.mh[f.name] = (values, offsets)
+        self._nnz = dict.fromkeys(self.mh, 0)
+
+    @property
+    def rows(self) -> int:
+        return self.labels.rows
+
+    def append(
+        self,
+        labels: np.ndarray,
+        dense: np.ndarray,
+        onehot: np.ndarray,
+        multihot: dict[str, tuple[np.ndarray, np.ndarray]],
+    ) -> None:
+        """One block: ids already encoded (int32); ``multihot[name] = (ids, lengths)``."""
+        self.labels.append(labels)
+        self.dense.append(dense)
+        self.onehot.append(onehot)
+        for name, (values, offsets) in self.mh.items():
+            ids, lengths = multihot[name]
+            values.append(ids)
+            offsets.append(self._nnz[name] + np.cumsum(lengths, dtype=np.int64))
+            self._nnz[name] += int(ids.size)
+
+    def _files(self) -> list[NpyAppender]:
+        return [
+            self.labels,
+            self.dense,
+            self.onehot,
+            *(a for pair in self.mh.values() for a in pair),
+        ]
+
+    def close(self) -> int:
+        for f in self._files():
+            f.close()
+        return self.rows
+
+    def abort(self) -> None:
+        for f in self._files():
+            f.abort()
+
+
+class FeatureStats:
+    """Id frequencies of one feature over the train split, and the summary for the planner.
+
+    Tables up to :data:`COUNTS_FILE_MAX_ROWS` rows count into a memory-mapped
+    ``stats/<feature>.counts.npy`` (the OS pages it; 26 big tables in RAM would not
+    fit); larger tables count only the ids that occur.
+    """
+
+    def __init__(self, name: str, num_embeddings: int, stats_dir: Path) -> None:
+        self.name = name
+        self.num_embeddings = num_embeddings
+        self.rows = 0
+        self.counts_file: Path | None = None
+        if num_embeddings <= COUNTS_FILE_MAX_ROWS:
+            stats_dir.mkdir(exist_ok=True)
+            self.counts_file = stats_dir / f"{name}.counts.npy"
+            self._counts = np.lib.format.open_memmap(
+                self.counts_file, mode="w+", dtype=np.int64, shape=(num_embeddings,)
+            )
+        else:
+            self._counter = KeyCounter()
+
+    def add(self, ids: np.ndarray, rows: int) -> None:
+        """Ids of ``rows`` samples (all ids of a multi-hot bag count)."""
+        self.rows += rows
+        if self.counts_file is None:
+            self._counter.add(ids)
+        elif ids.size * 8 >= self.num_embeddings:
+            self._counts += np.bincount(ids, minlength=self.num_embeddings)
+        else:  # a full-table bincount per block would dominate for big tables
+            u, c = np.unique(ids, return_counts=True)
+            self._counts[u] += c
+
+    def finish(self, dataset_dir: Path) -> dict:
+        """Flush the counts file and return the stats entry of meta.json."""
+        if self.counts_file is not None:
+            counts = np.asarray(self._counts)
+            self._counts.flush()
+        else:
+            counts = self._counter.result()[1]
+        out = summarize_counts(counts, self.num_embeddings, self.rows)
+        if self.counts_file is not None:
+            out["counts_file"] = os.path.relpath(self.counts_file, dataset_dir)
+        return out
+
+
+def summarize_counts(counts: np.ndarray, num_embeddings: int, rows: int) -> dict:
+    """distinct, total_ids, mean_ids_per_sample and the share of accesses to the hottest rows.
+
+    ``top1pct_share``: fraction of all id accesses that hit the ``ceil(1%)`` most
+    frequent rows of the table (likewise 10%); a skew measure for caching and sharding.
+    """
+    total = int(counts.sum())
+    out = {
+        "num_embeddings": int(num_embeddings),
+        "distinct": int(np.count_nonzero(counts)),
+        "total_ids": total,
+        "mean_ids_per_sample": total / rows if rows else 0.0,
+    }
+    for key, frac in (("top1pct_share", 0.01), ("top10pct_share", 0.10)):
+        k = max(1, math.ceil(frac * num_embeddings))
+        if total == 0:
+            share = 0.0
+        elif k >= counts.size:
+            share = 1.0
+        else:
+            share = int(np.partition(counts, counts.size - k)[counts.size - k :].sum()) / total
+        out[key] = share
+    return out

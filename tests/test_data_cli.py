@@ -1,0 +1,106 @@
+"""`hybridrec data synth | preprocess | inspect` through the real entry point."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from hybridrec.cli.main import main
+from hybridrec.data.schema import DatasetMeta
+
+
+def test_synth_preprocess_inspect(tmp_path, capsys):
+    raw, ds = tmp_path / "raw", tmp_path / "ds"
+    assert (
+        main(
+            [
+                "data",
+                "synth",
+                "--out",
+                str(raw),
+                "--days",
+                "3",
+                "--rows-per-day",
+                "1500",
+                "--max-cardinality",
+                "500",
+                "--seed",
+                "2",
+            ]
+        )
+        == 0
+    )
+    out = capsys.readouterr().out
+    assert "teacher AUC on day_2.tsv: 0." in out
+    days = [str(raw / f"day_{d}.tsv") for d in range(3)]
+    assert (
+        main(
+            [
+                "data",
+                "preprocess",
+                *days,
+                "--out",
+                str(ds),
+                "--table-size",
+                "1000,C9=3",
+                "--eval-parts",
+                "-1",
+            ]
+        )
+        == 0
+    )
+    assert "wrote 4500 rows (3 parts)" in capsys.readouterr().out
+    meta = DatasetMeta.load(ds)
+    assert meta.num_embeddings["C9"] == 3 and meta.num_embeddings["C1"] == 1000
+    assert meta.splits["eval"] == ["part-00002"]
+    assert main(["data", "inspect", str(ds)]) == 0
+    text = capsys.readouterr().out
+    assert "train 3,000 rows in 2 parts" in text and "\nC26 " in text
+    assert main(["data", "inspect", str(ds), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["format_version"] == 1
+
+
+def test_errors_are_one_line_exit_2(tmp_path, capsys):
+    bad = tmp_path / "bad.tsv"
+    bad.write_text("1\t2\n")
+    assert main(["data", "preprocess", str(bad), "--out", str(tmp_path / "ds")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("hybridrec: error: ") and "bad.tsv:1: expected 40" in err
+    assert not (tmp_path / "ds").exists()
+    assert main(["data", "inspect", str(tmp_path)]) == 2
+    assert "no meta.json" in capsys.readouterr().err
+    assert main(["data", "preprocess", str(bad), "--out", "x", "--format", "csv"]) == 2
+    assert "needs --schema" in capsys.readouterr().err
+
+
+def test_skip_mode_prints_examples(tmp_path, capsys):
+    good = "\t".join(["1", *["1"] * 13, *["0000000a"] * 26])
+    path = tmp_path / "d.tsv"
+    path.write_text(f"{good}\n1\tx\n{good}\n")
+    assert (
+        main(
+            [
+                "data",
+                "preprocess",
+                str(path),
+                "--out",
+                str(tmp_path / "ds"),
+                "--on-bad-line",
+                "skip",
+                "--min-count",
+                "1",
+            ]
+        )
+        == 0
+    )
+    out = capsys.readouterr().out
+    assert "bad lines skipped: 1" in out and "d.tsv:2: expected 40" in out
+
+
+def test_help_texts(capsys):
+    for cmd in (["data"], ["data", "synth"], ["data", "preprocess"], ["data", "inspect"]):
+        with pytest.raises(SystemExit) as e:
+            main([*cmd, "--help"])
+        assert e.value.code == 0
+    assert "--min-count" in capsys.readouterr().out

@@ -1,0 +1,162 @@
+"""Preprocessing: shards, meta.json, stats, vocabularies, atomicity."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from hybridrec.data import preprocess as pp
+from hybridrec.data.preprocess import preprocess_criteo
+from hybridrec.data.schema import DatasetMeta, FeatureSpec, Schema
+from hybridrec.errors import ConfigError, DataError
+
+
+def line(label, c1, dense0="1", c2="0000000a") -> str:
+    return "\t".join([str(label), dense0, *["2"] * 12, c1, c2, *["0000000b"] * 24])
+
+
+@pytest.fixture
+def days(tmp_path):
+    spec = [
+        [("1", "1"), ("0", "2"), ("0", "5"), ("1", "1")],  # day 0
+        [("1", "3"), ("0", "7")],  # day 1
+        [("0", "1"), ("1", "9")],
+    ]  # day 2 (eval)
+    paths = []
+    for d, rows in enumerate(spec):
+        p = tmp_path / f"day_{d}.tsv"
+        p.write_text("".join(line(lab, c1, dense0=str(d)) + "\n" for lab, c1 in rows))
+        paths.append(p)
+    return paths
+
+
+def test_modulo_shards_meta_and_stats(days, tmp_path):
+    meta = preprocess_criteo(days, tmp_path / "ds", table_size=4)
+    assert meta.path == tmp_path / "ds" and not list(tmp_path.glob("ds.tmp-*"))
+    assert [p.rows for p in meta.parts] == [4, 2, 2]
+    assert meta.splits == {"train": ["part-00000", "part-00001"], "eval": ["part-00002"]}
+    part = tmp_path / "ds/part-00000"
+    assert np.load(part / "labels.npy").tolist() == [1, 0, 0, 1]
+    onehot = np.load(part / "onehot.npy", mmap_mode="r")
+    assert onehot.dtype == np.int32 and onehot.shape == (4, 26)
+    assert onehot[:, 0].tolist() == [1, 2, 1, 1] and (onehot[:, 1] == 10 % 4).all()
+    dense = np.load(tmp_path / "ds/part-00001/dense.npy")
+    assert dense.dtype == np.float32 and dense[0, 0] == np.float32(np.log(2.0))
+    # Stats over the train split only: C1 ids 1,2,1,1,3,3.
+    s = meta.stats["C1"]
+    assert (s["num_embeddings"], s["distinct"], s["total_ids"]) == (4, 3, 6)
+    assert s["mean_ids_per_sample"] == 1.0 and s["top1pct_share"] == 0.5
+    assert s["top10pct_share"] == 0.5
+    counts = np.load(tmp_path / "ds" / s["counts_file"])
+    assert counts.tolist() == [0, 3, 1, 2]
+    loaded = DatasetMeta.load(tmp_path / "ds")
+    assert loaded.to_dict() == meta.to_dict()
+    assert loaded.preprocessing["categorical"] == "modulo"
+
+
+def test_min_count_vocabulary(days, tmp_path):
+    meta = preprocess_criteo(days, tmp_path / "ds", min_count=2, table_size=None)
+    assert meta.num_embeddings["C1"] == 2  # key 1 seen twice in train; rest -> 0
+    assert np.load(tmp_path / "ds/part-00000/onehot.npy")[:, 0].tolist() == [1, 0, 0, 1]
+    assert np.load(tmp_path / "ds/part-00002/onehot.npy")[:, 0].tolist() == [1, 0]
+    assert np.load(tmp_path / "ds/vocab/C1.keys.npy").tolist() == [1]
+    # With a table size too, keys are reduced first: 1,2,1,1,3,3 -> vocabulary {1, 3}.
+    meta = preprocess_criteo(days, tmp_path / "ds2", min_count=2, table_size=4)
+    assert meta.num_embeddings["C1"] == 3
+    assert np.load(tmp_path / "ds2/part-00001/onehot.npy")[:, 0].tolist() == [2, 2]
+
+
+def test_skip_mode_report_and_eval_parts(days, tmp_path):
+    with open(days[1], "a") as f:
+        f.write("1\tnot\ta\tline\n")
+    meta = preprocess_criteo(
+        days, tmp_path / "ds", table_size=8, on_bad_line="skip", eval_parts="day_0.tsv"
+    )
+    assert meta.report["bad_lines_skipped"] == 1 and meta.report["lines_read"] == 9
+    assert "day_1.tsv:3: expected 40" in meta.report["bad_line_examples"][0]
+    assert meta.splits == {"train": ["part-00001", "part-00002"], "eval": ["part-00000"]}
+
+
+def test_multihot_shards(tmp_path):
+    path = tmp_path / "d.tsv"
+    path.write_text(line(1, "1,2,3") + "\n" + line(0, "") + "\n" + line(1, "4") + "\n")
+    meta = preprocess_criteo([path], tmp_path / "ds", table_size=100, multi_hot_fields="C1")
+    assert meta.schema.feature("C1").kind == "multihot" and len(meta.schema.onehot) == 25
+    assert meta.splits == {"train": ["part-00000"], "eval": []}
+    part = tmp_path / "ds/part-00000"
+    assert np.load(part / "mh-C1.values.npy").tolist() == [1, 2, 3, 4]
+    assert np.load(part / "mh-C1.offsets.npy").tolist() == [0, 3, 3, 4]
+    assert meta.stats["C1"]["mean_ids_per_sample"] == pytest.approx(4 / 3)
+
+
+def test_interrupted_run_leaves_nothing(days, tmp_path, monkeypatch):
+    calls = []
+    real = pp.PartWriter.append
+
+    def failing(self, *a):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("disk full")
+        real(self, *a)
+
+    monkeypatch.setattr(pp.PartWriter, "append", failing)
+    with pytest.raises(RuntimeError, match="disk full"):
+        preprocess_criteo(days, tmp_path / "ds", table_size=4)
+    assert not (tmp_path / "ds").exists()
+    assert not list(tmp_path.glob("ds.tmp-*"))
+
+
+def test_overwrite_rules(days, tmp_path):
+    preprocess_criteo(days, tmp_path / "ds", table_size=4)
+    with pytest.raises(DataError, match="already exists"):
+        preprocess_criteo(days, tmp_path / "ds", table_size=4)
+    meta = preprocess_criteo(days, tmp_path / "ds", table_size=8, overwrite=True)
+    assert DatasetMeta.load(tmp_path / "ds").num_embeddings["C1"] == meta.num_embeddings["C1"] == 8
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine/notes.txt").write_text("keep me")
+    with pytest.raises(DataError, match="not a hybridrec dataset"):
+        preprocess_criteo(days, tmp_path / "mine", table_size=4, overwrite=True)
+    assert (tmp_path / "mine/notes.txt").exists()
+
+
+def test_bad_arguments(days, tmp_path):
+    with pytest.raises(DataError, match="does not exist"):
+        preprocess_criteo([tmp_path / "nope.tsv"], tmp_path / "ds", table_size=4)
+    with pytest.raises(ConfigError, match="table_size"):
+        preprocess_criteo(days, tmp_path / "ds", table_size=[4, 4])
+    with pytest.raises(ConfigError, match="C99"):
+        preprocess_criteo(days, tmp_path / "ds", table_size=4, multi_hot_fields="C99")
+
+
+def test_meta_refuses_incomplete_or_foreign_dirs(days, tmp_path):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(DataError, match="no meta.json"):
+        DatasetMeta.load(tmp_path / "empty")
+    preprocess_criteo(days, tmp_path / "ds", table_size=4)
+    meta_file = tmp_path / "ds/meta.json"
+    d = json.loads(meta_file.read_text())
+    meta_file.write_text(json.dumps({**d, "format_version": 99}))
+    with pytest.raises(DataError, match="format_version 99 is not supported"):
+        DatasetMeta.load(tmp_path / "ds")
+    meta_file.write_text("{not json")
+    with pytest.raises(DataError, match="meta.json:1: invalid JSON"):
+        DatasetMeta.load(tmp_path / "ds")
+
+
+def test_schema_json_round_trip():
+    s = Schema(
+        label="y",
+        dense=["a"],
+        features=[
+            FeatureSpec(name="f", num_embeddings=10),
+            FeatureSpec(name="g", kind="multihot", num_embeddings=3),
+        ],
+    )
+    assert Schema.from_json(s.to_json()) == s
+    assert [f.name for f in s.onehot] == ["f"] and s.num_embeddings == {"f": 10, "g": 3}
+    with pytest.raises(DataError, match="kind"):
+        FeatureSpec(name="h", kind="dense", num_embeddings=1)
+    with pytest.raises(DataError, match="duplicate"):
+        Schema(label="f", features=[FeatureSpec(name="f", num_embeddings=1)])

@@ -1,0 +1,78 @@
+"""Synthetic Criteo days from a planted teacher."""
+
+from __future__ import annotations
+
+import gzip
+import json
+
+import numpy as np
+import pytest
+
+from hybridrec.data.criteo import read_criteo
+from hybridrec.data.synth import auc, generate
+from hybridrec.errors import DataError
+
+SMALL = {"days": 2, "rows_per_day": 4000, "max_cardinality": 2000}
+
+
+def test_ctr_auc_files_and_format(tmp_path):
+    report = generate(tmp_path / "raw", seed=0, **SMALL)
+    assert report["files"] == ["day_0.tsv", "day_1.tsv"]
+    assert 0.21 < report["ctr"] < 0.29
+    assert 0.7 < report["teacher_auc"] < 0.95
+    assert report["teacher_ne"] < 1.0
+    assert (
+        json.loads((tmp_path / "raw/teacher.json").read_text())["teacher_auc"]
+        == report["teacher_auc"]
+    )
+    chunks = list(read_criteo(tmp_path / "raw/day_1.tsv"))  # parses as strict Criteo
+    labels = np.concatenate([c.labels for c in chunks])
+    keys = np.concatenate([c.onehot for c in chunks])
+    assert labels.size == 4000 and abs(labels.mean() - report["ctr_last_day"]) < 1e-12
+    assert (keys == -1).any()  # missing categorical values occur
+    assert keys.max() > 2**24  # ids are spread over 32-bit hashes
+    distinct = [np.unique(keys[:, f][keys[:, f] >= 0]).size for f in range(26)]
+    assert max(distinct) <= 2000 and distinct[8] <= 3  # cap, and C9 keeps Kaggle's 3 values
+    text = (tmp_path / "raw/day_0.tsv").read_text()
+    assert "\t\t" in text and "\t-" in text  # empty fields and negative counts, as in Criteo
+
+
+def test_deterministic_by_seed(tmp_path):
+    generate(tmp_path / "a", seed=5, **SMALL)
+    generate(tmp_path / "b", seed=5, **SMALL)
+    generate(tmp_path / "c", seed=6, **SMALL)
+    a = (tmp_path / "a/day_1.tsv").read_bytes()
+    assert a == (tmp_path / "b/day_1.tsv").read_bytes()
+    assert a != (tmp_path / "c/day_1.tsv").read_bytes()
+
+
+def test_multihot_gzip(tmp_path):
+    report = generate(
+        tmp_path / "raw",
+        seed=1,
+        multi_hot=3,
+        multi_hot_fields=("C1", "C3"),
+        gzip=True,
+        days=1,
+        rows_per_day=2000,
+        max_cardinality=500,
+    )
+    assert report["files"] == ["day_0.tsv.gz"] and report["multi_hot_fields"] == ["C1", "C3"]
+    with gzip.open(tmp_path / "raw/day_0.tsv.gz", "rt") as f:
+        assert "," in f.readline()
+    chunks = list(read_criteo(tmp_path / "raw/day_0.tsv.gz", multihot=("C1", "C3")))
+    lengths = np.concatenate([c.multihot["C3"][1] for c in chunks])
+    assert 2.0 < lengths[lengths > 0].mean() < 4.0 and lengths.max() <= 9
+
+
+def test_refuses_non_empty_out(tmp_path):
+    (tmp_path / "raw").mkdir()
+    (tmp_path / "raw/x").write_text("")
+    with pytest.raises(DataError, match="not empty"):
+        generate(tmp_path / "raw", **SMALL)
+
+
+def test_auc_rank_statistic():
+    assert auc(np.array([0, 0, 1, 1]), np.array([0.1, 0.2, 0.3, 0.4])) == 1.0
+    assert auc(np.array([0, 1, 0, 1]), np.array([0.5, 0.5, 0.5, 0.5])) == 0.5
+    assert auc(np.array([1, 0, 1, 0]), np.array([0.1, 0.4, 0.5, 0.8])) == 0.25
