@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from hybridrec.data.criteo import read_criteo
-from hybridrec.data.synth import auc, generate
+from hybridrec.data.synth import SynthConfig, Teacher, auc, format_tsv, generate
 from hybridrec.errors import DataError
 
 SMALL = {"days": 2, "rows_per_day": 4000, "max_cardinality": 2000}
@@ -76,3 +76,23 @@ def test_auc_rank_statistic():
     assert auc(np.array([0, 0, 1, 1]), np.array([0.1, 0.2, 0.3, 0.4])) == 1.0
     assert auc(np.array([0, 1, 0, 1]), np.array([0.5, 0.5, 0.5, 0.5])) == 0.5
     assert auc(np.array([1, 0, 1, 0]), np.array([0.1, 0.4, 0.5, 0.8])) == 0.25
+
+
+def test_format_tsv_matches_python_formatting():
+    cfg = SynthConfig(max_cardinality=300, multi_hot=2, multi_hot_fields=("C2",))
+    teacher = Teacher(cfg)
+    rows, _, labels = teacher.sample(np.random.default_rng(7), 500)
+    rows["dense"][:4, 0] = [-3, 0, 999_999_999, 12345]  # sign, zero and the widest value
+    expected = []
+    for i in range(500):
+        fields = [str(labels[i])] + ["" if v == -9 else str(v) for v in rows["dense"][i]]
+        for f, c in enumerate(rows["cats"]):
+            if teacher.multihot[f]:
+                ids, lengths = c
+                start = lengths[:i].sum()
+                bag = ids[start : start + lengths[i]]
+                fields.append(",".join(f"{teacher.hex_values[f][k]:08x}" for k in bag))
+            else:
+                fields.append("" if c[i] < 0 else f"{teacher.hex_values[f][c[i]]:08x}")
+        expected.append("\t".join(fields) + "\n")
+    assert format_tsv(teacher, rows, labels).decode() == "".join(expected)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 
 import numpy as np
 import pytest
@@ -148,3 +149,10 @@ def test_preprocess_tabular_csv_end_to_end(tmp_path):
     assert offsets.tolist() == [0, 2, 2, 3]
     values = np.load(tmp_path / "ds/part-00000/mh-tags.values.npy")
     assert values.tolist() == (hash_strings(np.array(["a", "b", "c"])) % 1000).tolist()
+
+
+def test_parquet_without_pyarrow_says_how_to_install(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "pyarrow", None)  # makes `import pyarrow` fail
+    spec = TabularSpec.load(spec_file(tmp_path))
+    with pytest.raises(DataError, match="pip install pyarrow"):
+        read(ParquetReader(spec=spec), tmp_path / "a.parquet")

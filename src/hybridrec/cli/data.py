@@ -35,9 +35,15 @@ def _add_synth(sub) -> None:
         ),
     )
     p.add_argument("--out", required=True, metavar="DIR", help="output directory")
-    p.add_argument("--days", type=int, default=7, help="day files to write (default 7)")
     p.add_argument(
-        "--rows-per-day", type=int, default=100_000, help="rows per day (default 100000)"
+        "--days", type=int, default=7, metavar="N", help="day files to write (default 7)"
+    )
+    p.add_argument(
+        "--rows-per-day",
+        type=int,
+        default=100_000,
+        metavar="N",
+        help="rows per day (default 100000)",
     )
     p.add_argument(
         "--multi-hot",
@@ -56,18 +62,26 @@ def _add_synth(sub) -> None:
         "--scale",
         type=float,
         default=0.01,
+        metavar="X",
         help="vocabulary sizes = Criteo Kaggle's x SCALE (default 0.01)",
     )
     p.add_argument(
         "--max-cardinality",
         type=int,
         default=100_000,
+        metavar="N",
         help="cap on any vocabulary size (default 100000)",
     )
-    p.add_argument("--zipf", type=float, default=1.1, help="id popularity exponent (default 1.1)")
-    p.add_argument("--ctr", type=float, default=0.25, help="target click rate (default 0.25)")
+    p.add_argument(
+        "--zipf", type=float, default=1.1, metavar="A", help="id popularity exponent (default 1.1)"
+    )
+    p.add_argument(
+        "--ctr", type=float, default=0.25, metavar="P", help="target click rate (default 0.25)"
+    )
     p.add_argument("--gzip", action="store_true", help="write day_i.tsv.gz")
-    p.add_argument("--seed", type=int, default=0, help="teacher and sampling seed (default 0)")
+    p.add_argument(
+        "--seed", type=int, default=0, metavar="N", help="teacher and sampling seed (default 0)"
+    )
     p.add_argument("--overwrite", action="store_true", help="replace files in a non-empty --out")
     p.set_defaults(func=_synth)
 
