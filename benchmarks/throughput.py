@@ -136,7 +136,11 @@ def run_json(cmd: list[str], env=None) -> dict:
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
-    return json.loads(lines[-1])
+    result = json.loads(lines[-1])
+    if "samples_per_s" in result:  # the peer script's name for it
+        result["samples_per_sec"] = result["samples_per_s"]
+        result["peak_rss_bytes"] = int(result["peak_rss_mb_total"] * 2**20)
+    return result
 
 
 def main(argv=None) -> int:

@@ -1,0 +1,46 @@
+"""Freeze the CLI surface: commands and their options change only on purpose."""
+
+import argparse
+
+from hybridrec.cli.main import build_parser
+
+EXPECTED = {
+    "data synth": {"--out", "--days", "--rows-per-day", "--multi-hot", "--multi-hot-fields", "--scale",
+                   "--max-cardinality", "--zipf", "--ctr", "--gzip", "--seed", "--overwrite"},
+    "data preprocess": {"--out", "--format", "--schema", "--table-size", "--min-count",
+                        "--on-bad-line", "--multi-hot-fields", "--eval-parts", "--overwrite"},
+    "data inspect": {"--json"},
+    "train": {"--config", "--recipe", "--list-keys", "--print-config"},
+    "eval": {"--checkpoint", "--data"},
+    "demo": {"--out", "--days", "--rows-per-day", "--seed"},
+}
+
+
+def _subparsers(parser):
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            yield from action.choices.items()
+
+
+def _options(parser):
+    return {s for a in parser._actions for s in a.option_strings if s.startswith("--") and s != "--help"}
+
+
+def _surface():
+    out = {}
+    for name, p in _subparsers(build_parser()):
+        subs = list(_subparsers(p))
+        if subs:
+            for sub, sp in subs:
+                out[f"{name} {sub}"] = _options(sp)
+        else:
+            out[name] = _options(p)
+    return out
+
+
+def test_cli_surface_is_frozen():
+    surface = _surface()
+    assert set(surface) == set(EXPECTED)
+    for cmd, opts in EXPECTED.items():
+        assert opts <= surface[cmd], (cmd, opts - surface[cmd])
+        assert surface[cmd] - opts == set(), (cmd, surface[cmd] - opts)
