@@ -14,6 +14,7 @@ optimizer, which updates only the touched rows (hybridrec.train.sparse_optim).
 from __future__ import annotations
 
 import math
+import zlib
 from dataclasses import dataclass, field
 
 import torch
@@ -45,6 +46,47 @@ class TableConfig:
             raise ValueError(f"table {self.name}: pooling must be sum or mean, got {self.pooling!r}")
         if self.num_embeddings <= 0 or self.embedding_dim <= 0:
             raise ValueError(f"table {self.name}: sizes must be positive")
+
+
+def group_tables(tables: list[TableConfig]) -> dict[tuple[int, str], list[TableConfig]]:
+    """Tables fused together: same (dim, pooling), in first-seen order. The pooled
+    output lists features group by group, in this order."""
+    groups: dict[tuple[int, str], list[TableConfig]] = {}
+    for t in tables:
+        groups.setdefault((t.embedding_dim, t.pooling), []).append(t)
+    return groups
+
+
+def output_features(tables: list[TableConfig]) -> list[tuple[str, int]]:
+    """``(feature, dim)`` in the column order of the collection's pooled output."""
+    return [(f, t.embedding_dim) for ts in group_tables(tables).values() for t in ts for f in t.features]
+
+
+_INIT_BLOCK = 1 << 14
+
+
+def init_table_block(
+    table: TableConfig, seed: int, rows: tuple[int, int] | None = None, cols: tuple[int, int] | None = None
+) -> torch.Tensor:
+    """Initial values of a block of a table: U(-sqrt(1/n), sqrt(1/n)) (the DLRM reference).
+
+    Drawn in fixed row blocks from generators seeded by ``(seed, table name, block)``,
+    so any shard of the table (rows and columns) gets exactly the values the whole
+    table would have: initialisation does not depend on the sharding plan.
+    """
+    r0, r1 = rows or (0, table.num_embeddings)
+    c0, c1 = cols or (0, table.embedding_dim)
+    a = math.sqrt(1.0 / table.num_embeddings)
+    out = torch.empty(r1 - r0, c1 - c0)
+    name_key = zlib.crc32(table.name.encode())
+    for b in range(r0 // _INIT_BLOCK, (r1 + _INIT_BLOCK - 1) // _INIT_BLOCK):
+        lo = b * _INIT_BLOCK
+        hi = min(lo + _INIT_BLOCK, table.num_embeddings)
+        g = torch.Generator().manual_seed((seed * 1_000_003 + name_key) * 1_000_003 + b)
+        block = torch.empty(hi - lo, table.embedding_dim).uniform_(-a, a, generator=g)
+        s0, s1 = max(lo, r0), min(hi, r1)
+        out[s0 - r0 : s1 - r0] = block[s0 - lo : s1 - lo, c0:c1]
+    return out
 
 
 @dataclass
@@ -94,8 +136,11 @@ class EmbeddingBagCollection(nn.Module):
     features in :attr:`feature_names` order.
     """
 
-    def __init__(self, tables: list[TableConfig], *, device: torch.device | None = None) -> None:
+    def __init__(
+        self, tables: list[TableConfig], *, device: torch.device | None = None, seed: int = 0
+    ) -> None:
         super().__init__()
+        self.seed = seed
         self.tables = {t.name: t for t in tables}
         if len(self.tables) != len(tables):
             raise ValueError("duplicate table names")
@@ -105,11 +150,8 @@ class EmbeddingBagCollection(nn.Module):
         self._build_groups(tables, device)
 
     def _build_groups(self, tables: list[TableConfig], device) -> None:
-        by_key: dict[tuple[int, str], list[TableConfig]] = {}
-        for t in tables:
-            by_key.setdefault((t.embedding_dim, t.pooling), []).append(t)
         col = 0
-        for gi, ((dim, pooling), ts) in enumerate(by_key.items()):
+        for gi, ((dim, pooling), ts) in enumerate(group_tables(tables).items()):
             rows, feats, offs = 0, [], []
             for t in ts:
                 self._table_rows[t.name] = (gi, rows)
@@ -128,11 +170,9 @@ class EmbeddingBagCollection(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        # DLRM reference: U(-sqrt(1/n), sqrt(1/n)) per table of n rows.
         with torch.no_grad():
-            for name in self.tables:
-                a = math.sqrt(1.0 / self.tables[name].num_embeddings)
-                self.table_weight(name).uniform_(-a, a)
+            for name, t in self.tables.items():
+                self.table_weight(name).copy_(init_table_block(t, self.seed))
 
     # -- storage -------------------------------------------------------------
     def group_weight(self, group: int) -> torch.Tensor:

@@ -45,7 +45,7 @@ def build_tables(meta: DatasetMeta, cfg: Config) -> list[TableConfig]:
 
 def build_model(cfg: Config, meta: DatasetMeta) -> DLRM:
     torch.manual_seed(cfg.train.seed)
-    ebc = EmbeddingBagCollection(build_tables(meta, cfg))
+    ebc = EmbeddingBagCollection(build_tables(meta, cfg), seed=cfg.train.seed)
     try:
         return DLRM(num_dense=len(meta.schema.dense), sparse=ebc, bottom_mlp=cfg.model.bottom_mlp,
                     top_mlp=cfg.model.top_mlp, interaction=cfg.model.interaction)

@@ -1,0 +1,145 @@
+"""Sharding plans: pure data, JSON round trip, no processes.
+
+A plan says, for every embedding table, how it is split and where the pieces
+live. Every sharding type is a list of :class:`Shard` s, each a block of rows
+and columns of the table on one rank:
+
+- ``table_wise``: one shard, the whole table, on one rank.
+- ``row_wise``: rows split by range over a list of ranks (ids are bucketized to
+  the owner of their row; partial pooled sums are added on the way back).
+- ``column_wise``: columns split over ranks (every shard sees every id; outputs
+  are concatenated).
+- ``table_row_wise``: row-wise over the ranks of one host group.
+- ``data_parallel``: the whole table replicated on every rank.
+
+Worked example, table ``t`` of 10 rows x 8 columns, world of 2::
+
+    row_wise:    [Shard(rank=0, rows=(0, 5), cols=(0, 8)), Shard(rank=1, rows=(5, 10), cols=(0, 8))]
+    column_wise: [Shard(rank=0, rows=(0, 10), cols=(0, 4)), Shard(rank=1, rows=(0, 10), cols=(4, 8))]
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+
+SHARDING_TYPES = ("table_wise", "row_wise", "column_wise", "table_row_wise", "data_parallel")
+
+
+@dataclass(frozen=True)
+class Shard:
+    rank: int
+    rows: tuple[int, int]
+    """``[start, end)`` rows of the table held by this shard."""
+    cols: tuple[int, int]
+    """``[start, end)`` columns of the table held by this shard."""
+
+    @property
+    def num_rows(self) -> int:
+        return self.rows[1] - self.rows[0]
+
+    @property
+    def num_cols(self) -> int:
+        return self.cols[1] - self.cols[0]
+
+
+@dataclass(kw_only=True)
+class TablePlan:
+    table: str
+    sharding_type: str
+    num_embeddings: int
+    embedding_dim: int
+    shards: list[Shard] = field(default_factory=list)
+
+    def shards_on(self, rank: int) -> list[Shard]:
+        return [s for s in self.shards if s.rank == rank]
+
+
+def split_evenly(n: int, parts: int) -> list[tuple[int, int]]:
+    """``[start, end)`` ranges of ``n`` items over ``parts``, the first ones one larger."""
+    base, extra = divmod(n, parts)
+    out, start = [], 0
+    for i in range(parts):
+        end = start + base + (i < extra)
+        out.append((start, end))
+        start = end
+    return out
+
+
+def table_wise(name: str, rows: int, dim: int, rank: int) -> TablePlan:
+    return TablePlan(table=name, sharding_type="table_wise", num_embeddings=rows, embedding_dim=dim,
+                     shards=[Shard(rank, (0, rows), (0, dim))])
+
+
+def row_wise(name: str, rows: int, dim: int, ranks: list[int], *, kind: str = "row_wise") -> TablePlan:
+    return TablePlan(table=name, sharding_type=kind, num_embeddings=rows, embedding_dim=dim,
+                     shards=[Shard(r, span, (0, dim)) for r, span in zip(ranks, split_evenly(rows, len(ranks)))])
+
+
+def table_row_wise(name: str, rows: int, dim: int, host_ranks: list[int]) -> TablePlan:
+    return row_wise(name, rows, dim, host_ranks, kind="table_row_wise")
+
+
+def column_wise(name: str, rows: int, dim: int, ranks: list[int]) -> TablePlan:
+    return TablePlan(table=name, sharding_type="column_wise", num_embeddings=rows, embedding_dim=dim,
+                     shards=[Shard(r, (0, rows), span) for r, span in zip(ranks, split_evenly(dim, len(ranks)))])
+
+
+def data_parallel(name: str, rows: int, dim: int, world_size: int) -> TablePlan:
+    return TablePlan(table=name, sharding_type="data_parallel", num_embeddings=rows, embedding_dim=dim,
+                     shards=[Shard(r, (0, rows), (0, dim)) for r in range(world_size)])
+
+
+@dataclass(kw_only=True)
+class ShardingPlan:
+    world_size: int
+    local_world_size: int
+    """Ranks per host group (ranks that share a fast link)."""
+    tables: dict[str, TablePlan] = field(default_factory=dict)
+
+    def validate(self) -> None:
+        """Raise ValueError unless every table is covered exactly once per replica."""
+        for name, tp in self.tables.items():
+            where = f"plan of table {name!r}"
+            if tp.sharding_type not in SHARDING_TYPES:
+                raise ValueError(f"{where}: unknown sharding type {tp.sharding_type!r}")
+            if not tp.shards:
+                raise ValueError(f"{where}: no shards")
+            for s in tp.shards:
+                if not 0 <= s.rank < self.world_size:
+                    raise ValueError(f"{where}: rank {s.rank} outside world of {self.world_size}")
+                if not (0 <= s.rows[0] <= s.rows[1] <= tp.num_embeddings and 0 <= s.cols[0] < s.cols[1] <= tp.embedding_dim):
+                    raise ValueError(f"{where}: shard {s} outside {tp.num_embeddings}x{tp.embedding_dim}")
+            cells = sum(s.num_rows * s.num_cols for s in tp.shards)
+            copies = self.world_size if tp.sharding_type == "data_parallel" else 1
+            if cells != copies * tp.num_embeddings * tp.embedding_dim:
+                raise ValueError(f"{where}: shards cover {cells} cells, expected "
+                                 f"{copies} x {tp.num_embeddings} x {tp.embedding_dim}")
+            if tp.sharding_type == "table_row_wise":
+                hosts = {s.rank // self.local_world_size for s in tp.shards}
+                if len(hosts) != 1:
+                    raise ValueError(f"{where}: table_row_wise shards span host groups {sorted(hosts)}")
+
+    def to_dict(self) -> dict:
+        return {"world_size": self.world_size, "local_world_size": self.local_world_size,
+                "tables": {n: asdict(t) for n, t in self.tables.items()}}
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+    @staticmethod
+    def from_dict(d: dict) -> ShardingPlan:
+        tables = {}
+        for name, t in d["tables"].items():
+            shards = [Shard(int(s["rank"]), tuple(s["rows"]), tuple(s["cols"])) for s in t["shards"]]
+            tables[name] = TablePlan(table=t["table"], sharding_type=t["sharding_type"],
+                                     num_embeddings=int(t["num_embeddings"]),
+                                     embedding_dim=int(t["embedding_dim"]), shards=shards)
+        plan = ShardingPlan(world_size=int(d["world_size"]),
+                            local_world_size=int(d["local_world_size"]), tables=tables)
+        plan.validate()
+        return plan
+
+    @staticmethod
+    def from_json(text: str) -> ShardingPlan:
+        return ShardingPlan.from_dict(json.loads(text))
