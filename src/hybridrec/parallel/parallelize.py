@@ -1,0 +1,52 @@
+"""Apply parallelism to a single-device DLRM, in one ordered function.
+
+1. Embeddings: the collection is replaced by a :class:`ShardedEmbeddingBagCollection`
+   following the plan (every rank holds only its shards).
+2. Dense arches: wrapped in torch's DistributedDataParallel; gradients are averaged
+   by an all-reduce communication hook, the point where a compressor plugs in.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+from hybridrec.comm.ledger import CommLedger
+from hybridrec.model.dlrm import DLRM
+from hybridrec.model.embedding import EmbeddingBagCollection
+from hybridrec.parallel.plan import ShardingPlan
+from hybridrec.parallel.sharded_embedding import ShardedEmbeddingBagCollection
+from hybridrec.parallel.topology import Topology
+
+
+def allreduce_hook(ledger: CommLedger | None):
+    """Plain averaging all-reduce of a DDP bucket; counts ring all-reduce bytes."""
+
+    def hook(process_group, bucket):
+        buf = bucket.buffer()
+        world = process_group.size()
+        if ledger is not None:
+            ring = 2 * (world - 1) * buf.numel() * buf.element_size() // world
+            ledger.record("dense_allreduce", sent=ring, received=ring, direction="bwd")
+        buf.div_(world)
+        fut = torch.distributed.all_reduce(buf, group=process_group, async_op=True).get_future()
+        return fut.then(lambda f: f.value()[0])
+
+    return hook
+
+
+def parallelize_dlrm(model: DLRM, plan: ShardingPlan, topo: Topology, *,
+                     ledger: CommLedger | None = None, dense_hook=None) -> DLRM:
+    """Shard ``model.sparse`` by ``plan`` and make the dense arches data-parallel."""
+    ebc = model.sparse
+    if not isinstance(ebc, EmbeddingBagCollection):
+        raise TypeError("parallelize_dlrm expects a single-device EmbeddingBagCollection")
+    model.sparse = ShardedEmbeddingBagCollection(list(ebc.tables.values()), plan, topo,
+                                                 seed=ebc.seed, ledger=ledger)
+    if topo.world_size > 1:
+        hook = dense_hook or allreduce_hook(ledger)
+        for name in ("bottom", "top"):
+            ddp = DistributedDataParallel(getattr(model, name), process_group=topo.group)
+            ddp.register_comm_hook(topo.group, hook)
+            setattr(model, name, ddp)
+    return model

@@ -1,0 +1,313 @@
+"""Sharded embedding-bag collection: input_dist -> lookup -> output_dist.
+
+Every sharding type of :mod:`hybridrec.parallel.plan` is handled by one
+mechanism. A *slot* is (feature, shard of the feature's table). For every slot
+the rank that owns the samples sends the ids the shard needs (row-wise: only the
+ids in its row range, rebased; column-wise and table-wise: all of them); the
+shard's owner pools them into a *partial result* of the shard's width; the
+partial results go back to the samples' ranks, where they are added (row
+shards: DES's sum of partial results) or placed side by side (column shards).
+Only pooled partial results travel, never embedding rows.
+
+Collectives per step, all ``all_to_all_single`` with uneven splits:
+input_dist = counts (tiny), then lengths+ids in one int64 buffer; output_dist
+= pooled partials forward and their gradients backward. The row-wise
+reduce-scatter is this all-to-all of partials followed by a local sum (the same
+bytes per rank as a reduce-scatter, and one collective carries every table);
+its backward sends every row shard the pooled gradient (the all-gather).
+
+Data-parallel tables are replicated: looked up locally; their row gradients are
+averaged over ranks before the (identical) sparse update on every rank.
+
+Gradient scale: each rank's loss is a mean over its local batch, so gradients
+reaching a shard owner are divided by the world size: N ranks compute what one
+process computes with the global batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from hybridrec.comm.ledger import CommLedger
+from hybridrec.model.embedding import (
+    EmbeddingBagCollection,
+    KeyedTensor,
+    TableConfig,
+    init_table_block,
+    output_features,
+)
+from hybridrec.parallel.plan import Shard, ShardingPlan
+from hybridrec.parallel.topology import Topology
+from hybridrec.sparse.keyed_jagged import KeyedJagged
+
+
+@dataclass(frozen=True)
+class Slot:
+    feature: str
+    table: str
+    index: int  # shard index within the table's plan
+    shard: Shard
+    row_split: bool  # ids are bucketized by row range
+
+    @property
+    def name(self) -> str:
+        return f"{self.feature}@{self.index}"
+
+    @property
+    def shard_table(self) -> str:
+        return f"{self.table}@{self.index}"
+
+
+def _slots(tables: list[TableConfig], plan: ShardingPlan) -> dict[int, list[Slot]]:
+    """Slots grouped by owner rank, in one order every rank computes identically."""
+    by_rank: dict[int, list[Slot]] = {r: [] for r in range(plan.world_size)}
+    for t in tables:
+        tp = plan.tables[t.name]
+        if tp.sharding_type == "data_parallel":
+            continue
+        row_split = tp.sharding_type in ("row_wise", "table_row_wise")
+        for i, sh in enumerate(tp.shards):
+            for f in t.features:
+                by_rank[sh.rank].append(Slot(f, t.name, i, sh, row_split))
+    return by_rank
+
+
+def _local_tables(slots: list[Slot], tables: dict[str, TableConfig]) -> list[TableConfig]:
+    """One local table per shard; always sum pooling (mean is applied after the sum)."""
+    features: dict[str, list[str]] = {}
+    shards: dict[str, Slot] = {}
+    for s in slots:
+        features.setdefault(s.shard_table, []).append(s.name)
+        shards[s.shard_table] = s
+    return [TableConfig(name=n, num_embeddings=shards[n].shard.num_rows,
+                        embedding_dim=shards[n].shard.num_cols, features=f, pooling="sum")
+            for n, f in features.items()]
+
+
+class _AllToAll(torch.autograd.Function):
+    """Differentiable ``all_to_all_single`` of a flat buffer; counts bytes both ways."""
+
+    @staticmethod
+    def forward(ctx, x, out_splits, in_splits, group, ledger, category):
+        ctx.meta = (out_splits, in_splits, group, ledger, category)
+        return _exchange(x, out_splits, in_splits, group, ledger, category, "fwd")
+
+    @staticmethod
+    def backward(ctx, grad):
+        out_splits, in_splits, group, ledger, category = ctx.meta
+        g = _exchange(grad.contiguous(), in_splits, out_splits, group, ledger, category, "bwd")
+        return g, None, None, None, None, None
+
+
+def _exchange(x, out_splits, in_splits, group, ledger, category, direction):
+    out = x.new_empty(sum(out_splits))
+    dist.all_to_all_single(out, x, out_splits, in_splits, group=group)
+    if ledger is not None:
+        rank = dist.get_rank(group)
+        item = x.element_size()
+        ledger.record(category, direction=direction,
+                      sent=(sum(in_splits) - in_splits[rank]) * item,
+                      received=(sum(out_splits) - out_splits[rank]) * item)
+    return out
+
+
+class _ScaleGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, scale: float):
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.scale, None
+
+
+def _bucketize(values: torch.Tensor, lengths: torch.Tensor, rows: tuple[int, int]):
+    """The ids of a bag list that fall in ``[rows)``, rebased, and the new bag lengths."""
+    keep = (values >= rows[0]) & (values < rows[1])
+    kept = torch.zeros(keep.numel() + 1, dtype=torch.int64, device=values.device)
+    torch.cumsum(keep, 0, out=kept[1:])
+    ends = torch.cumsum(lengths.to(torch.int64), 0)
+    new_lengths = kept[ends] - kept[ends - lengths.to(torch.int64)]
+    return values[keep] - rows[0], new_lengths
+
+
+class ReplicatedEmbeddingBagCollection(EmbeddingBagCollection):
+    """Data-parallel tables: every rank holds them whole; row gradients are summed
+    over ranks (already scaled by 1/world in the forward) (a dense all-reduce of the small tables' gradients plus a touched-row
+    count, so lazy optimizers see exactly the rows the global batch touched)."""
+
+    def __init__(self, tables, *, topo: Topology, ledger: CommLedger | None, seed: int = 0):
+        super().__init__(tables, seed=seed)
+        self.topo, self.ledger = topo, ledger
+
+    def pop_sparse_grads(self):
+        out = []
+        for group, ids, rows in super().pop_sparse_grads():
+            n, d = self.group_weight(group).shape
+            dense = rows.new_zeros(n, d + 1)  # last column counts occurrences
+            dense[:, :d].index_add_(0, ids, rows)
+            dense[:, d].index_add_(0, ids, torch.ones_like(ids, dtype=rows.dtype))
+            dist.all_reduce(dense, group=self.topo.group)
+            if self.ledger is not None:
+                ring = 2 * (self.topo.world_size - 1) * dense.numel() * dense.element_size() // self.topo.world_size
+                self.ledger.record("dp_table_allreduce", sent=ring, received=ring, direction="bwd")
+            touched = dense[:, d].nonzero().squeeze(1)
+            # Summed, not averaged: the forward already scaled these gradients by 1/world.
+            out.append((group, touched, dense[touched, :d]))
+        return out
+
+
+class ShardedEmbeddingBagCollection(nn.Module):
+    """Drop-in for :class:`EmbeddingBagCollection` across ranks (same output layout).
+
+    ``forward(kjt)`` takes this rank's local batch and returns its pooled
+    embeddings ``[B, sum(dims)]`` in the single-device collection's feature order.
+    """
+
+    def __init__(self, tables: list[TableConfig], plan: ShardingPlan, topo: Topology, *,
+                 seed: int = 0, ledger: CommLedger | None = None) -> None:
+        super().__init__()
+        missing = [t.name for t in tables if t.name not in plan.tables]
+        if missing:
+            raise ValueError(f"the sharding plan has no entry for tables {missing}")
+        if plan.world_size != topo.world_size:
+            raise ValueError(f"plan is for {plan.world_size} ranks, the world has {topo.world_size}")
+        self.topo, self.plan, self.ledger, self.seed = topo, plan, ledger, seed
+        self.tables = {t.name: t for t in tables}
+        out = output_features(tables)
+        self.feature_names = [f for f, _ in out]
+        self.feature_dims = [d for _, d in out]
+        self.total_dim = sum(self.feature_dims)
+        starts = torch.cumsum(torch.tensor([0] + self.feature_dims), 0).tolist()
+        self._col = dict(zip(self.feature_names, starts))
+        self._table_of = {f: t.name for t in tables for f in t.features}
+        self.slots = _slots(tables, plan)
+        self.local = self._build_local(self.slots[topo.rank])
+        dp = [t for t in tables if plan.tables[t.name].sharding_type == "data_parallel"]
+        self.replicated = ReplicatedEmbeddingBagCollection(dp, topo=topo, ledger=ledger, seed=seed) if dp else None
+        self._recv_cols = self._receive_columns(dp)
+        # Shards pool by sum (partial means would not add up); divide after the sum.
+        # Replicated tables pool by their own mode already.
+        self._mean = [f for f in self.feature_names if self.tables[self._table_of[f]].pooling == "mean"
+                      and plan.tables[self._table_of[f]].sharding_type != "data_parallel"]
+
+    def _build_local(self, slots: list[Slot]) -> EmbeddingBagCollection | None:
+        if not slots:
+            return None
+        local = EmbeddingBagCollection(_local_tables(slots, self.tables), seed=self.seed)
+        with torch.no_grad():
+            for s in {s.shard_table: s for s in slots}.values():
+                local.table_weight(s.shard_table).copy_(
+                    init_table_block(self.tables[s.table], self.seed, s.shard.rows, s.shard.cols))
+        return local
+
+    def _receive_columns(self, dp_tables) -> torch.Tensor:
+        """Output column of every column this rank receives: each owner's local output
+        order, owner after owner, then the data-parallel tables' output."""
+        by_name = {s.name: s for slots in self.slots.values() for s in slots}
+        cols = []
+        for d in range(self.topo.world_size):
+            for name, width in output_features(_local_tables(self.slots[d], self.tables)):
+                s = by_name[name]
+                start = self._col[s.feature] + s.shard.cols[0]
+                cols.extend(range(start, start + width))
+        for f, width in output_features(dp_tables):
+            cols.extend(range(self._col[f], self._col[f] + width))
+        return torch.tensor(cols, dtype=torch.int64)
+
+    def _widths(self, rank: int) -> int:
+        return sum(s.shard.num_cols for s in self.slots[rank])
+
+    # -- input_dist ------------------------------------------------------------
+    def input_dist(self, kjt: KeyedJagged) -> tuple[KeyedJagged, list[int]]:
+        """Send every slot's ids to its owner; returns the owner-side KJT (keys =
+        this rank's slots, samples of rank 0, then rank 1, ...) and the batch size
+        of every source rank."""
+        parts = kjt.split_by_key()
+        b, world = kjt.batch_size, self.topo.world_size
+        bufs, counts = [], []
+        for d in range(world):
+            lengths, values = [], []
+            for s in self.slots[d]:
+                v, ln = parts[s.feature]
+                if s.row_split:
+                    v, ln = _bucketize(v, ln, s.shard.rows)
+                lengths.append(ln.to(torch.int64))
+                values.append(v)
+            bufs.append(torch.cat(lengths + values) if lengths else torch.empty(0, dtype=torch.int64))
+            counts += [b, bufs[-1].numel()]
+        recv_counts = _exchange(torch.tensor(counts, dtype=torch.int64), [2] * world, [2] * world,
+                                self.topo.group, self.ledger, "input_dist_counts", "fwd").view(world, 2)
+        batch_sizes, sizes = recv_counts[:, 0].tolist(), recv_counts[:, 1].tolist()
+        recv = _exchange(torch.cat(bufs), sizes, [x.numel() for x in bufs], self.topo.group,
+                         self.ledger, "input_dist", "fwd")
+        return self._owner_kjt(recv, sizes, batch_sizes), batch_sizes
+
+    def _owner_kjt(self, recv: torch.Tensor, sizes: list[int], batch_sizes: list[int]) -> KeyedJagged:
+        mine = self.slots[self.topo.rank]
+        k = len(mine)
+        lengths_per_slot = [[] for _ in range(k)]
+        values_per_slot = [[] for _ in range(k)]
+        for block, b in zip(torch.split(recv, sizes), batch_sizes):
+            lengths = block[: k * b].view(k, b)
+            vals = torch.split(block[k * b :], lengths.sum(1).tolist())
+            for j in range(k):
+                lengths_per_slot[j].append(lengths[j])
+                values_per_slot[j].append(vals[j])
+        return KeyedJagged.from_lengths_per_key(
+            [s.name for s in mine], [torch.cat(v) for v in values_per_slot],
+            [torch.cat(ln) for ln in lengths_per_slot])
+
+    # -- lookup + output_dist ----------------------------------------------------
+    def forward(self, kjt: KeyedJagged) -> KeyedTensor:
+        b, world = kjt.batch_size, self.topo.world_size
+        owner_kjt, batch_sizes = self.input_dist(kjt)
+        total = sum(batch_sizes)
+        if self.local is not None:
+            pooled = self.local(owner_kjt).values
+        else:  # still joins the collectives, forward and backward
+            pooled = torch.zeros(total, 0, requires_grad=torch.is_grad_enabled())
+        width = pooled.shape[1]
+        recv = _AllToAll.apply(pooled.reshape(-1), [b * self._widths(d) for d in range(world)],
+                               [n * width for n in batch_sizes], self.topo.group, self.ledger,
+                               "output_dist")
+        blocks = [x.view(b, self._widths(d)) for d, x in
+                  enumerate(torch.split(recv, [b * self._widths(d) for d in range(world)]))]
+        if self.replicated is not None:
+            blocks.append(self.replicated(kjt.select_keys(self.replicated.feature_names)).values)
+        received = _ScaleGrad.apply(torch.cat(blocks, dim=1), 1.0 / world)
+        out = received.new_zeros(b, self.total_dim).index_add(1, self._recv_cols, received)
+        if self._mean:
+            out = self._apply_mean(out, kjt)
+        return KeyedTensor(self.feature_names, self.feature_dims, out)
+
+    def _apply_mean(self, out: torch.Tensor, kjt: KeyedJagged) -> torch.Tensor:
+        parts = kjt.split_by_key()
+        scale = torch.ones_like(out[:1]).expand(out.shape[0], -1).clone()
+        for f in self._mean:
+            n = parts[f][1].clamp(min=1).to(out.dtype).unsqueeze(1)
+            c = self._col[f]
+            scale[:, c : c + self.feature_dims[self.feature_names.index(f)]] = 1.0 / n
+        return out * scale
+
+    # -- optimizer and state plumbing ------------------------------------------------
+    def collections(self) -> list[EmbeddingBagCollection]:
+        """The local collections a sparse optimizer updates (shards, replicated)."""
+        return [c for c in (self.local, self.replicated) if c is not None]
+
+    def local_shards(self) -> dict[str, tuple[Shard, torch.Tensor]]:
+        """``{"table@i": (shard, weight)}`` of the shards held here (replicated: ``table@*``)."""
+        out = {}
+        if self.local is not None:
+            for s in {s.shard_table: s for s in self.slots[self.topo.rank]}.values():
+                out[s.shard_table] = (s.shard, self.local.table_weight(s.shard_table))
+        if self.replicated is not None:
+            for name, t in self.replicated.tables.items():
+                out[f"{name}@*"] = (Shard(self.topo.rank, (0, t.num_embeddings), (0, t.embedding_dim)),
+                                    self.replicated.table_weight(name))
+        return out

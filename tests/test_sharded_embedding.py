@@ -1,0 +1,151 @@
+"""Sharded training on 2-4 gloo ranks equals single-process training on the global batch."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from distributed import run_ranks
+from hybridrec.model.dlrm import DLRM
+from hybridrec.model.embedding import EmbeddingBagCollection, TableConfig
+from hybridrec.parallel import plan as P
+from hybridrec.parallel.parallelize import parallelize_dlrm
+from hybridrec.sparse.keyed_jagged import Batch, KeyedJagged
+from hybridrec.train.sparse_optim import build_sparse_optimizer
+
+pytestmark = pytest.mark.distributed
+
+DIM, STEPS, GLOBAL_B = 4, 3, 12
+TABLES = [("t0", 23), ("t1", 40), ("t2", 7)]
+
+
+def tables(pooling="sum"):
+    return [TableConfig(name=n, num_embeddings=r, embedding_dim=DIM, features=[f"f_{n}"], pooling=pooling)
+            for n, r in TABLES]
+
+
+def make_plan(kind, world):
+    lw = 2 if kind == "table_row_wise" else world  # two host groups of 2 when world is 4
+    tp = {}
+    for i, (n, rows) in enumerate(TABLES):
+        k = kind if kind != "mixed" else ["row_wise", "column_wise", "data_parallel"][i]
+        if k == "table_wise":
+            tp[n] = P.table_wise(n, rows, DIM, i % world)
+        elif k == "row_wise":
+            tp[n] = P.row_wise(n, rows, DIM, list(range(world)))
+        elif k == "column_wise":
+            tp[n] = P.column_wise(n, rows, DIM, [(i + j) % world for j in range(2)])
+        elif k == "table_row_wise":
+            host = i % (world // lw)
+            tp[n] = P.table_row_wise(n, rows, DIM, list(range(host * lw, (host + 1) * lw)))
+        else:
+            tp[n] = P.data_parallel(n, rows, DIM, world)
+    plan = P.ShardingPlan(world_size=world, local_world_size=lw, tables=tp)
+    plan.validate()
+    return plan
+
+
+def global_batches(multi_hot):
+    g = torch.Generator().manual_seed(123)
+    out = []
+    for _ in range(STEPS):
+        keys = [f"f_{n}" for n, _ in TABLES]
+        if multi_hot:
+            lengths = torch.randint(0, 4, (len(TABLES), GLOBAL_B), generator=g)  # empty bags too
+        else:
+            lengths = torch.ones(len(TABLES), GLOBAL_B, dtype=torch.int64)
+        vals = [torch.randint(0, r, (int(lengths[i].sum()),), generator=g) for i, (_, r) in enumerate(TABLES)]
+        out.append((keys, vals, lengths, torch.randn(GLOBAL_B, 3, generator=g),
+                    torch.randint(0, 2, (GLOBAL_B,), generator=g).float()))
+    return out
+
+
+def local_batch(b, lo, hi):
+    keys, vals, lengths, dense, labels = b
+    vs, ls = [], []
+    for i in range(len(keys)):
+        off = torch.cat([torch.zeros(1, dtype=torch.int64), lengths[i].cumsum(0)])
+        vs.append(vals[i][off[lo] : off[hi]])
+        ls.append(lengths[i][lo:hi])
+    return Batch(dense[lo:hi], KeyedJagged.from_lengths_per_key(keys, vs, ls), labels[lo:hi])
+
+
+def build(pooling):
+    torch.manual_seed(0)
+    ebc = EmbeddingBagCollection(tables(pooling), seed=7)
+    return DLRM(num_dense=3, sparse=ebc, bottom_mlp=[8, DIM], top_mlp=[6, 1])
+
+
+def train(model, opts, batches, lo, hi):
+    dense_opt, sparse_opts = opts
+    losses = []
+    for b in batches:
+        batch = local_batch(b, lo, hi)
+        loss = F.binary_cross_entropy_with_logits(model(batch), batch.labels)
+        dense_opt.zero_grad()
+        loss.backward()
+        dense_opt.step()
+        for o in sparse_opts:
+            o.step()
+        losses.append(loss.item())
+    return losses
+
+
+def full_tables_from_shards(shards):
+    out = {}
+    for rank_shards in shards:
+        for key, (shard, w) in rank_shards.items():
+            name = key.split("@")[0]
+            t = out.setdefault(name, torch.full((dict(TABLES)[name], DIM), float("nan")))
+            t[shard.rows[0]:shard.rows[1], shard.cols[0]:shard.cols[1]] = w
+    return out
+
+
+def worker(topo, kind, sparse_opt, multi_hot, pooling):
+    plan = make_plan(kind, topo.world_size)
+    model = parallelize_dlrm(build(pooling), plan, topo)
+    dense_opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    sparse = [build_sparse_optimizer(sparse_opt, c, lr=0.1) for c in model.sparse.collections()]
+    per = GLOBAL_B // topo.world_size
+    lo = topo.rank * per
+    losses = train(model, (dense_opt, sparse), global_batches(multi_hot), lo, lo + per)
+    shards = {k: (s, w.detach().clone()) for k, (s, w) in model.sparse.local_shards().items()}
+    dense = {k: v.detach().clone() for k, v in model.state_dict().items() if "sparse" not in k}
+    return losses, shards, dense
+
+
+def reference(sparse_opt, multi_hot, pooling):
+    model = build(pooling)
+    dense_opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    sparse = [build_sparse_optimizer(sparse_opt, model.sparse, lr=0.1)]
+    losses = train(model, (dense_opt, sparse), global_batches(multi_hot), 0, GLOBAL_B)
+    return losses, model
+
+
+CASES = [
+    ("table_wise", 2, "sgd", False, "sum"),
+    ("row_wise", 2, "rowwise_adagrad", True, "sum"),
+    ("row_wise", 3, "sgd", True, "mean"),
+    ("column_wise", 2, "sgd", True, "sum"),
+    ("column_wise", 3, "lazy_adam", True, "mean"),
+    ("table_row_wise", 4, "rowwise_adagrad", True, "sum"),
+    ("data_parallel", 2, "rowwise_adagrad", True, "sum"),
+    ("mixed", 4, "sgd", True, "mean"),
+    ("table_wise", 4, "sgd", True, "sum"),  # fewer tables than ranks: rank 3 owns nothing
+]
+
+
+@pytest.mark.parametrize("kind, world, sparse_opt, multi_hot, pooling", CASES)
+def test_sharded_equals_single_process(kind, world, sparse_opt, multi_hot, pooling):
+    results = run_ranks(worker, world, kind, sparse_opt, multi_hot, pooling)
+    ref_losses, ref = reference(sparse_opt, multi_hot, pooling)
+    mean_losses = [sum(r[0][s] for r in results) / world for s in range(STEPS)]
+    torch.testing.assert_close(torch.tensor(mean_losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
+    full = full_tables_from_shards([r[1] for r in results])
+    for name, _ in TABLES:
+        assert not torch.isnan(full[name]).any(), name
+        torch.testing.assert_close(full[name], ref.sparse.table_weight(name), rtol=1e-5, atol=1e-6)
+    ref_dense = {k: v for k, v in ref.state_dict().items() if "sparse" not in k}
+    for r in results:
+        got = {k.replace(".module", ""): v for k, v in r[2].items()}
+        for k, v in ref_dense.items():
+            torch.testing.assert_close(got[k], v, rtol=1e-5, atol=1e-6)
