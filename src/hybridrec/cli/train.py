@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
+import subprocess
+import sys
 
 from hybridrec.train import recipes
 from hybridrec.train.config import build_config, describe
@@ -62,11 +65,29 @@ def _train(args) -> int:
 
         print(json.dumps(cfg.to_dict(), indent=2))
         return 0
+    if cfg.dist.nproc > 1 and "RANK" not in os.environ:
+        return _launch(cfg.dist.nproc, args)
     from hybridrec.train.run import train
 
     summary = train(cfg)
-    print(format_results(summary))
+    if summary["world_size"] == 1 or int(os.environ.get("RANK", "0")) == 0:
+        print(format_results(summary))
     return 0
+
+
+def _launch(nproc: int, args) -> int:
+    """Start ``nproc`` local ranks of this same command through torch's elastic launcher
+    (torchrun): it sets RANK/WORLD_SIZE/MASTER_*, and if one rank fails it stops the
+    others and exits non-zero, so a dead rank never leaves the rest hanging."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc-per-node={nproc}", "-m", "hybridrec", "train"]
+    if args.recipe:
+        cmd += ["--recipe", args.recipe]
+    for f in args.config:
+        cmd += ["--config", f]
+    cmd += list(args.overrides)
+    print(f"launching {nproc} ranks: {' '.join(cmd[2:])}", file=sys.stderr, flush=True)
+    return subprocess.call(cmd)
 
 
 def _eval(args) -> int:

@@ -3,6 +3,7 @@ so the classes themselves only store what they are given."""
 
 from __future__ import annotations
 
+import os
 import platform
 from pathlib import Path
 
@@ -24,7 +25,16 @@ from hybridrec.train.optim import (
     build_dense_optimizer,
     dense_parameters,
 )
-from hybridrec.train.sparse_optim import build_sparse_optimizer
+from hybridrec.parallel import plan as plan_lib
+from hybridrec.parallel.parallelize import parallelize_dlrm
+from hybridrec.parallel.plan import ShardingPlan
+from hybridrec.parallel.sharded_embedding import ShardedEmbeddingBagCollection
+from hybridrec.parallel.topology import Topology
+from hybridrec.train.sparse_optim import (
+    CombinedSparseOptimizer,
+    SparseOptimizer,
+    build_sparse_optimizer,
+)
 from hybridrec.train.trainer import Trainer
 
 
@@ -68,26 +78,88 @@ def build_loaders(cfg: Config, meta: DatasetMeta, *, rank: int = 0, world_size: 
     return train, evals
 
 
-def build_trainer(cfg: Config, *, meta: DatasetMeta | None = None) -> Trainer:
+def build_topology(cfg: Config) -> Topology:
+    """A process group when launched by torchrun with several ranks, else one process."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return Topology.single()
+    backend = None if cfg.dist.backend == "auto" else cfg.dist.backend
+    return Topology.init(backend=backend, timeout_s=cfg.dist.timeout_s)
+
+
+def build_plan(cfg: Config, tables: list[TableConfig], topo: Topology) -> ShardingPlan:
+    if cfg.dist.plan:
+        try:
+            plan = ShardingPlan.from_json(Path(cfg.dist.plan).read_text())
+        except (OSError, ValueError, KeyError) as e:
+            raise ConfigError(f"dist.plan {cfg.dist.plan}: {e}") from None
+        if plan.world_size != topo.world_size:
+            raise ConfigError(f"dist.plan {cfg.dist.plan} is for {plan.world_size} ranks, "
+                              f"this run has {topo.world_size}")
+        return plan
+    kind = "table_wise" if cfg.dist.sharding == "auto" else cfg.dist.sharding
+    return uniform_plan(kind, tables, topo.world_size, topo.local_world_size)
+
+
+def uniform_plan(kind: str, tables: list[TableConfig], world: int, local_world: int) -> ShardingPlan:
+    """Every table sharded the same way; table-wise tables go, largest first, to the
+    rank with the fewest rows so far (table-row-wise: to the host group likewise)."""
+    load = [0] * (world if kind == "table_wise" else world // local_world)
+    out = {}
+    for t in sorted(tables, key=lambda t: (-t.num_embeddings * t.embedding_dim, t.name)):
+        args = (t.name, t.num_embeddings, t.embedding_dim)
+        if kind in ("table_wise", "table_row_wise"):
+            i = min(range(len(load)), key=lambda r: (load[r], r))
+            load[i] += t.num_embeddings * t.embedding_dim
+            out[t.name] = (plan_lib.table_wise(*args, i) if kind == "table_wise" else
+                           plan_lib.table_row_wise(*args, list(range(i * local_world, (i + 1) * local_world))))
+        elif kind == "row_wise":
+            out[t.name] = plan_lib.row_wise(*args, list(range(world)))
+        elif kind == "column_wise":
+            out[t.name] = plan_lib.column_wise(*args, list(range(min(world, t.embedding_dim))))
+        else:
+            out[t.name] = plan_lib.data_parallel(t.name, t.num_embeddings, t.embedding_dim, world)
+    plan = ShardingPlan(world_size=world, local_world_size=local_world,
+                        tables={t.name: out[t.name] for t in tables})
+    plan.validate()
+    return plan
+
+
+def build_sparse_optimizers(cfg: Config, sparse) -> SparseOptimizer | CombinedSparseOptimizer:
+    kwargs = {} if cfg.optim.sparse == "sgd" else {"eps": cfg.optim.eps}
+    if isinstance(sparse, ShardedEmbeddingBagCollection):
+        named = {"shards": sparse.local, "replicated": sparse.replicated}
+        return CombinedSparseOptimizer({
+            k: build_sparse_optimizer(cfg.optim.sparse, c, lr=cfg.optim.sparse_lr, **kwargs)
+            for k, c in named.items() if c is not None})
+    return build_sparse_optimizer(cfg.optim.sparse, sparse, lr=cfg.optim.sparse_lr, **kwargs)
+
+
+def build_trainer(cfg: Config, *, meta: DatasetMeta | None = None, topo: Topology | None = None) -> Trainer:
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
     meta = meta or load_dataset(cfg)
+    topo = topo or build_topology(cfg)
     model = build_model(cfg, meta)
+    ledger = CommLedger()
+    run_dir = Path(cfg.train.run_dir)
+    if topo.world_size > 1:
+        plan = build_plan(cfg, list(model.sparse.tables.values()), topo)
+        model = parallelize_dlrm(model, plan, topo, ledger=ledger)
+        if topo.rank == 0:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            (run_dir / "plan.json").write_text(plan.to_json())
     dense_opt = build_dense_optimizer(dense_parameters(model), cfg.optim)
-    sparse_kwargs = {} if cfg.optim.sparse == "sgd" else {"eps": cfg.optim.eps}
-    sparse_opt = build_sparse_optimizer(cfg.optim.sparse, model.sparse, lr=cfg.optim.sparse_lr,
-                                        **sparse_kwargs)
-    train_loader, eval_loader = build_loaders(cfg, meta)
+    sparse_opt = build_sparse_optimizers(cfg, model.sparse)
+    train_loader, eval_loader = build_loaders(cfg, meta, rank=topo.rank, world_size=topo.world_size)
     total_steps = planned_steps(cfg, len(train_loader))
     schedule = LRSchedule(cfg.optim.warmup_steps, cfg.optim.decay, cfg.optim.decay_start, total_steps)
     scheduler = LRScheduler(schedule, dense_opt, sparse_opt,
                             dense_lr=cfg.optim.dense_lr, sparse_lr=cfg.optim.sparse_lr)
-    run_dir = Path(cfg.train.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    logger = MetricLogger(run_dir, tensorboard=cfg.train.tensorboard)
+    logger = MetricLogger(run_dir, tensorboard=cfg.train.tensorboard) if topo.rank == 0 else None
     return Trainer(cfg=cfg, model=model, dense_opt=dense_opt, sparse_opt=sparse_opt,
                    scheduler=scheduler, train_loader=train_loader, eval_loader=eval_loader,
-                   logger=logger, ledger=CommLedger(), run_dir=run_dir, total_steps=total_steps)
+                   logger=logger, ledger=ledger, run_dir=run_dir, total_steps=total_steps, topo=topo)
 
 
 def planned_steps(cfg: Config, per_epoch: int) -> int:

@@ -102,6 +102,21 @@ class TrainConfig:
 
 
 @dataclass(kw_only=True)
+class DistConfig:
+    nproc: int = 1
+    """Local ranks; > 1 starts them through torch's elastic launcher (torchrun)."""
+    sharding: str = "auto"
+    """Embedding sharding when several ranks train: ``auto`` (the planner), or one type for
+    every table: table_wise, row_wise, column_wise, table_row_wise, data_parallel."""
+    plan: str = ""
+    """A sharding plan JSON file (``hybridrec plan --out``); overrides ``sharding``."""
+    backend: str = "auto"
+    """``auto`` (NCCL with CUDA, gloo otherwise), ``gloo`` or ``nccl``."""
+    timeout_s: float = 300.0
+    """Bound on every collective: a dead peer ends the run with an error, not a hang."""
+
+
+@dataclass(kw_only=True)
 class Config:
     data: DataConfig = field(default_factory=DataConfig)
     """Dataset and batching."""
@@ -111,12 +126,15 @@ class Config:
     """Optimizers and schedule."""
     train: TrainConfig = field(default_factory=TrainConfig)
     """Loop, evaluation, checkpoints, run directory."""
+    dist: DistConfig = field(default_factory=DistConfig)
+    """Ranks, sharding, process groups."""
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
 
-SECTIONS = {"data": DataConfig, "model": ModelConfig, "optim": OptimConfig, "train": TrainConfig}
+SECTIONS = {"data": DataConfig, "model": ModelConfig, "optim": OptimConfig, "train": TrainConfig,
+            "dist": DistConfig}
 
 
 def _section_fields(section: str) -> dict[str, dataclasses.Field]:
@@ -266,6 +284,11 @@ def validate(cfg: Config) -> None:
         (t.max_steps >= 0 and t.eval_every >= 0 and t.checkpoint_every >= 0 and t.log_every >= 0,
          "step counts must be >= 0"),
         (t.keep_checkpoints >= 1, "train.keep_checkpoints must be >= 1"),
+        (cfg.dist.nproc >= 1, "dist.nproc must be >= 1"),
+        (cfg.dist.sharding in ("auto", "table_wise", "row_wise", "column_wise", "table_row_wise",
+                               "data_parallel"), f"dist.sharding {cfg.dist.sharding!r}: auto or a sharding type"),
+        (cfg.dist.backend in ("auto", "gloo", "nccl"), f"dist.backend {cfg.dist.backend!r}: auto, gloo or nccl"),
+        (cfg.dist.timeout_s > 0, "dist.timeout_s must be positive"),
     ]
     for ok, msg in checks:
         if not ok:
@@ -300,6 +323,6 @@ def _field_doc(section: str, name: str) -> str:
 
 
 __all__ = [
-    "Config", "DataConfig", "ModelConfig", "OptimConfig", "TrainConfig",
+    "Config", "DataConfig", "DistConfig", "ModelConfig", "OptimConfig", "TrainConfig",
     "build_config", "set_value", "describe", "validate",
 ]

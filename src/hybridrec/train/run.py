@@ -17,8 +17,9 @@ def train(cfg: Config, *, extra_summary: dict | None = None) -> dict:
     """Train, evaluate on the held-out split, write summary.json; returns the summary."""
     meta = load_dataset(cfg)
     trainer = build_trainer(cfg, meta=meta)
-    run_dir = trainer.run_dir
-    write_json_atomic(run_dir / "config.json", cfg.to_dict())
+    run_dir, topo = trainer.run_dir, trainer.topo
+    if topo.rank == 0:
+        write_json_atomic(run_dir / "config.json", cfg.to_dict())
     try:
         result = trainer.fit()
     finally:
@@ -33,14 +34,16 @@ def train(cfg: Config, *, extra_summary: dict | None = None) -> dict:
         "train_loss": result.train_loss,
         "throughput": result.throughput,
         "peak_memory_bytes": peak_memory_bytes(),
-        "comm": trainer.ledger.summary(),
+        "world_size": topo.world_size,
+        "comm": trainer.ledger.summary(),  # this rank's (rank 0's in summary.json)
         "dataset": {"path": str(meta.path), "train_rows": meta.split_rows("train"),
                     "eval_rows": meta.split_rows("eval")},
         "config": cfg.to_dict(),
         "versions": versions(),
         **(extra_summary or {}),
     }
-    write_json_atomic(run_dir / "summary.json", summary)
+    if topo.rank == 0:
+        write_json_atomic(run_dir / "summary.json", summary)
     return summary
 
 

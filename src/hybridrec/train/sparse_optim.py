@@ -149,3 +149,30 @@ def build_sparse_optimizer(name: str, collection, *, lr: float, **kwargs) -> Spa
     except KeyError:
         raise ValueError(f"unknown sparse optimizer {name!r}; choose from {sorted(SPARSE_OPTIMIZERS)}") from None
     return cls(collection, lr=lr, **kwargs)
+
+
+class CombinedSparseOptimizer:
+    """Several sparse optimizers (e.g. a rank's shards and its replicated tables) as one."""
+
+    def __init__(self, optimizers: dict[str, SparseOptimizer]) -> None:
+        self.optimizers = optimizers
+
+    @property
+    def lr(self) -> float:
+        return next(iter(self.optimizers.values())).lr
+
+    @lr.setter
+    def lr(self, value: float) -> None:
+        for o in self.optimizers.values():
+            o.lr = value
+
+    def step(self) -> None:
+        for o in self.optimizers.values():
+            o.step()
+
+    def state_dict(self) -> dict:
+        return {k: o.state_dict() for k, o in self.optimizers.items()}
+
+    def load_state_dict(self, state: dict) -> None:
+        for k, o in self.optimizers.items():
+            o.load_state_dict(state[k])

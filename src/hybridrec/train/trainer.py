@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from tqdm import tqdm
 
@@ -15,6 +16,7 @@ from hybridrec.comm.ledger import CommLedger
 from hybridrec.metrics.classification import BinaryMetrics, RunningLoss
 from hybridrec.metrics.logger import MetricLogger
 from hybridrec.metrics.throughput import Throughput
+from hybridrec.parallel.topology import Topology
 from hybridrec.sparse.keyed_jagged import Batch
 from hybridrec.train import checkpoint as ckpt
 from hybridrec.train.config import Config
@@ -32,14 +34,19 @@ class FitResult:
 
 
 @torch.no_grad()
-def evaluate_model(model: torch.nn.Module, loader) -> dict:
-    """AUC, log loss, NE, calibration, accuracy over every batch of ``loader``."""
+def evaluate_model(model: torch.nn.Module, loader, topo: Topology | None = None) -> dict:
+    """AUC, log loss, NE, calibration, accuracy over every batch of ``loader``; with
+    several ranks, over the union of every rank's rows (predictions are gathered)."""
     was_training = model.training
     model.eval()
     metrics = BinaryMetrics()
     for batch in loader:
         metrics.update(model(batch), batch.labels)
     model.train(was_training)
+    if topo is not None and topo.world_size > 1:
+        parts = [None] * topo.world_size
+        dist.all_gather_object(parts, metrics.state(), group=topo.group)
+        metrics = BinaryMetrics.from_parts(parts)
     return metrics.compute()
 
 
@@ -64,6 +71,7 @@ class Trainer:
         ledger: CommLedger,
         run_dir: Path,
         total_steps: int,
+        topo: Topology,
     ) -> None:
         self.cfg = cfg
         self.model = model
@@ -76,6 +84,7 @@ class Trainer:
         self.ledger = ledger
         self.run_dir = run_dir
         self.total_steps = total_steps
+        self.topo = topo
         self.step = 0
         self._saved_step: int | None = None  # step of the newest checkpoint on disk
 
@@ -95,7 +104,7 @@ class Trainer:
         return loss.detach()
 
     def evaluate(self) -> dict:
-        return evaluate_model(self.model, self.eval_loader)
+        return evaluate_model(self.model, self.eval_loader, self.topo)
 
     # -- state -----------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -116,7 +125,15 @@ class Trainer:
         torch.set_rng_state(state["rng"])
         self.step = int(state["step"])
 
-    def save_checkpoint(self) -> Path:
+    @property
+    def checkpoints_enabled(self) -> bool:
+        # Sharded (multi-rank) checkpoints go through torch.distributed.checkpoint; until
+        # that path is wired into the trainer, multi-rank runs do not checkpoint.
+        return self.topo.world_size == 1
+
+    def save_checkpoint(self) -> Path | None:
+        if not self.checkpoints_enabled:
+            return None
         path = ckpt.save_checkpoint(
             self.run_dir, self.step, self.state_dict(), keep=self.cfg.train.keep_checkpoints
         )
@@ -124,7 +141,8 @@ class Trainer:
         return path
 
     def maybe_resume(self) -> int | None:
-        path = ckpt.latest_checkpoint(self.run_dir) if self.cfg.train.resume else None
+        resume = self.cfg.train.resume and self.checkpoints_enabled
+        path = ckpt.latest_checkpoint(self.run_dir) if resume else None
         if path is None:
             return None
         self.load_state_dict(ckpt.load_checkpoint(path))
@@ -137,14 +155,15 @@ class Trainer:
         resumed = self.maybe_resume()
         running, meter = RunningLoss(), Throughput(warmup=min(5, max(0, self.total_steps // 10)))
         history: list[dict] = []
+        show = t.progress and sys.stderr.isatty() and self.topo.rank == 0
         bar = tqdm(total=self.total_steps, initial=self.step, unit="step", dynamic_ncols=True,
-                   disable=not (t.progress and sys.stderr.isatty()), desc="train")
+                   disable=not show, desc="train")
         last_loss = float("nan")
         meter.start()
         while self.step < self.total_steps:
             for batch in self.train_loader:
                 running.update(self.train_step(batch))
-                meter.step(batch.batch_size)
+                meter.step(batch.batch_size * self.topo.world_size)  # global samples
                 bar.update(1)
                 if t.log_every and self.step % t.log_every == 0:
                     last_loss = self._log_train(running, meter, bar)
@@ -159,7 +178,7 @@ class Trainer:
         bar.close()
         if not t.log_every or self.step % t.log_every:
             last_loss = self._log_train(running, meter, None)  # the steps since the last log
-        if self.step > 0 and self._saved_step != self.step:
+        if self.step > 0 and self._saved_step != self.step and self.checkpoints_enabled:
             self.save_checkpoint()
         final = self._eval_and_log()
         if self.logger:
