@@ -13,6 +13,8 @@ EXPECTED = {
     "train": {"--config", "--recipe", "--list-keys", "--print-config"},
     "eval": {"--checkpoint", "--data"},
     "demo": {"--out", "--days", "--rows-per-day", "--seed"},
+    "plan": {"--nproc", "--nnodes", "--data", "--tables", "--dim", "--batch-size", "--memory-per-rank",
+             "--bandwidth", "--optimizer", "--pin", "--out"},
 }
 
 

@@ -11,6 +11,7 @@ from hybridrec.errors import HybridrecError
 
 def build_parser() -> argparse.ArgumentParser:
     from hybridrec.cli import data as data_cmd
+    from hybridrec.cli import plan as plan_cmd
     from hybridrec.cli import train as train_cmd
 
     p = argparse.ArgumentParser(
@@ -24,6 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
     data_cmd.register(sub)
     train_cmd.register(sub)
+    plan_cmd.register(sub)
     return p
 
 

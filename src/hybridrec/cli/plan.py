@@ -1,0 +1,204 @@
+"""``hybridrec plan``: propose a sharding plan and show what it costs (no processes started)."""
+
+from __future__ import annotations
+
+import argparse
+import re
+from pathlib import Path
+
+from hybridrec.errors import ConfigError
+
+_EPILOG = """\
+examples:
+  hybridrec plan --nproc 8 --tables 26x100000x64 --memory-per-rank 4GiB
+  hybridrec plan --nproc 4 --nnodes 2 --data data/criteo-pre --pin C3=row_wise --out plan.json
+  hybridrec train ... dist.plan=plan.json     # train with the plan
+
+--tables COUNTxROWSxDIM[,...] makes tables t0, t1, ...; --pin NAME=TYPE[,TYPE][@RANK,...]
+pins a table's sharding types and/or ranks (e.g. C1=table_wise@3, C2=@0,1).
+Sizes take B, KB, MB, GB (powers of 1000) or KiB, MiB, GiB (powers of 1024);
+bandwidth takes bit/s units (1Gbit, 100Mbit) or bytes/s (1.25GB).
+"""
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("plan", help="plan how embedding tables are sharded over ranks",
+                       description="Run the sharding planner (a pure function: no process is "
+                       "started) and print each rank's embedding memory and predicted bytes per "
+                       "step, and each table's sharding.",
+                       epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--nproc", type=int, required=True, metavar="N", help="ranks per node")
+    p.add_argument("--nnodes", type=int, default=1, metavar="M", help="nodes (host groups) [1]")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--data", metavar="DIR",
+                     help="a preprocessed dataset: its tables and id stats")
+    src.add_argument("--tables", metavar="SPEC", help="tables as COUNTxROWSxDIM[,...]")
+    p.add_argument("--dim", type=int, default=16, metavar="D",
+                   help="embedding dim with --data [16]")
+    p.add_argument("--batch-size", type=int, default=2048, metavar="B",
+                   help="batch per rank [2048]")
+    p.add_argument("--memory-per-rank", default=None, metavar="SIZE",
+                   help="embedding memory cap per rank, e.g. 4GiB [no cap]")
+    p.add_argument("--bandwidth", default="1Gbit", metavar="RATE",
+                   help="network bandwidth per rank, e.g. 10Gbit [1Gbit]")
+    p.add_argument("--optimizer", default="sgd", choices=("sgd", "rowwise_adagrad", "lazy_adam"),
+                   help="sparse optimizer, its state counts as memory [sgd]")
+    p.add_argument("--pin", action="append", default=[], metavar="NAME=TYPE[@RANKS]",
+                   help="constrain a table (repeatable)")
+    p.add_argument("--out", metavar="FILE", help="write the plan as JSON (for dist.plan)")
+    p.set_defaults(func=_plan)
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from hybridrec.parallel.cost_model import describe_plan, ids_per_sample
+    from hybridrec.parallel.planner import plan_sharding
+
+    if args.nproc < 1 or args.nnodes < 1:
+        raise ConfigError("--nproc and --nnodes must be >= 1")
+    if args.batch_size < 1:
+        raise ConfigError("--batch-size must be >= 1")
+    tables, stats = _load_tables(args)
+    world = args.nproc * args.nnodes
+    memory = None if args.memory_per_rank in (None, "none") else parse_size(args.memory_per_rank)
+    bandwidth = parse_bandwidth(args.bandwidth)
+    try:
+        plan = plan_sharding(tables, world_size=world, local_world_size=args.nproc, stats=stats,
+                             batch_size_per_rank=args.batch_size, memory_per_rank_bytes=memory,
+                             bandwidth_bytes_per_s=bandwidth, optimizer=args.optimizer,
+                             constraints=parse_pins(args.pin))
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    report = describe_plan(plan, tables, batch_sizes=[args.batch_size] * world,
+                           ids_per_bag=ids_per_sample(tables, stats), optimizer=args.optimizer)
+    cap = "none" if memory is None else fmt_bytes(memory)
+    print(f"{world} ranks ({args.nnodes} host group(s) of {args.nproc}), "
+          f"batch {args.batch_size}/rank, optimizer {args.optimizer}, memory cap {cap}, "
+          f"bandwidth {args.bandwidth} ({bandwidth:,.0f} B/s)")
+    print("\n".join(format_ranks(report, bandwidth)))
+    print("(bytes per step exclude the dense all-reduce: 2(W-1)/W x the dense parameters' bytes)")
+    print()
+    print("\n".join(format_tables(report)))
+    if args.out:
+        Path(args.out).write_text(plan.to_json() + "\n")
+        print(f"\nplan written to {args.out}")
+    return 0
+
+
+def _load_tables(args):
+    from hybridrec.model.embedding import TableConfig
+
+    if args.data:
+        from hybridrec.data.schema import DatasetMeta
+
+        meta = DatasetMeta.load(args.data)
+        if args.dim < 1:
+            raise ConfigError("--dim must be >= 1")
+        return ([TableConfig(name=f.name, num_embeddings=f.num_embeddings, embedding_dim=args.dim)
+                 for f in meta.schema.features], meta.stats)
+    tables = []
+    for spec in args.tables.split(","):
+        m = re.fullmatch(r"\s*(?:(\d+)x)?(\d+)x(\d+)\s*", spec)
+        if not m or int(m.group(2)) < 1 or int(m.group(3)) < 1:
+            raise ConfigError(f"--tables: {spec!r} is not COUNTxROWSxDIM (e.g. 26x100000x64)")
+        for _ in range(int(m.group(1) or 1)):
+            tables.append(TableConfig(name=f"t{len(tables)}", num_embeddings=int(m.group(2)),
+                                      embedding_dim=int(m.group(3))))
+    if not tables:
+        raise ConfigError("--tables: no tables")
+    return tables, None
+
+
+_SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+               "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_BIT_UNITS = {"bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9, "tbit": 10**12}
+
+
+def _number_unit(text: str, what: str) -> tuple[float, str]:
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-zA-Z]*)(?:/s|ps)?\s*", text)
+    if not m:
+        raise ConfigError(f"{what}: cannot read {text!r}")
+    return float(m.group(1)), m.group(2).lower()
+
+
+def parse_size(text: str) -> int:
+    """``"4GiB"`` -> 4294967296; ``"4GB"`` -> 4000000000; a plain number is bytes."""
+    value, unit = _number_unit(text, "--memory-per-rank")
+    if unit not in _SIZE_UNITS:
+        raise ConfigError(f"--memory-per-rank: unknown unit in {text!r} "
+                          "(use B, MB, GB, MiB, GiB...)")
+    return int(value * _SIZE_UNITS[unit])
+
+
+def parse_bandwidth(text: str) -> float:
+    """Bytes per second: ``"1Gbit"`` -> 1.25e8, ``"1.25GB"`` -> 1.25e9."""
+    value, unit = _number_unit(text, "--bandwidth")
+    if unit in _BIT_UNITS:
+        out = value * _BIT_UNITS[unit] / 8
+    elif unit in _SIZE_UNITS:
+        out = value * _SIZE_UNITS[unit]
+    else:
+        raise ConfigError(f"--bandwidth: unknown unit in {text!r} (use Gbit, Mbit, GB, MB...)")
+    if out <= 0:
+        raise ConfigError(f"--bandwidth must be > 0, got {text!r}")
+    return out
+
+
+def parse_pins(pins: list[str]) -> dict:
+    """``["C1=table_wise@3", "C2=row_wise", "C3=@0,1"]`` -> ``{name: TableConstraint}``."""
+    from hybridrec.parallel.planner import TableConstraint
+
+    out = {}
+    for pin in pins:
+        m = re.fullmatch(r"([^=]+)=([a-z_,]*)(?:@([0-9,]+))?", pin.strip())
+        if not m or not (m.group(2) or m.group(3)):
+            raise ConfigError(f"--pin {pin!r}: expected NAME=TYPE[,TYPE][@RANK,...]")
+        types = [t for t in m.group(2).split(",") if t] or None
+        ranks = [int(r) for r in m.group(3).split(",") if r] if m.group(3) else None
+        out[m.group(1)] = TableConstraint(sharding_types=types, ranks=ranks)
+    return out
+
+
+def fmt_bytes(n: float) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+_COLUMNS = (("input", ("input_dist_counts/fwd", "input_dist/fwd")),
+            ("output fwd", ("output_dist/fwd",)), ("output bwd", ("output_dist/bwd",)),
+            ("dp allreduce", ("dp_table_allreduce/bwd",)))
+
+
+def format_ranks(report: dict, bandwidth: float) -> list[str]:
+    """One line per rank: memory, lookups, bytes sent per step by category, totals."""
+    head = f"{'rank':>4} {'host':>4} {'memory':>11} {'lookups':>11}"
+    head += "".join(f" {name + ' sent':>17}" for name, _ in _COLUMNS)
+    lines = [head + f" {'sent/step':>11} {'recv/step':>11} {'comm ms':>8}"]
+    for r in report["ranks"]:
+        by = r["bytes_per_step"]
+        line = (f"{r['rank']:>4} {r['host']:>4} {fmt_bytes(r['memory_bytes']):>11} "
+                f"{r['lookup_values']:>11,}")
+        for _, keys in _COLUMNS:
+            line += f" {fmt_bytes(sum(by.get(k, {}).get('sent', 0) for k in keys)):>17}"
+        ms = 1e3 * (r["sent_bytes"] + r["received_bytes"]) / bandwidth
+        lines.append(line + f" {fmt_bytes(r['sent_bytes']):>11} "
+                     f"{fmt_bytes(r['received_bytes']):>11} {ms:>8.2f}")
+    return lines
+
+
+def _ranks_text(ranks: list[int]) -> str:
+    if len(ranks) > 2 and ranks == list(range(ranks[0], ranks[-1] + 1)):
+        return f"{ranks[0]}-{ranks[-1]}"
+    return ",".join(map(str, ranks))
+
+
+def format_tables(report: dict) -> list[str]:
+    """One line per table: size, sharding type, ranks, memory (all copies)."""
+    w = max([5] + [len(t["table"]) for t in report["tables"]])
+    lines = [f"{'table':<{w}} {'rows':>13} {'dim':>5} {'sharding':<15} {'ranks':<12} "
+             f"{'memory':>11}"]
+    for t in report["tables"]:
+        lines.append(f"{t['table']:<{w}} {t['rows']:>13,} {t['dim']:>5} {t['sharding_type']:<15} "
+                     f"{_ranks_text(t['ranks']):<12} {fmt_bytes(t['memory_bytes']):>11}")
+    return lines
