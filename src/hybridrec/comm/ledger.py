@@ -21,6 +21,7 @@ Worked example, one step of a compressed output all-to-all::
 from __future__ import annotations
 
 import operator
+import contextlib
 import threading
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -145,6 +146,7 @@ class CommLedger:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
+        self._suspended = 0  # > 0 inside suspended(): records are dropped
         self._run: dict[Key, ByteCount] = {}
         self._step: dict[Key, ByteCount] = {}
         self._last: dict[Key, ByteCount] = {}
@@ -171,6 +173,8 @@ class CommLedger:
             direction: "fwd", "bwd", "pull", "push", "sync", ...
             original: bytes of ``sent`` before compression; defaults to ``sent``.
         """
+        if self._suspended:
+            return
         key = _key(category, table, direction)
         sent = _nbytes("sent", sent)
         inc = ByteCount(
@@ -250,6 +254,18 @@ class CommLedger:
         if scope == "predicted":
             return self._predicted
         raise ValueError(f"CommLedger: unknown scope {scope!r}")
+
+    @contextlib.contextmanager
+    def suspended(self):
+        """Drops what is recorded inside the block (e.g. evaluation traffic, which is
+        not part of a training step)."""
+        with self._lock:
+            self._suspended += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._suspended -= 1
 
     def reset(self, *, counted_only: bool = False) -> None:
         """Clears the counters and the step count (and the predictions unless ``counted_only``)."""

@@ -28,6 +28,7 @@ from hybridrec.train.optim import (
 from hybridrec.parallel import plan as plan_lib
 from hybridrec.parallel.parallelize import parallelize_dlrm
 from hybridrec.parallel.plan import ShardingPlan
+from hybridrec.parallel.planner import plan_sharding
 from hybridrec.parallel.sharded_embedding import ShardedEmbeddingBagCollection
 from hybridrec.parallel.topology import Topology
 from hybridrec.train.sparse_optim import (
@@ -78,6 +79,11 @@ def build_loaders(cfg: Config, meta: DatasetMeta, *, rank: int = 0, world_size: 
     return train, evals
 
 
+# Link bandwidth the automatic plan assumes (bytes/s): 10 Gbit/s, a common data-centre
+# NIC; use `hybridrec plan --bandwidth ... --out plan.json` and dist.plan for another.
+AUTO_PLAN_BANDWIDTH = 10e9 / 8
+
+
 def build_topology(cfg: Config) -> Topology:
     """A process group when launched by torchrun with several ranks, else one process."""
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
@@ -86,7 +92,8 @@ def build_topology(cfg: Config) -> Topology:
     return Topology.init(backend=backend, timeout_s=cfg.dist.timeout_s)
 
 
-def build_plan(cfg: Config, tables: list[TableConfig], topo: Topology) -> ShardingPlan:
+def build_plan(cfg: Config, tables: list[TableConfig], topo: Topology,
+               meta: DatasetMeta | None = None) -> ShardingPlan:
     if cfg.dist.plan:
         try:
             plan = ShardingPlan.from_json(Path(cfg.dist.plan).read_text())
@@ -96,8 +103,11 @@ def build_plan(cfg: Config, tables: list[TableConfig], topo: Topology) -> Shardi
             raise ConfigError(f"dist.plan {cfg.dist.plan} is for {plan.world_size} ranks, "
                               f"this run has {topo.world_size}")
         return plan
-    kind = "table_wise" if cfg.dist.sharding == "auto" else cfg.dist.sharding
-    return uniform_plan(kind, tables, topo.world_size, topo.local_world_size)
+    if cfg.dist.sharding == "auto":
+        return plan_sharding(tables, world_size=topo.world_size, local_world_size=topo.local_world_size,
+                             stats=meta.stats if meta else None, batch_size_per_rank=cfg.data.batch_size,
+                             bandwidth_bytes_per_s=AUTO_PLAN_BANDWIDTH, optimizer=cfg.optim.sparse)
+    return uniform_plan(cfg.dist.sharding, tables, topo.world_size, topo.local_world_size)
 
 
 def uniform_plan(kind: str, tables: list[TableConfig], world: int, local_world: int) -> ShardingPlan:
@@ -143,7 +153,7 @@ def build_trainer(cfg: Config, *, meta: DatasetMeta | None = None, topo: Topolog
     ledger = CommLedger()
     run_dir = Path(cfg.train.run_dir)
     if topo.world_size > 1:
-        plan = build_plan(cfg, list(model.sparse.tables.values()), topo)
+        plan = build_plan(cfg, list(model.sparse.tables.values()), topo, meta)
         model = parallelize_dlrm(model, plan, topo, ledger=ledger)
         if topo.rank == 0:
             run_dir.mkdir(parents=True, exist_ok=True)

@@ -104,7 +104,8 @@ class Trainer:
         return loss.detach()
 
     def evaluate(self) -> dict:
-        return evaluate_model(self.model, self.eval_loader, self.topo)
+        with self.ledger.suspended():  # evaluation traffic is not a training step's
+            return evaluate_model(self.model, self.eval_loader, self.topo)
 
     # -- state -----------------------------------------------------------------
     def state_dict(self) -> dict:
