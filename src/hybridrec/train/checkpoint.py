@@ -24,6 +24,12 @@ def checkpoint_dir(run_dir: str | Path) -> Path:
     return Path(run_dir) / "checkpoints"
 
 
+def _complete(p: Path) -> bool:
+    # A single-process checkpoint (state.pt) or a sharded one (DCP's .metadata); both
+    # directories are renamed into place only when complete, meta.json written last.
+    return (p / "meta.json").is_file() and ((p / "state.pt").is_file() or (p / ".metadata").is_file())
+
+
 def list_checkpoints(run_dir: str | Path) -> list[tuple[int, Path]]:
     """Complete checkpoints, oldest first."""
     d = checkpoint_dir(run_dir)
@@ -32,9 +38,15 @@ def list_checkpoints(run_dir: str | Path) -> list[tuple[int, Path]]:
     found = []
     for p in d.iterdir():
         m = _NAME.match(p.name)
-        if m and (p / "state.pt").is_file() and (p / "meta.json").is_file():
+        if m and _complete(p):
             found.append((int(m.group(1)), p))
     return sorted(found)
+
+
+def prune(run_dir: str | Path, *, keep: int) -> None:
+    """Delete all but the newest ``keep`` checkpoints."""
+    for _, old in list_checkpoints(run_dir)[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def save_checkpoint(run_dir: str | Path, step: int, state: dict, *, keep: int = 2) -> Path:
@@ -56,8 +68,7 @@ def save_checkpoint(run_dir: str | Path, step: int, state: dict, *, keep: int = 
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    for _, old in list_checkpoints(run_dir)[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
+    prune(run_dir, keep=keep)
     return final
 
 

@@ -16,6 +16,7 @@ from hybridrec.comm.ledger import CommLedger
 from hybridrec.metrics.classification import BinaryMetrics, RunningLoss
 from hybridrec.metrics.logger import MetricLogger
 from hybridrec.metrics.throughput import Throughput
+from hybridrec.parallel import checkpoint as sharded
 from hybridrec.parallel.topology import Topology
 from hybridrec.sparse.keyed_jagged import Batch
 from hybridrec.train import checkpoint as ckpt
@@ -126,27 +127,36 @@ class Trainer:
         torch.set_rng_state(state["rng"])
         self.step = int(state["step"])
 
-    @property
-    def checkpoints_enabled(self) -> bool:
-        # Sharded (multi-rank) checkpoints go through torch.distributed.checkpoint; until
-        # that path is wired into the trainer, multi-rank runs do not checkpoint.
-        return self.topo.world_size == 1
+    def _sparse_list(self) -> list:
+        return list(getattr(self.sparse_opt, "optimizers", {"": self.sparse_opt}).values())
 
-    def save_checkpoint(self) -> Path | None:
-        if not self.checkpoints_enabled:
-            return None
-        path = ckpt.save_checkpoint(
-            self.run_dir, self.step, self.state_dict(), keep=self.cfg.train.keep_checkpoints
-        )
+    def save_checkpoint(self) -> Path:
+        """One process: an atomic torch.save file; several: a sharded
+        torch.distributed.checkpoint that any world size or plan can load."""
+        keep = self.cfg.train.keep_checkpoints
+        if self.topo.world_size == 1:
+            path = ckpt.save_checkpoint(self.run_dir, self.step, self.state_dict(), keep=keep)
+        else:
+            path = ckpt.checkpoint_dir(self.run_dir) / f"step-{self.step:08d}"
+            extra = {"step": self.step, "loader": self.train_loader.state_dict()}
+            sharded.save_sharded(path, model=self.model, dense_opt=self.dense_opt,
+                                 sparse_opts=self._sparse_list(), extra=extra, topo=self.topo)
+            if self.topo.rank == 0:
+                ckpt.prune(self.run_dir, keep=keep)
         self._saved_step = self.step
         return path
 
     def maybe_resume(self) -> int | None:
-        resume = self.cfg.train.resume and self.checkpoints_enabled
-        path = ckpt.latest_checkpoint(self.run_dir) if resume else None
+        path = ckpt.latest_checkpoint(self.run_dir) if self.cfg.train.resume else None
         if path is None:
             return None
-        self.load_state_dict(ckpt.load_checkpoint(path))
+        if self.topo.world_size == 1 and (path / "state.pt").is_file():
+            self.load_state_dict(ckpt.load_checkpoint(path))
+        else:
+            extra = sharded.load_sharded(path, model=self.model, dense_opt=self.dense_opt,
+                                         sparse_opts=self._sparse_list(), topo=self.topo)
+            self.train_loader.load_state_dict(extra["loader"])
+            self.step = int(extra["step"])
         self._saved_step = self.step
         return self.step
 
@@ -179,7 +189,7 @@ class Trainer:
         bar.close()
         if not t.log_every or self.step % t.log_every:
             last_loss = self._log_train(running, meter, None)  # the steps since the last log
-        if self.step > 0 and self._saved_step != self.step and self.checkpoints_enabled:
+        if self.step > 0 and self._saved_step != self.step:
             self.save_checkpoint()
         final = self._eval_and_log()
         if self.logger:
