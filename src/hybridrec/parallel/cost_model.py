@@ -139,9 +139,12 @@ def predict_all_ranks(plan: ShardingPlan, tables: list[TableConfig], *, batch_si
         raise ValueError(f"batch_sizes has {len(batch_sizes)} entries, the plan {world} ranks")
     ids = _ids_map(tables, ids_per_bag)
     counts = 2 * (world - 1) * ID_BYTES  # two int64 to every other rank, and from it
+    sharded = any(tp.sharding_type != "data_parallel" for tp in plan.tables.values())
+    # With only replicated tables the mechanism runs no input/output distribution at all.
     acc: list[dict[Key, list[float]]] = [
         {("input_dist_counts", "fwd"): [counts, counts], ("input_dist", "fwd"): [0, 0],
-         ("output_dist", "fwd"): [0, 0], ("output_dist", "bwd"): [0, 0]} for _ in range(world)]
+         ("output_dist", "fwd"): [0, 0], ("output_dist", "bwd"): [0, 0]} if sharded else {}
+        for _ in range(world)]
     for t in tables:
         for src, dst, key, nbytes in table_flows(plan.tables[t.name], t, batch_sizes, ids):
             if src != dst:

@@ -187,10 +187,13 @@ class ShardedEmbeddingBagCollection(nn.Module):
         self._col = dict(zip(self.feature_names, starts))
         self._table_of = {f: t.name for t in tables for f in t.features}
         self.slots = _slots(tables, plan)
+        self._has_shards = any(self.slots.values())
         self.local = self._build_local(self.slots[topo.rank])
         dp = [t for t in tables if plan.tables[t.name].sharding_type == "data_parallel"]
         self.replicated = ReplicatedEmbeddingBagCollection(dp, topo=topo, ledger=ledger, seed=seed) if dp else None
-        self._recv_cols = self._receive_columns(dp)
+        self._pieces = self._assembly(dp)
+        self._row_split = {f: any(s.row_split for slots in self.slots.values() for s in slots
+                                  if s.feature == f) for f in self.feature_names}
         # Shards pool by sum (partial means would not add up); divide after the sum.
         # Replicated tables pool by their own mode already.
         self._mean = [f for f in self.feature_names if self.tables[self._table_of[f]].pooling == "mean"
@@ -206,19 +209,43 @@ class ShardedEmbeddingBagCollection(nn.Module):
                     init_table_block(self.tables[s.table], self.seed, s.shard.rows, s.shard.cols))
         return local
 
-    def _receive_columns(self, dp_tables) -> torch.Tensor:
-        """Output column of every column this rank receives: each owner's local output
-        order, owner after owner, then the data-parallel tables' output."""
+    def _assembly(self, dp_tables) -> dict[str, list[tuple[int, int, int]]]:
+        """For every output feature, its pieces among the received blocks:
+        ``(block, piece, first column)``. Blocks are the owners' outputs in rank order
+        (then the replicated tables'); pieces are their slots, in the owner's local order."""
         by_name = {s.name: s for slots in self.slots.values() for s in slots}
-        cols = []
+        pieces: dict[str, list[tuple[int, int, int]]] = {f: [] for f in self.feature_names}
+        self._piece_widths = []
         for d in range(self.topo.world_size):
-            for name, width in output_features(_local_tables(self.slots[d], self.tables)):
+            layout = output_features(_local_tables(self.slots[d], self.tables))
+            self._piece_widths.append([w for _, w in layout])
+            for j, (name, _) in enumerate(layout):
                 s = by_name[name]
-                start = self._col[s.feature] + s.shard.cols[0]
-                cols.extend(range(start, start + width))
-        for f, width in output_features(dp_tables):
-            cols.extend(range(self._col[f], self._col[f] + width))
-        return torch.tensor(cols, dtype=torch.int64)
+                pieces[s.feature].append((d, j, s.shard.cols[0]))
+        layout = output_features(dp_tables)
+        self._piece_widths.append([w for _, w in layout])
+        for j, (f, _) in enumerate(layout):
+            pieces[f].append((self.topo.world_size, j, 0))
+        for f in pieces:
+            pieces[f].sort(key=lambda p: p[2])  # column shards in column order
+        return pieces
+
+    def _combine(self, blocks: list[torch.Tensor]) -> torch.Tensor:
+        """Received partial results -> ``[B, sum(dims)]``: row shards' partials are added,
+        column shards' placed side by side. One split per block and one concatenation,
+        so backward is one concatenation per block (no per-slice zero-filled grads)."""
+        split = [torch.split(b, w, dim=1) if w else () for b, w in zip(blocks, self._piece_widths)]
+        out = []
+        for f in self.feature_names:
+            parts = [split[b][j] for b, j, _ in self._pieces[f]]
+            if self._row_split[f]:
+                total = parts[0]
+                for p in parts[1:]:
+                    total = total + p
+                out.append(total)
+            else:
+                out.extend(parts)
+        return torch.cat(out, dim=1)
 
     def _widths(self, rank: int) -> int:
         return sum(s.shard.num_cols for s in self.slots[rank])
@@ -266,6 +293,18 @@ class ShardedEmbeddingBagCollection(nn.Module):
     # -- lookup + output_dist ----------------------------------------------------
     def forward(self, kjt: KeyedJagged) -> KeyedTensor:
         b, world = kjt.batch_size, self.topo.world_size
+        # With replicated tables only, nothing is distributed at all.
+        blocks = self._sharded_blocks(kjt) if self._has_shards else [torch.empty(b, 0)] * world
+        blocks.append(self.replicated(kjt.select_keys(self.replicated.feature_names)).values
+                      if self.replicated is not None else torch.empty(b, 0))
+        out = _ScaleGrad.apply(self._combine(blocks), 1.0 / world)
+        if self._mean:
+            out = self._apply_mean(out, kjt)
+        return KeyedTensor(self.feature_names, self.feature_dims, out)
+
+    def _sharded_blocks(self, kjt: KeyedJagged) -> list[torch.Tensor]:
+        """input_dist, lookup, output_dist: the partial results of every owner, ``[B, C_d]``."""
+        b, world = kjt.batch_size, self.topo.world_size
         owner_kjt, batch_sizes = self.input_dist(kjt)
         total = sum(batch_sizes)
         if self.local is not None:
@@ -276,15 +315,8 @@ class ShardedEmbeddingBagCollection(nn.Module):
         recv = _AllToAll.apply(pooled.reshape(-1), [b * self._widths(d) for d in range(world)],
                                [n * width for n in batch_sizes], self.topo.group, self.ledger,
                                "output_dist")
-        blocks = [x.view(b, self._widths(d)) for d, x in
-                  enumerate(torch.split(recv, [b * self._widths(d) for d in range(world)]))]
-        if self.replicated is not None:
-            blocks.append(self.replicated(kjt.select_keys(self.replicated.feature_names)).values)
-        received = _ScaleGrad.apply(torch.cat(blocks, dim=1), 1.0 / world)
-        out = received.new_zeros(b, self.total_dim).index_add(1, self._recv_cols, received)
-        if self._mean:
-            out = self._apply_mean(out, kjt)
-        return KeyedTensor(self.feature_names, self.feature_dims, out)
+        return [x.view(b, self._widths(d)) for d, x in
+                enumerate(torch.split(recv, [b * self._widths(d) for d in range(world)]))]
 
     def _apply_mean(self, out: torch.Tensor, kjt: KeyedJagged) -> torch.Tensor:
         parts = kjt.split_by_key()
