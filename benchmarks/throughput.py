@@ -41,7 +41,9 @@ def parse_args(argv=None):
     p.add_argument("--out", default=str(ROOT / "benchmarks/out/throughput"), help="work directory")
     p.add_argument("--rows", type=int, default=400_000, help="training rows to synthesize")
     p.add_argument("--multi-hot", type=int, default=0, help="ids per feature (0 = one-hot)")
-    p.add_argument("--batch-size", type=int, default=2048)
+    p.add_argument("--batch-size", type=int, default=2048, help="per rank")
+    p.add_argument("--nproc", type=int, default=1, help="local ranks (torchrun; TorchRec: DMP)")
+    p.add_argument("--sharding", default="table_wise", help="hybridrec's dist.sharding with --nproc > 1")
     p.add_argument("--steps", type=int, default=60, help="timed steps per run")
     p.add_argument("--warmup", type=int, default=10, help="untimed steps first")
     p.add_argument("--rounds", type=int, default=3, help="alternating rounds")
@@ -110,8 +112,9 @@ def worker_hybridrec(args) -> dict:
     cfg = build_config(recipes.recipe("bench"), overrides=[
         f"data.path={args.data}", f"data.batch_size={args.batch_size}",
         f"train.run_dir={Path(args.out) / 'run-hybridrec'}", "train.resume=false",
-        "train.progress=false"])
+        "train.progress=false", f"dist.sharding={args.sharding}"])
     trainer = build_trainer(cfg)
+    world = trainer.topo.world_size
     total = args.warmup + args.steps
     it = iter(trainer.train_loader)
     start = None
@@ -125,10 +128,17 @@ def worker_hybridrec(args) -> dict:
             batch = next(it)
         trainer.train_step(batch)
     secs = time.perf_counter() - start
-    return {"framework": "hybridrec", "onednn_linear": onednn_linear_enabled(),
-            "samples_per_sec": args.steps * args.batch_size / secs, "steps": args.steps,
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    if world > 1:  # total peak RSS over the ranks, like the peer reports
+        import torch.distributed as dist
+
+        t = torch.tensor([rss, secs], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        rss, secs = int(t[0]), float(t[1]) / world
+    return {"framework": "hybridrec", "onednn_linear": onednn_linear_enabled(), "world_size": world,
+            "samples_per_sec": args.steps * args.batch_size * world / secs, "steps": args.steps,
             "batch_size": args.batch_size, "threads": torch.get_num_threads(),
-            "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+            "peak_rss_bytes": rss, "rank": trainer.topo.rank}
 
 
 def run_json(cmd: list[str], env=None) -> dict:
@@ -146,22 +156,28 @@ def run_json(cmd: list[str], env=None) -> dict:
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.worker:
-        print(json.dumps(worker_hybridrec(args)))
+        result = worker_hybridrec(args)
+        if result["rank"] == 0:
+            print(json.dumps(result))
         return 0
     if args.peer and not PEER_PY.exists():
         print("TorchRec venv missing: run benchmarks/peers/setup_torchrec.sh (or pass --no-peer)",
               file=sys.stderr)
         return 2
     data = prepare_data(args)
-    me = [sys.executable, __file__, "--worker", "hybridrec", "--data", str(data), "--out", args.out,
-          "--steps", str(args.steps), "--warmup", str(args.warmup), "--batch-size", str(args.batch_size)]
+    launcher = [sys.executable]
+    if args.nproc > 1:
+        launcher += ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}"]
+    me = [*launcher, __file__, "--worker", "hybridrec", "--data", str(data), "--out", args.out,
+          "--steps", str(args.steps), "--warmup", str(args.warmup), "--batch-size", str(args.batch_size),
+          "--sharding", args.sharding]
     runs: dict[str, list[dict]] = {"hybridrec": [], "hybridrec (torch F.linear)": [], "torchrec": []}
     peer = None
     if args.peer:
         npz = dump_peer_batches(data, args)
         peer = [str(PEER_PY), str(PEER_SCRIPT), "--batches", str(npz), "--steps", str(args.steps),
                 "--warmup", str(args.warmup), "--batch-size", str(args.batch_size),
-                "--multi-hot", str(max(1, args.multi_hot))]
+                "--multi-hot", str(max(1, args.multi_hot)), "--nproc", str(args.nproc)]
     for r in range(args.rounds):
         runs["hybridrec"].append(run_json(me))
         if args.ablation:
@@ -172,7 +188,7 @@ def main(argv=None) -> int:
         print(f"round {r + 1}/{args.rounds}: " + ", ".join(
             f"{k} {v[-1]['samples_per_sec']:,.0f}" for k, v in runs.items() if v), file=sys.stderr)
     report = summarize(runs, args, data)
-    out = Path(args.out) / "throughput.json"
+    out = Path(args.out) / f"throughput-nproc{args.nproc}-mh{args.multi_hot}.json"
     out.write_text(json.dumps(report, indent=2))
     print(format_report(report))
     print(f"\nwritten: {out}")
@@ -192,8 +208,9 @@ def summarize(runs: dict, args, data: Path) -> dict:
         for v in rows.values():
             v["vs_torchrec"] = v["median_samples_per_sec"] / base
     return {"date": time.strftime("%Y-%m-%d"), "machine": machine(), "data": str(data),
-            "settings": {k: getattr(args, k) for k in ("rows", "multi_hot", "batch_size", "steps",
-                                                       "warmup", "rounds", "peer_batches")},
+            "settings": {k: getattr(args, k) for k in ("rows", "multi_hot", "batch_size", "nproc",
+                                                       "sharding", "steps", "warmup", "rounds",
+                                                       "peer_batches")},
             "results": rows}
 
 

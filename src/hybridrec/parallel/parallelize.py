@@ -37,12 +37,14 @@ def allreduce_hook(ledger: CommLedger | None):
 
 def parallelize_dlrm(model: DLRM, plan: ShardingPlan, topo: Topology, *,
                      ledger: CommLedger | None = None, dense_hook=None) -> DLRM:
-    """Shard ``model.sparse`` by ``plan`` and make the dense arches data-parallel."""
+    """Shard ``model.sparse`` by ``plan`` (unless it already is) and make the dense
+    arches data-parallel."""
     ebc = model.sparse
-    if not isinstance(ebc, EmbeddingBagCollection):
-        raise TypeError("parallelize_dlrm expects a single-device EmbeddingBagCollection")
-    model.sparse = ShardedEmbeddingBagCollection(list(ebc.tables.values()), plan, topo,
-                                                 seed=ebc.seed, ledger=ledger)
+    if isinstance(ebc, EmbeddingBagCollection):
+        model.sparse = ShardedEmbeddingBagCollection(list(ebc.tables.values()), plan, topo,
+                                                     seed=ebc.seed, ledger=ledger)
+    elif not isinstance(ebc, ShardedEmbeddingBagCollection):
+        raise TypeError(f"cannot shard a {type(ebc).__name__}")
     if topo.world_size > 1:
         hook = dense_hook or allreduce_hook(ledger)
         for name in ("bottom", "top"):

@@ -54,9 +54,16 @@ def build_tables(meta: DatasetMeta, cfg: Config) -> list[TableConfig]:
     ]
 
 
-def build_model(cfg: Config, meta: DatasetMeta) -> DLRM:
+def build_model(cfg: Config, meta: DatasetMeta, *, plan: ShardingPlan | None = None,
+                topo: Topology | None = None, ledger: CommLedger | None = None) -> DLRM:
+    """The single-device DLRM, or with ``plan`` one whose embedding collection holds only
+    this rank's shards (the whole tables are never materialised on a rank)."""
     torch.manual_seed(cfg.train.seed)
-    ebc = EmbeddingBagCollection(build_tables(meta, cfg), seed=cfg.train.seed)
+    tables = build_tables(meta, cfg)
+    if plan is None:
+        ebc = EmbeddingBagCollection(tables, seed=cfg.train.seed)
+    else:
+        ebc = ShardedEmbeddingBagCollection(tables, plan, topo, seed=cfg.train.seed, ledger=ledger)
     try:
         return DLRM(num_dense=len(meta.schema.dense), sparse=ebc, bottom_mlp=cfg.model.bottom_mlp,
                     top_mlp=cfg.model.top_mlp, interaction=cfg.model.interaction)
@@ -149,12 +156,14 @@ def build_trainer(cfg: Config, *, meta: DatasetMeta | None = None, topo: Topolog
         torch.set_num_threads(cfg.train.threads)
     meta = meta or load_dataset(cfg)
     topo = topo or build_topology(cfg)
-    model = build_model(cfg, meta)
     ledger = CommLedger()
     run_dir = Path(cfg.train.run_dir)
-    if topo.world_size > 1:
-        plan = build_plan(cfg, list(model.sparse.tables.values()), topo, meta)
-        model = parallelize_dlrm(model, plan, topo, ledger=ledger)
+    if topo.world_size == 1:
+        model = build_model(cfg, meta)
+    else:
+        plan = build_plan(cfg, build_tables(meta, cfg), topo, meta)
+        model = parallelize_dlrm(build_model(cfg, meta, plan=plan, topo=topo, ledger=ledger),
+                                 plan, topo, ledger=ledger)
         if topo.rank == 0:
             run_dir.mkdir(parents=True, exist_ok=True)
             (run_dir / "plan.json").write_text(plan.to_json())
