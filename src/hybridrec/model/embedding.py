@@ -66,18 +66,20 @@ _INIT_BLOCK = 1 << 14
 
 
 def init_table_block(
-    table: TableConfig, seed: int, rows: tuple[int, int] | None = None, cols: tuple[int, int] | None = None
+    table: TableConfig, seed: int, rows: tuple[int, int] | None = None,
+    cols: tuple[int, int] | None = None, *, out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Initial values of a block of a table: U(-sqrt(1/n), sqrt(1/n)) (the DLRM reference).
 
     Drawn in fixed row blocks from generators seeded by ``(seed, table name, block)``,
     so any shard of the table (rows and columns) gets exactly the values the whole
-    table would have: initialisation does not depend on the sharding plan.
+    table would have: initialisation does not depend on the sharding plan. Writes
+    into ``out`` when given (no second copy of a large shard).
     """
     r0, r1 = rows or (0, table.num_embeddings)
     c0, c1 = cols or (0, table.embedding_dim)
     a = math.sqrt(1.0 / table.num_embeddings)
-    out = torch.empty(r1 - r0, c1 - c0)
+    out = torch.empty(r1 - r0, c1 - c0) if out is None else out
     name_key = zlib.crc32(table.name.encode())
     for b in range(r0 // _INIT_BLOCK, (r1 + _INIT_BLOCK - 1) // _INIT_BLOCK):
         lo = b * _INIT_BLOCK
@@ -137,10 +139,14 @@ class EmbeddingBagCollection(nn.Module):
     """
 
     def __init__(
-        self, tables: list[TableConfig], *, device: torch.device | None = None, seed: int = 0
+        self, tables: list[TableConfig], *, device: torch.device | None = None, seed: int = 0,
+        init=None,
     ) -> None:
+        """``init(table, weight)`` fills a table's weight in place (default: the seeded
+        :func:`init_table_block` of that table)."""
         super().__init__()
         self.seed = seed
+        self._init = init
         self.tables = {t.name: t for t in tables}
         if len(self.tables) != len(tables):
             raise ValueError("duplicate table names")
@@ -172,7 +178,10 @@ class EmbeddingBagCollection(nn.Module):
     def reset_parameters(self) -> None:
         with torch.no_grad():
             for name, t in self.tables.items():
-                self.table_weight(name).copy_(init_table_block(t, self.seed))
+                if self._init is None:
+                    init_table_block(t, self.seed, out=self.table_weight(name))
+                else:
+                    self._init(t, self.table_weight(name))
 
     # -- storage -------------------------------------------------------------
     def group_weight(self, group: int) -> torch.Tensor:

@@ -202,12 +202,14 @@ class ShardedEmbeddingBagCollection(nn.Module):
     def _build_local(self, slots: list[Slot]) -> EmbeddingBagCollection | None:
         if not slots:
             return None
-        local = EmbeddingBagCollection(_local_tables(slots, self.tables), seed=self.seed)
-        with torch.no_grad():
-            for s in {s.shard_table: s for s in slots}.values():
-                local.table_weight(s.shard_table).copy_(
-                    init_table_block(self.tables[s.table], self.seed, s.shard.rows, s.shard.cols))
-        return local
+        shard_of = {s.shard_table: s for s in slots}
+
+        def init(shard_table: TableConfig, weight: torch.Tensor) -> None:
+            # A shard holds exactly the values of its block of the whole table.
+            s = shard_of[shard_table.name]
+            init_table_block(self.tables[s.table], self.seed, s.shard.rows, s.shard.cols, out=weight)
+
+        return EmbeddingBagCollection(_local_tables(slots, self.tables), seed=self.seed, init=init)
 
     def _assembly(self, dp_tables) -> dict[str, list[tuple[int, int, int]]]:
         """For every output feature, its pieces among the received blocks:

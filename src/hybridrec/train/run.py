@@ -5,6 +5,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import torch
+import torch.distributed as dist
+
 from hybridrec.errors import ConfigError
 from hybridrec.metrics.logger import peak_memory_bytes, write_json_atomic
 from hybridrec.train import checkpoint as ckpt
@@ -34,6 +37,7 @@ def train(cfg: Config, *, extra_summary: dict | None = None) -> dict:
         "train_loss": result.train_loss,
         "throughput": result.throughput,
         "peak_memory_bytes": peak_memory_bytes(),
+        "peak_memory_bytes_per_rank": _gather_ints(peak_memory_bytes(), topo),
         "world_size": topo.world_size,
         "comm": trainer.ledger.summary(),  # this rank's (rank 0's in summary.json)
         "dataset": {"path": str(meta.path), "train_rows": meta.split_rows("train"),
@@ -45,6 +49,15 @@ def train(cfg: Config, *, extra_summary: dict | None = None) -> dict:
     if topo.rank == 0:
         write_json_atomic(run_dir / "summary.json", summary)
     return summary
+
+
+def _gather_ints(value: int, topo) -> list[int]:
+    if topo.world_size == 1:
+        return [value]
+    out = torch.zeros(topo.world_size, dtype=torch.int64)
+    out[topo.rank] = value
+    dist.all_reduce(out, group=topo.group)
+    return out.tolist()
 
 
 def load_run_config(run_dir: str | Path) -> Config:
