@@ -45,6 +45,10 @@ def test_two_ranks_train_end_to_end(dataset, tmp_path):
     assert {t["sharding_type"] for t in plan["tables"].values()} == {"row_wise"}
     cats = summary["comm"]["by_category"]
     assert cats["output_dist"]["sent"] > 0 and cats["dense_allreduce"]["sent"] > 0
+    # One process evaluates the 2-rank run's sharded checkpoint: the same held-out metrics.
+    assert main(["eval", str(run)]) == 0
+    ev = json.loads((run / "eval.json").read_text())
+    assert ev["count"] == 2000 and abs(ev["auc"] - summary["eval"]["auc"]) < 1e-6
 
 
 def _children(pid):

@@ -10,6 +10,8 @@ import torch.distributed as dist
 
 from hybridrec.errors import ConfigError
 from hybridrec.metrics.logger import peak_memory_bytes, write_json_atomic
+from hybridrec.parallel.checkpoint import load_sharded
+from hybridrec.parallel.topology import Topology
 from hybridrec.train import checkpoint as ckpt
 from hybridrec.train.build import build_loaders, build_model, build_trainer, load_dataset, versions
 from hybridrec.train.config import Config, apply_dict, validate
@@ -81,7 +83,10 @@ def evaluate_run(run_dir: str | Path, *, checkpoint: str | None = None,
     if path is None:
         raise ConfigError(f"{run_dir} has no checkpoint to evaluate")
     model = build_model(cfg, meta)
-    model.load_state_dict(ckpt.load_checkpoint(path)["model"])
+    if (path / "state.pt").is_file():
+        model.load_state_dict(ckpt.load_checkpoint(path)["model"])
+    else:  # a multi-rank run's sharded checkpoint, resharded into this one process
+        load_sharded(path, model=model, dense_opt=None, sparse_opts=None, topo=Topology.single())
     _, eval_loader = build_loaders(cfg, meta)
     result = {"checkpoint": str(path), "data": str(meta.path), **evaluate_model(model, eval_loader)}
     write_json_atomic(Path(run_dir) / "eval.json", result)
