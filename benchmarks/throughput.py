@@ -87,16 +87,17 @@ def dump_peer_batches(data: Path, args) -> Path:
         return path
     loader = ShardedLoader(DatasetMeta.load(data), split="train", batch_size=args.batch_size,
                            shuffle=True, seed=0, prefetch=0)
-    dense, ids, labels = [], [], []
+    dense, values, lengths, labels = [], [], [], []
     for i, b in enumerate(loader):
         if i == args.peer_batches:
             break
-        k = max(1, args.multi_hot)
-        per_key = b.sparse.values.view(len(b.sparse.keys), b.batch_size, k)  # fixed k ids per bag
         dense.append(b.dense.numpy())
-        ids.append(per_key.permute(1, 0, 2).reshape(b.batch_size, -1).numpy())
+        values.append(b.sparse.values.numpy())  # key-major, as TorchRec's KJT
+        lengths.append(b.sparse.lengths.numpy())
         labels.append(b.labels.numpy())
-    np.savez(path, dense=np.concatenate(dense), ids=np.concatenate(ids), labels=np.concatenate(labels))
+    offsets = np.concatenate([[0], np.cumsum([v.size for v in values])])
+    np.savez(path, dense=np.concatenate(dense), labels=np.concatenate(labels),
+             kjt_values=np.concatenate(values), kjt_lengths=np.stack(lengths), kjt_offsets=offsets)
     return path
 
 
@@ -177,7 +178,7 @@ def main(argv=None) -> int:
         npz = dump_peer_batches(data, args)
         peer = [str(PEER_PY), str(PEER_SCRIPT), "--batches", str(npz), "--steps", str(args.steps),
                 "--warmup", str(args.warmup), "--batch-size", str(args.batch_size),
-                "--multi-hot", str(max(1, args.multi_hot)), "--nproc", str(args.nproc)]
+                "--nproc", str(args.nproc)]
     for r in range(args.rounds):
         runs["hybridrec"].append(run_json(me))
         if args.ablation:

@@ -109,9 +109,32 @@ def make_batch(dense, ids, labels, k):
                  labels=torch.from_numpy(np.ascontiguousarray(labels, np.float32)))
 
 
+def make_jagged_batch(dense, values, lengths, labels):
+    """A batch whose bags have any size: ``values``/``lengths`` already feature-major."""
+    kjt = KeyedJaggedTensor.from_lengths_sync(
+        keys=KEYS, values=torch.from_numpy(values.astype(np.int64)),
+        lengths=torch.from_numpy(lengths.astype(np.int32)))
+    return Batch(dense_features=torch.from_numpy(np.ascontiguousarray(dense, np.float32)),
+                 sparse_features=kjt,
+                 labels=torch.from_numpy(np.ascontiguousarray(labels, np.float32)))
+
+
+def load_jagged_batches(f, rank, world):
+    """Batches stored one by one (kjt_values / kjt_lengths [n, 26*b] / kjt_offsets [n+1]),
+    batch i to rank i % world."""
+    dense, labels = f["dense"], f["labels"]
+    values, lengths, offsets = f["kjt_values"], f["kjt_lengths"], f["kjt_offsets"]
+    b = lengths.shape[1] // NUM_TABLES
+    return [make_jagged_batch(dense[i * b:(i + 1) * b], values[offsets[i]:offsets[i + 1]],
+                              lengths[i], labels[i * b:(i + 1) * b])
+            for i in range(rank, lengths.shape[0], world)]
+
+
 def check_batches(args):
     """Validate --batches in the parent process; sets args.multi_hot from the file."""
     with np.load(args.batches) as f:
+        if "kjt_values" in f.files:  # variable-size bags: checked when built
+            return
         missing = {"dense", "ids", "labels"} - set(f.files)
         if missing:
             raise SystemExit(f"{args.batches}: missing arrays {sorted(missing)} (has {f.files})")
@@ -140,6 +163,8 @@ def load_batches(args, rank, world):
                            rng.integers(0, 2, b).astype(np.float32), k)
                 for _ in range(args.num_batches)]
     with np.load(args.batches) as f:  # already checked by check_batches()
+        if "kjt_values" in f.files:
+            return load_jagged_batches(f, rank, world)
         dense, ids, labels = f["dense"], f["ids"], f["labels"]
     # Whole batches only; batch i goes to rank i % world (every rank gets >= 1).
     return [make_batch(dense[i * b:(i + 1) * b], ids[i * b:(i + 1) * b],

@@ -275,31 +275,42 @@ class EmbeddingBagCollection(nn.Module):
         return ids_km.index_select(0, src), lengths, offsets
 
     # -- gradients -----------------------------------------------------------
-    def pop_sparse_grads(self) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
-        """Per-id gradients of the lookups since the last call.
+    def pop_sparse_grads(self) -> list[tuple[int, torch.Tensor, torch.Tensor, bool]]:
+        """Row gradients of the lookups since the last call.
 
-        Returns ``[(group, ids [nnz], grad_rows [nnz, dim])]``; a row repeats
-        when an id occurs several times (optimizers add them up). ``grad_rows``
-        may alias the pooled output's gradient buffer: the caller owns it and
-        may overwrite it.
+        Returns ``[(group, ids [n], grad_rows [n, dim], unique)]``. With one id per
+        bag (``unique=False``) these are the bags' gradients, one row per occurrence,
+        and an id may repeat (optimizers add them up). With multi-id bags the rows are
+        already summed per distinct id (``unique=True``, ids ascending), so no
+        ``[nnz, dim]`` per-occurrence gradient is ever built. ``grad_rows`` may alias
+        the pooled output's gradient buffer: the caller owns it and may overwrite it.
         """
         out = []
         for lk in self._pending:
             if lk.pooled.grad is None:
                 continue  # forward without backward (e.g. a skipped step)
-            out.append((lk.group, lk.ids, self._id_grads(lk)))
+            out.append((lk.group, *self._row_grads(lk)))
         self._pending = []
         return out
 
-    def _id_grads(self, lk: _Lookup) -> torch.Tensor:
+    def _row_grads(self, lk: _Lookup) -> tuple[torch.Tensor, torch.Tensor, bool]:
         g = self._groups[lk.group]
         b, nf = lk.batch_size, len(g.features)
         block = lk.pooled.grad[:, g.col_start : g.col_start + g.dim * nf]
         bag_grads = block.reshape(b * nf, g.dim)  # sample-major bags, like the ids
         if lk.lengths is None:
-            return bag_grads
+            return lk.ids, bag_grads, False
+        # The gradient of row r is the sum of the gradients of the bags holding r:
+        # an embedding_bag over the bags, grouped by id (stable sort: deterministic).
         bag_of_id = torch.repeat_interleave(torch.arange(nf * b, device=bag_grads.device), lk.lengths)
-        rows = bag_grads.index_select(0, bag_of_id)
+        sorted_ids, perm = torch.sort(lk.ids, stable=True)
+        unique, counts = torch.unique_consecutive(sorted_ids, return_counts=True)
+        offsets = torch.zeros(counts.numel() + 1, dtype=torch.int64, device=counts.device)
+        torch.cumsum(counts, 0, out=offsets[1:])
+        bags = bag_of_id.index_select(0, perm)
+        weights = None
         if g.pooling == "mean":
-            rows /= lk.lengths.clamp(min=1).to(rows.dtype).index_select(0, bag_of_id).unsqueeze(1)
-        return rows
+            weights = 1.0 / lk.lengths.clamp(min=1).to(bag_grads.dtype).index_select(0, bags)
+        rows = F.embedding_bag(bags, bag_grads, offsets, mode="sum", per_sample_weights=weights,
+                               include_last_offset=True)
+        return unique, rows, True

@@ -147,7 +147,7 @@ class ReplicatedEmbeddingBagCollection(EmbeddingBagCollection):
 
     def pop_sparse_grads(self):
         out = []
-        for group, ids, rows in super().pop_sparse_grads():
+        for group, ids, rows, _ in super().pop_sparse_grads():
             n, d = self.group_weight(group).shape
             dense = rows.new_zeros(n, d + 1)  # last column counts occurrences
             dense[:, :d].index_add_(0, ids, rows)
@@ -158,7 +158,7 @@ class ReplicatedEmbeddingBagCollection(EmbeddingBagCollection):
                 self.ledger.record("dp_table_allreduce", sent=ring, received=ring, direction="bwd")
             touched = dense[:, d].nonzero().squeeze(1)
             # Summed, not averaged: the forward already scaled these gradients by 1/world.
-            out.append((group, touched, dense[touched, :d]))
+            out.append((group, touched, dense[touched, :d], True))
         return out
 
 

@@ -1,7 +1,7 @@
 """Sparse embedding optimizers: update only the rows a batch touched.
 
-They read ``(group, ids, grad_rows)`` triples from an embedding collection's
-``pop_sparse_grads()`` (one row per id occurrence) and never build a dense
+They read ``(group, ids, grad_rows, unique)`` from an embedding collection's
+``pop_sparse_grads()`` (per occurrence, or already summed per id) and never build a dense
 ``[rows, dim]`` gradient. Semantics match dense optimizers applied to the
 table gradient restricted to the touched rows:
 
@@ -56,10 +56,11 @@ class SparseOptimizer:
     def step(self) -> None:
         self.step_count += 1
         with torch.no_grad():
-            for group, ids, rows in self.collection.pop_sparse_grads():
-                self._update(group, self.collection.group_weight(group), ids, rows)
+            for group, ids, rows, unique in self.collection.pop_sparse_grads():
+                self._update(group, self.collection.group_weight(group), ids, rows, unique)
 
-    def _update(self, group: int, weight: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor):
+    def _update(self, group: int, weight: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor,
+                unique: bool):
         raise NotImplementedError
 
     # Per-row state is saved per table so checkpoints survive regrouping/resharding.
@@ -87,7 +88,7 @@ class SparseOptimizer:
 class SparseSGD(SparseOptimizer):
     name = "sgd"
 
-    def _update(self, group, weight, ids, rows):
+    def _update(self, group, weight, ids, rows, unique):
         _scatter_rows_add_(weight, ids, rows.mul_(-self.lr))  # rows is ours to overwrite
 
 
@@ -106,8 +107,8 @@ class RowWiseAdagrad(SparseOptimizer):
     def _state_tensors(self, group):
         return {"sum": self._acc[group]}
 
-    def _update(self, group, weight, ids, rows):
-        unique, grad = aggregate_rows(ids, rows)
+    def _update(self, group, weight, ids, rows, unique):
+        unique, grad = (ids, rows) if unique else aggregate_rows(ids, rows)
         acc = self._acc[group]
         new_acc = acc.index_select(0, unique) + grad.pow(2).mean(1)
         acc.index_copy_(0, unique, new_acc)
@@ -128,8 +129,8 @@ class LazyAdam(SparseOptimizer):
     def _state_tensors(self, group):
         return {"exp_avg": self._m[group], "exp_avg_sq": self._v[group]}
 
-    def _update(self, group, weight, ids, rows):
-        unique, grad = aggregate_rows(ids, rows)
+    def _update(self, group, weight, ids, rows, unique):
+        unique, grad = (ids, rows) if unique else aggregate_rows(ids, rows)
         m = self._m[group].index_select(0, unique).mul_(self.beta1).add_(grad, alpha=1 - self.beta1)
         v = self._v[group].index_select(0, unique).mul_(self.beta2).addcmul_(grad, grad, value=1 - self.beta2)
         self._m[group].index_copy_(0, unique, m)
