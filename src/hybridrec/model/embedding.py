@@ -91,6 +91,21 @@ def init_table_block(
     return out
 
 
+def group_ids(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Occurrences of each distinct id: ``(unique ascending int64, offsets [u+1], perm)`` with
+    ``perm[offsets[i]:offsets[i+1]]`` the positions of ``unique[i]`` in ``ids``, in order.
+
+    Sorts 32-bit keys when the ids fit (more than twice as fast as 64-bit on CPU);
+    the sort is stable, so everything built on it is deterministic.
+    """
+    key = ids.to(torch.int32) if ids.numel() and int(ids.max()) < 2**31 else ids
+    sorted_ids, perm = torch.sort(key, stable=True)
+    unique, counts = torch.unique_consecutive(sorted_ids, return_counts=True)
+    offsets = torch.zeros(counts.numel() + 1, dtype=torch.int64, device=ids.device)
+    torch.cumsum(counts, 0, out=offsets[1:])
+    return unique.to(torch.int64), offsets, perm
+
+
 @dataclass
 class KeyedTensor:
     """Pooled embeddings: ``values`` ``[B, sum(dims)]``, one column block per key."""
@@ -303,10 +318,7 @@ class EmbeddingBagCollection(nn.Module):
         # The gradient of row r is the sum of the gradients of the bags holding r:
         # an embedding_bag over the bags, grouped by id (stable sort: deterministic).
         bag_of_id = torch.repeat_interleave(torch.arange(nf * b, device=bag_grads.device), lk.lengths)
-        sorted_ids, perm = torch.sort(lk.ids, stable=True)
-        unique, counts = torch.unique_consecutive(sorted_ids, return_counts=True)
-        offsets = torch.zeros(counts.numel() + 1, dtype=torch.int64, device=counts.device)
-        torch.cumsum(counts, 0, out=offsets[1:])
+        unique, offsets, perm = group_ids(lk.ids)
         bags = bag_of_id.index_select(0, perm)
         weights = None
         if g.pooling == "mean":

@@ -19,6 +19,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from hybridrec.model.embedding import group_ids
+
 
 def aggregate_rows(ids: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Sum the gradient rows of repeated ids.
@@ -27,10 +29,7 @@ def aggregate_rows(ids: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor,
     unique ids ascending. Deterministic: a stable sort keeps occurrence order
     and ``embedding_bag`` adds each bag's rows in that order.
     """
-    sorted_ids, perm = torch.sort(ids, stable=True)
-    unique, counts = torch.unique_consecutive(sorted_ids, return_counts=True)
-    offsets = torch.zeros(counts.numel() + 1, dtype=torch.int64, device=ids.device)
-    torch.cumsum(counts, 0, out=offsets[1:])
+    unique, offsets, perm = group_ids(ids)
     summed = F.embedding_bag(perm, rows, offsets, mode="sum", include_last_offset=True)
     return unique, summed
 
