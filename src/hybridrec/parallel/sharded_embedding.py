@@ -278,19 +278,23 @@ class ShardedEmbeddingBagCollection(nn.Module):
         return self._owner_kjt(recv, sizes, batch_sizes), batch_sizes
 
     def _owner_kjt(self, recv: torch.Tensor, sizes: list[int], batch_sizes: list[int]) -> KeyedJagged:
+        """Regroup what every source rank sent (its lengths, then its ids, slot after slot)
+        into one key-major KJT over this rank's slots: one concatenation for the lengths
+        and one gather for the ids, whatever the number of slots and ranks."""
         mine = self.slots[self.topo.rank]
-        k = len(mine)
-        lengths_per_slot = [[] for _ in range(k)]
-        values_per_slot = [[] for _ in range(k)]
-        for block, b in zip(torch.split(recv, sizes), batch_sizes):
-            lengths = block[: k * b].view(k, b)
-            vals = torch.split(block[k * b :], lengths.sum(1).tolist())
-            for j in range(k):
-                lengths_per_slot[j].append(lengths[j])
-                values_per_slot[j].append(vals[j])
-        return KeyedJagged.from_lengths_per_key(
-            [s.name for s in mine], [torch.cat(v) for v in values_per_slot],
-            [torch.cat(ln) for ln in lengths_per_slot])
+        k, world = len(mine), self.topo.world_size
+        starts = [0] + torch.tensor(sizes).cumsum(0).tolist()[:-1]
+        lengths = [recv[s0 : s0 + k * b].view(k, b) for s0, b in zip(starts, batch_sizes)]
+        per_slot = torch.stack([ln.sum(1) for ln in lengths])  # [world, k] ids per (rank, slot)
+        # Start of each (rank, slot) run of ids inside recv, then reorder slot-major.
+        first = torch.tensor([s0 + k * b for s0, b in zip(starts, batch_sizes)]).unsqueeze(1)
+        run_start = first + torch.cumsum(per_slot, 1) - per_slot
+        run_start, run_len = run_start.t().reshape(-1), per_slot.t().reshape(-1)
+        out_start = torch.cumsum(run_len, 0) - run_len
+        total = int(run_len.sum())
+        src = torch.repeat_interleave(run_start - out_start, run_len) + torch.arange(total)
+        return KeyedJagged([s.name for s in mine], recv.index_select(0, src),
+                           torch.cat(lengths, dim=1).reshape(-1).to(torch.int32))
 
     # -- lookup + output_dist ----------------------------------------------------
     def forward(self, kjt: KeyedJagged) -> KeyedTensor:
