@@ -74,10 +74,6 @@ class CriteoReader:
         self._mh_cols = [_FIRST_CAT + CATEGORICAL.index(n) for n in self.multihot]
         self._oh_cols = [c for c in range(_FIRST_CAT, N_FIELDS) if c not in self._mh_cols]
 
-    @property
-    def onehot_names(self) -> list[str]:
-        return [FIELDS[c] for c in self._oh_cols]
-
     def read(self, path: str | os.PathLike, report: ParseReport) -> Iterator[tuple[RowChunk, int]]:
         """Yield ``(chunk, on-disk bytes consumed)``; the file's lines in order."""
         with open_input(path) as f:

@@ -51,9 +51,6 @@ class TablePlan:
     embedding_dim: int
     shards: list[Shard] = field(default_factory=list)
 
-    def shards_on(self, rank: int) -> list[Shard]:
-        return [s for s in self.shards if s.rank == rank]
-
 
 def split_evenly(n: int, parts: int) -> list[tuple[int, int]]:
     """``[start, end)`` ranges of ``n`` items over ``parts``, the first ones one larger."""

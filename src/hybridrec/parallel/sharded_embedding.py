@@ -188,6 +188,8 @@ class ShardedEmbeddingBagCollection(nn.Module):
         self._table_of = {f: t.name for t in tables for f in t.features}
         self.slots = _slots(tables, plan)
         self._has_shards = any(self.slots.values())
+        # Output columns each rank's shards produce (the widths of the output all-to-all).
+        self._widths = [sum(s.shard.num_cols for s in self.slots[r]) for r in range(topo.world_size)]
         self.local = self._build_local(self.slots[topo.rank])
         dp = [t for t in tables if plan.tables[t.name].sharding_type == "data_parallel"]
         self.replicated = ReplicatedEmbeddingBagCollection(dp, topo=topo, ledger=ledger, seed=seed) if dp else None
@@ -249,9 +251,6 @@ class ShardedEmbeddingBagCollection(nn.Module):
                 out.extend(parts)
         return torch.cat(out, dim=1)
 
-    def _widths(self, rank: int) -> int:
-        return sum(s.shard.num_cols for s in self.slots[rank])
-
     # -- input_dist ------------------------------------------------------------
     def input_dist(self, kjt: KeyedJagged) -> tuple[KeyedJagged, list[int]]:
         """Send every slot's ids to its owner; returns the owner-side KJT (keys =
@@ -282,7 +281,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
         into one key-major KJT over this rank's slots: one concatenation for the lengths
         and one gather for the ids, whatever the number of slots and ranks."""
         mine = self.slots[self.topo.rank]
-        k, world = len(mine), self.topo.world_size
+        k = len(mine)
         starts = [0] + torch.tensor(sizes).cumsum(0).tolist()[:-1]
         lengths = [recv[s0 : s0 + k * b].view(k, b) for s0, b in zip(starts, batch_sizes)]
         per_slot = torch.stack([ln.sum(1) for ln in lengths])  # [world, k] ids per (rank, slot)
@@ -310,7 +309,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
 
     def _sharded_blocks(self, kjt: KeyedJagged) -> list[torch.Tensor]:
         """input_dist, lookup, output_dist: the partial results of every owner, ``[B, C_d]``."""
-        b, world = kjt.batch_size, self.topo.world_size
+        b = kjt.batch_size
         owner_kjt, batch_sizes = self.input_dist(kjt)
         total = sum(batch_sizes)
         if self.local is not None:
@@ -318,11 +317,10 @@ class ShardedEmbeddingBagCollection(nn.Module):
         else:  # still joins the collectives, forward and backward
             pooled = torch.zeros(total, 0, requires_grad=torch.is_grad_enabled())
         width = pooled.shape[1]
-        recv = _AllToAll.apply(pooled.reshape(-1), [b * self._widths(d) for d in range(world)],
-                               [n * width for n in batch_sizes], self.topo.group, self.ledger,
-                               "output_dist")
-        return [x.view(b, self._widths(d)) for d, x in
-                enumerate(torch.split(recv, [b * self._widths(d) for d in range(world)]))]
+        sizes = [b * w for w in self._widths]
+        recv = _AllToAll.apply(pooled.reshape(-1), sizes, [n * width for n in batch_sizes],
+                               self.topo.group, self.ledger, "output_dist")
+        return [x.view(b, w) for x, w in zip(torch.split(recv, sizes), self._widths)]
 
     def _apply_mean(self, out: torch.Tensor, kjt: KeyedJagged) -> torch.Tensor:
         parts = kjt.split_by_key()

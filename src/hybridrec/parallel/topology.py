@@ -28,14 +28,6 @@ class Topology:
     host_group: dist.ProcessGroup | None
     """The ranks of this rank's host group."""
 
-    @property
-    def host(self) -> int:
-        return self.rank // self.local_world_size
-
-    @property
-    def num_hosts(self) -> int:
-        return self.world_size // self.local_world_size
-
     @staticmethod
     def single(device: torch.device | str = "cpu") -> Topology:
         return Topology(0, 1, 0, 1, torch.device(device), "none", None, None)

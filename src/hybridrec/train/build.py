@@ -33,7 +33,6 @@ from hybridrec.parallel.sharded_embedding import ShardedEmbeddingBagCollection
 from hybridrec.parallel.topology import Topology
 from hybridrec.train.sparse_optim import (
     CombinedSparseOptimizer,
-    SparseOptimizer,
     build_sparse_optimizer,
 )
 from hybridrec.train.trainer import Trainer
@@ -141,14 +140,17 @@ def uniform_plan(kind: str, tables: list[TableConfig], world: int, local_world: 
     return plan
 
 
-def build_sparse_optimizers(cfg: Config, sparse) -> SparseOptimizer | CombinedSparseOptimizer:
+def build_sparse_optimizers(cfg: Config, sparse) -> CombinedSparseOptimizer:
+    """One sparse optimizer per local collection (a sharded model: its shards and its
+    replicated tables), behind one interface."""
     kwargs = {} if cfg.optim.sparse == "sgd" else {"eps": cfg.optim.eps}
     if isinstance(sparse, ShardedEmbeddingBagCollection):
         named = {"shards": sparse.local, "replicated": sparse.replicated}
-        return CombinedSparseOptimizer({
-            k: build_sparse_optimizer(cfg.optim.sparse, c, lr=cfg.optim.sparse_lr, **kwargs)
-            for k, c in named.items() if c is not None})
-    return build_sparse_optimizer(cfg.optim.sparse, sparse, lr=cfg.optim.sparse_lr, **kwargs)
+    else:
+        named = {"tables": sparse}
+    return CombinedSparseOptimizer({
+        k: build_sparse_optimizer(cfg.optim.sparse, c, lr=cfg.optim.sparse_lr, **kwargs)
+        for k, c in named.items() if c is not None})
 
 
 def build_trainer(cfg: Config, *, meta: DatasetMeta | None = None, topo: Topology | None = None) -> Trainer:

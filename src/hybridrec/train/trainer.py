@@ -127,9 +127,6 @@ class Trainer:
         torch.set_rng_state(state["rng"])
         self.step = int(state["step"])
 
-    def _sparse_list(self) -> list:
-        return list(getattr(self.sparse_opt, "optimizers", {"": self.sparse_opt}).values())
-
     def save_checkpoint(self) -> Path:
         """One process: an atomic torch.save file; several: a sharded
         torch.distributed.checkpoint that any world size or plan can load."""
@@ -140,7 +137,7 @@ class Trainer:
             path = ckpt.checkpoint_dir(self.run_dir) / f"step-{self.step:08d}"
             extra = {"step": self.step, "loader": self.train_loader.state_dict()}
             sharded.save_sharded(path, model=self.model, dense_opt=self.dense_opt,
-                                 sparse_opts=self._sparse_list(), extra=extra, topo=self.topo)
+                                 sparse_opts=list(self.sparse_opt.optimizers.values()), extra=extra, topo=self.topo)
             if self.topo.rank == 0:
                 ckpt.prune(self.run_dir, keep=keep)
         self._saved_step = self.step
@@ -154,7 +151,7 @@ class Trainer:
             self.load_state_dict(ckpt.load_checkpoint(path))
         else:
             extra = sharded.load_sharded(path, model=self.model, dense_opt=self.dense_opt,
-                                         sparse_opts=self._sparse_list(), topo=self.topo)
+                                         sparse_opts=list(self.sparse_opt.optimizers.values()), topo=self.topo)
             self.train_loader.load_state_dict(extra["loader"])
             self.step = int(extra["step"])
         self._saved_step = self.step
