@@ -36,7 +36,7 @@ class DataConfig:
 @dataclass(kw_only=True)
 class ModelConfig:
     arch: str = "dlrm"
-    """Model family: ``dlrm``."""
+    """Model family: ``dlrm`` or ``deepfm`` (DLRM plus first-order and FM terms)."""
     embedding_dim: int = 16
     """Embedding dim of every table (DLRM: equals the bottom MLP output)."""
     bottom_mlp: list[int] = field(default_factory=lambda: [512, 256, 64, 16])
@@ -114,6 +114,37 @@ class DistConfig:
     """``auto`` (NCCL with CUDA, gloo otherwise), ``gloo`` or ``nccl``."""
     timeout_s: float = 300.0
     """Bound on every collective: a dead peer ends the run with an error, not a hang."""
+    pipeline: bool = True
+    """Overlap the next batch's input distribution with the current step (same results)."""
+
+
+@dataclass(kw_only=True)
+class CompressConfig:
+    dense: str = "none"
+    """Dense data-parallel gradients: ``none``, ``dct`` (threshold, refreshed every
+    ``dense_refresh_every`` steps), ``topk`` (exact top-k every step), ``fp16``, ``bf16``
+    or ``powersgd``."""
+    dense_ratio: float = 0.01
+    """Fraction of gradient entries kept (eta) by ``dct`` and ``topk``."""
+    dense_refresh_every: int = 2000
+    """``dct``: steps between recomputations of the threshold (L)."""
+    dense_error_feedback: bool = True
+    """Keep what was not sent as a residual added to the next step's gradient."""
+    dense_warmup_steps: int = 0
+    """Steps sent uncompressed before compression starts."""
+    powersgd_rank: int = 1
+    """``powersgd``: rank of the low-rank approximation."""
+    embedding: str = "none"
+    """Pooled-embedding hops (model-parallel, forward and backward): ``none``, ``dct``
+    (keep the largest entries of every sample), ``fp16``, ``bf16`` or ``int8`` (per-row scale)."""
+    embedding_ratio: float = 0.05
+    """``dct``: fraction of each sample's pooled entries kept (eta)."""
+    embedding_values: str = "fp32"
+    """``dct``: dtype of the kept values on the wire: ``fp32``, ``fp16`` or ``bf16``."""
+    embedding_tables: list[str] = field(default_factory=list)
+    """Compress only these tables' hops (empty = every sharded table)."""
+    embedding_min_rows: int = 0
+    """Compress only the hops of tables with at least this many rows."""
 
 
 @dataclass(kw_only=True)
@@ -128,13 +159,15 @@ class Config:
     """Loop, evaluation, checkpoints, run directory."""
     dist: DistConfig = field(default_factory=DistConfig)
     """Ranks, sharding, process groups."""
+    compress: CompressConfig = field(default_factory=CompressConfig)
+    """Communication compression (dense gradients, pooled embeddings)."""
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
 
 SECTIONS = {"data": DataConfig, "model": ModelConfig, "optim": OptimConfig, "train": TrainConfig,
-            "dist": DistConfig}
+            "dist": DistConfig, "compress": CompressConfig}
 
 
 def _section_fields(section: str) -> dict[str, dataclasses.Field]:
@@ -264,11 +297,11 @@ def build_config(base: dict | None = None, files: list[str] = (), overrides: lis
 
 
 def validate(cfg: Config) -> None:
-    m, o, d, t = cfg.model, cfg.optim, cfg.data, cfg.train
+    m, o, d, t, c = cfg.model, cfg.optim, cfg.data, cfg.train, cfg.compress
     checks = [
         (d.batch_size > 0, "data.batch_size must be positive"),
         (d.eval_batch_size > 0, "data.eval_batch_size must be positive"),
-        (m.arch == "dlrm", f"model.arch {m.arch!r}: only 'dlrm' is available"),
+        (m.arch in ("dlrm", "deepfm"), f"model.arch {m.arch!r}: dlrm or deepfm"),
         (m.interaction in ("dot", "cat"), f"model.interaction {m.interaction!r}: dot or cat"),
         (m.pooling in ("sum", "mean"), f"model.pooling {m.pooling!r}: sum or mean"),
         (bool(m.top_mlp) and m.top_mlp[-1] == 1, f"model.top_mlp must end in 1, got {m.top_mlp}"),
@@ -289,6 +322,18 @@ def validate(cfg: Config) -> None:
                                "data_parallel"), f"dist.sharding {cfg.dist.sharding!r}: auto or a sharding type"),
         (cfg.dist.backend in ("auto", "gloo", "nccl"), f"dist.backend {cfg.dist.backend!r}: auto, gloo or nccl"),
         (cfg.dist.timeout_s > 0, "dist.timeout_s must be positive"),
+        (c.dense in ("none", "dct", "topk", "fp16", "bf16", "powersgd"),
+         f"compress.dense {c.dense!r}: none, dct, topk, fp16, bf16 or powersgd"),
+        (0 < c.dense_ratio <= 1, f"compress.dense_ratio must be in (0, 1], got {c.dense_ratio}"),
+        (c.dense_refresh_every >= 1, "compress.dense_refresh_every must be >= 1"),
+        (c.dense_warmup_steps >= 0, "compress.dense_warmup_steps must be >= 0"),
+        (c.powersgd_rank >= 1, "compress.powersgd_rank must be >= 1"),
+        (c.embedding in ("none", "dct", "fp16", "bf16", "int8"),
+         f"compress.embedding {c.embedding!r}: none, dct, fp16, bf16 or int8"),
+        (0 < c.embedding_ratio <= 1, f"compress.embedding_ratio must be in (0, 1], got {c.embedding_ratio}"),
+        (c.embedding_values in ("fp32", "fp16", "bf16"),
+         f"compress.embedding_values {c.embedding_values!r}: fp32, fp16 or bf16"),
+        (c.embedding_min_rows >= 0, "compress.embedding_min_rows must be >= 0"),
     ]
     for ok, msg in checks:
         if not ok:
