@@ -75,11 +75,15 @@ def build(pooling):
     return DLRM(num_dense=3, sparse=ebc, bottom_mlp=[8, DIM], top_mlp=[6, 1])
 
 
-def train(model, opts, batches, lo, hi):
+def train(model, opts, batches, lo, hi, pipeline=False):
     dense_opt, sparse_opts = opts
     losses = []
-    for b in batches:
-        batch = local_batch(b, lo, hi)
+    local = [local_batch(b, lo, hi) for b in batches]
+    if pipeline:
+        model.sparse.prefetch(local[0].sparse)
+    for i, batch in enumerate(local):
+        if pipeline and i + 1 < len(local):  # the next batch's ids travel during this step
+            model.sparse.prefetch(local[i + 1].sparse)
         loss = F.binary_cross_entropy_with_logits(model(batch), batch.labels)
         dense_opt.zero_grad()
         loss.backward()
@@ -100,14 +104,14 @@ def full_tables_from_shards(shards):
     return out
 
 
-def worker(topo, kind, sparse_opt, multi_hot, pooling):
+def worker(topo, kind, sparse_opt, multi_hot, pooling, pipeline=False):
     plan = make_plan(kind, topo.world_size)
     model = parallelize_dlrm(build(pooling), plan, topo)
     dense_opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
     sparse = [build_sparse_optimizer(sparse_opt, c, lr=0.1) for c in model.sparse.collections()]
     per = GLOBAL_B // topo.world_size
     lo = topo.rank * per
-    losses = train(model, (dense_opt, sparse), global_batches(multi_hot), lo, lo + per)
+    losses = train(model, (dense_opt, sparse), global_batches(multi_hot), lo, lo + per, pipeline)
     shards = {k: (s, w.detach().clone()) for k, (s, w) in model.sparse.local_shards().items()}
     dense = {k: v.detach().clone() for k, v in model.state_dict().items() if "sparse" not in k}
     return losses, shards, dense
@@ -136,7 +140,17 @@ CASES = [
 
 @pytest.mark.parametrize("kind, world, sparse_opt, multi_hot, pooling", CASES)
 def test_sharded_equals_single_process(kind, world, sparse_opt, multi_hot, pooling):
-    results = run_ranks(worker, world, kind, sparse_opt, multi_hot, pooling)
+    check_against_reference(kind, world, sparse_opt, multi_hot, pooling, pipeline=False)
+
+
+@pytest.mark.parametrize("kind, world", [("row_wise", 2), ("mixed", 4)])
+def test_pipelined_input_dist_changes_nothing(kind, world):
+    """The next batch's input_dist started before the current step: same result."""
+    check_against_reference(kind, world, "sgd", True, "sum", pipeline=True)
+
+
+def check_against_reference(kind, world, sparse_opt, multi_hot, pooling, pipeline):
+    results = run_ranks(worker, world, kind, sparse_opt, multi_hot, pooling, pipeline)
     ref_losses, ref = reference(sparse_opt, multi_hot, pooling)
     mean_losses = [sum(r[0][s] for r in results) / world for s in range(STEPS)]
     torch.testing.assert_close(torch.tensor(mean_losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)

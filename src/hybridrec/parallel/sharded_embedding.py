@@ -136,6 +136,18 @@ def _bucketize(values: torch.Tensor, lengths: torch.Tensor, rows: tuple[int, int
     return values[keep] - rows[0], new_lengths
 
 
+class PendingInput:
+    """An input_dist under way: ``wait()`` -> ``(owner-side KJT, batch size per source rank)``."""
+
+    def __init__(self, coll: ShardedEmbeddingBagCollection, work, recv: torch.Tensor,
+                 sizes: list[int], batch_sizes: list[int]) -> None:
+        self.coll, self.work, self.recv, self.sizes, self.batch_sizes = coll, work, recv, sizes, batch_sizes
+
+    def wait(self) -> tuple[KeyedJagged, list[int]]:
+        self.work.wait()  # the ids all-to-all; blocks until this rank's part has arrived
+        return self.coll._owner_kjt(self.recv, self.sizes, self.batch_sizes), self.batch_sizes
+
+
 class ReplicatedEmbeddingBagCollection(EmbeddingBagCollection):
     """Data-parallel tables: every rank holds them whole; row gradients are summed
     over ranks (already scaled by 1/world in the forward) (a dense all-reduce of the small tables' gradients plus a touched-row
@@ -198,6 +210,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
                                   if s.feature == f) for f in self.feature_names}
         # Shards pool by sum (partial means would not add up); divide after the sum.
         # Replicated tables pool by their own mode already.
+        self._prefetched: tuple[KeyedJagged, PendingInput] | None = None
         self._mean = [f for f in self.feature_names if self.tables[self._table_of[f]].pooling == "mean"
                       and plan.tables[self._table_of[f]].sharding_type != "data_parallel"]
 
@@ -252,10 +265,10 @@ class ShardedEmbeddingBagCollection(nn.Module):
         return torch.cat(out, dim=1)
 
     # -- input_dist ------------------------------------------------------------
-    def input_dist(self, kjt: KeyedJagged) -> tuple[KeyedJagged, list[int]]:
-        """Send every slot's ids to its owner; returns the owner-side KJT (keys =
-        this rank's slots, samples of rank 0, then rank 1, ...) and the batch size
-        of every source rank."""
+    def start_input_dist(self, kjt: KeyedJagged) -> PendingInput:
+        """Send every slot's ids to its owner. The counts travel now (tiny, synchronous:
+        both sides need them to size the ids); the ids travel asynchronously, and the
+        returned handle's :meth:`PendingInput.wait` yields the owner-side batch."""
         parts = kjt.split_by_key()
         b, world = kjt.batch_size, self.topo.world_size
         bufs, counts = [], []
@@ -272,9 +285,27 @@ class ShardedEmbeddingBagCollection(nn.Module):
         recv_counts = _exchange(torch.tensor(counts, dtype=torch.int64), [2] * world, [2] * world,
                                 self.topo.group, self.ledger, "input_dist_counts", "fwd").view(world, 2)
         batch_sizes, sizes = recv_counts[:, 0].tolist(), recv_counts[:, 1].tolist()
-        recv = _exchange(torch.cat(bufs), sizes, [x.numel() for x in bufs], self.topo.group,
-                         self.ledger, "input_dist", "fwd")
-        return self._owner_kjt(recv, sizes, batch_sizes), batch_sizes
+        send = torch.cat(bufs)
+        recv = send.new_empty(sum(sizes))
+        work = dist.all_to_all_single(recv, send, sizes, [x.numel() for x in bufs],
+                                      group=self.topo.group, async_op=True)
+        if self.ledger is not None:
+            r = self.topo.rank
+            self.ledger.record("input_dist", direction="fwd", sent=(send.numel() - bufs[r].numel()) * 8,
+                               received=(recv.numel() - sizes[r]) * 8)
+        return PendingInput(self, work, recv, sizes, batch_sizes)
+
+    def input_dist(self, kjt: KeyedJagged) -> tuple[KeyedJagged, list[int]]:
+        """:meth:`start_input_dist` and wait: the owner-side KJT (keys = this rank's slots,
+        samples of rank 0, then rank 1, ...) and the batch size of every source rank."""
+        return self.start_input_dist(kjt).wait()
+
+    def prefetch(self, kjt: KeyedJagged) -> None:
+        """Start ``kjt``'s input_dist now; the ``forward`` that gets this very KJT object
+        waits for it instead of starting its own. Every rank must prefetch the same steps
+        (the collectives are matched in call order)."""
+        if self._has_shards:
+            self._prefetched = (kjt, self.start_input_dist(kjt))
 
     def _owner_kjt(self, recv: torch.Tensor, sizes: list[int], batch_sizes: list[int]) -> KeyedJagged:
         """Regroup what every source rank sent (its lengths, then its ids, slot after slot)
@@ -310,7 +341,11 @@ class ShardedEmbeddingBagCollection(nn.Module):
     def _sharded_blocks(self, kjt: KeyedJagged) -> list[torch.Tensor]:
         """input_dist, lookup, output_dist: the partial results of every owner, ``[B, C_d]``."""
         b = kjt.batch_size
-        owner_kjt, batch_sizes = self.input_dist(kjt)
+        if self._prefetched is not None and self._prefetched[0] is kjt:
+            owner_kjt, batch_sizes = self._prefetched[1].wait()
+            self._prefetched = None
+        else:  # not prefetched (e.g. evaluation): a pending prefetch stays for its own batch
+            owner_kjt, batch_sizes = self.input_dist(kjt)
         total = sum(batch_sizes)
         if self.local is not None:
             pooled = self.local(owner_kjt).values

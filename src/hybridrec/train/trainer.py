@@ -22,6 +22,7 @@ from hybridrec.sparse.keyed_jagged import Batch
 from hybridrec.train import checkpoint as ckpt
 from hybridrec.train.config import Config
 from hybridrec.train.optim import LRScheduler
+from hybridrec.train.pipeline import TrainPipeline
 
 
 @dataclass
@@ -88,6 +89,8 @@ class Trainer:
         self.topo = topo
         self.step = 0
         self._saved_step: int | None = None  # step of the newest checkpoint on disk
+        sparse = getattr(model, "sparse", None)
+        self.pipeline = TrainPipeline(train_loader, sparse, enabled=cfg.dist.pipeline)
 
     # -- one step --------------------------------------------------------------
     def train_step(self, batch: Batch) -> torch.Tensor:
@@ -115,7 +118,7 @@ class Trainer:
             "model": self.model.state_dict(),
             "dense_opt": self.dense_opt.state_dict(),
             "sparse_opt": self.sparse_opt.state_dict(),
-            "loader": self.train_loader.state_dict(),
+            "loader": self.pipeline.loader_state(),
             "rng": torch.get_rng_state(),
         }
 
@@ -135,7 +138,7 @@ class Trainer:
             path = ckpt.save_checkpoint(self.run_dir, self.step, self.state_dict(), keep=keep)
         else:
             path = ckpt.checkpoint_dir(self.run_dir) / f"step-{self.step:08d}"
-            extra = {"step": self.step, "loader": self.train_loader.state_dict()}
+            extra = {"step": self.step, "loader": self.pipeline.loader_state()}
             sharded.save_sharded(path, model=self.model, dense_opt=self.dense_opt,
                                  sparse_opts=list(self.sparse_opt.optimizers.values()), extra=extra, topo=self.topo)
             if self.topo.rank == 0:
@@ -169,7 +172,7 @@ class Trainer:
         last_loss = float("nan")
         meter.start()
         while self.step < self.total_steps:
-            for batch in self.train_loader:
+            for batch in self.pipeline.batches(self.total_steps - self.step):
                 running.update(self.train_step(batch))
                 meter.step(batch.batch_size * self.topo.world_size)  # global samples
                 bar.update(1)

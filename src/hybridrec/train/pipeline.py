@@ -1,0 +1,65 @@
+"""Training pipeline: the next batch's input_dist travels while the current batch trains.
+
+With sharded embeddings every step starts with an all-to-all of ids (input_dist)
+that the step then waits for. :class:`TrainPipeline` takes batch ``i + 1`` from
+the loader and starts its input_dist before batch ``i`` is handed to the training
+step, so the ids of the next step are on the wire during the current forward,
+backward and optimizer step. The ids are the same, so the results are identical
+with the pipeline on or off (``dist.pipeline``); only the waiting moves.
+
+Every rank runs the same loop, so every rank starts the same prefetches in the
+same order: collectives stay matched.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from hybridrec.sparse.keyed_jagged import Batch
+
+
+class TrainPipeline:
+    """Iterates a training loader one batch ahead.
+
+    Args:
+        loader: the training loader (``iter`` yields :class:`Batch`, ``state_dict``
+            is the position after the last yielded batch).
+        sparse: the model's embedding collection; prefetching needs its ``prefetch(kjt)``
+            (a sharded collection); anything else disables the pipeline.
+        enabled: the switch (``dist.pipeline``).
+
+    ``batches(limit)`` yields at most ``limit`` batches of one pass over the loader.
+    ``loader_state()`` is the loader position after the last batch *yielded* (the one
+    taken ahead is not trained yet, so a checkpoint must not skip it).
+    """
+
+    def __init__(self, loader, sparse, *, enabled: bool) -> None:
+        self.loader = loader
+        self.sparse = sparse
+        self.enabled = enabled and hasattr(sparse, "prefetch")
+        self._state: dict | None = None  # loader position after the batch being trained
+
+    def loader_state(self) -> dict:
+        return self._state if self._state is not None else self.loader.state_dict()
+
+    def batches(self, limit: int) -> Iterator[Batch]:
+        if limit <= 0:
+            return
+        it = iter(self.loader)
+        nxt = self._take(it)
+        nxt_state = self.loader.state_dict()
+        yielded = 0
+        while nxt is not None:
+            cur, self._state = nxt, nxt_state
+            yielded += 1
+            # Take the next batch and start its ids on their way before this one trains;
+            # never read past the last batch the caller will train.
+            nxt = self._take(it) if yielded < limit else None
+            nxt_state = self.loader.state_dict()
+            yield cur
+
+    def _take(self, it) -> Batch | None:
+        batch = next(it, None)
+        if batch is not None and self.enabled:
+            self.sparse.prefetch(batch.sparse)
+        return batch
