@@ -38,6 +38,11 @@ class TableConfig:
     """Features that read this table (default: one feature named like the table)."""
     pooling: str = "sum"
     """How the ids of one bag combine: ``sum`` or ``mean``."""
+    fm_cols: int | None = None
+    """FM tables (DeepFM): the leading columns that form the id's embedding; the column
+    after them, when the table has one, is the id's first-order (LR) weight. The
+    collection also returns each bag's sum of squared embedding norms over these columns.
+    None: an ordinary table."""
 
     def __post_init__(self) -> None:
         if not self.features:
@@ -46,14 +51,26 @@ class TableConfig:
             raise ValueError(f"table {self.name}: pooling must be sum or mean, got {self.pooling!r}")
         if self.num_embeddings <= 0 or self.embedding_dim <= 0:
             raise ValueError(f"table {self.name}: sizes must be positive")
+        if self.fm_cols is not None:
+            if not 0 <= self.embedding_dim - self.fm_cols <= 1:
+                raise ValueError(f"table {self.name}: an FM table has fm_cols embedding columns and at "
+                                 f"most one first-order column, got dim {self.embedding_dim}, fm_cols {self.fm_cols}")
+            if self.pooling != "sum":
+                raise ValueError(f"table {self.name}: FM tables need sum pooling")
+
+    @property
+    def first_order_col(self) -> int | None:
+        """Column of the first-order weight, if this (FM) table holds it."""
+        fm = self.fm_cols
+        return fm if fm is not None and fm < self.embedding_dim else None
 
 
-def group_tables(tables: list[TableConfig]) -> dict[tuple[int, str], list[TableConfig]]:
-    """Tables fused together: same (dim, pooling), in first-seen order. The pooled
+def group_tables(tables: list[TableConfig]) -> dict[tuple[int, str, int | None], list[TableConfig]]:
+    """Tables fused together: same (dim, pooling, fm_cols), in first-seen order. The pooled
     output lists features group by group, in this order."""
-    groups: dict[tuple[int, str], list[TableConfig]] = {}
+    groups: dict[tuple[int, str, int | None], list[TableConfig]] = {}
     for t in tables:
-        groups.setdefault((t.embedding_dim, t.pooling), []).append(t)
+        groups.setdefault((t.embedding_dim, t.pooling, t.fm_cols), []).append(t)
     return groups
 
 
@@ -108,11 +125,28 @@ def group_ids(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
 
 @dataclass
 class KeyedTensor:
-    """Pooled embeddings: ``values`` ``[B, sum(dims)]``, one column block per key."""
+    """Pooled embeddings: ``values`` ``[B, sum(dims)]``, one column block per key.
+
+    ``square_sums`` (collections built with ``square_sums=True``): ``[B, len(keys)]``,
+    for every bag the sum over its ids of the squared norm of the id's row,
+    ``sum_i ||v_i||^2`` (the FM term's ``q``; unlike the pooled vector's norm it adds
+    up over row shards). ``fm``: the FM partial sums of a sharded collection, see
+    :mod:`hybridrec.model.fm`.
+    """
 
     keys: list[str]
     dims: list[int]
     values: torch.Tensor
+    square_sums: torch.Tensor | None = None
+    fm: torch.Tensor | None = None
+
+    def select(self, keys: list[str]) -> torch.Tensor:
+        """The columns of ``keys``, side by side: ``[B, sum(dims of keys)]``."""
+        if keys == self.keys:
+            return self.values
+        starts = dict(zip(self.keys, torch.tensor([0] + self.dims).cumsum(0).tolist()))
+        width = dict(zip(self.keys, self.dims))
+        return torch.cat([self.values[:, starts[k] : starts[k] + width[k]] for k in keys], dim=1)
 
     def as_3d(self) -> torch.Tensor:
         """``[B, F, D]`` view; all dims must be equal."""
@@ -128,6 +162,7 @@ class _Group:
 
     dim: int
     pooling: str
+    fm_cols: int | None  # square sums over the first fm_cols columns (FM tables)
     tables: list[TableConfig]
     features: list[str]  # in output order
     feature_row_offset: list[int]  # row of the feature's table inside the fused weight
@@ -143,6 +178,8 @@ class _Lookup:
     lengths: torch.Tensor | None  # [B * F_g] int64 bag sizes, sample-major; None if all 1
     pooled: torch.Tensor  # the autograd leaf, [B, total_dim]
     batch_size: int
+    square_sums: torch.Tensor | None = None  # the autograd leaf, [B, num_features]
+    feature_start: int = 0  # first column of the group in square_sums
 
 
 class EmbeddingBagCollection(nn.Module):
@@ -158,7 +195,8 @@ class EmbeddingBagCollection(nn.Module):
         init=None,
     ) -> None:
         """``init(table, weight)`` fills a table's weight in place (default: the seeded
-        :func:`init_table_block` of that table)."""
+        :func:`init_table_block` of that table). With FM tables (``fm_cols``) the output
+        also carries every bag's sum of squared embedding norms, with its gradient."""
         super().__init__()
         self.seed = seed
         self._init = init
@@ -172,7 +210,7 @@ class EmbeddingBagCollection(nn.Module):
 
     def _build_groups(self, tables: list[TableConfig], device) -> None:
         col = 0
-        for gi, ((dim, pooling), ts) in enumerate(group_tables(tables).items()):
+        for gi, ((dim, pooling, fm_cols), ts) in enumerate(group_tables(tables).items()):
             rows, feats, offs = 0, [], []
             for t in ts:
                 self._table_rows[t.name] = (gi, rows)
@@ -181,9 +219,10 @@ class EmbeddingBagCollection(nn.Module):
                 rows += t.num_embeddings
             weight = torch.empty(rows, dim, device=device)
             self.register_parameter(f"_fused_{gi}", nn.Parameter(weight, requires_grad=False))
-            self._groups.append(_Group(dim, pooling, ts, feats, offs, col))
+            self._groups.append(_Group(dim, pooling, fm_cols, ts, feats, offs, col))
             col += dim * len(feats)
         self.total_dim = col
+        self.has_fm = any(g.fm_cols is not None for g in self._groups)
         self.feature_names = [f for g in self._groups for f in g.features]
         self.feature_dims = [g.dim for g in self._groups for _ in g.features]
         if len(set(self.feature_names)) != len(self.feature_names):
@@ -243,20 +282,26 @@ class EmbeddingBagCollection(nn.Module):
     # -- lookup --------------------------------------------------------------
     def forward(self, kjt: KeyedJagged) -> KeyedTensor:
         b = kjt.batch_size
-        blocks, lookups = [], []
+        blocks, lookups, squares = [], [], []
         for gi, g in enumerate(self._groups):
             ids, lengths, offsets = self._group_ids(g, kjt)
-            pooled = F.embedding_bag(
-                ids, self.group_weight(gi), offsets, mode=g.pooling, include_last_offset=True
-            )
+            weight = self.group_weight(gi)
+            pooled = F.embedding_bag(ids, weight, offsets, mode=g.pooling, include_last_offset=True)
             blocks.append(pooled.view(b, len(g.features) * g.dim))
             lookups.append((gi, ids, lengths))
+            if self.has_fm:  # ordinary tables' features get zeros (they are not in the FM term)
+                squares.append(_bag_square_sums(weight[:, : g.fm_cols], ids, offsets, lengths).view(b, -1)
+                               if g.fm_cols is not None else pooled.new_zeros(b, len(g.features)))
         # One group (the common case) needs no copy: the bags are sample-major.
         out = blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=1)
+        sq = (squares[0] if len(squares) == 1 else torch.cat(squares, dim=1)) if squares else None
         if self.training and torch.is_grad_enabled():
             out.requires_grad_()
-            self._pending += [_Lookup(gi, ids, ln, out, b) for gi, ids, ln in lookups]
-        return KeyedTensor(self.feature_names, self.feature_dims, out)
+            if sq is not None:
+                sq.requires_grad_()
+            starts = torch.tensor([0] + [len(g.features) for g in self._groups]).cumsum(0).tolist()
+            self._pending += [_Lookup(gi, ids, ln, out, b, sq, starts[gi]) for gi, ids, ln in lookups]
+        return KeyedTensor(self.feature_names, self.feature_dims, out, square_sums=sq)
 
     def _group_ids(self, g: _Group, kjt: KeyedJagged):
         """Ids of the group's features offset into the fused weight, in sample-major
@@ -313,7 +358,14 @@ class EmbeddingBagCollection(nn.Module):
         b, nf = lk.batch_size, len(g.features)
         block = lk.pooled.grad[:, g.col_start : g.col_start + g.dim * nf]
         bag_grads = block.reshape(b * nf, g.dim)  # sample-major bags, like the ids
+        sq_grads = None  # d loss / d (bag's sum of squared norms), [B * F_g]
+        if g.fm_cols and lk.square_sums is not None and lk.square_sums.grad is not None:
+            sq_grads = lk.square_sums.grad[:, lk.feature_start : lk.feature_start + nf].reshape(-1)
+        weight = self.group_weight(lk.group)
         if lk.lengths is None:
+            if sq_grads is not None:  # d ||v||^2 / dv = 2v, per occurrence, on the FM columns
+                bag_grads = bag_grads.clone()
+                bag_grads[:, : g.fm_cols] += 2 * sq_grads.unsqueeze(1) * weight[:, : g.fm_cols].index_select(0, lk.ids)
             return lk.ids, bag_grads, False
         # The gradient of row r is the sum of the gradients of the bags holding r:
         # an embedding_bag over the bags, grouped by id (stable sort: deterministic).
@@ -325,4 +377,18 @@ class EmbeddingBagCollection(nn.Module):
             weights = 1.0 / lk.lengths.clamp(min=1).to(bag_grads.dtype).index_select(0, bags)
         rows = F.embedding_bag(bags, bag_grads, offsets, mode="sum", per_sample_weights=weights,
                                include_last_offset=True)
+        if sq_grads is not None:  # 2 v_r times the summed square-sum gradients of r's bags
+            coef = F.embedding_bag(bags, sq_grads.unsqueeze(1), offsets, mode="sum", include_last_offset=True)
+            rows[:, : g.fm_cols] += 2 * coef * weight[:, : g.fm_cols].index_select(0, unique)
         return unique, rows, True
+
+
+def _bag_square_sums(weight: torch.Tensor, ids: torch.Tensor, offsets: torch.Tensor,
+                     lengths: torch.Tensor | None) -> torch.Tensor:
+    """``sum_i ||weight[i]||^2`` over the ids of every bag: ``[num_bags]`` (no autograd;
+    the gradient is added to the row gradients in ``_row_grads``)."""
+    sq = weight.index_select(0, ids).pow(2).sum(1)
+    if lengths is None:  # one id per bag
+        return sq
+    return F.embedding_bag(torch.arange(ids.numel(), device=ids.device), sq.unsqueeze(1), offsets,
+                           mode="sum", include_last_offset=True).squeeze(1)

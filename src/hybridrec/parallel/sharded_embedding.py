@@ -77,15 +77,56 @@ def _slots(tables: list[TableConfig], plan: ShardingPlan) -> dict[int, list[Slot
 
 
 def _local_tables(slots: list[Slot], tables: dict[str, TableConfig]) -> list[TableConfig]:
-    """One local table per shard; always sum pooling (mean is applied after the sum)."""
+    """One local table per shard; always sum pooling (mean is applied after the sum).
+    A shard of an FM table keeps the FM columns it holds (and the first-order column if
+    it holds it)."""
     features: dict[str, list[str]] = {}
     shards: dict[str, Slot] = {}
     for s in slots:
         features.setdefault(s.shard_table, []).append(s.name)
         shards[s.shard_table] = s
-    return [TableConfig(name=n, num_embeddings=shards[n].shard.num_rows,
-                        embedding_dim=shards[n].shard.num_cols, features=f, pooling="sum")
-            for n, f in features.items()]
+    out = []
+    for n, f in features.items():
+        sh, fm = shards[n].shard, tables[shards[n].table].fm_cols
+        out.append(TableConfig(name=n, num_embeddings=sh.num_rows, embedding_dim=sh.num_cols, features=f,
+                               pooling="sum", fm_cols=None if fm is None else max(0, min(sh.cols[1], fm) - sh.cols[0])))
+    return out
+
+
+@dataclass
+class _BlockLayout:
+    """What one collection (an owner's shards, or the replicated tables) sends per sample:
+    its pieces' embedding columns side by side, then, with FM tables, ``[z_p, q_p]``
+    (its part of the first-order term and of the FM square sums, DES's partial results)."""
+
+    pieces: list[tuple[str, int]]  # (output name, embedding columns sent)
+    field_cols: list[int]  # columns of the local output that are sent as they are
+    lr_cols: list[int]  # first-order columns of the local output, summed into z_p
+    fm: bool  # an FM block [z_p, q_p] follows the pieces
+
+    @property
+    def width(self) -> int:
+        return sum(w for _, w in self.pieces) + (2 if self.fm else 0)
+
+    @classmethod
+    def of(cls, tables: list[TableConfig]) -> _BlockLayout:
+        table_of = {f: t for t in tables for f in t.features}
+        pieces, field_cols, lr_cols, col = [], [], [], 0
+        for name, width in output_features(tables):
+            lr = table_of[name].first_order_col
+            pieces.append((name, width - (lr is not None)))
+            field_cols += [col + c for c in range(width) if c != lr]
+            lr_cols += [col + lr] if lr is not None else []
+            col += width
+        return cls(pieces, field_cols, lr_cols, any(t.fm_cols is not None for t in tables))
+
+    def encode(self, kt: KeyedTensor) -> torch.Tensor:
+        """A collection's output -> the ``[B, width]`` block this layout sends."""
+        if not self.fm:
+            return kt.values
+        v = kt.values
+        z = v[:, self.lr_cols].sum(1, keepdim=True) if self.lr_cols else v.new_zeros(v.shape[0], 1)
+        return torch.cat([v[:, self.field_cols], z, kt.square_sums.sum(1, keepdim=True)], dim=1)
 
 
 class _AllToAll(torch.autograd.Function):
@@ -193,17 +234,23 @@ class ShardedEmbeddingBagCollection(nn.Module):
         self.tables = {t.name: t for t in tables}
         out = output_features(tables)
         self.feature_names = [f for f, _ in out]
-        self.feature_dims = [d for _, d in out]
+        # FM tables' first-order column never travels as such (owners send z_p instead).
+        fm_cols = {f: t.fm_cols for t in tables for f in t.features}
+        self.feature_dims = [d if fm_cols[f] is None else fm_cols[f] for f, d in out]
+        self.has_fm = any(c is not None for c in fm_cols.values())
         self.total_dim = sum(self.feature_dims)
         starts = torch.cumsum(torch.tensor([0] + self.feature_dims), 0).tolist()
         self._col = dict(zip(self.feature_names, starts))
         self._table_of = {f: t.name for t in tables for f in t.features}
         self.slots = _slots(tables, plan)
         self._has_shards = any(self.slots.values())
-        # Output columns each rank's shards produce (the widths of the output all-to-all).
-        self._widths = [sum(s.shard.num_cols for s in self.slots[r]) for r in range(topo.world_size)]
-        self.local = self._build_local(self.slots[topo.rank])
         dp = [t for t in tables if plan.tables[t.name].sharding_type == "data_parallel"]
+        # What each rank's shards send per sample (the widths of the output all-to-all),
+        # then what the replicated tables contribute locally.
+        self._layouts = [_BlockLayout.of(_local_tables(self.slots[r], self.tables))
+                         for r in range(topo.world_size)] + [_BlockLayout.of(dp)]
+        self._widths = [lay.width for lay in self._layouts[:-1]]
+        self.local = self._build_local(self.slots[topo.rank])
         self.replicated = ReplicatedEmbeddingBagCollection(dp, topo=topo, ledger=ledger, seed=seed) if dp else None
         self._pieces = self._assembly(dp)
         self._row_split = {f: any(s.row_split for slots in self.slots.values() for s in slots
@@ -229,28 +276,28 @@ class ShardedEmbeddingBagCollection(nn.Module):
     def _assembly(self, dp_tables) -> dict[str, list[tuple[int, int, int]]]:
         """For every output feature, its pieces among the received blocks:
         ``(block, piece, first column)``. Blocks are the owners' outputs in rank order
-        (then the replicated tables'); pieces are their slots, in the owner's local order."""
+        (then the replicated tables'); pieces are their slots, in the owner's local order,
+        followed by the block's ``[z_p, q_p]`` with FM tables."""
         by_name = {s.name: s for slots in self.slots.values() for s in slots}
         pieces: dict[str, list[tuple[int, int, int]]] = {f: [] for f in self.feature_names}
         self._piece_widths = []
-        for d in range(self.topo.world_size):
-            layout = output_features(_local_tables(self.slots[d], self.tables))
-            self._piece_widths.append([w for _, w in layout])
-            for j, (name, _) in enumerate(layout):
-                s = by_name[name]
-                pieces[s.feature].append((d, j, s.shard.cols[0]))
-        layout = output_features(dp_tables)
-        self._piece_widths.append([w for _, w in layout])
-        for j, (f, _) in enumerate(layout):
-            pieces[f].append((self.topo.world_size, j, 0))
+        for d, layout in enumerate(self._layouts):
+            self._piece_widths.append([w for _, w in layout.pieces] + ([2] if layout.fm else []))
+            for j, (name, _) in enumerate(layout.pieces):
+                if d < self.topo.world_size:
+                    s = by_name[name]
+                    pieces[s.feature].append((d, j, s.shard.cols[0]))
+                else:  # replicated tables: whole
+                    pieces[name].append((d, j, 0))
         for f in pieces:
             pieces[f].sort(key=lambda p: p[2])  # column shards in column order
         return pieces
 
-    def _combine(self, blocks: list[torch.Tensor]) -> torch.Tensor:
-        """Received partial results -> ``[B, sum(dims)]``: row shards' partials are added,
-        column shards' placed side by side. One split per block and one concatenation,
-        so backward is one concatenation per block (no per-slice zero-filled grads)."""
+    def _combine(self, blocks: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Received partial results -> ``[B, sum(dims)]`` (and ``[B, 2]`` FM sums): row
+        shards' partials are added, column shards' placed side by side, every block's
+        ``[z_p, q_p]`` added up. One split per block and one concatenation, so backward is
+        one concatenation per block (no per-slice zero-filled grads)."""
         split = [torch.split(b, w, dim=1) if w else () for b, w in zip(blocks, self._piece_widths)]
         out = []
         for f in self.feature_names:
@@ -262,7 +309,11 @@ class ShardedEmbeddingBagCollection(nn.Module):
                 out.append(total)
             else:
                 out.extend(parts)
-        return torch.cat(out, dim=1)
+        fm = None
+        for parts, layout in zip(split, self._layouts):
+            if layout.fm:
+                fm = parts[-1] if fm is None else fm + parts[-1]
+        return torch.cat(out, dim=1), fm
 
     # -- input_dist ------------------------------------------------------------
     def start_input_dist(self, kjt: KeyedJagged) -> PendingInput:
@@ -331,12 +382,15 @@ class ShardedEmbeddingBagCollection(nn.Module):
         b, world = kjt.batch_size, self.topo.world_size
         # With replicated tables only, nothing is distributed at all.
         blocks = self._sharded_blocks(kjt) if self._has_shards else [torch.empty(b, 0)] * world
-        blocks.append(self.replicated(kjt.select_keys(self.replicated.feature_names)).values
+        blocks.append(self._layouts[-1].encode(self.replicated(kjt.select_keys(self.replicated.feature_names)))
                       if self.replicated is not None else torch.empty(b, 0))
-        out = _ScaleGrad.apply(self._combine(blocks), 1.0 / world)
+        out, fm = self._combine(blocks)
+        out = _ScaleGrad.apply(out, 1.0 / world)
+        if fm is not None:
+            fm = _ScaleGrad.apply(fm, 1.0 / world)
         if self._mean:
             out = self._apply_mean(out, kjt)
-        return KeyedTensor(self.feature_names, self.feature_dims, out)
+        return KeyedTensor(self.feature_names, self.feature_dims, out, fm=fm)
 
     def _sharded_blocks(self, kjt: KeyedJagged) -> list[torch.Tensor]:
         """input_dist, lookup, output_dist: the partial results of every owner, ``[B, C_d]``."""
@@ -348,7 +402,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
             owner_kjt, batch_sizes = self.input_dist(kjt)
         total = sum(batch_sizes)
         if self.local is not None:
-            pooled = self.local(owner_kjt).values
+            pooled = self._layouts[self.topo.rank].encode(self.local(owner_kjt))
         else:  # still joins the collectives, forward and backward
             pooled = torch.zeros(total, 0, requires_grad=torch.is_grad_enabled())
         width = pooled.shape[1]

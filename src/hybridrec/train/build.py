@@ -16,6 +16,7 @@ from hybridrec.data.loader import ShardedLoader
 from hybridrec.data.schema import DatasetMeta
 from hybridrec.errors import ConfigError
 from hybridrec.metrics.logger import MetricLogger
+from hybridrec.model.deepfm import DeepFM
 from hybridrec.model.dlrm import DLRM
 from hybridrec.model.embedding import EmbeddingBagCollection, TableConfig
 from hybridrec.train.config import Config
@@ -45,10 +46,12 @@ def load_dataset(cfg: Config) -> DatasetMeta:
 
 
 def build_tables(meta: DatasetMeta, cfg: Config) -> list[TableConfig]:
-    """One table per categorical feature, sized from the dataset's schema."""
+    """One table per categorical feature, sized from the dataset's schema. DeepFM: FM
+    tables with one more column, the ids' first-order weights."""
+    k, fm = cfg.model.embedding_dim, cfg.model.arch == "deepfm"
     return [
-        TableConfig(name=f.name, num_embeddings=f.num_embeddings,
-                    embedding_dim=cfg.model.embedding_dim, pooling=cfg.model.pooling)
+        TableConfig(name=f.name, num_embeddings=f.num_embeddings, embedding_dim=k + fm,
+                    pooling=cfg.model.pooling, fm_cols=k if fm else None)
         for f in meta.schema.features
     ]
 
@@ -63,8 +66,9 @@ def build_model(cfg: Config, meta: DatasetMeta, *, plan: ShardingPlan | None = N
         ebc = EmbeddingBagCollection(tables, seed=cfg.train.seed)
     else:
         ebc = ShardedEmbeddingBagCollection(tables, plan, topo, seed=cfg.train.seed, ledger=ledger)
+    arch = DeepFM if cfg.model.arch == "deepfm" else DLRM
     try:
-        return DLRM(num_dense=len(meta.schema.dense), sparse=ebc, bottom_mlp=cfg.model.bottom_mlp,
+        return arch(num_dense=len(meta.schema.dense), sparse=ebc, bottom_mlp=cfg.model.bottom_mlp,
                     top_mlp=cfg.model.top_mlp, interaction=cfg.model.interaction)
     except ValueError as e:
         raise ConfigError(str(e)) from None

@@ -304,6 +304,7 @@ def validate(cfg: Config) -> None:
         (m.arch in ("dlrm", "deepfm"), f"model.arch {m.arch!r}: dlrm or deepfm"),
         (m.interaction in ("dot", "cat"), f"model.interaction {m.interaction!r}: dot or cat"),
         (m.pooling in ("sum", "mean"), f"model.pooling {m.pooling!r}: sum or mean"),
+        (m.arch != "deepfm" or m.pooling == "sum", "model.arch=deepfm needs model.pooling=sum (the FM term)"),
         (bool(m.top_mlp) and m.top_mlp[-1] == 1, f"model.top_mlp must end in 1, got {m.top_mlp}"),
         (bool(m.bottom_mlp) and m.bottom_mlp[-1] == m.embedding_dim,
          f"model.bottom_mlp must end in model.embedding_dim ({m.embedding_dim}), got {m.bottom_mlp}"),

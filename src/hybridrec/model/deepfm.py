@@ -1,0 +1,86 @@
+"""DeepFM: DLRM's deep part plus a first-order (LR) term and an FM second-order term.
+
+Every categorical feature's table is an *FM table* of ``k + 1`` columns
+(:attr:`TableConfig.fm_cols` ``= k``): columns ``0..k-1`` are the id's embedding
+``v_i`` (shared by the deep part and the FM term, as in DeepFM) and column ``k``
+its first-order weight ``w_i``. For one sample, with ``e_f`` the pooled embedding
+of field ``f`` (sum pooling)::
+
+    logit = deep(bottom(dense), e_1..e_F)            # DLRM: interaction + top MLP
+          + z                                         # z = sum_f sum_{i in bag f} w_i
+          + 1/2 (||s||^2 - q)                         # s = sum_f e_f
+                                                      # q = sum_f sum_{i in bag f} ||v_i||^2
+
+``q`` is a sum over ids, not over fields, so the FM term is the factorisation machine
+over every active id (for one-hot fields the two coincide).
+
+Sharded (DES, see :mod:`hybridrec.parallel.sharded_embedding`): ``z`` and ``q`` are
+sums over ids, so every shard owner adds up its own part and sends 2 floats per
+sample (``[z_p, q_p]``) instead of its ids' weights and rows; the receiver adds the
+owners' parts. ``s`` is the sum of the field vectors the deep part receives anyway.
+The collection then returns the fields (``k`` columns each) and ``fm = [z, q]``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from hybridrec.model.embedding import KeyedTensor
+from hybridrec.model.interaction import CatInteraction, DotInteraction
+from hybridrec.model.mlp import MLP
+from hybridrec.sparse.keyed_jagged import Batch
+
+
+def fm_terms(pooled: KeyedTensor, dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(fields [B, F, k], z [B], q [B])`` from a collection's output: either a plain
+    collection of FM tables (``k + 1`` columns per feature and square sums) or a sharded
+    one that already reduced ``[z, q]`` (``pooled.fm``)."""
+    b, nf = pooled.values.shape[0], len(pooled.keys)
+    if pooled.fm is not None:
+        return pooled.as_3d(), pooled.fm[:, 0], pooled.fm[:, 1]
+    if pooled.square_sums is None or any(d != dim + 1 for d in pooled.dims):
+        raise ValueError(f"DeepFM needs FM tables of {dim} + 1 columns (fm_cols={dim})")
+    v = pooled.values.view(b, nf, dim + 1)
+    return v[:, :, :dim], v[:, :, dim].sum(1), pooled.square_sums.sum(1)
+
+
+class DeepFM(nn.Module):
+    """DeepFM over DLRM's deep part.
+
+    Args:
+        num_dense: dense input features.
+        sparse: a collection of FM tables (``k + 1`` columns, ``fm_cols = k``), or a
+            sharded collection of them.
+        bottom_mlp: bottom MLP widths, ending in ``k``.
+        top_mlp: top MLP widths, ending in 1.
+        interaction: ``dot`` or ``cat``.
+
+    ``forward(batch)`` returns logits ``[B]``: deep + first-order + FM.
+    """
+
+    def __init__(self, *, num_dense: int, sparse, bottom_mlp: list[int], top_mlp: list[int],
+                 interaction: str = "dot") -> None:
+        super().__init__()
+        self.dim = bottom_mlp[-1]
+        if top_mlp[-1] != 1:
+            raise ValueError(f"the top MLP must end in 1 (the logit), got {top_mlp}")
+        nf = len(sparse.feature_names)
+        if interaction == "dot":
+            self.interaction: nn.Module = DotInteraction(nf)
+            top_in = DotInteraction.output_dim(nf, self.dim)
+        elif interaction == "cat":
+            self.interaction = CatInteraction()
+            top_in = CatInteraction.output_dim(nf, self.dim)
+        else:
+            raise ValueError(f"unknown interaction {interaction!r} (dot or cat)")
+        self.sparse = sparse
+        self.bottom = MLP([num_dense, *bottom_mlp], final_relu=True)
+        self.top = MLP([top_in, *top_mlp], final_relu=False)
+
+    def forward(self, batch: Batch) -> torch.Tensor:
+        fields, z, q = fm_terms(self.sparse(batch.sparse), self.dim)
+        x = self.bottom(batch.dense)
+        deep = self.top(self.interaction(x, fields)).squeeze(1)
+        s = fields.sum(1)
+        return deep + z + 0.5 * (s.pow(2).sum(1) - q)
