@@ -9,6 +9,7 @@ from hybridrec.comm.ledger import CommLedger
 from hybridrec.model.deepfm import DeepFM
 from hybridrec.model.embedding import EmbeddingBagCollection, TableConfig
 from hybridrec.parallel import plan as P
+from hybridrec.parallel.cost_model import predict_step_bytes
 from hybridrec.parallel.parallelize import parallelize_dlrm
 from hybridrec.sparse.keyed_jagged import Batch, KeyedJagged
 from hybridrec.train.sparse_optim import build_sparse_optimizer
@@ -128,8 +129,12 @@ def worker(topo, kind, sparse_opt):
     per = GLOBAL_B // topo.world_size
     losses = train(model, opts, global_batches(), topo.rank * per, (topo.rank + 1) * per)
     shards = {k: (s, w.detach().clone()) for k, (s, w) in model.sparse.local_shards().items()}
-    out = ledger.totals(category="output_dist").received
-    return losses, shards, out, model.sparse._widths
+    counted = {d: (ledger.totals(category="output_dist", direction=d).sent // STEPS,
+                   ledger.totals(category="output_dist", direction=d).received // STEPS) for d in ("fwd", "bwd")}
+    pred = predict_step_bytes(make_plan(kind, topo.world_size), tables(), rank=topo.rank,
+                              batch_sizes=[per] * topo.world_size)
+    predicted = {d: pred.get(("output_dist", d), (0, 0)) for d in ("fwd", "bwd")}
+    return losses, shards, (counted, predicted), model.sparse._widths
 
 
 @pytest.mark.distributed
@@ -149,6 +154,8 @@ def test_des_deepfm_equals_single_process(kind, world, sparse_opt):
                 if key.split("@")[0] == n:
                     full[sh.rows[0] : sh.rows[1], sh.cols[0] : sh.cols[1]] = w
         torch.testing.assert_close(full, ref.sparse.table_weight(n), rtol=1e-5, atol=1e-6)
+    for r in results:  # the cost model knows the DES layout: predicted == counted
+        assert r[2][0] == r[2][1], r[2]
     # DES: an owner sends its pieces' embedding columns plus [z_p, q_p], never the
     # first-order column: K floats per field piece + 2 per owner per sample.
     widths = results[0][3]

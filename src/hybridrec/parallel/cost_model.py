@@ -112,7 +112,9 @@ def table_flows(tp: TablePlan, table: TableConfig, batch_sizes: list[int],
         for f in table.features:
             for src, b in enumerate(batch_sizes):
                 yield src, shard.rank, ("input_dist", "fwd"), (b + b * ids[f] * share) * ID_BYTES
-                partial = b * shard.num_cols * VALUE_BYTES
+                # An FM table's first-order column stays with its owner (summed into z_p).
+                fo = table.first_order_col is not None and shard.cols[0] <= table.first_order_col < shard.cols[1]
+                partial = b * (shard.num_cols - fo) * VALUE_BYTES
                 yield shard.rank, src, ("output_dist", "fwd"), partial
                 yield src, shard.rank, ("output_dist", "bwd"), partial
 
@@ -127,7 +129,7 @@ def dp_allreduce_bytes(dp_tables: list[TableConfig], world: int) -> list[int]:
     """Ring bytes per fused group of data-parallel tables: a dense ``[rows, dim + 1]``
     float32 tensor (the last column counts touched rows) per group and step."""
     return [ring_bytes(sum(t.num_embeddings for t in ts) * (dim + 1) * VALUE_BYTES, world)
-            for (dim, _pooling), ts in group_tables(dp_tables).items()]
+            for (dim, *_), ts in group_tables(dp_tables).items()]
 
 
 def predict_all_ranks(plan: ShardingPlan, tables: list[TableConfig], *, batch_sizes: list[int],
@@ -150,6 +152,15 @@ def predict_all_ranks(plan: ShardingPlan, tables: list[TableConfig], *, batch_si
             if src != dst:
                 acc[src][key][0] += nbytes
                 acc[dst][key][1] += nbytes
+    # DES for DeepFM: every owner of FM shards sends each sample its [z_p, q_p].
+    fm_owners = {sh.rank for t in tables if t.fm_cols is not None
+                 for sh in plan.tables[t.name].shards if plan.tables[t.name].sharding_type != "data_parallel"}
+    for o in fm_owners:
+        for src, b in enumerate(batch_sizes):
+            if src != o:
+                for key, (a, z) in ((("output_dist", "fwd"), (o, src)), (("output_dist", "bwd"), (src, o))):
+                    acc[a][key][0] += 2 * b * VALUE_BYTES
+                    acc[z][key][1] += 2 * b * VALUE_BYTES
     if world > 1 and dense_param_bytes:  # DDP wraps the dense arches only with several ranks
         ring = sum(ring_bytes(n, world) for n in dense_param_bytes)
         for a in acc:
