@@ -54,7 +54,8 @@ def check_decoded(name, codec, x, y):
         assert torch.equal(y[kept], x.to(codec.dtype).float()[kept])
         # The kept magnitudes are the row's largest.
         inf = torch.tensor(float("inf"))
-        assert (torch.where(kept, x.abs(), inf).amin(-1) >= torch.where(kept, -inf, x.abs()).amax(-1)).all()
+        smallest_kept = torch.where(kept, x.abs(), inf).amin(-1)
+        assert (smallest_kept >= torch.where(kept, -inf, x.abs()).amax(-1)).all()
 
 
 @pytest.mark.parametrize("name", CODECS)
@@ -79,7 +80,8 @@ def test_all_equal_and_all_zero_rows(name, value):
     x = torch.full((4, 16), value)
     y, _ = codec.decode(codec.encode(x)[0], 16)
     if isinstance(codec, TopKCodec):  # k entries kept, all of the same value
-        assert ((y == value) | (y == 0)).all() and ((y != 0).sum(1) == (codec.k(16) if value else 0)).all()
+        assert ((y == value) | (y == 0)).all()
+        assert ((y != 0).sum(1) == (codec.k(16) if value else 0)).all()
     else:  # every other codec represents a constant row exactly
         assert torch.equal(y, x)
 
@@ -148,6 +150,25 @@ def test_owner_layout_groups_neighbours_with_the_same_codec_and_width():
     assert lay.bwd_bytes == 2 * a.grad_row_bytes(4) + a.grad_row_bytes(2) + 16
 
 
+def test_policy_picks_tables_by_name_and_rows():
+    from hybridrec.errors import ConfigError
+    from hybridrec.train.build import build_embedding_codecs
+    from hybridrec.train.config import build_config
+
+    plan = make_plan("mixed")  # t2 is data-parallel: it has no hop to code
+
+    def chosen(*overrides):
+        cfg = build_config(overrides=list(overrides))
+        return sorted(build_embedding_codecs(cfg, tables(), plan))
+
+    assert chosen() == []
+    assert chosen("compress.embedding=dct") == ["t0", "t1"]
+    assert chosen("compress.embedding=int8", "compress.embedding_min_rows=30") == ["t1"]
+    assert chosen("compress.embedding=fp16", "compress.embedding_tables=t0,t2") == ["t0"]
+    with pytest.raises(ConfigError, match="t9"):
+        chosen("compress.embedding=dct", "compress.embedding_tables=t9")
+
+
 # -- 2 gloo ranks ----------------------------------------------------------------------
 DIM = 8
 TABLES = [("t0", 24, ["f0"]), ("t1", 40, ["f1", "f2"]), ("t2", 12, ["f3"])]
@@ -155,7 +176,8 @@ BATCH = [5, 3]  # uneven local batches on purpose
 
 
 def tables():
-    return [TableConfig(name=n, num_embeddings=r, embedding_dim=DIM, features=f) for n, r, f in TABLES]
+    return [TableConfig(name=n, num_embeddings=r, embedding_dim=DIM, features=f)
+            for n, r, f in TABLES]
 
 
 def make_plan(kind, world=2):
@@ -240,7 +262,8 @@ def hop_case(topo, kind, codec_name):
         ebc = cls(tables(), plan, topo, seed=3, ledger=ledger, **kw)
         y = ebc(kjt).values
         (y * w).sum().backward()
-        grads = [(grp, ids, rows.clone()) for c in ebc.collections() for grp, ids, rows, _ in c.pop_sparse_grads()]
+        grads = [(grp, ids, rows.clone()) for c in ebc.collections()
+                 for grp, ids, rows, _ in c.pop_sparse_grads()]
         out[name] = (y.detach(), grads, ledger_counts(ledger))
     pred = predict_step_bytes(plan, tables(), rank=topo.rank, batch_sizes=BATCH, codecs=codecs)
     plain = predict_step_bytes(plan, tables(), rank=topo.rank, batch_sizes=BATCH)
@@ -274,7 +297,8 @@ def train_worker(topo, codec_name, kind):
                      bottom_mlp=[8, DIM], top_mlp=[6, 1])
         model = parallelize_dlrm(model, plan, topo, codecs=codecs)
         dense_opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
-        sparse = [build_sparse_optimizer("rowwise_adagrad", c, lr=0.1) for c in model.sparse.collections()]
+        sparse = [build_sparse_optimizer("rowwise_adagrad", c, lr=0.1)
+                  for c in model.sparse.collections()]
         losses = []
         for step in range(3):
             b = BATCH[topo.rank]
@@ -309,7 +333,8 @@ def dataset(tmp_path_factory):
     from hybridrec.cli.main import main
 
     root = tmp_path_factory.mktemp("codecs")
-    assert main(["data", "synth", "--out", str(root / "raw"), "--days", "2", "--rows-per-day", "800"]) == 0
+    assert main(["data", "synth", "--out", str(root / "raw"), "--days", "2",
+                 "--rows-per-day", "800"]) == 0
     assert main(["data", "preprocess", *sorted(str(p) for p in (root / "raw").glob("day_*")),
                  "--out", str(root / "data")]) == 0
     return root / "data"
@@ -331,8 +356,8 @@ def config_worker(topo, data, run_root):
         trainer = build_trainer(cfg, topo=topo)
         result = trainer.fit()
         total = trainer.ledger.totals(category="output_dist")
-        out[codec] = (result.train_loss, result.eval_metrics["log_loss"], total.original, total.sent,
-                      sorted(trainer.model.sparse.codecs))
+        out[codec] = (result.train_loss, result.eval_metrics["log_loss"], total.original,
+                      total.sent, sorted(trainer.model.sparse.codecs))
     return out
 
 

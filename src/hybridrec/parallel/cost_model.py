@@ -141,7 +141,8 @@ def dp_allreduce_bytes(dp_tables: list[TableConfig], world: int) -> list[int]:
 def predict_all_ranks(plan: ShardingPlan, tables: list[TableConfig], *, batch_sizes: list[int],
                       ids_per_bag: Mapping[str, float] | float = 1.0,
                       dense_param_bytes: list[int] = (),
-                      codecs: Mapping[str, Codec] | None = None) -> list[dict[Key, tuple[int, int]]]:
+                      codecs: Mapping[str, Codec] | None = None,
+                      ) -> list[dict[Key, tuple[int, int]]]:
     """:func:`predict_step_bytes` of every rank."""
     world = plan.world_size
     if len(batch_sizes) != world:

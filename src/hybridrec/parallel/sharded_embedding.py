@@ -15,6 +15,9 @@ input_dist = counts (tiny), then lengths+ids in one int64 buffer; output_dist
 reduce-scatter is this all-to-all of partials followed by a local sum (the same
 bytes per rank as a reduce-scatter, and one collective carries every table);
 its backward sends every row shard the pooled gradient (the all-gather).
+With codecs (``codecs={table: codec}``) the output_dist is one uint8 all-to-all
+of encoded rows instead (:mod:`hybridrec.parallel.coded_dist`); row shards'
+partials are each encoded, then decoded and added on the samples' rank.
 
 Data-parallel tables are replicated: looked up locally; their row gradients are
 averaged over ranks before the (identical) sparse update on every rank.
@@ -254,9 +257,12 @@ class ShardedEmbeddingBagCollection(nn.Module):
         if not any(codecs.get(s.table) is not None for s in by_name.values()):
             return None
         identity = CastCodec(torch.float32)
-        return [owner_layout([(w, codecs.get(by_name[n].table) or identity)
-                              for n, w in output_features(_local_tables(self.slots[d], self.tables))])
-                for d in range(self.topo.world_size)]
+        layouts = []
+        for d in range(self.topo.world_size):
+            pieces = output_features(_local_tables(self.slots[d], self.tables))
+            layouts.append(owner_layout([(w, codecs.get(by_name[n].table) or identity)
+                                         for n, w in pieces]))
+        return layouts
 
     def _combine(self, blocks: list[torch.Tensor]) -> torch.Tensor:
         """Received partial results -> ``[B, sum(dims)]``: row shards' partials are added,
@@ -341,7 +347,8 @@ class ShardedEmbeddingBagCollection(nn.Module):
         else:  # still joins the collectives, forward and backward
             pooled = torch.zeros(total, 0, requires_grad=torch.is_grad_enabled())
         if self._layouts is not None:
-            recv = coded_all_to_all(pooled, self._layouts, batch_sizes, self.topo.group, self.ledger)
+            recv = coded_all_to_all(pooled, self._layouts, batch_sizes, self.topo.group,
+                                    self.ledger)
             return list(torch.split(recv, self._widths, dim=1))
         width = pooled.shape[1]
         sizes = [b * w for w in self._widths]
