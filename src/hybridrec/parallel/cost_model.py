@@ -12,6 +12,9 @@ for a slot on owner ``o`` and every source rank ``r`` with local batch ``b_r``:
   shard's share of the table's rows, see below).
 - ``output_dist`` fwd: ``o`` sends ``r`` the pooled partials, float32:
   ``b_r * shard_cols * 4``; bwd: ``r`` sends ``o`` their gradients, the same bytes.
+  With a codec for the table (:mod:`hybridrec.comm.codecs`): ``b_r *
+  codec.row_bytes(shard_cols)`` fwd and ``b_r * codec.grad_row_bytes(shard_cols)`` bwd,
+  exact (codecs spend a fixed number of bytes per row).
 - ``input_dist_counts`` fwd: every rank sends every other rank two int64 counts.
 - ``dense_allreduce`` bwd: per DDP bucket of ``n`` bytes, ``2 (W-1) n // W`` bytes
   sent and received (a ring all-reduce).
@@ -33,6 +36,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 
+from hybridrec.comm.codecs import Codec
 from hybridrec.comm.ledger import CommLedger
 from hybridrec.model.embedding import TableConfig, group_tables
 from hybridrec.parallel.plan import Shard, ShardingPlan, TablePlan
@@ -98,8 +102,10 @@ def _row_share(tp: TablePlan, shard: Shard) -> float:
 
 
 def table_flows(tp: TablePlan, table: TableConfig, batch_sizes: list[int],
-                ids: Mapping[str, float]) -> Iterator[tuple[int, int, Key, float]]:
-    """``(src, dst, key, bytes)`` of every all-to-all piece a sharded table causes.
+                ids: Mapping[str, float],
+                codec: Codec | None = None) -> Iterator[tuple[int, int, Key, float]]:
+    """``(src, dst, key, bytes)`` of every all-to-all piece a sharded table causes
+    (``codec``: of the table's output_dist hop; None = float32).
 
     Data-parallel tables cause none (their cost is an all-reduce, see
     :func:`dp_allreduce_bytes`). Pieces from a rank to itself are included;
@@ -114,9 +120,11 @@ def table_flows(tp: TablePlan, table: TableConfig, batch_sizes: list[int],
                 yield src, shard.rank, ("input_dist", "fwd"), (b + b * ids[f] * share) * ID_BYTES
                 # An FM table's first-order column stays with its owner (summed into z_p).
                 fo = table.first_order_col is not None and shard.cols[0] <= table.first_order_col < shard.cols[1]
-                partial = b * (shard.num_cols - fo) * VALUE_BYTES
-                yield shard.rank, src, ("output_dist", "fwd"), partial
-                yield src, shard.rank, ("output_dist", "bwd"), partial
+                c = shard.num_cols - fo
+                fwd = b * (codec.row_bytes(c) if codec else c * VALUE_BYTES)
+                bwd = b * (codec.grad_row_bytes(c) if codec else c * VALUE_BYTES)
+                yield shard.rank, src, ("output_dist", "fwd"), fwd
+                yield src, shard.rank, ("output_dist", "bwd"), bwd
 
 
 def ring_bytes(nbytes: int, world: int) -> int:
@@ -134,7 +142,9 @@ def dp_allreduce_bytes(dp_tables: list[TableConfig], world: int) -> list[int]:
 
 def predict_all_ranks(plan: ShardingPlan, tables: list[TableConfig], *, batch_sizes: list[int],
                       ids_per_bag: Mapping[str, float] | float = 1.0,
-                      dense_param_bytes: list[int] = ()) -> list[dict[Key, tuple[int, int]]]:
+                      dense_param_bytes: list[int] = (),
+                      codecs: Mapping[str, Codec] | None = None,
+                      ) -> list[dict[Key, tuple[int, int]]]:
     """:func:`predict_step_bytes` of every rank."""
     world = plan.world_size
     if len(batch_sizes) != world:
@@ -148,7 +158,8 @@ def predict_all_ranks(plan: ShardingPlan, tables: list[TableConfig], *, batch_si
          ("output_dist", "fwd"): [0, 0], ("output_dist", "bwd"): [0, 0]} if sharded else {}
         for _ in range(world)]
     for t in tables:
-        for src, dst, key, nbytes in table_flows(plan.tables[t.name], t, batch_sizes, ids):
+        flows = table_flows(plan.tables[t.name], t, batch_sizes, ids, (codecs or {}).get(t.name))
+        for src, dst, key, nbytes in flows:
             if src != dst:
                 acc[src][key][0] += nbytes
                 acc[dst][key][1] += nbytes
@@ -176,8 +187,8 @@ def predict_all_ranks(plan: ShardingPlan, tables: list[TableConfig], *, batch_si
 
 def predict_step_bytes(plan: ShardingPlan, tables: list[TableConfig], *, rank: int,
                        batch_sizes: list[int], ids_per_bag: Mapping[str, float] | float = 1.0,
-                       world_size: int | None = None,
-                       dense_param_bytes: list[int] = ()) -> dict[Key, tuple[int, int]]:
+                       world_size: int | None = None, dense_param_bytes: list[int] = (),
+                       codecs: Mapping[str, Codec] | None = None) -> dict[Key, tuple[int, int]]:
     """Bytes ``rank`` sends and receives in one training step, per (category, direction).
 
     Args:
@@ -192,6 +203,7 @@ def predict_step_bytes(plan: ShardingPlan, tables: list[TableConfig], *, rank: i
             DDP bucket (a DDP module whose gradients fit in one bucket is one entry,
             e.g. ``[bottom_bytes, top_bytes]``). With 2 ranks (or when the world
             divides ``2 (W-1) n``) per-module entries are exact however DDP buckets.
+        codecs: table -> codec of its output_dist hop, as given to the collection.
 
     Returns ``{(category, direction): (sent, received)}`` with the keys the
     mechanism records in a step: ``input_dist_counts``/``input_dist`` (fwd),
@@ -203,19 +215,21 @@ def predict_step_bytes(plan: ShardingPlan, tables: list[TableConfig], *, rank: i
     if not 0 <= rank < plan.world_size:
         raise ValueError(f"rank {rank} outside world of {plan.world_size}")
     return predict_all_ranks(plan, tables, batch_sizes=batch_sizes, ids_per_bag=ids_per_bag,
-                             dense_param_bytes=dense_param_bytes)[rank]
+                             dense_param_bytes=dense_param_bytes, codecs=codecs)[rank]
 
 
 def record_predictions(ledger: CommLedger, plan: ShardingPlan, tables: list[TableConfig], *,
                        rank: int, batch_sizes: list[int],
                        ids_per_bag: Mapping[str, float] | float = 1.0,
-                       dense_param_bytes: list[int] = ()) -> dict[Key, tuple[int, int]]:
+                       dense_param_bytes: list[int] = (),
+                       codecs: Mapping[str, Codec] | None = None) -> dict[Key, tuple[int, int]]:
     """Tell ``ledger`` the bytes :func:`predict_step_bytes` expects per step; returns them.
 
     Call once: :meth:`CommLedger.predict` adds up repeated calls.
     """
     pred = predict_step_bytes(plan, tables, rank=rank, batch_sizes=batch_sizes,
-                              ids_per_bag=ids_per_bag, dense_param_bytes=dense_param_bytes)
+                              ids_per_bag=ids_per_bag, dense_param_bytes=dense_param_bytes,
+                              codecs=codecs)
     for (category, direction), (sent, received) in pred.items():
         ledger.predict(category, sent=sent, received=received, direction=direction)
     return pred

@@ -8,9 +8,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
+from hybridrec.comm.codecs import Codec
 from hybridrec.comm.ledger import CommLedger
 from hybridrec.model.dlrm import DLRM
 from hybridrec.model.embedding import EmbeddingBagCollection
@@ -36,13 +39,14 @@ def allreduce_hook(ledger: CommLedger | None):
 
 
 def parallelize_dlrm(model: DLRM, plan: ShardingPlan, topo: Topology, *,
-                     ledger: CommLedger | None = None, dense_hook=None) -> DLRM:
-    """Shard ``model.sparse`` by ``plan`` (unless it already is) and make the dense
-    arches data-parallel."""
+                     ledger: CommLedger | None = None, dense_hook=None,
+                     codecs: Mapping[str, Codec] | None = None) -> DLRM:
+    """Shard ``model.sparse`` by ``plan`` (unless it already is; ``codecs``: table ->
+    codec of its output_dist hop) and make the dense arches data-parallel."""
     ebc = model.sparse
     if isinstance(ebc, EmbeddingBagCollection):
         model.sparse = ShardedEmbeddingBagCollection(list(ebc.tables.values()), plan, topo,
-                                                     seed=ebc.seed, ledger=ledger)
+                                                     seed=ebc.seed, ledger=ledger, codecs=codecs)
     elif not isinstance(ebc, ShardedEmbeddingBagCollection):
         raise TypeError(f"cannot shard a {type(ebc).__name__}")
     if topo.world_size > 1:

@@ -15,6 +15,9 @@ input_dist = counts (tiny), then lengths+ids in one int64 buffer; output_dist
 reduce-scatter is this all-to-all of partials followed by a local sum (the same
 bytes per rank as a reduce-scatter, and one collective carries every table);
 its backward sends every row shard the pooled gradient (the all-gather).
+With codecs (``codecs={table: codec}``) the output_dist is one uint8 all-to-all
+of encoded rows instead (:mod:`hybridrec.parallel.coded_dist`); row shards'
+partials are each encoded, then decoded and added on the samples' rank.
 
 Data-parallel tables are replicated: looked up locally; their row gradients are
 averaged over ranks before the (identical) sparse update on every rank.
@@ -26,12 +29,14 @@ process computes with the global batch.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from hybridrec.comm.codecs import CastCodec, Codec
 from hybridrec.comm.ledger import CommLedger
 from hybridrec.model.embedding import (
     EmbeddingBagCollection,
@@ -40,6 +45,7 @@ from hybridrec.model.embedding import (
     init_table_block,
     output_features,
 )
+from hybridrec.parallel.coded_dist import OwnerLayout, coded_all_to_all, owner_layout
 from hybridrec.parallel.plan import Shard, ShardingPlan
 from hybridrec.parallel.topology import Topology
 from hybridrec.sparse.keyed_jagged import KeyedJagged
@@ -220,10 +226,15 @@ class ShardedEmbeddingBagCollection(nn.Module):
 
     ``forward(kjt)`` takes this rank's local batch and returns its pooled
     embeddings ``[B, sum(dims)]`` in the single-device collection's feature order.
+
+    ``codecs`` maps table names to the codec of their output_dist hop (both
+    directions, :mod:`hybridrec.parallel.coded_dist`); tables not in it, and all
+    tables when it is empty, travel as float32 exactly as without codecs.
     """
 
     def __init__(self, tables: list[TableConfig], plan: ShardingPlan, topo: Topology, *,
-                 seed: int = 0, ledger: CommLedger | None = None) -> None:
+                 seed: int = 0, ledger: CommLedger | None = None,
+                 codecs: Mapping[str, Codec] | None = None) -> None:
         super().__init__()
         missing = [t.name for t in tables if t.name not in plan.tables]
         if missing:
@@ -253,6 +264,8 @@ class ShardedEmbeddingBagCollection(nn.Module):
         self.local = self._build_local(self.slots[topo.rank])
         self.replicated = ReplicatedEmbeddingBagCollection(dp, topo=topo, ledger=ledger, seed=seed) if dp else None
         self._pieces = self._assembly(dp)
+        self.codecs = dict(codecs or {})
+        self._coded = self._codec_layouts(self.codecs)
         self._row_split = {f: any(s.row_split for slots in self.slots.values() for s in slots
                                   if s.feature == f) for f in self.feature_names}
         # Shards pool by sum (partial means would not add up); divide after the sum.
@@ -292,6 +305,24 @@ class ShardedEmbeddingBagCollection(nn.Module):
         for f in pieces:
             pieces[f].sort(key=lambda p: p[2])  # column shards in column order
         return pieces
+
+    def _codec_layouts(self, codecs: Mapping[str, Codec]) -> list[OwnerLayout] | None:
+        """Every owner's coded output layout (uncompressed pieces: the float32 identity,
+        bit-exact); None when no sharded table has a codec (the plain float32 all-to-all)."""
+        unknown = sorted(set(codecs) - set(self.tables))
+        if unknown:
+            raise ValueError(f"codecs for unknown tables {unknown}")
+        by_name = {s.name: s for slots in self.slots.values() for s in slots}
+        if not any(codecs.get(s.table) is not None for s in by_name.values()):
+            return None
+        identity = CastCodec(torch.float32)
+        layouts = []
+        for d in range(self.topo.world_size):
+            block = self._layouts[d]
+            fm = [(2, identity)] if block.fm else []  # DeepFM's [z_p, q_p] travel as they are
+            layouts.append(owner_layout([(w, codecs.get(by_name[n].table) or identity)
+                                         for n, w in block.pieces] + fm))
+        return layouts
 
     def _combine(self, blocks: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Received partial results -> ``[B, sum(dims)]`` (and ``[B, 2]`` FM sums): row
@@ -405,6 +436,10 @@ class ShardedEmbeddingBagCollection(nn.Module):
             pooled = self._layouts[self.topo.rank].encode(self.local(owner_kjt))
         else:  # still joins the collectives, forward and backward
             pooled = torch.zeros(total, 0, requires_grad=torch.is_grad_enabled())
+        if self._coded is not None:
+            recv = coded_all_to_all(pooled, self._coded, batch_sizes, self.topo.group,
+                                    self.ledger)
+            return list(torch.split(recv, self._widths, dim=1))
         width = pooled.shape[1]
         sizes = [b * w for w in self._widths]
         recv = _AllToAll.apply(pooled.reshape(-1), sizes, [n * width for n in batch_sizes],

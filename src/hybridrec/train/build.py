@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 import hybridrec
+from hybridrec.comm.codecs import Codec, make_codec
 from hybridrec.comm.ledger import CommLedger
 from hybridrec.data.loader import ShardedLoader
 from hybridrec.data.schema import DatasetMeta
@@ -65,13 +66,34 @@ def build_model(cfg: Config, meta: DatasetMeta, *, plan: ShardingPlan | None = N
     if plan is None:
         ebc = EmbeddingBagCollection(tables, seed=cfg.train.seed)
     else:
-        ebc = ShardedEmbeddingBagCollection(tables, plan, topo, seed=cfg.train.seed, ledger=ledger)
+        ebc = ShardedEmbeddingBagCollection(tables, plan, topo, seed=cfg.train.seed, ledger=ledger,
+                                            codecs=build_embedding_codecs(cfg, tables, plan))
     arch = DeepFM if cfg.model.arch == "deepfm" else DLRM
     try:
         return arch(num_dense=len(meta.schema.dense), sparse=ebc, bottom_mlp=cfg.model.bottom_mlp,
                     top_mlp=cfg.model.top_mlp, interaction=cfg.model.interaction)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+
+
+def build_embedding_codecs(cfg: Config, tables: list[TableConfig],
+                           plan: ShardingPlan) -> dict[str, Codec]:
+    """The per-table policy of ``compress.embedding*``: table -> codec of its output_dist
+    hop. One codec for every chosen table: the sharded ones (data-parallel tables have
+    no hop) named in ``embedding_tables`` (empty: all) with at least
+    ``embedding_min_rows`` rows. Tables left out travel as float32."""
+    c = cfg.compress
+    codec = make_codec(c.embedding, eta=c.embedding_ratio, values=c.embedding_values)
+    if codec is None:
+        return {}
+    names = {t.name for t in tables}
+    unknown = sorted(set(c.embedding_tables) - names)
+    if unknown:
+        raise ConfigError(f"compress.embedding_tables: no tables named {unknown}")
+    return {t.name: codec for t in tables
+            if plan.tables[t.name].sharding_type != "data_parallel"
+            and (not c.embedding_tables or t.name in c.embedding_tables)
+            and t.num_embeddings >= c.embedding_min_rows}
 
 
 def build_loaders(cfg: Config, meta: DatasetMeta, *, rank: int = 0, world_size: int = 1):

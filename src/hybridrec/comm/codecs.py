@@ -1,0 +1,272 @@
+"""Codecs for model-parallel hops: what one row of a pooled-embedding piece costs on the wire.
+
+A *piece* is one slot's pooled partial result: ``[rows, C]`` float32, one row per
+sample, ``C`` the width of the feature's shard (table-wise and row-wise: the
+table's dim; column-wise: the shard's columns). A codec turns every row into a
+fixed number of bytes, forward (the activations) and backward (their gradients),
+so the bytes of any block of rows are ``rows * row_bytes(C)``, known on both sides
+of an all-to-all from batch sizes and widths alone: no size exchange is needed.
+
+Every codec works on the last dim and keeps the leading dims, so ``n`` pieces of
+the same width can be coded at once as ``[rows, n, C] -> [rows, n, row_bytes]``
+uint8. The encoded rows are plain bytes (native byte order; both ends of a hop
+run the same build): they are concatenated with other pieces' bytes into one
+buffer per hop.
+
+The round trip of a hop, with its backward::
+
+    payload, sent_state = codec.encode(x)          # sender, x [..., C] -> uint8 [..., row_bytes]
+    x_hat, recv_state = codec.decode(payload, C)   # receiver -> [..., C] float32
+    gbytes = codec.encode_grad(g, recv_state)      # receiver, g = dL/dx_hat [..., C]
+    gx = codec.decode_grad(gbytes, C, sent_state)  # sender -> dL/dx [..., C] float32
+
+Codecs (name: forward row bytes / backward row bytes):
+
+- ``fp32`` :class:`CastCodec` (float32): ``4C / 4C``, the identity (the uncompressed baseline).
+- ``fp16`` / ``bf16`` :class:`CastCodec`: ``2C / 2C``; the backward casts the gradient to
+  the same 16-bit type (TorchRec's FP16/BF16 qcomms, forward and backward precision equal);
+  the cast is treated as the identity for the chain rule (straight-through).
+- ``int8`` :class:`Int8RowwiseCodec`: ``C + 8 / 2C``; fbgemm's fused 8-bit row-wise layout
+  (``C`` uint8 codes, then a float32 scale and a float32 bias per row); the backward sends
+  bf16 gradients (straight-through for the quantizer; gradients are not 8-bit quantized).
+- ``dct`` :class:`TopKCodec`: ``k (v + i) / k v`` with ``k = ceil(eta C)``, ``v`` the value
+  bytes (4, or 2 for fp16/bf16 values) and ``i`` the index bytes (1 up to C = 256, 2 up to
+  32768, else 4). DCT-MP: each row keeps its ``k`` entries of largest magnitude; the
+  backward sends only the gradients at those positions, which the receiver already knows,
+  so no index travels back. The gradient is exact by the chain rule: the decoded piece is
+  ``x * mask``, so ``dL/dx = mask * dL/dx_hat``.
+
+Example, ``C = 16``, ``eta = 0.05``: ``k = 1``; one row costs ``4 + 1 = 5`` bytes forward
+(uncompressed: 64, ratio 12.8) and 4 bytes backward (ratio 16).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+VALUE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+"""Value types a codec may put on the wire, by config name."""
+
+
+def index_dtype(cols: int) -> torch.dtype:
+    """Smallest integer type that holds a column position ``0 .. cols - 1``."""
+    if cols <= 256:
+        return torch.uint8
+    if cols <= 2**15:
+        return torch.int16
+    return torch.int32
+
+
+def _item(dtype: torch.dtype) -> int:
+    return torch.empty(0, dtype=dtype).element_size()
+
+
+def to_bytes(x: torch.Tensor) -> torch.Tensor:
+    """``[..., n]`` of any dtype -> uint8 ``[..., n * itemsize]`` (a view when contiguous)."""
+    return x.contiguous().view(torch.uint8)
+
+
+def from_bytes(b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """uint8 ``[..., n * itemsize]`` -> ``[..., n]`` of ``dtype``. Copies when the bytes
+    are a strided slice or start at an offset the dtype cannot be viewed from."""
+    b = b.contiguous()
+    if b.storage_offset() % _item(dtype):
+        b = b.clone()
+    return b.view(dtype)
+
+
+class Codec:
+    """Interface: fixed bytes per row, forward and backward; see the module docstring."""
+
+    name: str = ""
+
+    def row_bytes(self, cols: int) -> int:
+        """Forward bytes of one row of width ``cols``."""
+        raise NotImplementedError
+
+    def grad_row_bytes(self, cols: int) -> int:
+        """Backward bytes of one row of width ``cols``."""
+        raise NotImplementedError
+
+    def encoded_bytes(self, rows: int, cols: int) -> int:
+        """Exact forward bytes of a ``[rows, cols]`` block."""
+        return rows * self.row_bytes(cols)
+
+    def grad_bytes(self, rows: int, cols: int) -> int:
+        """Exact backward bytes of a ``[rows, cols]`` block."""
+        return rows * self.grad_row_bytes(cols)
+
+    def encode(self, x: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        """``x [..., C]`` float32 -> (uint8 ``[..., row_bytes(C)]``, state the sender keeps
+        for :meth:`decode_grad`)."""
+        raise NotImplementedError
+
+    def decode(self, payload: torch.Tensor, cols: int) -> tuple[torch.Tensor, Any]:
+        """uint8 ``[..., row_bytes(C)]`` -> (``[..., C]`` float32, state the receiver keeps
+        for :meth:`encode_grad`)."""
+        raise NotImplementedError
+
+    def encode_grad(self, grad: torch.Tensor, state: Any) -> torch.Tensor:
+        """Receiver: ``dL/dx_hat [..., C]`` -> uint8 ``[..., grad_row_bytes(C)]``."""
+        raise NotImplementedError
+
+    def decode_grad(self, payload: torch.Tensor, cols: int, state: Any) -> torch.Tensor:
+        """Sender: uint8 ``[..., grad_row_bytes(C)]`` -> ``dL/dx [..., C]`` float32."""
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.name})"
+
+
+class CastCodec(Codec):
+    """Every entry cast to ``dtype`` both ways; float32 is the uncompressed identity."""
+
+    def __init__(self, dtype: torch.dtype = torch.float32) -> None:
+        self.dtype = dtype
+        self.name = {v: k for k, v in VALUE_DTYPES.items()}[dtype]
+
+    def row_bytes(self, cols: int) -> int:
+        return cols * _item(self.dtype)
+
+    def grad_row_bytes(self, cols: int) -> int:
+        return cols * _item(self.dtype)
+
+    def encode(self, x):
+        return to_bytes(x.to(self.dtype)), None
+
+    def decode(self, payload, cols):
+        return from_bytes(payload, self.dtype).to(torch.float32), None
+
+    def encode_grad(self, grad, state):
+        return to_bytes(grad.to(self.dtype))
+
+    def decode_grad(self, payload, cols, state):
+        return from_bytes(payload, self.dtype).to(torch.float32)
+
+
+class Int8RowwiseCodec(Codec):
+    """8-bit codes per entry with a float32 scale and bias per row (fbgemm's
+    ``FloatToFused8BitRowwiseQuantized`` layout and rounding: ``scale = range / 255``,
+    codes ``round((x - min) * 255 / (range + 1e-8))``); gradients travel as bf16."""
+
+    name = "int8"
+    EPS = 1e-8  # fbgemm's kEpsilon: an all-equal row gets codes 0 and bias = its value
+    GRAD = torch.bfloat16
+
+    def row_bytes(self, cols: int) -> int:
+        return cols + 8
+
+    def grad_row_bytes(self, cols: int) -> int:
+        return cols * _item(self.GRAD)
+
+    def encode(self, x):
+        lo, hi = x.amin(-1, keepdim=True), x.amax(-1, keepdim=True)
+        rng = hi - lo
+        codes = ((x - lo) * (255.0 / (rng + self.EPS))).round_().clamp_(0, 255).to(torch.uint8)
+        return torch.cat([codes, to_bytes(rng / 255.0), to_bytes(lo)], dim=-1), None
+
+    def decode(self, payload, cols):
+        codes = payload[..., :cols].to(torch.float32)
+        scale = from_bytes(payload[..., cols : cols + 4], torch.float32)
+        bias = from_bytes(payload[..., cols + 4 :], torch.float32)
+        return codes * scale + bias, None
+
+    def encode_grad(self, grad, state):
+        return to_bytes(grad.to(self.GRAD))
+
+    def decode_grad(self, payload, cols, state):
+        return from_bytes(payload, self.GRAD).to(torch.float32)
+
+
+class TopKCodec(Codec):
+    """DCT-MP: every row keeps its ``k = ceil(eta * C)`` entries of largest magnitude.
+
+    Row layout forward: ``k`` values (``values`` dtype), then their ``k`` column
+    positions (:func:`index_dtype`); backward: the ``k`` gradients at those positions,
+    in the same order. ``eta = 1`` with float32 values is the exact identity.
+    Ties (e.g. an all-equal or all-zero row) are broken by ``torch.topk``; any choice
+    is a valid top-k and both directions use the same one.
+    """
+
+    name = "dct"
+
+    def __init__(self, eta: float, values: str = "fp32") -> None:
+        if not 0 < eta <= 1:
+            raise ValueError(f"eta must be in (0, 1], got {eta}")
+        if values not in VALUE_DTYPES:
+            raise ValueError(f"values {values!r}: one of {sorted(VALUE_DTYPES)}")
+        self.eta, self.values, self.dtype = eta, values, VALUE_DTYPES[values]
+
+    def k(self, cols: int) -> int:
+        """Entries kept per row (at least 1, at most ``cols``)."""
+        return min(cols, max(1, math.ceil(self.eta * cols - 1e-9)))
+
+    def row_bytes(self, cols: int) -> int:
+        return self.k(cols) * (_item(self.dtype) + _item(index_dtype(cols)))
+
+    def grad_row_bytes(self, cols: int) -> int:
+        return self.k(cols) * _item(self.dtype)
+
+    def encode(self, x):
+        cols = x.shape[-1]
+        idx = x.abs().topk(self.k(cols), dim=-1, sorted=False).indices
+        vals = x.gather(-1, idx).to(self.dtype)
+        return torch.cat([to_bytes(vals), to_bytes(idx.to(index_dtype(cols)))], dim=-1), idx
+
+    def decode(self, payload, cols):
+        split = self.k(cols) * _item(self.dtype)
+        vals = from_bytes(payload[..., :split], self.dtype).to(torch.float32)
+        idx = from_bytes(payload[..., split:], index_dtype(cols)).to(torch.int64)
+        out = vals.new_zeros(*vals.shape[:-1], cols).scatter_(-1, idx, vals)
+        return out, idx
+
+    def encode_grad(self, grad, state):
+        return to_bytes(grad.gather(-1, state).to(self.dtype))
+
+    def decode_grad(self, payload, cols, state):
+        vals = from_bytes(payload, self.dtype).to(torch.float32)
+        return vals.new_zeros(*vals.shape[:-1], cols).scatter_(-1, state, vals)
+
+    def __repr__(self) -> str:
+        return f"TopKCodec(eta={self.eta}, values={self.values})"
+
+
+CODECS = ("none", "dct", "fp16", "bf16", "int8")
+"""Names accepted by :func:`make_codec` (``compress.embedding``)."""
+
+
+def make_codec(name: str, *, eta: float = 0.05, values: str = "fp32") -> Codec | None:
+    """A codec by config name; ``none`` -> None (the hop stays float32, untouched)."""
+    if name == "none":
+        return None
+    if name == "dct":
+        return TopKCodec(eta, values)
+    if name in ("fp16", "bf16"):
+        return CastCodec(VALUE_DTYPES[name])
+    if name == "int8":
+        return Int8RowwiseCodec()
+    raise ValueError(f"unknown codec {name!r}; choose from {CODECS}")
+
+
+class _RoundTrip(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, codec):
+        payload, sent = codec.encode(x)
+        out, received = codec.decode(payload, x.shape[-1])
+        ctx.codec, ctx.states = codec, (sent, received)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        codec, (sent, received) = ctx.codec, ctx.states
+        payload = codec.encode_grad(grad.contiguous(), received)
+        return codec.decode_grad(payload, grad.shape[-1], sent), None
+
+
+def round_trip(x: torch.Tensor, codec: Codec) -> torch.Tensor:
+    """``decode(encode(x))`` with the hop's backward (``decode_grad(encode_grad(g))``),
+    in one process: what a coded hop does to a piece, without the collective."""
+    return _RoundTrip.apply(x, codec)
