@@ -29,7 +29,9 @@ loaded ranks (k = 2, 4, ... up to the world, shards at least
 host group (with more than one group); data_parallel for tables of at most
 ``dp_max_rows`` rows. A table that does not fit whole on one rank gets only
 row_wise / table_row_wise candidates: column shards still hold every row and
-each receives every id. :class:`TableConstraint` narrows the candidates.
+each receives every id. With row-wise Adagrad column_wise is a candidate only when
+pinned (its per-shard accumulators differ from one process's per-row accumulator).
+:class:`TableConstraint` narrows the candidates.
 """
 
 from __future__ import annotations
@@ -243,6 +245,10 @@ def _candidates(t: TableConfig, c: TableConstraint, loads: _Loads, world: int, l
         types &= {"row_wise", "table_row_wise"}  # too big for one rank: split the rows
     ranks = sorted(c.ranks) if c.ranks is not None else list(range(world))
     pinned_type = c.sharding_types is not None
+    if optimizer == "rowwise_adagrad" and not pinned_type:
+        # Column shards would keep one accumulator per shard (each its own columns' mean
+        # square), so training would not equal one process: only when asked for.
+        types.discard("column_wise")
     if "table_wise" in types:
         for r in ranks:
             yield P.table_wise(t.name, n, d, r)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import platform
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -190,6 +191,10 @@ def build_trainer(cfg: Config, *, meta: DatasetMeta | None = None, topo: Topolog
         model = build_model(cfg, meta)
     else:
         plan = build_plan(cfg, build_tables(meta, cfg), topo, meta)
+        cw = [n for n, tp in plan.tables.items() if tp.sharding_type == "column_wise"]
+        if cw and cfg.optim.sparse == "rowwise_adagrad" and topo.rank == 0:
+            warnings.warn(f"column-wise tables {cw[:3]} with row-wise Adagrad keep one accumulator per "
+                          "column shard: training will not equal one process exactly", stacklevel=1)
         model = parallelize_dlrm(build_model(cfg, meta, plan=plan, topo=topo, ledger=ledger),
                                  plan, topo, ledger=ledger)
         if topo.rank == 0:
