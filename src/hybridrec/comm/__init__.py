@@ -1,5 +1,14 @@
 """Communication: collectives with a byte ledger, codecs, gradient compressors."""
 
+from hybridrec.comm.compress import (
+    CastCompressor,
+    DCTCompressor,
+    GradientCompressor,
+    NoCompression,
+    TopKCompressor,
+)
 from hybridrec.comm.ledger import ByteCount, CommLedger, tensor_nbytes
+from hybridrec.comm.sparse_message import SparseGrad
 
-__all__ = ["ByteCount", "CommLedger", "tensor_nbytes"]
+__all__ = ["ByteCount", "CastCompressor", "CommLedger", "DCTCompressor", "GradientCompressor",
+           "NoCompression", "SparseGrad", "TopKCompressor", "tensor_nbytes"]

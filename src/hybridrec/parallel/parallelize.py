@@ -14,6 +14,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from hybridrec.comm.codecs import Codec
+from hybridrec.comm.ddp_hooks import HookFactory
 from hybridrec.comm.ledger import CommLedger
 from hybridrec.model.dlrm import DLRM
 from hybridrec.model.embedding import EmbeddingBagCollection
@@ -39,10 +40,13 @@ def allreduce_hook(ledger: CommLedger | None):
 
 
 def parallelize_dlrm(model: DLRM, plan: ShardingPlan, topo: Topology, *,
-                     ledger: CommLedger | None = None, dense_hook=None,
+                     ledger: CommLedger | None = None, dense_hooks: HookFactory | None = None,
                      codecs: Mapping[str, Codec] | None = None) -> DLRM:
     """Shard ``model.sparse`` by ``plan`` (unless it already is; ``codecs``: table ->
-    codec of its output_dist hop) and make the dense arches data-parallel."""
+    codec of its output_dist hop) and make the dense arches data-parallel.
+
+    ``dense_hooks(arch, module)`` gives each arch's DDP comm hook (a compressor, see
+    :mod:`hybridrec.comm.ddp_hooks`); None = :func:`allreduce_hook`."""
     ebc = model.sparse
     if isinstance(ebc, EmbeddingBagCollection):
         model.sparse = ShardedEmbeddingBagCollection(list(ebc.tables.values()), plan, topo,
@@ -50,9 +54,10 @@ def parallelize_dlrm(model: DLRM, plan: ShardingPlan, topo: Topology, *,
     elif not isinstance(ebc, ShardedEmbeddingBagCollection):
         raise TypeError(f"cannot shard a {type(ebc).__name__}")
     if topo.world_size > 1:
-        hook = dense_hook or allreduce_hook(ledger)
         for name in ("bottom", "top"):
-            ddp = DistributedDataParallel(getattr(model, name), process_group=topo.group)
+            module = getattr(model, name)
+            hook = allreduce_hook(ledger) if dense_hooks is None else dense_hooks(name, module)
+            ddp = DistributedDataParallel(module, process_group=topo.group)
             ddp.register_comm_hook(topo.group, hook)
             setattr(model, name, ddp)
     return model

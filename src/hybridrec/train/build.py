@@ -13,6 +13,13 @@ import torch
 
 import hybridrec
 from hybridrec.comm.codecs import Codec, make_codec
+from hybridrec.comm.compress import (
+    CastCompressor,
+    DCTCompressor,
+    GradientCompressor,
+    TopKCompressor,
+)
+from hybridrec.comm.ddp_hooks import CompressedAllReduce, HookFactory, PowerSGDHooks
 from hybridrec.comm.ledger import CommLedger
 from hybridrec.data.loader import ShardedLoader
 from hybridrec.data.schema import DatasetMeta
@@ -21,7 +28,7 @@ from hybridrec.metrics.logger import MetricLogger
 from hybridrec.model.deepfm import DeepFM
 from hybridrec.model.dlrm import DLRM
 from hybridrec.model.embedding import EmbeddingBagCollection, TableConfig
-from hybridrec.train.config import Config
+from hybridrec.train.config import CompressConfig, Config
 from hybridrec.train.optim import (
     LRSchedule,
     LRScheduler,
@@ -180,6 +187,31 @@ def build_sparse_optimizers(cfg: Config, sparse) -> CombinedSparseOptimizer:
         for k, c in named.items() if c is not None})
 
 
+def build_dense_compressor(c: CompressConfig) -> GradientCompressor:
+    """The payload compressor of ``compress.dense`` (dct, topk, fp16 or bf16)."""
+    if c.dense == "dct":
+        return DCTCompressor(c.dense_ratio, c.dense_refresh_every, error_feedback=c.dense_error_feedback,
+                             warmup_steps=c.dense_warmup_steps)
+    if c.dense == "topk":
+        return TopKCompressor(c.dense_ratio, error_feedback=c.dense_error_feedback,
+                              warmup_steps=c.dense_warmup_steps)
+    if c.dense in ("fp16", "bf16"):
+        return CastCompressor(c.dense, warmup_steps=c.dense_warmup_steps)
+    raise ConfigError(f"compress.dense={c.dense!r} is not a payload compressor")
+
+
+def build_dense_hooks(c: CompressConfig, ledger: CommLedger, *, seed: int = 0) -> HookFactory | None:
+    """The DDP comm hooks of the dense arches from ``compress.dense`` (None: the plain
+    all-reduce). PowerSGD starts after at least 2 steps: DDP rebuilds its buckets after
+    the first, and PyTorch's PowerSGD keys its error by bucket index."""
+    if c.dense == "none":
+        return None
+    if c.dense == "powersgd":
+        return PowerSGDHooks(rank=c.powersgd_rank, warmup_steps=max(2, c.dense_warmup_steps),
+                             error_feedback=c.dense_error_feedback, seed=seed, ledger=ledger)
+    return CompressedAllReduce(build_dense_compressor(c), ledger)
+
+
 def build_trainer(cfg: Config, *, meta: DatasetMeta | None = None, topo: Topology | None = None) -> Trainer:
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
@@ -196,7 +228,8 @@ def build_trainer(cfg: Config, *, meta: DatasetMeta | None = None, topo: Topolog
             warnings.warn(f"column-wise tables {cw[:3]} with row-wise Adagrad keep one accumulator per "
                           "column shard: training will not equal one process exactly", stacklevel=1)
         model = parallelize_dlrm(build_model(cfg, meta, plan=plan, topo=topo, ledger=ledger),
-                                 plan, topo, ledger=ledger)
+                                 plan, topo, ledger=ledger,
+                                 dense_hooks=build_dense_hooks(cfg.compress, ledger, seed=cfg.train.seed))
         if topo.rank == 0:
             run_dir.mkdir(parents=True, exist_ok=True)
             (run_dir / "plan.json").write_text(plan.to_json())

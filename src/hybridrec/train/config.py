@@ -131,7 +131,8 @@ class CompressConfig:
     dense_error_feedback: bool = True
     """Keep what was not sent as a residual added to the next step's gradient."""
     dense_warmup_steps: int = 0
-    """Steps sent uncompressed before compression starts."""
+    """Steps sent uncompressed before compression starts (``powersgd``: at least 2, as DDP
+    rebuilds its buckets after the first step)."""
     powersgd_rank: int = 1
     """``powersgd``: rank of the low-rank approximation."""
     embedding: str = "none"

@@ -1,0 +1,245 @@
+"""Gradient compressors: what of a gradient is sent, and the state that decides it.
+
+One small interface, independent of the collective that carries the result::
+
+    payload = compressor.compress(key, grad)     # grad: [n]; updates the state of `key`
+    dense   = compressor.decompress(payload)     # [n], what the receiver adds up
+
+``key`` names one tensor (a parameter) and owns its state (residual, threshold, step);
+the payload is a :class:`~hybridrec.comm.sparse_message.SparseGrad` for sparsifiers and
+a dense tensor (possibly of a narrower dtype) otherwise, so a DDP comm hook
+(:mod:`hybridrec.comm.ddp_hooks`) or a parameter-server push can ship either.
+
+- :class:`NoCompression`: the gradient itself (the plain all-reduce baseline).
+- :class:`CastCompressor`: fp16 or bf16 casting.
+- :class:`TopKCompressor`: exact top-k by magnitude, every step, with error feedback.
+- :class:`DCTCompressor`: DCT-DP, a magnitude threshold refreshed every L steps.
+
+PowerSGD needs two collectives with a computation between them, so it is not a
+payload compressor; it is a hook around PyTorch's own (``ddp_hooks.PowerSGDHooks``).
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from hybridrec.comm.sparse_message import SparseGrad
+
+Payload = torch.Tensor | SparseGrad
+
+
+@dataclass
+class TensorState:
+    """The per-tensor state of a compressor."""
+
+    step: int = 0
+    """Times this tensor was compressed: the warm-up and DCT's refresh cadence count it."""
+    residual: torch.Tensor | None = None
+    """``[n]``: what was not sent yet (error feedback), added to the next gradient; None
+    while nothing is held back."""
+    tau: torch.Tensor | None = None
+    """DCT's threshold (0-d), held fixed between refreshes; None = refresh at the next step."""
+    refreshes: int = 0
+    """DCT: how many times the threshold was recomputed (the expensive top-k)."""
+
+
+class GradientCompressor(ABC):
+    """Base: per-tensor state keyed by name, warm-up, state_dict.
+
+    Subclasses implement :meth:`_compress` on ``x`` = gradient + residual.
+    """
+
+    kind: str = ""
+
+    def __init__(self, *, warmup_steps: int = 0) -> None:
+        if warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps}")
+        # The first steps of training move far and are sensitive to biased gradients.
+        self.warmup_steps = warmup_steps
+        self.states: dict[str, TensorState] = {}
+
+    def compress(self, key: str, grad: torch.Tensor) -> Payload:
+        """What to send of ``grad`` (``[n]``; other shapes are read flat), a
+        :class:`SparseGrad` of ``n`` entries or a dense ``[n]`` tensor. Does not modify
+        ``grad``; updates the state of ``key`` (one call per tensor per step)."""
+        flat = grad.reshape(-1)
+        st = self.states.setdefault(key, TensorState())
+        if st.residual is not None and st.residual.numel() != flat.numel():
+            raise ValueError(f"{key}: gradient of {flat.numel()} entries, residual of {st.residual.numel()}")
+        x = flat if st.residual is None else flat + st.residual
+        if st.step < self.warmup_steps:
+            st.residual, out = None, x.clone() if x is flat else x  # everything goes
+        else:
+            out = self._compress(st, x, x is flat)
+        st.step += 1
+        return out
+
+    @abstractmethod
+    def _compress(self, st: TensorState, x: torch.Tensor, shared: bool) -> Payload:
+        """Payload of ``x`` (``[n]``); sets ``st.residual``. ``shared``: ``x`` is the
+        caller's gradient and must not be modified or kept."""
+
+    @staticmethod
+    def decompress(payload: Payload, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The dense ``[n]`` tensor of a payload, in ``dtype``."""
+        if isinstance(payload, SparseGrad):
+            return payload.to_dense(dtype)
+        return payload.to(dtype)
+
+    def residual(self, key: str) -> torch.Tensor | None:
+        """``[n]`` what ``key`` holds back, or None."""
+        st = self.states.get(key)
+        return None if st is None else st.residual
+
+    def hyperparameters(self) -> dict[str, Any]:
+        return {"kind": self.kind, "warmup_steps": self.warmup_steps}
+
+    def state_dict(self) -> dict[str, Any]:
+        """``{"hyperparameters": {...}, "tensors": {key: {"step", "residual", "tau", "refreshes"}}}``."""
+        return {
+            "hyperparameters": self.hyperparameters(),
+            "tensors": {k: {"step": s.step, "residual": s.residual, "tau": s.tau, "refreshes": s.refreshes}
+                        for k, s in self.states.items()},
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restores :meth:`state_dict`; raises ValueError if it is another compressor's."""
+        if state["hyperparameters"] != self.hyperparameters():
+            raise ValueError(f"compressor state of {state['hyperparameters']} loaded into "
+                             f"{self.hyperparameters()}")
+        self.states = {k: TensorState(**v) for k, v in state["tensors"].items()}
+
+
+class NoCompression(GradientCompressor):
+    """Sends the gradient as it is (the baseline)."""
+
+    kind = "none"
+
+    def _compress(self, st, x, shared):
+        return x.clone() if shared else x
+
+
+class CastCompressor(GradientCompressor):
+    """Sends the gradient cast to fp16 or bf16 (no residual: the rounding error is
+    relative, about 2^-11 for fp16 and 2^-8 for bf16)."""
+
+    DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+
+    def __init__(self, dtype: str, *, warmup_steps: int = 0) -> None:
+        super().__init__(warmup_steps=warmup_steps)
+        if dtype not in self.DTYPES:
+            raise ValueError(f"CastCompressor dtype {dtype!r}: fp16 or bf16")
+        self.kind = dtype
+        self.dtype = self.DTYPES[dtype]
+
+    def _compress(self, st, x, shared):
+        return x.to(self.dtype)
+
+
+def keep_count(ratio: float, numel: int) -> int:
+    """``K = ceil(ratio * numel)``, at least 1 (rounded first, so that 0.01 * 100 is 1)."""
+    return min(numel, max(1, math.ceil(round(ratio * numel, 6))))
+
+
+class _Sparsifier(GradientCompressor):
+    """Sends some entries of ``x`` = gradient + residual, keeps the rest as the residual."""
+
+    def __init__(self, ratio: float, *, error_feedback: bool = True, warmup_steps: int = 0) -> None:
+        super().__init__(warmup_steps=warmup_steps)
+        if not 0 < ratio <= 1:
+            raise ValueError(f"ratio (eta) must be in (0, 1], got {ratio}")
+        # Fraction of entries kept (eta): K = ceil(eta * n) per tensor.
+        self.ratio = ratio
+        # Without it the unsent entries are lost; with it they are delayed (biased
+        # compressors such as top-k need it to converge like uncompressed SGD).
+        self.error_feedback = error_feedback
+
+    def hyperparameters(self):
+        return {**super().hyperparameters(), "ratio": self.ratio, "error_feedback": self.error_feedback}
+
+    def _compress(self, st, x, shared):
+        idx = self._select(st, x)
+        msg = SparseGrad(idx, x[idx], x.numel())
+        if self.error_feedback:
+            residual = x.clone() if shared else x
+            residual[idx] = 0
+            st.residual = residual
+        return msg
+
+    @abstractmethod
+    def _select(self, st: TensorState, x: torch.Tensor) -> torch.Tensor:
+        """Ascending int64 indices of the entries of ``x`` to send (never an exact zero)."""
+
+
+def _top(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(indices, tau)``: the nonzero entries among the ``k`` largest ``|x|``, ascending,
+    and the ``k``-th largest magnitude."""
+    mags, idx = torch.topk(x.abs(), k, sorted=False)
+    return idx[mags > 0].sort().values, mags.min()
+
+
+class TopKCompressor(_Sparsifier):
+    """Exact top-k: every step, the ``K = ceil(ratio * n)`` entries of largest magnitude
+    (fewer when fewer are nonzero; ties broken by ``torch.topk``)."""
+
+    kind = "topk"
+
+    def _select(self, st, x):
+        return _top(x, keep_count(self.ratio, x.numel()))[0]
+
+
+class DCTCompressor(_Sparsifier):
+    """DCT-DP: send the entries with ``|x| >= tau``, where ``tau`` is the K-th largest
+    magnitude of ``x`` (``K = ceil(ratio * n)``) recomputed only every ``refresh_every``
+    compressed steps of a tensor and held fixed in between, so the top-k runs rarely and
+    the number sent varies between refreshes.
+
+    - At a refresh step exactly the top-K entries are sent (ties broken by ``torch.topk``),
+      so the count there is K whatever the ties; in between, every entry at or above tau.
+    - ``ratio = 1`` keeps everything: tau is 0 and every nonzero entry is sent.
+    - A refreshed tau of 0 with K < n (fewer than K nonzero entries, e.g. an all-zero
+      gradient) would send every nonzero entry until the next refresh, so the threshold
+      is recomputed at the next step instead.
+    - Exact zeros are never sent.
+    """
+
+    kind = "dct"
+
+    def __init__(self, ratio: float, refresh_every: int, *, error_feedback: bool = True,
+                 warmup_steps: int = 0) -> None:
+        super().__init__(ratio, error_feedback=error_feedback, warmup_steps=warmup_steps)
+        if refresh_every < 1:
+            raise ValueError(f"refresh_every (L) must be >= 1, got {refresh_every}")
+        # L: the top-k behind tau costs a sort-like pass; holding tau L steps amortises it.
+        self.refresh_every = refresh_every
+
+    def hyperparameters(self):
+        return {**super().hyperparameters(), "refresh_every": self.refresh_every}
+
+    def due(self, st: TensorState) -> bool:
+        """True when ``tau`` is recomputed at this step: compressed steps 0, L, 2L, ...
+        (counted after the warm-up) and whenever no valid threshold is held."""
+        return st.tau is None or (st.step - self.warmup_steps) % self.refresh_every == 0
+
+    def _select(self, st, x):
+        k = keep_count(self.ratio, x.numel())
+        if k == x.numel():
+            st.tau = torch.zeros((), dtype=x.dtype)
+            return x.nonzero().squeeze(1)
+        if self.due(st):
+            idx, tau = _top(x, k)
+            st.refreshes += 1
+            # Host read, only at a refresh: a zero threshold is not held (see the class doc).
+            st.tau = tau if float(tau) > 0 else None
+            return idx
+        return (x.abs() >= st.tau).nonzero().squeeze(1)
+
+    def threshold(self, key: str) -> float | None:
+        """The threshold held for ``key`` (None before the first refresh or after a zero one)."""
+        st = self.states.get(key)
+        return None if st is None or st.tau is None else float(st.tau)

@@ -1,0 +1,182 @@
+"""DDP communication hooks that average dense gradients through a compressor, and
+count the bytes they put on the wire.
+
+A hook factory is called once per data-parallel module, ``factory(arch, module)``, and
+returns that module's hook ``hook(process_group, bucket) -> Future[Tensor]``
+(``parallel.parallelize.parallelize_dlrm`` registers it).
+
+Compressor state is keyed by *parameter name* (``"top.layers.0.weight"``), not by bucket
+index: DDP rebuilds its buckets after the first step in the order gradients became
+ready (a bucket of ``[weight, bias]`` may become ``[bias, weight]``, with other
+boundaries), so a residual or threshold per bucket index would be applied to the wrong
+entries. Per-parameter keys survive any rebuild unchanged.
+
+Byte accounting (category ``"dense_allreduce"``, direction ``"bwd"``): ``original`` is
+what the uncompressed ring all-reduce of the fp32 bucket sends,
+``2 (w-1) / w * nbytes`` (the formula of ``allreduce_hook``); ``sent`` and ``received``
+are what this hook's own collectives put on and took off the wire.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState, powerSGD_hook
+
+from hybridrec.comm.compress import GradientCompressor
+from hybridrec.comm.ledger import CommLedger
+from hybridrec.comm import sparse_message as sm
+from hybridrec.comm.sparse_message import SparseGrad
+
+CommHook = Callable[[dist.ProcessGroup, dist.GradBucket], torch.futures.Future]
+HookFactory = Callable[[str, torch.nn.Module], CommHook]
+"""``(arch name, the module DDP wraps) -> that module's comm hook``."""
+
+CATEGORY = "dense_allreduce"
+
+
+def ring_allreduce_bytes(nbytes: int, world: int) -> int:
+    """Bytes one rank sends (and receives) in a ring all-reduce of ``nbytes``."""
+    return 2 * (world - 1) * nbytes // world
+
+
+def _done(value: torch.Tensor) -> torch.futures.Future:
+    fut = torch.futures.Future()
+    fut.set_result(value)
+    return fut
+
+
+class CompressedAllReduce:
+    """Hook factory: every parameter of a bucket goes through ``compressor``; the bucket
+    is then averaged by an all-reduce (dense payloads: warm-up, fp16/bf16 casting, no
+    compression) or by exchanging encoded sparse messages (top-k, DCT).
+
+    One instance serves every arch, so ``state_dict`` covers all of them.
+    """
+
+    def __init__(self, compressor: GradientCompressor, ledger: CommLedger | None = None) -> None:
+        self.compressor = compressor
+        self.ledger = ledger
+
+    def __call__(self, arch: str, module: torch.nn.Module) -> CommHook:
+        # id() of a Parameter is stable, and GradBucket.parameters() returns the same objects.
+        names = {id(p): f"{arch}.{n}" for n, p in module.named_parameters()}
+
+        def hook(process_group, bucket):  # no annotations: DDP checks them as objects, not strings
+            return self.reduce(process_group, bucket.buffer(),
+                               [names[id(p)] for p in bucket.parameters()], bucket.gradients())
+
+        return hook
+
+    def reduce(self, group: dist.ProcessGroup, buf: torch.Tensor, keys: list[str],
+               grads: list[torch.Tensor]) -> torch.futures.Future:
+        """Averages ``buf`` (``[n]``, the bucket: ``grads`` are views of it, back to back,
+        named ``keys``) over ``group``; the future resolves to ``buf``."""
+        payloads = [self.compressor.compress(k, g) for k, g in zip(keys, grads)]
+        if all(isinstance(p, torch.Tensor) for p in payloads) and len({p.dtype for p in payloads}) == 1:
+            return self._dense(group, buf, payloads)
+        sparse = [p if isinstance(p, SparseGrad) else SparseGrad.from_dense(p.to(buf.dtype)) for p in payloads]
+        return self._sparse(group, buf, SparseGrad.cat(sparse))
+
+    def _record(self, sent: int, received: int, buf: torch.Tensor, world: int) -> None:
+        if self.ledger is not None:
+            original = ring_allreduce_bytes(buf.numel() * buf.element_size(), world)
+            self.ledger.record(CATEGORY, sent=sent, received=received, direction="bwd", original=original)
+
+    def _dense(self, group, buf, payloads) -> torch.futures.Future:
+        world = group.size()
+        flat = torch.cat([p.reshape(-1) for p in payloads])
+        wire = ring_allreduce_bytes(flat.numel() * flat.element_size(), world)
+        self._record(wire, wire, buf, world)
+        flat.div_(world)  # before the sum, as allreduce_hook does (no fp16 overflow)
+        fut = dist.all_reduce(flat, group=group, async_op=True).get_future()
+        return fut.then(lambda f: buf.copy_(f.value()[0]))
+
+    def _sparse(self, group, buf, msg: SparseGrad) -> torch.futures.Future:
+        rank, world = group.rank(), group.size()
+        encoded = sm.encode(msg)
+        sizes = sm.exchange_sizes(encoded.numel(), group)  # blocks: the splits are needed
+        fut, received = sm.start_exchange(encoded, sizes, group)
+        self._record(*sm.exchange_bytes(sizes, rank), buf, world)
+
+        def finish(_):
+            others = sm.split_received(received, sizes, rank)
+            buf.zero_()
+            for r in range(world):  # rank order on every rank: the replicas stay identical
+                part = msg if r == rank else sm.decode(others[r], buf.numel(), msg.values.dtype)
+                part.add_to(buf)
+            return buf.div_(world)
+
+        return fut.then(finish)
+
+    def state_dict(self) -> dict:
+        return self.compressor.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.compressor.load_state_dict(state)
+
+
+def powersgd_bytes(state: PowerSGDState, grads: list[torch.Tensor], world: int) -> tuple[int, int]:
+    """``(sent, original)`` of one ``powerSGD_hook`` call on a bucket of ``grads`` (bytes
+    per rank; received = sent). Before ``start_powerSGD_iter`` it is one all-reduce of
+    the bucket; after, three: the tensors it leaves uncompressed, then all P, then all
+    Q. The split mirrors ``powerSGD_hook``: a tensor viewed as ``n x m`` (``m`` = the
+    rest of its dims) is compressed to rank ``r = min(n, m, rank)`` when
+    ``(n + m) * r * min_compression_rate < n * m``."""
+    es = grads[0].element_size() if grads else 4
+    total = sum(g.numel() for g in grads)
+    original = ring_allreduce_bytes(total * es, world)
+    if state.iter < state.start_powerSGD_iter:
+        return original, original
+    plain = ps = qs = 0
+    for g in grads:
+        n = g.shape[0] if g.dim() else 1
+        m = g.numel() // n
+        r = min(n, m, state.matrix_approximation_rank)
+        if (n + m) * r * state.min_compression_rate < n * m:
+            ps, qs = ps + n * r, qs + m * r
+        else:
+            plain += g.numel()
+    return sum(ring_allreduce_bytes(x * es, world) for x in (plain, ps, qs)), original
+
+
+class PowerSGDHooks:
+    """Hook factory around PyTorch's ``powerSGD_hook``: one ``PowerSGDState`` per arch
+    (its error and P/Q memories are keyed by bucket index, which two modules would share).
+
+    ``warmup_steps`` = ``start_powerSGD_iter``: plain all-reduce before it. PyTorch
+    requires it > 1 with error feedback or warm start, because DDP rebuilds its buckets
+    after the first step and a bucket-indexed error would then be misplaced.
+    """
+
+    def __init__(self, *, rank: int = 1, warmup_steps: int = 2, error_feedback: bool = True,
+                 min_compression_rate: float = 2, seed: int = 0,
+                 ledger: CommLedger | None = None) -> None:
+        if rank < 1:
+            raise ValueError(f"PowerSGD rank must be >= 1, got {rank}")
+        if warmup_steps < 2:
+            raise ValueError("PowerSGD needs warmup_steps >= 2 (DDP rebuilds its buckets after step 0)")
+        self.rank, self.warmup_steps, self.error_feedback = rank, warmup_steps, error_feedback
+        self.min_compression_rate, self.seed, self.ledger = min_compression_rate, seed, ledger
+        self.states: dict[str, PowerSGDState] = {}  # by arch
+
+    def __call__(self, arch: str, module: torch.nn.Module) -> CommHook:
+        def hook(process_group, bucket):
+            state = self.states.get(arch)
+            if state is None:  # the group is known only here
+                state = self.states[arch] = PowerSGDState(
+                    process_group, matrix_approximation_rank=self.rank,
+                    start_powerSGD_iter=self.warmup_steps, min_compression_rate=self.min_compression_rate,
+                    use_error_feedback=self.error_feedback, random_seed=self.seed)
+            if self.ledger is not None:
+                sent, original = powersgd_bytes(state, bucket.gradients(), process_group.size())
+                self.ledger.record(CATEGORY, sent=sent, received=sent, direction="bwd", original=original)
+            fut = powerSGD_hook(state, bucket)
+            # Waits here: powerSGD_hook issues its P and Q all-reduces from completion
+            # callbacks, which could otherwise interleave with the next bucket's or the
+            # embedding all-to-all on another rank in a different order.
+            return _done(fut.wait())
+
+        return hook

@@ -1,0 +1,214 @@
+"""Sparse gradient messages: which entries of a flat tensor are sent, how they are laid
+out in bytes, and how every rank's message reaches every other rank.
+
+A :class:`SparseGrad` is the logical message (indices, values). :func:`encode` turns it
+into bytes in whichever of two layouts is smaller, :func:`decode` reverses it, and
+:func:`encoded_size` gives the exact byte count without encoding::
+
+    index list:  [tag=1][k indices, smallest unsigned dtype that holds numel-1][k values]
+    bitmap:      [tag=0][ceil(numel/8) bytes, bit i%8 of byte i//8 = entry i][k values]
+
+Values are in ascending index order in both layouts. The decoder is told ``numel`` and
+the value dtype (every rank knows the tensor it is decoding); ``k`` follows from the
+message length, so the whole header is the one tag byte.
+
+:func:`exchange_sizes` and :func:`start_exchange` send one rank's encoded message to
+every other rank with two all-to-alls (the sizes, then the bytes with uneven splits),
+so each rank receives exactly the other ranks' messages and nothing is padded.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+TAG_BITMAP = 0
+TAG_INDEX_LIST = 1
+HEADER_BYTES = 1
+SIZE_BYTES = 8
+"""Bytes per rank pair of the size exchange (one int64)."""
+
+_SHIFTS = torch.arange(8, dtype=torch.uint8)
+
+
+@dataclass(frozen=True)
+class SparseGrad:
+    """The entries of a flat tensor of ``numel`` elements that are sent; the rest are 0.
+
+    Attributes:
+        indices: ``[k]`` int64, strictly ascending, each in ``[0, numel)``.
+        values: ``[k]`` the tensor's float dtype, ``values[j]`` is entry ``indices[j]``.
+        numel: length of the dense tensor.
+
+    Example: ``SparseGrad(indices=[1, 4], values=[0.5, -2.0], numel=6)`` is the dense
+    tensor ``[0, 0.5, 0, 0, -2.0, 0]``.
+    """
+
+    indices: torch.Tensor
+    values: torch.Tensor
+    numel: int
+
+    @property
+    def count(self) -> int:
+        """``k``, the number of entries sent."""
+        return self.indices.numel()
+
+    @staticmethod
+    def from_dense(x: torch.Tensor) -> SparseGrad:
+        """The nonzero entries of ``x`` (any shape, read flat)."""
+        flat = x.reshape(-1)
+        idx = flat.nonzero().squeeze(1)
+        return SparseGrad(idx, flat[idx], flat.numel())
+
+    @staticmethod
+    def cat(parts: list[SparseGrad]) -> SparseGrad:
+        """Messages of consecutive pieces of one flat tensor, joined: part ``i``'s indices
+        are shifted by the lengths of parts ``0..i-1``."""
+        offset, idx = 0, []
+        for p in parts:
+            idx.append(p.indices + offset)
+            offset += p.numel
+        return SparseGrad(torch.cat(idx), torch.cat([p.values for p in parts]), offset)
+
+    def add_to(self, out: torch.Tensor) -> torch.Tensor:
+        """``out[indices] += values`` for a flat ``out`` of ``numel`` elements; returns it."""
+        if out.numel() != self.numel:
+            raise ValueError(f"SparseGrad of {self.numel} entries added to a tensor of {out.numel()}")
+        return out.index_add_(0, self.indices, self.values.to(out.dtype))
+
+    def to_dense(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The ``[numel]`` dense tensor."""
+        out = torch.zeros(self.numel, dtype=dtype or self.values.dtype, device=self.values.device)
+        return self.add_to(out)
+
+
+def index_dtype(numel: int) -> torch.dtype:
+    """The smallest unsigned integer dtype that holds every index of a ``numel`` tensor."""
+    for dt, bits in ((torch.uint8, 8), (torch.uint16, 16), (torch.uint32, 32)):
+        if numel <= 1 << bits:
+            return dt
+    return torch.int64
+
+
+def _bitmap_bytes(numel: int) -> int:
+    return (numel + 7) // 8
+
+
+def uses_bitmap(count: int, numel: int) -> bool:
+    """True when a bitmap is smaller than an index list for ``count`` of ``numel`` entries
+    (ties go to the index list)."""
+    return _bitmap_bytes(numel) < count * index_dtype(numel).itemsize
+
+
+def encoded_size(count: int, numel: int, value_dtype: torch.dtype) -> int:
+    """Exact bytes of :func:`encode` for ``count`` entries of a ``numel`` tensor."""
+    body = min(_bitmap_bytes(numel), count * index_dtype(numel).itemsize)
+    return HEADER_BYTES + body + count * value_dtype.itemsize
+
+
+def pack_bits(mask: torch.Tensor) -> torch.Tensor:
+    """``[n]`` bool -> ``[ceil(n/8)]`` uint8; entry ``i`` is bit ``i % 8`` of byte ``i // 8``."""
+    n = mask.numel()
+    bits = torch.zeros(_bitmap_bytes(n) * 8, dtype=torch.uint8)
+    bits[:n] = mask
+    return (bits.view(-1, 8) << _SHIFTS).sum(1).to(torch.uint8)
+
+
+def unpack_bits(packed: torch.Tensor, n: int) -> torch.Tensor:
+    """Inverse of :func:`pack_bits`: ``[ceil(n/8)]`` uint8 -> ``[n]`` bool."""
+    return ((packed.unsqueeze(1) >> _SHIFTS) & 1).view(-1)[:n].bool()
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8)
+
+
+def encode(msg: SparseGrad) -> torch.Tensor:
+    """The message as ``[encoded_size(...)]`` uint8, in the smaller of the two layouts."""
+    if uses_bitmap(msg.count, msg.numel):
+        mask = torch.zeros(msg.numel, dtype=torch.bool)
+        mask[msg.indices] = True
+        tag, body = TAG_BITMAP, pack_bits(mask)
+    else:
+        tag, body = TAG_INDEX_LIST, _as_bytes(msg.indices.to(index_dtype(msg.numel)))
+    return torch.cat([torch.tensor([tag], dtype=torch.uint8), body, _as_bytes(msg.values)])
+
+
+def _view(raw: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    # A slice of a received buffer may start at any byte; a copy is aligned for the view.
+    return raw.clone().view(dtype)
+
+
+def decode(buf: torch.Tensor, numel: int, value_dtype: torch.dtype) -> SparseGrad:
+    """Inverse of :func:`encode` for a message of a ``numel`` tensor with ``value_dtype``
+    values. Raises ValueError on a message whose length does not fit its layout."""
+    if buf.dtype != torch.uint8 or buf.dim() != 1 or buf.numel() < HEADER_BYTES:
+        raise ValueError("a sparse message is a non-empty 1-D uint8 tensor")
+    tag = int(buf[0])  # host read: the layout of the rest depends on it
+    body, vb = buf[HEADER_BYTES:], value_dtype.itemsize
+    if tag == TAG_BITMAP:
+        nb = _bitmap_bytes(numel)
+        if body.numel() < nb or (body.numel() - nb) % vb:
+            raise ValueError(f"bitmap message of {buf.numel()} bytes does not fit {numel} entries")
+        indices = unpack_bits(body[:nb], numel).nonzero().squeeze(1)
+        raw_values = body[nb:]
+        if indices.numel() * vb != raw_values.numel():
+            raise ValueError("bitmap message: the bitmap and the number of values disagree")
+    elif tag == TAG_INDEX_LIST:
+        idt = index_dtype(numel)
+        k, rem = divmod(body.numel(), idt.itemsize + vb)
+        if rem:
+            raise ValueError(f"index-list message of {buf.numel()} bytes is not a whole number of entries")
+        indices = _view(body[: k * idt.itemsize], idt).to(torch.int64)
+        raw_values = body[k * idt.itemsize:]
+    else:
+        raise ValueError(f"unknown sparse message tag {tag}")
+    return SparseGrad(indices, _view(raw_values, value_dtype), numel)
+
+
+def exchange_sizes(size: int, group: dist.ProcessGroup) -> list[int]:
+    """Every rank's message size, by rank: an all-to-all of one int64 per rank pair.
+
+    Blocks, and reads the result on the host: the byte exchange needs its splits."""
+    world = group.size()
+    out = torch.empty(world, dtype=torch.int64)
+    dist.all_to_all_single(out, torch.full((world,), size, dtype=torch.int64), group=group)
+    return out.tolist()
+
+
+def start_exchange(message: torch.Tensor, sizes: list[int], group: dist.ProcessGroup):
+    """Sends ``message`` (this rank's, ``[sizes[rank]]`` uint8) to every other rank.
+
+    Returns ``(future, received)``: when ``future`` completes, ``received`` holds the
+    other ranks' messages back to back in rank order (``[sum of others' sizes]`` uint8;
+    this rank's own message is not sent to itself).
+    """
+    rank, world = group.rank(), group.size()
+    mine = sizes[rank]
+    in_splits = [0 if r == rank else mine for r in range(world)]
+    out_splits = [0 if r == rank else sizes[r] for r in range(world)]
+    received = torch.empty(sum(out_splits), dtype=torch.uint8)
+    send = message.repeat(world - 1)  # one copy per destination, as all_to_all_single wants
+    work = dist.all_to_all_single(received, send, out_splits, in_splits, group=group, async_op=True)
+    return work.get_future(), received
+
+
+def split_received(received: torch.Tensor, sizes: list[int], rank: int) -> dict[int, torch.Tensor]:
+    """The other ranks' messages out of :func:`start_exchange`'s buffer, by rank."""
+    out, start = {}, 0
+    for r, n in enumerate(sizes):
+        if r != rank:
+            out[r] = received[start:start + n]
+            start += n
+    return out
+
+
+def exchange_bytes(sizes: list[int], rank: int) -> tuple[int, int]:
+    """``(sent, received)`` bytes on the wire of one exchange, for this rank: the size
+    all-to-all (8 bytes per peer each way) and the messages."""
+    peers = len(sizes) - 1
+    sent = peers * (SIZE_BYTES + sizes[rank])
+    received = peers * SIZE_BYTES + sum(n for r, n in enumerate(sizes) if r != rank)
+    return sent, received
