@@ -266,6 +266,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
         self._pieces = self._assembly(dp)
         self.codecs = dict(codecs or {})
         self._coded = self._codec_layouts(self.codecs)
+        self._piece_bytes = self._piece_byte_table()
         self._row_split = {f: any(s.row_split for slots in self.slots.values() for s in slots
                                   if s.feature == f) for f in self.feature_names}
         # Shards pool by sum (partial means would not add up); divide after the sum.
@@ -324,6 +325,23 @@ class ShardedEmbeddingBagCollection(nn.Module):
                                          for n, w in block.pieces] + fm))
         return layouts
 
+    def _piece_byte_table(self) -> list[list[tuple[str | None, int, int, int]]]:
+        """Per owner, per piece it sends: ``(table, forward bytes per row, backward bytes per
+        row, float32 bytes per row)``; DeepFM's ``[z_p, q_p]`` belong to no table."""
+        by_name = {s.name: s for slots in self.slots.values() for s in slots}
+        out = []
+        for d in range(self.topo.world_size):
+            block, rows = self._layouts[d], []
+            for name, w in block.pieces:
+                table = by_name[name].table
+                codec = self.codecs.get(table)
+                rows.append((table, codec.row_bytes(w) if codec else 4 * w,
+                             codec.grad_row_bytes(w) if codec else 4 * w, 4 * w))
+            if block.fm:
+                rows.append((None, 8, 8, 8))
+            out.append(rows)
+        return out
+
     def _combine(self, blocks: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Received partial results -> ``[B, sum(dims)]`` (and ``[B, 2]`` FM sums): row
         shards' partials are added, column shards' placed side by side, every block's
@@ -353,7 +371,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
         returned handle's :meth:`PendingInput.wait` yields the owner-side batch."""
         parts = kjt.split_by_key()
         b, world = kjt.batch_size, self.topo.world_size
-        bufs, counts = [], []
+        bufs, counts, sent = [], [], {}
         for d in range(world):
             lengths, values = [], []
             for s in self.slots[d]:
@@ -362,6 +380,8 @@ class ShardedEmbeddingBagCollection(nn.Module):
                     v, ln = _bucketize(v, ln, s.shard.rows)
                 lengths.append(ln.to(torch.int64))
                 values.append(v)
+                if d != self.topo.rank:
+                    sent[s.table] = sent.get(s.table, 0) + (ln.numel() + v.numel()) * 8
             bufs.append(torch.cat(lengths + values) if lengths else torch.empty(0, dtype=torch.int64))
             counts += [b, bufs[-1].numel()]
         recv_counts = _exchange(torch.tensor(counts, dtype=torch.int64), [2] * world, [2] * world,
@@ -371,10 +391,9 @@ class ShardedEmbeddingBagCollection(nn.Module):
         recv = send.new_empty(sum(sizes))
         work = dist.all_to_all_single(recv, send, sizes, [x.numel() for x in bufs],
                                       group=self.topo.group, async_op=True)
-        if self.ledger is not None:
-            r = self.topo.rank
-            self.ledger.record("input_dist", direction="fwd", sent=(send.numel() - bufs[r].numel()) * 8,
-                               received=(recv.numel() - sizes[r]) * 8)
+        if self.ledger is not None:  # what arrives is counted when it is unpacked
+            for table, n in sent.items():
+                self.ledger.record("input_dist", table=table, direction="fwd", sent=n, received=0)
         return PendingInput(self, work, recv, sizes, batch_sizes)
 
     def input_dist(self, kjt: KeyedJagged) -> tuple[KeyedJagged, list[int]]:
@@ -405,6 +424,14 @@ class ShardedEmbeddingBagCollection(nn.Module):
         out_start = torch.cumsum(run_len, 0) - run_len
         total = int(run_len.sum())
         src = torch.repeat_interleave(run_start - out_start, run_len) + torch.arange(total)
+        if self.ledger is not None:  # per table: bag lengths and ids from every other rank
+            me, received = self.topo.rank, {}
+            from_others = (per_slot.sum(0) - per_slot[me]).tolist()
+            for j, s in enumerate(mine):
+                received[s.table] = received.get(s.table, 0) + (sum(batch_sizes) - batch_sizes[me]
+                                                                 + from_others[j]) * 8
+            for table, n in received.items():
+                self.ledger.record("input_dist", table=table, direction="fwd", sent=0, received=n)
         return KeyedJagged([s.name for s in mine], recv.index_select(0, src),
                            torch.cat(lengths, dim=1).reshape(-1).to(torch.int32))
 
@@ -437,14 +464,42 @@ class ShardedEmbeddingBagCollection(nn.Module):
         else:  # still joins the collectives, forward and backward
             pooled = torch.zeros(total, 0, requires_grad=torch.is_grad_enabled())
         if self._coded is not None:
-            recv = coded_all_to_all(pooled, self._coded, batch_sizes, self.topo.group,
-                                    self.ledger)
-            return list(torch.split(recv, self._widths, dim=1))
-        width = pooled.shape[1]
-        sizes = [b * w for w in self._widths]
-        recv = _AllToAll.apply(pooled.reshape(-1), sizes, [n * width for n in batch_sizes],
-                               self.topo.group, self.ledger, "output_dist")
-        return [x.view(b, w) for x, w in zip(torch.split(recv, sizes), self._widths)]
+            recv = coded_all_to_all(pooled, self._coded, batch_sizes, self.topo.group, None)
+        else:
+            width = pooled.shape[1]
+            sizes = [b * w for w in self._widths]
+            flat = _AllToAll.apply(pooled.reshape(-1), sizes, [n * width for n in batch_sizes],
+                                   self.topo.group, None, "output_dist")
+            recv = torch.cat([x.view(b, w) for x, w in zip(torch.split(flat, sizes), self._widths)], dim=1)
+        if self.ledger is not None:
+            self._record_output("fwd", batch_sizes)
+            if recv.requires_grad:  # runs right before the backward all-to-all
+                recv.register_hook(lambda g: self._record_output("bwd", batch_sizes))
+        return list(torch.split(recv, self._widths, dim=1))
+
+    def _record_output(self, direction: str, batch_sizes: list[int]) -> None:
+        """Ledger entries of one output all-to-all, per table: forward, this rank sends its
+        pieces' rows to every other rank and receives the other owners' pieces for its
+        samples; backward the reverse. Bytes as encoded (see ``_piece_bytes``)."""
+        me = self.topo.rank
+        b = batch_sizes[me]
+        others = sum(batch_sizes) - b
+        per: dict[str | None, list[int]] = {}
+        for d, pieces in enumerate(self._piece_bytes):
+            for table, fwd, bwd, orig in pieces:
+                acc = per.setdefault(table, [0, 0, 0])
+                # My pieces leave me forward and come back backward; others' pieces the reverse.
+                outgoing = (d == me) == (direction == "fwd")
+                n = others if d == me else b
+                row = fwd if direction == "fwd" else bwd
+                if outgoing:
+                    acc[0] += row * n
+                    acc[2] += orig * n
+                else:
+                    acc[1] += row * n
+        for table, (sent, received, original) in per.items():
+            self.ledger.record("output_dist", table=table, direction=direction, sent=sent,
+                               received=received, original=original)
 
     def _apply_mean(self, out: torch.Tensor, kjt: KeyedJagged) -> torch.Tensor:
         parts = kjt.split_by_key()
