@@ -297,14 +297,17 @@ class Cluster:
                 f"--master-port={port}", "--max-restarts=0", *script]
 
     def run(self, commands: Sequence[Sequence[str]], *, timeout_s: float = 600.0,
-            env: Mapping[str, str] | None = None, cwd: str | os.PathLike | None = None,
-            log_dir: str | os.PathLike | None = None, grace_s: float = 30.0) -> list[RankResult]:
+            env: Mapping[str, str] | None = None,
+            rank_env: Sequence[Mapping[str, str]] | None = None,
+            cwd: str | os.PathLike | None = None, log_dir: str | os.PathLike | None = None,
+            grace_s: float = 30.0) -> list[RankResult]:
         """Run ``commands[i]`` inside rank i's namespace, all at once; wait for all.
 
         Every command gets its own process group. At ``timeout_s`` (or ``grace_s`` after a
         rank has failed, so that its peers stuck in a collective do not wait for the
         timeout) the rest are sent SIGTERM, then SIGKILL with everything else still
         running in the namespaces. Output goes to ``log_dir/rank<i>.{out,err}`` when given.
+        Environment: ours, then :meth:`env`, then ``env``, then ``rank_env[i]``.
         """
         if len(commands) != self.world_size:
             raise ValueError(f"{len(commands)} commands for {self.world_size} ranks")
@@ -323,7 +326,8 @@ class Cluster:
                     files.append((out, err))
                     procs.append(subprocess.Popen(
                         self.exec_argv(rank, argv), stdout=out, stderr=err, cwd=cwd,
-                        env={**os.environ, **self.env(rank), **(env or {})},
+                        env={**os.environ, **self.env(rank), **(env or {}),
+                             **(rank_env[rank] if rank_env else {})},
                         start_new_session=True))
                 timed_out = self._wait(procs, ends, start + timeout_s, grace_s)
             finally:
