@@ -172,8 +172,8 @@ def probe_support(prefix: str = PREFIX) -> None:
     try:
         _tool("ip", "netns", "add", name)
         _tool("ip", "-n", name, "link", "add", "br0", "type", "bridge")
-        _tool("ip", "-n", name, "link", "add", "a", "type", "veth", "peer", "name", "b")
-        _tool("tc", "-n", name, "qdisc", "add", "dev", "a", "root", "tbf", "rate", "1mbit",
+        _tool("ip", "-n", name, "link", "add", "veth0", "type", "veth", "peer", "name", "veth1")
+        _tool("tc", "-n", name, "qdisc", "add", "dev", "veth0", "root", "tbf", "rate", "1mbit",
               "burst", "32kb", "latency", "50ms")
     finally:
         _delete_namespaces([name])
