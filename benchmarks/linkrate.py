@@ -192,8 +192,7 @@ def run_cluster(args, world: int, rate: str) -> dict:
         print(f"# {rate}, {world} ranks; rank 0 runs:\n#   {' '.join(c.exec_argv(0, cmds[0]))}",
               file=sys.stderr)
         env = {"OMP_NUM_THREADS": "1",
-               "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "src"),
-                                                           os.environ.get("PYTHONPATH")]))}
+               "PYTHONPATH": _pythonpath(str(ROOT / "src"))}
         # The worker needs its own address for the raw TCP baseline.
         res = c.run(cmds, timeout_s=args.timeout, log_dir=log_dir,
                     env=env, rank_env=[{"HRC_ADDR": n.address} for n in c.nodes])
@@ -255,6 +254,13 @@ def machine() -> str:
     except OSError:
         pass
     return f"{model}, {os.cpu_count()} cores, kernel {os.uname().release}"
+
+
+
+def _pythonpath(src: str) -> str:
+    """This checkout's src/ first (the ranks import the package from here), once."""
+    rest = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p != src]
+    return os.pathsep.join([src, *rest])
 
 
 if __name__ == "__main__":

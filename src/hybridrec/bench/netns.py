@@ -37,6 +37,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -170,16 +171,16 @@ def probe_support(prefix: str = PREFIX) -> None:
     require_support()
     name = f"{prefix}{os.getpid()}-probe"
     try:
-        _tool("ip", "netns", "add", name)
-        _tool("ip", "-n", name, "link", "add", "br0", "type", "bridge")
-        _tool("ip", "-n", name, "link", "add", "veth0", "type", "veth", "peer", "name", "veth1")
-        _tool("tc", "-n", name, "qdisc", "add", "dev", "veth0", "root", "tbf", "rate", "1mbit",
+        _run_tool("ip", "netns", "add", name)
+        _run_tool("ip", "-n", name, "link", "add", "br0", "type", "bridge")
+        _run_tool("ip", "-n", name, "link", "add", "veth0", "type", "veth", "peer", "name", "veth1")
+        _run_tool("tc", "-n", name, "qdisc", "add", "dev", "veth0", "root", "tbf", "rate", "1mbit",
               "burst", "32kb", "latency", "50ms")
     finally:
         _delete_namespaces([name])
 
 
-def _tool(*argv: str, check: bool = True) -> subprocess.CompletedProcess:
+def _run_tool(*argv: str, check: bool = True) -> subprocess.CompletedProcess:
     # A session of its own: a Ctrl-C at the terminal must not kill `ip netns del` mid-teardown.
     proc = subprocess.run(argv, capture_output=True, text=True, start_new_session=True)
     if check and proc.returncode != 0:
@@ -193,7 +194,7 @@ def _tool(*argv: str, check: bool = True) -> subprocess.CompletedProcess:
 # -- namespaces: listing, stale ones, teardown -------------------------------------------
 
 def list_namespaces() -> list[str]:
-    out = _tool("ip", "netns", "list").stdout
+    out = _run_tool("ip", "netns", "list").stdout
     return [line.split()[0] for line in out.splitlines() if line.strip()]
 
 
@@ -232,7 +233,7 @@ def remove_stale(prefix: str = PREFIX) -> list[str]:
 
 
 def _netns_pids(name: str) -> list[int]:
-    out = _tool("ip", "netns", "pids", name, check=False).stdout
+    out = _run_tool("ip", "netns", "pids", name, check=False).stdout
     return [int(tok) for tok in out.split() if tok.isdigit()]
 
 
@@ -249,7 +250,7 @@ def _delete_namespaces(names: Sequence[str]) -> list[str]:
     while time.monotonic() < deadline and any(_netns_pids(n) for n in names):
         time.sleep(0.05)
     for name in names:  # deleting a namespace deletes the veth ends inside it, and their peers
-        _tool("ip", "netns", "del", name, check=False)
+        _run_tool("ip", "netns", "del", name, check=False)
     left = set(list_namespaces())
     return [n for n in names if n in left]
 
@@ -266,6 +267,8 @@ class Cluster:
     rate_bps: int | None
     """Cap of each direction of each rank's link in bits/s (None: uncapped veth)."""
     burst_bytes: int | None
+    setup_commands: tuple[str, ...] = ()
+    """The ``ip``/``tc`` commands that built it, in order (for reports)."""
 
     @property
     def world_size(self) -> int:
@@ -389,26 +392,32 @@ def _burst(rate_bps: int, burst_bytes: int | None) -> int:
 def build_cluster(names: Sequence[str], switch: str, rate_bps: int | None,
                   burst_bytes: int | None = None) -> Cluster:
     """Create the namespaces, bridge, veth links and qdiscs (see the module docstring)."""
-    _tool("ip", "netns", "add", switch)
-    _tool("ip", "-n", switch, "link", "add", "br0", "type", "bridge")
-    _tool("ip", "-n", switch, "link", "set", "br0", "up")
+    done: list[str] = []
+
+    def step(*argv: str) -> None:
+        _run_tool(*argv)
+        done.append(shlex.join(argv))
+
+    step("ip", "netns", "add", switch)
+    step("ip", "-n", switch, "link", "add", "br0", "type", "bridge")
+    step("ip", "-n", switch, "link", "set", "br0", "up")
     burst = _burst(rate_bps, burst_bytes) if rate_bps else None
     nodes = []
     for rank, name in enumerate(names):
         port, addr = f"p{rank}", f"{SUBNET}.{rank + 1}"
-        _tool("ip", "netns", "add", name)
-        _tool("ip", "-n", name, "link", "set", "lo", "up")
-        _tool("ip", "-n", switch, "link", "add", port, "type", "veth", "peer", "name", IFNAME,
+        step("ip", "netns", "add", name)
+        step("ip", "-n", name, "link", "set", "lo", "up")
+        step("ip", "-n", switch, "link", "add", port, "type", "veth", "peer", "name", IFNAME,
               "netns", name)
-        _tool("ip", "-n", switch, "link", "set", port, "master", "br0", "up")
-        _tool("ip", "-n", name, "addr", "add", f"{addr}/24", "dev", IFNAME)
-        _tool("ip", "-n", name, "link", "set", IFNAME, "up")
+        step("ip", "-n", switch, "link", "set", port, "master", "br0", "up")
+        step("ip", "-n", name, "addr", "add", f"{addr}/24", "dev", IFNAME)
+        step("ip", "-n", name, "link", "set", IFNAME, "up")
         if rate_bps:
             for ns, dev in ((name, IFNAME), (switch, port)):  # up- and downlink
-                _tool("tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "tbf", "rate",
+                step("tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "tbf", "rate",
                       f"{rate_bps}bit", "burst", str(burst), "latency", "50ms")
         nodes.append(RankNode(rank, name, IFNAME, addr))
-    return Cluster(tuple(nodes), switch, rate_bps, burst)
+    return Cluster(tuple(nodes), switch, rate_bps, burst, tuple(done))
 
 
 class _Interrupts:
