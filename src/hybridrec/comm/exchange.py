@@ -81,13 +81,13 @@ class PairwiseExchange:
             raise ValueError("PairwiseExchange needs contiguous input and output")
         send = _blocks(input, input_split_sizes, self.world_size)
         recv = _blocks(output, output_split_sizes, self.world_size)
-        recv[self.rank].copy_(send[self.rank])
         peers = [p for p in range(self.world_size) if p != self.rank]
         k = len(self.groups)
         works = [dist.irecv(piece, group=g, group_src=p)
                  for p in peers for g, piece in zip(self.groups, _slices(recv[p], k))]
         works += [dist.isend(piece, group=g, group_dst=p)
                   for p in peers for g, piece in zip(self.groups, _slices(send[p], k))]
+        recv[self.rank].copy_(send[self.rank])  # while the slices travel
         return ExchangeHandle(works, output)
 
 
