@@ -220,5 +220,15 @@ def _pythonpath(src: str) -> str:
     return os.pathsep.join([src, *rest])
 
 
+def _main() -> int:
+    from hybridrec.errors import HybridrecError
+
+    try:
+        return main()
+    except HybridrecError as e:  # e.g. not root: one clear line, no traceback
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(_main())

@@ -1,26 +1,29 @@
 #!/usr/bin/env python3
 """Link rate reached by gloo collectives in the namespace cluster (root required).
 
-    sudo .venv/bin/python benchmarks/linkrate.py                        # 2 ranks, 1gbit + 200mbit
-    sudo .venv/bin/python benchmarks/linkrate.py --world 2 4 --rates 1gbit --sizes 4 16 64
+    sudo .venv/bin/python benchmarks/linkrate.py                      # 2 ranks, 1gbit + 200mbit
+    sudo .venv/bin/python benchmarks/linkrate.py --world 4 --rates 1gbit --sizes 4 16 64
 
 Each rank runs in its own network namespace; every rank's link is capped with tc tbf at
 the given rate in both directions (hybridrec.bench.netns). One torchrun per namespace
-starts the worker below, which times, for each message size S (MiB, per rank):
+starts the worker below, which times, for each message size S (MiB per rank, fp32):
 
-  raw_tcp          one TCP connection per pair, both directions at once (the link's ceiling)
-  all_reduce       dist.all_reduce of S bytes (fp32)
-  all_to_all       dist.all_to_all_single, S bytes in and out per rank
-  sendrecv         dist.isend/irecv pairwise exchange of S bytes per rank (both ways at once)
-  send_one_way     world 2 only: rank 0 isend S, rank 1 irecv; the other direction idle
-  a2a_split_K      hybridrec.comm.exchange.PairwiseExchange: every peer's block cut into K
-                   slices, slice g sent by isend/irecv on gloo group g (K connections per pair)
-  a2a_chunks_K     the same K slices, all on the default group (one connection per pair)
+  raw_tcp             plain TCP, one connection per pair made up front, every peer's
+                      S/W sent and received at once (Python threads): the link's ceiling
+  all_reduce          dist.all_reduce of S
+  all_to_all          dist.all_to_all_single of S (S/W to every rank)
+  sendrecv_sendfirst  dist.isend of S/W to every peer, then dist.irecv from every peer
+  sendrecv_recvfirst  the same with every irecv posted before the first isend
+  send_one_way        2 ranks only: rank 0 isend S, rank 1 irecv; the other direction idle
+  exchange_K          hybridrec.comm.PairwiseExchange (receives first) on K gloo groups
+                      (K=1: the default group; K>1: every block cut into K slices)
 
-and reports per direction: bytes each rank puts on its uplink (and takes off its downlink)
-divided by the time, the wire bytes given by the algorithm (ring all-reduce: 2(W-1)/W*S;
-all-to-all / exchange: (W-1)/W*S; one-way: S), as a fraction of the link rate. Time of one
-repetition = the slowest rank's; the median of --reps repetitions after one warm-up.
+Each point runs with every rank entering together and with the last rank entering
+--skew-ms later (a late peer, as in training). Reported per direction: the bytes each rank
+puts on its uplink (= takes off its downlink) per call, from the algorithm (ring
+all-reduce 2(W-1)/W*S; one-way S; everything else (W-1)/W*S), divided by the time from the
+last rank's entry to the last rank's exit (one clock: all namespaces share the machine),
+as a fraction of the link rate; the median of --reps calls after one warm-up call.
 """
 
 from __future__ import annotations
@@ -263,5 +266,15 @@ def _pythonpath(src: str) -> str:
     return os.pathsep.join([src, *rest])
 
 
+def _main() -> int:
+    from hybridrec.errors import HybridrecError
+
+    try:
+        return main()
+    except HybridrecError as e:  # e.g. not root: one clear line, no traceback
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(_main())
