@@ -173,9 +173,10 @@ def probe_support(prefix: str = PREFIX) -> None:
     try:
         _run_tool("ip", "netns", "add", name)
         _run_tool("ip", "-n", name, "link", "add", "br0", "type", "bridge")
-        _run_tool("ip", "-n", name, "link", "add", "veth0", "type", "veth", "peer", "name", "veth1")
-        _run_tool("tc", "-n", name, "qdisc", "add", "dev", "veth0", "root", "tbf", "rate", "1mbit",
-              "burst", "32kb", "latency", "50ms")
+        _run_tool("ip", "-n", name, "link", "add", "veth0", "type", "veth", "peer", "name",
+                  "veth1")
+        _run_tool("tc", "-n", name, "qdisc", "add", "dev", "veth0", "root", "tbf", "rate",
+                  "1mbit", "burst", "32kb", "latency", "50ms")
     finally:
         _delete_namespaces([name])
 
@@ -408,14 +409,14 @@ def build_cluster(names: Sequence[str], switch: str, rate_bps: int | None,
         step("ip", "netns", "add", name)
         step("ip", "-n", name, "link", "set", "lo", "up")
         step("ip", "-n", switch, "link", "add", port, "type", "veth", "peer", "name", IFNAME,
-              "netns", name)
+             "netns", name)
         step("ip", "-n", switch, "link", "set", port, "master", "br0", "up")
         step("ip", "-n", name, "addr", "add", f"{addr}/24", "dev", IFNAME)
         step("ip", "-n", name, "link", "set", IFNAME, "up")
         if rate_bps:
             for ns, dev in ((name, IFNAME), (switch, port)):  # up- and downlink
                 step("tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "tbf", "rate",
-                      f"{rate_bps}bit", "burst", str(burst), "latency", "50ms")
+                     f"{rate_bps}bit", "burst", str(burst), "latency", "50ms")
         nodes.append(RankNode(rank, name, IFNAME, addr))
     return Cluster(tuple(nodes), switch, rate_bps, burst, tuple(done))
 
