@@ -45,7 +45,8 @@ def parse_args(argv=None):
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
                    help="extra hybridrec config overrides (after --), e.g. compress.dense=dct")
-    p.add_argument("--rate", default="1gbit", help="per-direction link cap (tc units; none = uncapped)")
+    p.add_argument("--rate", default="1gbit",
+                   help="per-direction link cap (tc units; none = uncapped)")
     p.add_argument("--world", type=int, default=2, help="ranks = namespaces")
     p.add_argument("--rounds", type=int, default=3, help="alternating rounds")
     p.add_argument("--steps", type=int, default=60, help="timed steps per run")
@@ -200,7 +201,8 @@ def format_report(rep: dict) -> str:
     lines = [f"machine: {rep['machine']}   date: {rep['date']}   link: {rep['rate']} per "
              f"direction, {rep['world']} ranks, {rep['threads_per_rank']} thread(s) per rank",
              f"hybridrec overrides: {' '.join(rep['overrides']) or '(none)'}", "",
-             "| run | samples/s (median) | runs | held-out AUC | peak RSS (all ranks) | vs TorchRec |",
+             "| run | samples/s (median) | runs | held-out AUC | peak RSS (all ranks) "
+             "| vs TorchRec |",
              "|---|---|---|---|---|---|"]
     for name, v in rep["results"].items():
         ratio = f"{v['vs_torchrec']:.2f}x" if "vs_torchrec" in v else "-"

@@ -20,7 +20,8 @@ def test_slices_cover_the_block_in_order():
 
 def _compare(topo):
     """One group and one group per rank: the same results as gloo's all_to_all_single."""
-    return [_compare_with(topo, [topo.group]), _compare_with(topo, topo.parallel_groups(topo.world_size))]
+    return [_compare_with(topo, [topo.group]),
+            _compare_with(topo, topo.parallel_groups(topo.world_size))]
 
 
 def _compare_with(topo, groups):

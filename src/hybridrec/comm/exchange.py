@@ -99,7 +99,8 @@ def _blocks(t: torch.Tensor, splits: Sequence[int] | None, world: int) -> list[t
             raise ValueError(f"dim 0 ({rows}) is not divisible by the world size {world}")
         splits = [rows // world] * world
     if len(splits) != world or sum(splits) != rows:
-        raise ValueError(f"split sizes {list(splits)} do not cover dim 0 ({rows}) for {world} ranks")
+        raise ValueError(f"split sizes {list(splits)} do not cover dim 0 ({rows}) "
+                         f"for {world} ranks")
     return [b.reshape(-1) for b in torch.split(t, list(splits), dim=0)]
 
 
