@@ -6,6 +6,10 @@ Runs in the TorchRec venv made by setup_torchrec.sh, not the project's venv:
     benchmarks/peers/.venv-torchrec/bin/python benchmarks/peers/torchrec_dlrm.py \
         --steps 30 --warmup 10 [--nproc 2] [--multi-hot 10] [--out result.json]
 
+Under torchrun (RANK and WORLD_SIZE set, e.g. one rank per network namespace in
+benchmarks/cluster_throughput.py) the process is one rank of WORLD_SIZE and joins the
+group through env://; rank 0 prints the result.
+
 Model (fixed, the benchmark model of benchmarks/throughput.py): 26 tables x 100,000 rows x
 dim 64 (sum pooling), bottom MLP 13-512-256-64, top MLP 512-256-1, dot
 interaction, BCE loss, SGD for dense and sparse parameters, batch 2048 per rank.
@@ -40,6 +44,7 @@ import sys
 import tempfile
 import time
 import warnings
+from types import SimpleNamespace
 
 import numpy as np
 import torch
@@ -211,8 +216,12 @@ def worker(rank, args, rdzv_file, queue):
     threads = args.threads or max(1, (os.cpu_count() or 1) // world)
     torch.set_num_threads(threads)
     torch.manual_seed(args.seed)
-    # File rendezvous: a free TCP port picked up front can be taken by another job in between.
-    dist.init_process_group("gloo", init_method=f"file://{rdzv_file}", rank=rank, world_size=world)
+    if rdzv_file is None:  # started by torchrun (one rank per machine / namespace): env://
+        dist.init_process_group("gloo")
+    else:
+        # File rendezvous: a free TCP port picked up front can be taken by another job in between.
+        dist.init_process_group("gloo", init_method=f"file://{rdzv_file}", rank=rank,
+                                world_size=world)
     try:
         pg = dist.group.WORLD
         batches = load_batches(args, rank, world)
@@ -263,16 +272,28 @@ def spawned_worker(rank, args, rdzv_file, queue):
 
 def main(argv=None):
     args = parse_args(argv)
+    # Launched by torchrun, e.g. one rank per network namespace (benchmarks/
+    # cluster_throughput.py): this process is one rank and the world replaces --nproc.
+    launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    if launched:
+        args.nproc = int(os.environ["WORLD_SIZE"])
     if args.batches:
         check_batches(args)
-    queue = mp.get_context("spawn").SimpleQueue()
-    with tempfile.TemporaryDirectory(prefix="torchrec_dlrm-") as tmp:
-        rdzv = os.path.join(tmp, "rendezvous")
-        if args.nproc == 1:
-            worker(0, args, rdzv, queue)  # in-process, 1-rank gloo group
-        else:
-            mp.spawn(spawned_worker, args=(args, rdzv, queue), nprocs=args.nproc, join=True)
-    ranks, sharding, threads = queue.get()
+    if launched:
+        rank, box = int(os.environ["RANK"]), []
+        worker(rank, args, None, SimpleNamespace(put=box.append))
+        if rank != 0:
+            return 0
+        ranks, sharding, threads = box[0]
+    else:
+        queue = mp.get_context("spawn").SimpleQueue()
+        with tempfile.TemporaryDirectory(prefix="torchrec_dlrm-") as tmp:
+            rdzv = os.path.join(tmp, "rendezvous")
+            if args.nproc == 1:
+                worker(0, args, rdzv, queue)  # in-process, 1-rank gloo group
+            else:
+                mp.spawn(spawned_worker, args=(args, rdzv, queue), nprocs=args.nproc, join=True)
+        ranks, sharding, threads = queue.get()
     wall = max(r["time_s"] for r in ranks)  # the slowest rank bounds global throughput
     samples = args.nproc * args.batch_size * args.steps
     result = {

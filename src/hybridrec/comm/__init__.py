@@ -7,8 +7,10 @@ from hybridrec.comm.compress import (
     NoCompression,
     TopKCompressor,
 )
+from hybridrec.comm.exchange import ExchangeHandle, PairwiseExchange
 from hybridrec.comm.ledger import ByteCount, CommLedger, tensor_nbytes
 from hybridrec.comm.sparse_message import SparseGrad
 
-__all__ = ["ByteCount", "CastCompressor", "CommLedger", "DCTCompressor", "GradientCompressor",
-           "NoCompression", "SparseGrad", "TopKCompressor", "tensor_nbytes"]
+__all__ = ["ByteCount", "CastCompressor", "CommLedger", "DCTCompressor", "ExchangeHandle",
+           "GradientCompressor", "NoCompression", "PairwiseExchange", "SparseGrad", "TopKCompressor",
+           "tensor_nbytes"]

@@ -59,3 +59,12 @@ class Topology:
             if h == rank // lws:
                 host_group = g
         return Topology(rank, world, rank % lws, lws, device, backend, dist.group.WORLD, host_group)
+
+    def parallel_groups(self, count: int) -> list[dist.ProcessGroup]:
+        """``count`` new gloo groups of all ranks: each has its own connection per pair, so
+        messages split over them travel side by side (comm.exchange.PairwiseExchange).
+        Collective: every rank calls it with the same ``count``, in the same order."""
+        if count < 1:
+            raise ValueError(f"count must be >= 1, got {count}")
+        return [dist.new_group(list(range(self.world_size)), backend="gloo")
+                for _ in range(count)]

@@ -1,0 +1,25 @@
+"""Benchmark harnesses: a cluster of network namespaces on one machine (``netns``)."""
+
+from hybridrec.bench.netns import (
+    Cluster,
+    ClusterUnavailableError,
+    RankNode,
+    RankResult,
+    netns_cluster,
+    parse_rate,
+    probe_support,
+    remove_stale,
+    require_support,
+)
+
+__all__ = [
+    "Cluster",
+    "ClusterUnavailableError",
+    "RankNode",
+    "RankResult",
+    "netns_cluster",
+    "parse_rate",
+    "probe_support",
+    "remove_stale",
+    "require_support",
+]

@@ -1,0 +1,153 @@
+"""The namespace cluster: a 2-rank gloo all_reduce through capped links, and teardown
+after normal exit, an exception, a timeout, SIGTERM and a killed earlier run."""
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from hybridrec.bench import netns
+from hybridrec.bench.netns import ClusterUnavailableError, netns_cluster, parse_rate
+
+SRC = str(Path(netns.__file__).resolve().parents[2])
+
+
+def _probe() -> str | None:
+    """None when this process can build a cluster, else why not."""
+    try:
+        netns.probe_support()
+    except ClusterUnavailableError as e:
+        return str(e)
+    return None
+
+
+_WHY_NOT = _probe()
+needs_netns = pytest.mark.skipif(_WHY_NOT is not None, reason=f"no namespace cluster: {_WHY_NOT}")
+
+
+def ours() -> list[str]:
+    """Namespaces made by this test process (other clusters on the machine are not ours)."""
+    mine = f"{netns.PREFIX}{os.getpid()}-"
+    return [n for n in netns.list_namespaces() if n.startswith(mine)]
+
+
+ALL_REDUCE = textwrap.dedent("""
+    import os, torch, torch.distributed as dist
+    dist.init_process_group("gloo")
+    t = torch.full((1000,), float(dist.get_rank() + 1))
+    dist.all_reduce(t)
+    print("RESULT", t[0].item(), t.sum().item(), os.environ["MASTER_ADDR"],
+          os.environ["GLOO_SOCKET_IFNAME"], flush=True)
+    dist.destroy_process_group()
+""")
+
+
+@needs_netns
+@pytest.mark.distributed
+@pytest.mark.timeout(120)
+def test_two_ranks_all_reduce_through_capped_links(tmp_path):
+    script = tmp_path / "allreduce.py"
+    script.write_text(ALL_REDUCE)
+    with netns_cluster(2, "20mbit") as c:
+        assert sorted(ours()) == sorted(c.namespaces)
+        qdiscs = subprocess.run(["tc", "-n", c.nodes[1].netns, "qdisc", "show", "dev", "eth0"],
+                                capture_output=True, text=True).stdout
+        assert "tbf" in qdiscs and "20Mbit" in qdiscs
+        res = c.run([c.torchrun_argv(r, [str(script)]) for r in range(2)], timeout_s=90,
+                    env={"OMP_NUM_THREADS": "1"})
+    assert all(r.ok for r in res), res[0].stderr[-2000:] + res[1].stderr[-2000:]
+    for r in res:
+        line = next(ln for ln in r.stdout.splitlines() if ln.startswith("RESULT"))
+        assert line.split()[1:] == ["3.0", "3000.0", "10.77.0.1", "eth0"]
+    assert ours() == []
+
+
+@needs_netns
+@pytest.mark.timeout(60)
+def test_teardown_after_an_exception_and_a_timeout():
+    with pytest.raises(RuntimeError, match="boom"):
+        with netns_cluster(2, "10mbit"):
+            assert len(ours()) == 3
+            raise RuntimeError("boom")
+    assert ours() == []
+    with netns_cluster(2, None) as c:  # uncapped: no qdisc, still a working cluster
+        start = time.monotonic()
+        # The second command leaves a child in a session of its own (as torchrun's workers):
+        # the timeout must still end it.
+        res = c.run([["sleep", "60"], ["sh", "-c", "setsid sleep 60 & sleep 60"]], timeout_s=1.0)
+        assert time.monotonic() - start < 15
+        assert [r.timed_out for r in res] == [True, True] and not any(r.ok for r in res)
+        assert all(netns._netns_pids(n) == [] for n in c.namespaces)
+        failed = c.run([["false"], ["sleep", "60"]], timeout_s=30, grace_s=0.5)
+        assert failed[0].returncode == 1 and not failed[0].timed_out
+        assert failed[1].returncode < 0 and time.monotonic() - start < 25
+    assert ours() == []
+
+
+@needs_netns
+@pytest.mark.timeout(60)
+def test_sigterm_tears_down_and_stale_namespaces_are_removed():
+    code = ("import sys, time; from hybridrec.bench.netns import netns_cluster\n"
+            "with netns_cluster(2, '10mbit') as c:\n"
+            "    print(*c.namespaces, flush=True)\n"
+            "    time.sleep(60)\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": SRC})
+    names = proc.stdout.readline().split()
+    assert len(names) == 3 and set(names) <= set(netns.list_namespaces())
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 128 + signal.SIGTERM
+    assert not set(names) & set(netns.list_namespaces())
+    # A run killed with SIGKILL leaves its namespaces; the next cluster deletes them.
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    stale = f"{netns.PREFIX}{dead.pid}-0-r0"
+    subprocess.run(["ip", "netns", "add", stale], check=True)
+    try:
+        assert stale in netns.find_stale()[0]
+        with netns_cluster(1, "10mbit"):
+            assert stale not in netns.list_namespaces()
+    finally:
+        subprocess.run(["ip", "netns", "del", stale], capture_output=True)
+    assert ours() == []
+
+
+def test_clear_error_without_root_or_tools():
+    with pytest.raises(ClusterUnavailableError, match="needs root.*effective uid 1000"):
+        netns.require_support(euid=1000, cap_eff=0, which=lambda tool: "/usr/sbin/" + tool)
+    with pytest.raises(ClusterUnavailableError, match="without CAP_NET_ADMIN"):
+        netns.require_support(euid=0, cap_eff=1 << 21, which=lambda tool: "/usr/sbin/" + tool)
+    with pytest.raises(ClusterUnavailableError, match="iproute2's tc"):
+        netns.require_support(euid=0, cap_eff=~0, which=lambda t: None if t == "tc" else t)
+    netns.require_support(euid=0, cap_eff=(1 << 12) | (1 << 21), which=lambda tool: tool)
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("setpriv"),
+                    reason="needs root and setpriv to start an unprivileged process")
+def test_an_unprivileged_process_gets_the_clear_error():
+    # The system interpreter: the project's may live under a directory nobody cannot read.
+    code = ("from hybridrec.bench.netns import netns_cluster\n"
+            "with netns_cluster(2, '1gbit'): pass\n")
+    proc = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
+                           "env", f"PYTHONPATH={SRC}", "/usr/bin/python3", "-c", code],
+                          capture_output=True, text=True, timeout=60)
+    if "ModuleNotFoundError" in proc.stderr or "Permission denied" in proc.stderr:
+        pytest.skip(f"an unprivileged python cannot import the package here: {proc.stderr[-300:]}")
+    assert proc.returncode != 0
+    assert "ClusterUnavailableError" in proc.stderr and "needs root" in proc.stderr
+
+
+def test_parse_rate():
+    assert parse_rate("1gbit") == 10**9
+    assert parse_rate("200mbit") == 200 * 10**6
+    assert parse_rate("12.5mbps") == 100 * 10**6  # tc: bps = bytes per second
+    assert parse_rate(None) is None and parse_rate("none") is None and parse_rate(0) is None
+    for bad in ("1000", "1 gigabit", "-1gbit", "1kbit"):
+        with pytest.raises(ValueError):
+            parse_rate(bad)
