@@ -207,7 +207,11 @@ def predicted_vs_counted_worker(topo):
                                   ids_per_bag=BAG, dense_param_bytes=dense)
         summary = ledger.summary()["predicted_vs_counted"]
         match = {k: v["match_last_step"] for k, v in summary.items()}
-        results[name] = (pred, counted(ledger), match, plan.to_dict())
+        per_table = {}
+        for e in ledger.summary()["entries"]:
+            if e["category"] in ("input_dist", "output_dist"):
+                per_table.setdefault(e["table"], set()).add((e["category"], e["direction"]))
+        results[name] = (pred, counted(ledger), match, plan.to_dict(), per_table)
     return results
 
 
@@ -217,8 +221,13 @@ def test_predicted_bytes_equal_counted_bytes_on_two_ranks():
     for rank, per_plan in enumerate(results):
         assert set(per_plan) == {"table_wise", "row_wise", "column_wise", "table_row_wise",
                                  "data_parallel", "mixed", "planned", "mixed_dp"}
-        for name, (pred, count, match, plan) in per_plan.items():
+        for name, (pred, count, match, plan, per_table) in per_plan.items():
             assert pred == count, (rank, name, pred, count)
+            # Every sharded table has its own input and output entries, both directions.
+            sharded = {n for n, tp in plan["tables"].items() if tp["sharding_type"] != "data_parallel"}
+            assert set(per_table) == sharded, (name, per_table)
+            for n in sharded:
+                assert per_table[n] == {("input_dist", "fwd"), ("output_dist", "fwd"), ("output_dist", "bwd")}
             assert all(match.values()), (rank, name, match)
             if name == "data_parallel":  # replicated tables only: nothing is distributed
                 assert ("output_dist", "fwd") not in count and ("input_dist", "fwd") not in count
