@@ -104,7 +104,8 @@ def full_tables_from_shards(shards):
     return out
 
 
-def worker(topo, kind, sparse_opt, multi_hot, pooling, pipeline=False):
+def worker(topo, kind, sparse_opt, multi_hot, pooling, pipeline=False, exchange="collective"):
+    topo.exchange = exchange
     plan = make_plan(kind, topo.world_size)
     model = parallelize_dlrm(build(pooling), plan, topo)
     dense_opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
@@ -149,8 +150,8 @@ def test_pipelined_input_dist_changes_nothing(kind, world):
     check_against_reference(kind, world, "sgd", True, "sum", pipeline=True)
 
 
-def check_against_reference(kind, world, sparse_opt, multi_hot, pooling, pipeline):
-    results = run_ranks(worker, world, kind, sparse_opt, multi_hot, pooling, pipeline)
+def check_against_reference(kind, world, sparse_opt, multi_hot, pooling, pipeline, exchange="collective"):
+    results = run_ranks(worker, world, kind, sparse_opt, multi_hot, pooling, pipeline, exchange)
     ref_losses, ref = reference(sparse_opt, multi_hot, pooling)
     mean_losses = [sum(r[0][s] for r in results) / world for s in range(STEPS)]
     torch.testing.assert_close(torch.tensor(mean_losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
@@ -163,3 +164,9 @@ def check_against_reference(kind, world, sparse_opt, multi_hot, pooling, pipelin
         got = {k.replace(".module", ""): v for k, v in r[2].items()}
         for k, v in ref_dense.items():
             torch.testing.assert_close(got[k], v, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("kind, world", [("mixed", 3)])
+def test_pairwise_exchange_changes_nothing(kind, world):
+    """The output all-to-all as receive-first isend/irecv: the same result."""
+    check_against_reference(kind, world, "sgd", True, "sum", pipeline=True, exchange="pairwise")

@@ -122,12 +122,12 @@ def _decode(buf: torch.Tensor, layout: OwnerLayout, grad: bool, states=None):
     return rows, kept
 
 
-def _all_to_all_bytes(send: torch.Tensor, out_splits: list[int], in_splits: list[int], group,
+def _all_to_all_bytes(send: torch.Tensor, out_splits: list[int], in_splits: list[int], topo,
                       ledger: CommLedger | None, direction: str, original: int) -> torch.Tensor:
     out = send.new_empty(sum(out_splits))
-    dist.all_to_all_single(out, send, out_splits, in_splits, group=group)
+    topo.all_to_all(out, send, out_splits, in_splits)
     if ledger is not None:
-        rank = dist.get_rank(group)
+        rank = topo.rank
         ledger.record("output_dist", direction=direction, original=original,
                       sent=sum(in_splits) - in_splits[rank],
                       received=sum(out_splits) - out_splits[rank])
@@ -139,34 +139,34 @@ class CodedAllToAll(torch.autograd.Function):
     ``[b, sum_d W_d]`` (owners in rank order); backward codes the gradients the same way."""
 
     @staticmethod
-    def forward(ctx, pooled, layouts: list[OwnerLayout], batch_sizes: list[int], group,
+    def forward(ctx, pooled, layouts: list[OwnerLayout], batch_sizes: list[int], topo,
                 ledger: CommLedger | None):
-        rank = dist.get_rank(group)
+        rank = topo.rank
         mine, b = layouts[rank], batch_sizes[rank]
         send, sent_states = _encode(pooled, mine, grad=False)
         others = sum(batch_sizes) - b
         recv = _all_to_all_bytes(send.reshape(-1), [b * lay.fwd_bytes for lay in layouts],
-                                 [n * mine.fwd_bytes for n in batch_sizes], group, ledger, "fwd",
+                                 [n * mine.fwd_bytes for n in batch_sizes], topo, ledger, "fwd",
                                  original=others * mine.width * VALUE_BYTES)
         blocks, recv_states = [], []
         for lay, part in zip(layouts, torch.split(recv, [b * lay.fwd_bytes for lay in layouts])):
             rows, states = _decode(part.view(b, lay.fwd_bytes), lay, grad=False)
             blocks.append(rows)
             recv_states.append(states)
-        ctx.meta = (layouts, batch_sizes, group, ledger, sent_states, recv_states)
+        ctx.meta = (layouts, batch_sizes, topo, ledger, sent_states, recv_states)
         return torch.cat(blocks, dim=1)
 
     @staticmethod
     def backward(ctx, grad):
-        layouts, batch_sizes, group, ledger, sent_states, recv_states = ctx.meta
-        rank = dist.get_rank(group)
+        layouts, batch_sizes, topo, ledger, sent_states, recv_states = ctx.meta
+        rank = topo.rank
         mine, b = layouts[rank], batch_sizes[rank]
         parts = torch.split(grad, [lay.width for lay in layouts], dim=1)
         send = torch.cat([_encode(g, lay, grad=True, states=s)[0].reshape(-1)
                           for g, lay, s in zip(parts, layouts, recv_states)])
         original = sum(b * lay.width for d, lay in enumerate(layouts) if d != rank) * VALUE_BYTES
         recv = _all_to_all_bytes(send, [n * mine.bwd_bytes for n in batch_sizes],
-                                 [b * lay.bwd_bytes for lay in layouts], group, ledger, "bwd",
+                                 [b * lay.bwd_bytes for lay in layouts], topo, ledger, "bwd",
                                  original=original)
         rows, _ = _decode(recv.view(sum(batch_sizes), mine.bwd_bytes), mine, grad=True,
                           states=sent_states)
@@ -174,6 +174,7 @@ class CodedAllToAll(torch.autograd.Function):
 
 
 def coded_all_to_all(pooled: torch.Tensor, layouts: list[OwnerLayout], batch_sizes: list[int],
-                     group, ledger: CommLedger | None) -> torch.Tensor:
-    """See :class:`CodedAllToAll`; returns ``[b, sum_d layouts[d].width]``."""
-    return CodedAllToAll.apply(pooled, layouts, batch_sizes, group, ledger)
+                     topo, ledger: CommLedger | None) -> torch.Tensor:
+    """See :class:`CodedAllToAll` (``topo``: a :class:`~hybridrec.parallel.topology.Topology`,
+    whose ``all_to_all`` moves the bytes); returns ``[b, sum_d layouts[d].width]``."""
+    return CodedAllToAll.apply(pooled, layouts, batch_sizes, topo, ledger)

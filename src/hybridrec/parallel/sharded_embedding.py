@@ -139,22 +139,22 @@ class _AllToAll(torch.autograd.Function):
     """Differentiable ``all_to_all_single`` of a flat buffer; counts bytes both ways."""
 
     @staticmethod
-    def forward(ctx, x, out_splits, in_splits, group, ledger, category):
-        ctx.meta = (out_splits, in_splits, group, ledger, category)
-        return _exchange(x, out_splits, in_splits, group, ledger, category, "fwd")
+    def forward(ctx, x, out_splits, in_splits, topo, ledger, category):
+        ctx.meta = (out_splits, in_splits, topo, ledger, category)
+        return _exchange(x, out_splits, in_splits, topo, ledger, category, "fwd")
 
     @staticmethod
     def backward(ctx, grad):
-        out_splits, in_splits, group, ledger, category = ctx.meta
-        g = _exchange(grad.contiguous(), in_splits, out_splits, group, ledger, category, "bwd")
+        out_splits, in_splits, topo, ledger, category = ctx.meta
+        g = _exchange(grad.contiguous(), in_splits, out_splits, topo, ledger, category, "bwd")
         return g, None, None, None, None, None
 
 
-def _exchange(x, out_splits, in_splits, group, ledger, category, direction):
+def _exchange(x, out_splits, in_splits, topo: Topology, ledger, category, direction):
     out = x.new_empty(sum(out_splits))
-    dist.all_to_all_single(out, x, out_splits, in_splits, group=group)
+    topo.all_to_all(out, x, out_splits, in_splits)
     if ledger is not None:
-        rank = dist.get_rank(group)
+        rank = topo.rank
         item = x.element_size()
         ledger.record(category, direction=direction,
                       sent=(sum(in_splits) - in_splits[rank]) * item,
@@ -385,7 +385,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
             bufs.append(torch.cat(lengths + values) if lengths else torch.empty(0, dtype=torch.int64))
             counts += [b, bufs[-1].numel()]
         recv_counts = _exchange(torch.tensor(counts, dtype=torch.int64), [2] * world, [2] * world,
-                                self.topo.group, self.ledger, "input_dist_counts", "fwd").view(world, 2)
+                                self.topo, self.ledger, "input_dist_counts", "fwd").view(world, 2)
         batch_sizes, sizes = recv_counts[:, 0].tolist(), recv_counts[:, 1].tolist()
         send = torch.cat(bufs)
         recv = send.new_empty(sum(sizes))
@@ -464,12 +464,12 @@ class ShardedEmbeddingBagCollection(nn.Module):
         else:  # still joins the collectives, forward and backward
             pooled = torch.zeros(total, 0, requires_grad=torch.is_grad_enabled())
         if self._coded is not None:
-            recv = coded_all_to_all(pooled, self._coded, batch_sizes, self.topo.group, None)
+            recv = coded_all_to_all(pooled, self._coded, batch_sizes, self.topo, None)
         else:
             width = pooled.shape[1]
             sizes = [b * w for w in self._widths]
             flat = _AllToAll.apply(pooled.reshape(-1), sizes, [n * width for n in batch_sizes],
-                                   self.topo.group, None, "output_dist")
+                                   self.topo, None, "output_dist")
             recv = torch.cat([x.view(b, w) for x, w in zip(torch.split(flat, sizes), self._widths)], dim=1)
         if self.ledger is not None:
             self._record_output("fwd", batch_sizes)

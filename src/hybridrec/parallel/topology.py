@@ -13,6 +13,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from hybridrec.comm.exchange import PairwiseExchange
+
 
 @dataclass
 class Topology:
@@ -27,6 +29,21 @@ class Topology:
     """All ranks (None in a single process without a process group)."""
     host_group: dist.ProcessGroup | None
     """The ranks of this rank's host group."""
+    exchange: str = "collective"
+    """How :meth:`all_to_all` moves data: ``collective`` (the backend's all_to_all_single) or
+    ``pairwise`` (:class:`~hybridrec.comm.exchange.PairwiseExchange`: receives posted first,
+    so both directions of a gloo/TCP link run at once)."""
+
+    def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, out_splits: list[int],
+                   in_splits: list[int]) -> None:
+        """``all_to_all_single`` over :attr:`group`, synchronous, by :attr:`exchange`."""
+        if self.exchange == "pairwise":
+            PairwiseExchange([self.group], rank=self.rank, world_size=self.world_size).all_to_all_single(
+                out, inp, out_splits, in_splits).wait()
+        elif self.exchange == "collective":
+            dist.all_to_all_single(out, inp, out_splits, in_splits, group=self.group)
+        else:
+            raise ValueError(f"unknown exchange {self.exchange!r}: collective or pairwise")
 
     @staticmethod
     def single(device: torch.device | str = "cpu") -> Topology:

@@ -129,7 +129,9 @@ def build_topology(cfg: Config) -> Topology:
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         return Topology.single()
     backend = None if cfg.dist.backend == "auto" else cfg.dist.backend
-    return Topology.init(backend=backend, timeout_s=cfg.dist.timeout_s)
+    topo = Topology.init(backend=backend, timeout_s=cfg.dist.timeout_s)
+    topo.exchange = cfg.dist.exchange
+    return topo
 
 
 def build_plan(cfg: Config, tables: list[TableConfig], topo: Topology,
