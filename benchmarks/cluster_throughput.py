@@ -45,6 +45,9 @@ def parse_args(argv=None):
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
                    help="extra hybridrec config overrides (after --), e.g. compress.dense=dct")
+    p.add_argument("--variant", action="append", default=[], metavar="NAME=KEY=VALUE,...",
+                   help="another hybridrec configuration run in every round, e.g. "
+                        "dct=compress.dense=dct,compress.embedding=dct (repeatable)")
     p.add_argument("--rate", default="1gbit",
                    help="per-direction link cap (tc units; none = uncapped)")
     p.add_argument("--world", type=int, default=2, help="ranks = namespaces")
@@ -64,12 +67,24 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def hybridrec_script(args, data: Path, run_dir: Path) -> list[str]:
+def hybridrec_script(args, data: Path, run_dir: Path, overrides: list[str]) -> list[str]:
     return ["-m", "hybridrec", "train", "--recipe", "bench", f"data.path={data}",
             f"data.batch_size={args.batch_size}", f"dist.sharding={args.sharding}",
             f"train.max_steps={args.warmup + args.steps}", f"train.run_dir={run_dir}",
-            "train.resume=false", "train.progress=false", "train.keep_checkpoints=1",
-            *args.overrides]
+            "train.resume=false", "train.progress=false", "train.save_checkpoints=false",
+            *overrides]
+
+
+def variants(args) -> dict[str, list[str]]:
+    """hybridrec configurations per round: "hybridrec" (the positional overrides), then
+    every --variant NAME=KEY=VALUE,KEY=VALUE."""
+    out = {"hybridrec": list(args.overrides)}
+    for v in args.variant:
+        name, _, rest = v.partition("=")
+        if not name or not rest or name in out or name == "torchrec":
+            raise SystemExit(f"--variant {v!r}: expected a new NAME=KEY=VALUE[,KEY=VALUE...]")
+        out[name] = [kv for kv in rest.split(",") if kv]
+    return out
 
 
 def peer_script(args, npz: Path) -> list[str]:
@@ -138,7 +153,8 @@ def main(argv=None) -> int:
     src = str(ROOT / "src")
     env = {"OMP_NUM_THREADS": str(threads),
            "PYTHONPATH": _pythonpath(src)}
-    runs: dict[str, list[dict]] = {"hybridrec": [], "torchrec": []}
+    configs = variants(args)
+    runs: dict[str, list[dict]] = {**{k: [] for k in configs}, "torchrec": []}
     commands: dict[str, str] = {}
     with netns_cluster(args.world, args.rate) as c:
         print(f"# cluster: {args.world} namespaces, {format_rate(rate_bps)} per direction per "
@@ -146,13 +162,13 @@ def main(argv=None) -> int:
               + "\n#   ".join(c.setup_commands), file=sys.stderr)
         port = 29500
         for rnd in range(args.rounds):
-            run_dir = out / "run-hybridrec"
-            port += 1  # a fresh store port per run: the last one may linger in TIME_WAIT
-            run_one(c, "hybridrec", hybridrec_script(args, data, run_dir), sys.executable, env,
-                    args, port, out / f"logs/hybridrec-{rnd}")
-            runs["hybridrec"].append(hybridrec_result(run_dir))
-            commands["hybridrec"] = shlex.join(c.torchrun_argv(
-                0, hybridrec_script(args, data, run_dir), port=port))
+            for name, overrides in configs.items():
+                run_dir = out / f"run-{name}"
+                port += 1  # a fresh store port per run: the last one may linger in TIME_WAIT
+                script = hybridrec_script(args, data, run_dir, overrides)
+                run_one(c, name, script, sys.executable, env, args, port, out / f"logs/{name}-{rnd}")
+                runs[name].append(hybridrec_result(run_dir))
+                commands[name] = shlex.join(c.torchrun_argv(0, script, port=port))
             if args.peer:
                 port += 1
                 res = run_one(c, "torchrec", peer_script(args, npz), str(PEER_PY),
@@ -179,7 +195,9 @@ def summarize(runs, args, data, rate_bps, threads, commands, setup) -> dict:
         if not rs:
             continue
         sps = [r["samples_per_sec"] for r in rs]
+        sent = [r["sent_bytes_per_step_rank0"] for r in rs if r.get("sent_bytes_per_step_rank0")]
         rows[name] = {"median_samples_per_sec": statistics.median(sps), "runs": rs,
+                      "sent_bytes_per_step_rank0": statistics.median(sent) if sent else None,
                       "peak_rss_mib": max(r["peak_rss_bytes"] for r in rs) / 2**20}
         aucs = [r["auc"] for r in rs if r.get("auc") is not None]
         if aucs:
@@ -191,6 +209,7 @@ def summarize(runs, args, data, rate_bps, threads, commands, setup) -> dict:
     return {"date": time.strftime("%Y-%m-%d"), "machine": throughput.machine(),
             "rate": args.rate, "rate_bps": rate_bps, "world": args.world,
             "threads_per_rank": threads, "data": str(data), "overrides": args.overrides,
+            "variants": variants(args),
             "settings": {k: getattr(args, k) for k in ("steps", "warmup", "rounds", "batch_size",
                                                        "sharding", "peer_batches")},
             "command": shlex.join([Path(sys.executable).name, *sys.argv]),
@@ -200,7 +219,7 @@ def summarize(runs, args, data, rate_bps, threads, commands, setup) -> dict:
 def format_report(rep: dict) -> str:
     lines = [f"machine: {rep['machine']}   date: {rep['date']}   link: {rep['rate']} per "
              f"direction, {rep['world']} ranks, {rep['threads_per_rank']} thread(s) per rank",
-             f"hybridrec overrides: {' '.join(rep['overrides']) or '(none)'}", "",
+             *[f"{k} overrides: {' '.join(v) or '(none)'}" for k, v in rep["variants"].items()], "",
              "| run | samples/s (median) | runs | held-out AUC | peak RSS (all ranks) "
              "| vs TorchRec |",
              "|---|---|---|---|---|---|"]

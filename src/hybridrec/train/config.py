@@ -87,6 +87,8 @@ class TrainConfig:
     """Save a checkpoint every N steps (0 = only at the end)."""
     keep_checkpoints: int = 2
     """How many recent checkpoints to keep."""
+    save_checkpoints: bool = True
+    """false: write no checkpoint at all (e.g. throughput benchmarks); nothing to resume."""
     run_dir: str = "runs/latest"
     """Where the run writes config, metrics, summary and checkpoints."""
     resume: bool = True

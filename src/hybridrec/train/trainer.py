@@ -181,7 +181,7 @@ class Trainer:
                 if t.eval_every and self.step % t.eval_every == 0 and self.step < self.total_steps:
                     history.append(self._eval_and_log())
                     meter.start()  # evaluation time is not training time
-                if t.checkpoint_every and self.step % t.checkpoint_every == 0:
+                if t.save_checkpoints and t.checkpoint_every and self.step % t.checkpoint_every == 0:
                     self.save_checkpoint()
                     meter.start()
                 if self.step >= self.total_steps:
@@ -189,7 +189,7 @@ class Trainer:
         bar.close()
         if not t.log_every or self.step % t.log_every:
             last_loss = self._log_train(running, meter, None)  # the steps since the last log
-        if self.step > 0 and self._saved_step != self.step:
+        if t.save_checkpoints and self.step > 0 and self._saved_step != self.step:
             self.save_checkpoint()
         final = self._eval_and_log()
         if self.logger:
