@@ -136,7 +136,7 @@ def test_svg_is_valid_xml_with_one_labelled_point_per_setting():
     tree = ET.fromstring(svg.split("\n", 1)[1])
     assert _points(tree, 0) == {"baseline": True, "emb-dct-0.05": False, "a<b&c": True}
     assert _points(tree, 1) == {}
-    assert "no finished runs" in svg and "a&lt;b&amp;c" in svg
+    assert "no finished runs" in svg and "a&lt;b&amp;c" in svg and ">0 B</text>" in svg
     assert len(tree.findall(".//{http://www.w3.org/2000/svg}polyline")) == 1
     ET.fromstring(scatter_svg([Panel("one", "y", [Point("only", 5, 1.0)])], title="",
                               x_label="x").split("\n", 1)[1])

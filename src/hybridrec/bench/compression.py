@@ -335,6 +335,9 @@ def run_sweep(spec: SweepSpec, *, echo: Callable[[str], None] = print) -> dict:
     runs: dict[str, list[dict]] = {}
     echo(f"sweep: {len(spec.settings)} settings x {len(spec.seeds)} seed(s) = {total} runs, "
          f"{spec.nproc} rank(s), into {spec.out}")
+    if spec.nproc == 1 and any(c["compress"]["embedding"] != "none" for c in expected.values()):
+        echo("note: with one process nothing travels, so the embedding codecs do not act; "
+             "compare them with --nproc 2 or more")
     for setting in spec.settings:
         runs[setting.name] = []
         for seed in spec.seeds:

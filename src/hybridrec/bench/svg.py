@@ -89,6 +89,11 @@ def _panel(panel: Panel, ox: float, oy: float, x_label: str,
     def py(y: float) -> float:
         return y0 + ph * (1 - (y - ylo) / (yhi - ylo))
 
+    if all(p.x <= 0 for p in panel.points):  # nothing to place on a log scale
+        xticks = []
+    if any(p.x <= 0 for p in panel.points):
+        out.append(f'<text x="{x0}" y="{y0 + ph + 16}" text-anchor="middle" '
+                   f'font-size="11">{escape(x_format(0))}</text>')
     decimals = max(0, -math.floor(math.log10(yticks[1] - yticks[0]))) if len(yticks) > 1 else 4
     for t in xticks:
         out.append(f'<line x1="{px(t):.1f}" y1="{y0}" x2="{px(t):.1f}" y2="{y0 + ph}" '
