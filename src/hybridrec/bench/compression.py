@@ -313,8 +313,10 @@ def train_one(spec: SweepSpec, setting: Setting, seed: int, expected: dict, *,
 
 def _last_error(log: Path, rc: int) -> str:
     """The most telling line of a failed run's log: hybridrec's own one-line error, else
-    the last exception line, else the exit code."""
-    lines = [ln.strip() for ln in log.read_text(errors="replace").splitlines() if ln.strip()]
+    the last exception line (not the launcher's report that a rank failed), else the exit
+    code."""
+    lines = [ln.strip() for ln in log.read_text(errors="replace").splitlines()
+             if ln.strip() and "ChildFailedError" not in ln]
     for pattern in ("hybridrec: error:", "Error:", "Error"):
         hits = [ln for ln in lines if pattern in ln]
         if hits:
@@ -344,8 +346,8 @@ def run_sweep(spec: SweepSpec, *, echo: Callable[[str], None] = print) -> dict:
             done += 1
             head = f"[{done}/{total}] {setting.name} seed {seed}:"
             r = train_one(spec, setting, seed, expected[setting.name, seed],
-                          starting=lambda: echo(f"{head} training ..."))
+                          starting=lambda head=head: echo(f"{head} training ..."))
             runs[setting.name].append(report.run_record(r))
-            echo(f"[{done}/{total}] {setting.name} seed {seed}: {report.progress_text(r)}")
+            echo(f"{head} {report.progress_text(r)}")
             report.write_results(spec, runs, complete=done == total)
     return report.load_results(spec.out)
