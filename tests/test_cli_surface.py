@@ -15,6 +15,8 @@ EXPECTED = {
     "demo": {"--out", "--days", "--rows-per-day", "--seed"},
     "plan": {"--nproc", "--nnodes", "--data", "--tables", "--dim", "--batch-size", "--memory-per-rank",
              "--bandwidth", "--optimizer", "--pin", "--out"},
+    "bench compression": {"--data", "--out", "--nproc", "--recipe", "--setting", "--dense",
+                          "--embedding", "--cross", "--seeds", "--max-steps", "--overwrite"},
 }
 
 

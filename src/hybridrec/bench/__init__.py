@@ -1,4 +1,5 @@
-"""Benchmark harnesses: a cluster of network namespaces on one machine (``netns``)."""
+"""Benchmark harnesses: a cluster of network namespaces on one machine (``netns``) and the
+compression sweep (``compression``)."""
 
 from hybridrec.bench.netns import (
     Cluster,

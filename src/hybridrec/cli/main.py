@@ -10,6 +10,7 @@ from hybridrec.errors import HybridrecError
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from hybridrec.cli import bench as bench_cmd
     from hybridrec.cli import data as data_cmd
     from hybridrec.cli import plan as plan_cmd
     from hybridrec.cli import train as train_cmd
@@ -26,6 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
     data_cmd.register(sub)
     train_cmd.register(sub)
     plan_cmd.register(sub)
+    bench_cmd.register(sub)
     return p
 
 
