@@ -241,15 +241,16 @@ def _pythonpath(src: str) -> str:
     return os.pathsep.join([src, *rest])
 
 
-def _main() -> int:
+def run_main(main) -> int:
+    """``main()``, with hybridrec's own errors (e.g. not root) as one clear line."""
     from hybridrec.errors import HybridrecError
 
     try:
         return main()
-    except HybridrecError as e:  # e.g. not root: one clear line, no traceback
+    except HybridrecError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 
 
 if __name__ == "__main__":
-    raise SystemExit(_main())
+    raise SystemExit(run_main(main))

@@ -38,6 +38,10 @@ import threading
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import throughput  # noqa: E402  (machine description)
+from cluster_throughput import _pythonpath, run_main  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 MIB = 2**20
 
@@ -248,33 +252,8 @@ def main(argv=None) -> int:
 
 
 def machine() -> str:
-    model = "unknown cpu"
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"{model}, {os.cpu_count()} cores, kernel {os.uname().release}"
-
-
-
-def _pythonpath(src: str) -> str:
-    """This checkout's src/ first (the ranks import the package from here), once."""
-    rest = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p != src]
-    return os.pathsep.join([src, *rest])
-
-
-def _main() -> int:
-    from hybridrec.errors import HybridrecError
-
-    try:
-        return main()
-    except HybridrecError as e:  # e.g. not root: one clear line, no traceback
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    return f"{throughput.machine()}, kernel {os.uname().release}"
 
 
 if __name__ == "__main__":
-    raise SystemExit(_main())
+    raise SystemExit(run_main(main))

@@ -11,13 +11,11 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import tempfile
 import time
 from pathlib import Path
 
 from hybridrec.bench.svg import Panel, Point, scatter_svg
-from hybridrec.metrics.logger import write_json_atomic
+from hybridrec.metrics.logger import write_json_atomic, write_text_atomic
 
 CATEGORIES = ("dense_allreduce", "output_dist")
 """The table's byte columns: dense data-parallel gradients and pooled embeddings."""
@@ -142,20 +140,6 @@ def summarize(runs: dict[str, list[dict]], baseline: str) -> list[dict]:
     for r, on in zip(have, pareto_front([(r["total_sent_per_step"], r["auc"]) for r in have])):
         r["pareto"] = on
     return rows
-
-
-def write_text_atomic(path: Path, text: str) -> None:
-    """Readers see the old file or the new one, never half of it."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def write_results(spec, runs: dict[str, list[dict]], *, complete: bool) -> dict:

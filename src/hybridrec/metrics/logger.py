@@ -88,9 +88,14 @@ def write_json_atomic(path: str | os.PathLike[str], obj: Any, *, indent: int | N
     cannot leave an empty file under the final name, and is removed on error.
     NaN and ±inf are written as ``null`` (see :func:`to_jsonable`).
     """
+    write_text_atomic(path, json.dumps(to_jsonable(obj), indent=indent, allow_nan=False) + "\n")
+
+
+def write_text_atomic(path: str | Path, text: str) -> None:
+    """Readers see the old file or the new one, never half of it: a temporary file in the
+    destination directory, fsynced, renamed over ``path``, removed on error."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    text = json.dumps(to_jsonable(obj), indent=indent, allow_nan=False) + "\n"
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from hybridrec.model.embedding import KeyedTensor
-from hybridrec.model.interaction import CatInteraction, DotInteraction
+from hybridrec.model.interaction import make_interaction
 from hybridrec.model.mlp import MLP
 from hybridrec.sparse.keyed_jagged import Batch
 
@@ -65,15 +65,7 @@ class DeepFM(nn.Module):
         self.dim = bottom_mlp[-1]
         if top_mlp[-1] != 1:
             raise ValueError(f"the top MLP must end in 1 (the logit), got {top_mlp}")
-        nf = len(sparse.feature_names)
-        if interaction == "dot":
-            self.interaction: nn.Module = DotInteraction(nf)
-            top_in = DotInteraction.output_dim(nf, self.dim)
-        elif interaction == "cat":
-            self.interaction = CatInteraction()
-            top_in = CatInteraction.output_dim(nf, self.dim)
-        else:
-            raise ValueError(f"unknown interaction {interaction!r} (dot or cat)")
+        self.interaction, top_in = make_interaction(interaction, len(sparse.feature_names), self.dim)
         self.sparse = sparse
         self.bottom = MLP([num_dense, *bottom_mlp], final_relu=True)
         self.top = MLP([top_in, *top_mlp], final_relu=False)

@@ -62,3 +62,13 @@ class CatInteraction(nn.Module):
 
     def forward(self, dense: torch.Tensor, sparse: torch.Tensor) -> torch.Tensor:
         return torch.cat([dense, sparse.flatten(1)], dim=1)
+
+
+def make_interaction(kind: str, num_features: int, dim: int) -> tuple[nn.Module, int]:
+    """``(module, output width)`` of interaction ``kind`` (``dot`` or ``cat``) over the
+    bottom-MLP output and ``num_features`` pooled vectors of width ``dim``."""
+    if kind == "dot":
+        return DotInteraction(num_features), DotInteraction.output_dim(num_features, dim)
+    if kind == "cat":
+        return CatInteraction(), CatInteraction.output_dim(num_features, dim)
+    raise ValueError(f"unknown interaction {kind!r} (dot or cat)")
