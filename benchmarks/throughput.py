@@ -52,6 +52,10 @@ def parse_args(argv=None):
     p.add_argument("--peer-batches", type=int, default=16, help="batches handed to TorchRec")
     p.add_argument("--ablation", action=argparse.BooleanOptionalAction, default=True,
                    help="also run hybridrec with torch's default linear (MKL) kernels")
+    p.add_argument("--variant", action="append", default=[], metavar="NAME=KEY=VALUE,...",
+                   help="another hybridrec configuration in every round, e.g. "
+                        "nopipe=dist.pipeline=false (repeatable)")
+    p.add_argument("--override", action="append", default=[], help=argparse.SUPPRESS)
     p.add_argument("--worker", choices=["hybridrec"], help=argparse.SUPPRESS)
     p.add_argument("--data", help=argparse.SUPPRESS)
     return p.parse_args(argv)
@@ -113,19 +117,19 @@ def worker_hybridrec(args) -> dict:
     cfg = build_config(recipes.recipe("bench"), overrides=[
         f"data.path={args.data}", f"data.batch_size={args.batch_size}",
         f"train.run_dir={Path(args.out) / 'run-hybridrec'}", "train.resume=false",
-        "train.progress=false", f"dist.sharding={args.sharding}"])
+        "train.progress=false", f"dist.sharding={args.sharding}", *args.override])
     trainer = build_trainer(cfg)
     world = trainer.topo.world_size
     total = args.warmup + args.steps
-    it = iter(trainer.train_loader)
+    # Through the trainer's pipeline (dist.pipeline: the next batch's ids travel during a step).
+    it = trainer.pipeline.batches(total)
     start = None
     for i in range(total):
         if i == args.warmup:
             start = time.perf_counter()
-        try:
-            batch = next(it)
-        except StopIteration:
-            it = iter(trainer.train_loader)
+        batch = next(it, None)
+        if batch is None:  # a new pass over the data
+            it = trainer.pipeline.batches(total - i)
             batch = next(it)
         trainer.train_step(batch)
     secs = time.perf_counter() - start
@@ -172,7 +176,14 @@ def main(argv=None) -> int:
     me = [*launcher, __file__, "--worker", "hybridrec", "--data", str(data), "--out", args.out,
           "--steps", str(args.steps), "--warmup", str(args.warmup), "--batch-size", str(args.batch_size),
           "--sharding", args.sharding]
-    runs: dict[str, list[dict]] = {"hybridrec": [], "hybridrec (torch F.linear)": [], "torchrec": []}
+    variants = {}
+    for v in args.variant:
+        name, _, rest = v.partition("=")
+        if not name or not rest:
+            raise SystemExit(f"--variant {v!r}: expected NAME=KEY=VALUE[,KEY=VALUE...]")
+        variants[name] = [a for kv in rest.split(",") if kv for a in ("--override", kv)]
+    runs: dict[str, list[dict]] = {"hybridrec": [], **{k: [] for k in variants},
+                                   "hybridrec (torch F.linear)": [], "torchrec": []}
     peer = None
     if args.peer:
         npz = dump_peer_batches(data, args)
@@ -181,6 +192,8 @@ def main(argv=None) -> int:
                 "--nproc", str(args.nproc)]
     for r in range(args.rounds):
         runs["hybridrec"].append(run_json(me))
+        for name, extra in variants.items():
+            runs[name].append(run_json([*me, *extra]))
         if args.ablation:
             runs["hybridrec (torch F.linear)"].append(
                 run_json(me, env={**os.environ, "HYBRIDREC_ONEDNN_LINEAR": "0"}))

@@ -465,17 +465,18 @@ class ShardedEmbeddingBagCollection(nn.Module):
             pooled = torch.zeros(total, 0, requires_grad=torch.is_grad_enabled())
         if self._coded is not None:
             recv = coded_all_to_all(pooled, self._coded, batch_sizes, self.topo, None)
+            blocks = list(torch.split(recv, self._widths, dim=1))
         else:
             width = pooled.shape[1]
             sizes = [b * w for w in self._widths]
-            flat = _AllToAll.apply(pooled.reshape(-1), sizes, [n * width for n in batch_sizes],
+            recv = _AllToAll.apply(pooled.reshape(-1), sizes, [n * width for n in batch_sizes],
                                    self.topo, None, "output_dist")
-            recv = torch.cat([x.view(b, w) for x, w in zip(torch.split(flat, sizes), self._widths)], dim=1)
+            blocks = [x.view(b, w) for x, w in zip(torch.split(recv, sizes), self._widths)]
         if self.ledger is not None:
             self._record_output("fwd", batch_sizes)
             if recv.requires_grad:  # runs right before the backward all-to-all
                 recv.register_hook(lambda g: self._record_output("bwd", batch_sizes))
-        return list(torch.split(recv, self._widths, dim=1))
+        return blocks
 
     def _record_output(self, direction: str, batch_sizes: list[int]) -> None:
         """Ledger entries of one output all-to-all, per table: forward, this rank sends its
