@@ -97,8 +97,8 @@ def _load_single(dataset, run):
 
 
 def test_two_rank_resume_equals_uninterrupted_and_reshards_to_one(dataset, tmp_path):
-    """The uninterrupted run has the input pipeline off, the interrupted one on (the
-    default): stopping, resuming and pipelining must all leave the result unchanged."""
+    """The uninterrupted run has the input pipeline off, the interrupted one on:
+    stopping, resuming and pipelining must all leave the result unchanged."""
     common = ["dist.sharding=row_wise", "train.checkpoint_every=4", "optim.sparse=rowwise_adagrad"]
     full, cut = tmp_path / "full", tmp_path / "cut"
     for run, steps, pipe in ((full, 12, "false"), (cut, 8, "true"), (cut, 12, "true")):

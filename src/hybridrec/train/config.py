@@ -116,8 +116,10 @@ class DistConfig:
     """``auto`` (NCCL with CUDA, gloo otherwise), ``gloo`` or ``nccl``."""
     timeout_s: float = 300.0
     """Bound on every collective: a dead peer ends the run with an error, not a hang."""
-    pipeline: bool = True
-    """Overlap the next batch's input distribution with the current step (same results)."""
+    pipeline: bool = False
+    """Start the next batch's input distribution before the current step (same results).
+    Off by default: on 2-core CPU ranks the extra communication thread cost more than the
+    overlap saved (docs/benchmarks.md); turn it on where communication has its own engine."""
     exchange: str = "collective"
     """Pooled-embedding all-to-alls: ``collective`` (the backend's) or ``pairwise`` (receives
     posted first: on gloo over TCP both link directions run at once, about twice the rate)."""
