@@ -30,7 +30,7 @@ process computes with the global batch.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -109,6 +109,7 @@ class _BlockLayout:
     field_cols: list[int]  # columns of the local output that are sent as they are
     lr_cols: list[int]  # first-order columns of the local output, summed into z_p
     fm: bool  # an FM block [z_p, q_p] follows the pieces
+    _index: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False, compare=False)
 
     @property
     def width(self) -> int:
@@ -131,8 +132,12 @@ class _BlockLayout:
         if not self.fm:
             return kt.values
         v = kt.values
-        z = v[:, self.lr_cols].sum(1, keepdim=True) if self.lr_cols else v.new_zeros(v.shape[0], 1)
-        return torch.cat([v[:, self.field_cols], z, kt.square_sums.sum(1, keepdim=True)], dim=1)
+        if self._index is None:  # column indices as tensors, built once
+            self._index = (torch.tensor(self.field_cols, dtype=torch.long),
+                           torch.tensor(self.lr_cols, dtype=torch.long))
+        fields, lr = self._index
+        z = v.index_select(1, lr).sum(1, keepdim=True) if self.lr_cols else v.new_zeros(v.shape[0], 1)
+        return torch.cat([v.index_select(1, fields), z, kt.square_sums.sum(1, keepdim=True)], dim=1)
 
 
 class _AllToAll(torch.autograd.Function):
