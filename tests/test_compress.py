@@ -21,7 +21,8 @@ from hybridrec.comm.compress import (
     TopKCompressor,
     keep_count,
 )
-from hybridrec.comm.ddp_hooks import CompressedAllReduce, PowerSGDHooks, ring_allreduce_bytes
+from hybridrec.comm.ddp_hooks import CompressedAllReduce, PowerSGDHooks
+from hybridrec.comm.ledger import ring_allreduce_bytes
 from hybridrec.comm.ledger import CommLedger
 from hybridrec.comm.sparse_message import SparseGrad
 

@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState, powerSGD_hook
 
 from hybridrec.comm.compress import GradientCompressor
-from hybridrec.comm.ledger import CommLedger
+from hybridrec.comm.ledger import CommLedger, ring_allreduce_bytes
 from hybridrec.comm import sparse_message as sm
 from hybridrec.comm.sparse_message import SparseGrad
 
@@ -35,11 +35,6 @@ HookFactory = Callable[[str, torch.nn.Module], CommHook]
 """``(arch name, the module DDP wraps) -> that module's comm hook``."""
 
 CATEGORY = "dense_allreduce"
-
-
-def ring_allreduce_bytes(nbytes: int, world: int) -> int:
-    """Bytes one rank sends (and receives) in a ring all-reduce of ``nbytes``."""
-    return 2 * (world - 1) * nbytes // world
 
 
 def _done(value: torch.Tensor) -> torch.futures.Future:

@@ -92,6 +92,12 @@ def tensor_nbytes(t: torch.Tensor | Iterable[torch.Tensor]) -> int:
     return sum(x.numel() * x.element_size() for x in t)
 
 
+def ring_allreduce_bytes(nbytes: int, world: int) -> int:
+    """Bytes one rank sends (and receives) in a ring all-reduce of ``nbytes``
+    (integer division: what the hooks record and the cost model predicts)."""
+    return 2 * (world - 1) * nbytes // world
+
+
 def _nbytes(name: str, value: int) -> int:
     """Validates a byte count: a non-negative integer."""
     value = operator.index(value)

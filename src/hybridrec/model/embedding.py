@@ -127,11 +127,11 @@ def group_ids(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
 class KeyedTensor:
     """Pooled embeddings: ``values`` ``[B, sum(dims)]``, one column block per key.
 
-    ``square_sums`` (collections built with ``square_sums=True``): ``[B, len(keys)]``,
-    for every bag the sum over its ids of the squared norm of the id's row,
-    ``sum_i ||v_i||^2`` (the FM term's ``q``; unlike the pooled vector's norm it adds
-    up over row shards). ``fm``: the FM partial sums of a sharded collection, see
-    :mod:`hybridrec.model.fm`.
+    ``square_sums`` (collections with FM tables): ``[B, len(keys)]``, for every bag the
+    sum over its ids of the squared norm of the id's embedding, ``sum_i ||v_i||^2`` (the
+    FM term's ``q``; unlike the pooled vector's norm it adds up over row shards; zeros
+    for ordinary tables). ``fm``: ``[B, 2]`` = ``[z, q]`` already added up over shard
+    owners by a sharded collection, see :mod:`hybridrec.model.deepfm`.
     """
 
     keys: list[str]
@@ -139,14 +139,6 @@ class KeyedTensor:
     values: torch.Tensor
     square_sums: torch.Tensor | None = None
     fm: torch.Tensor | None = None
-
-    def select(self, keys: list[str]) -> torch.Tensor:
-        """The columns of ``keys``, side by side: ``[B, sum(dims of keys)]``."""
-        if keys == self.keys:
-            return self.values
-        starts = dict(zip(self.keys, torch.tensor([0] + self.dims).cumsum(0).tolist()))
-        width = dict(zip(self.keys, self.dims))
-        return torch.cat([self.values[:, starts[k] : starts[k] + width[k]] for k in keys], dim=1)
 
     def as_3d(self) -> torch.Tensor:
         """``[B, F, D]`` view; all dims must be equal."""

@@ -37,7 +37,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 
 from hybridrec.comm.codecs import Codec
-from hybridrec.comm.ledger import CommLedger
+from hybridrec.comm.ledger import CommLedger, ring_allreduce_bytes
 from hybridrec.model.embedding import TableConfig, group_tables
 from hybridrec.parallel.plan import Shard, ShardingPlan, TablePlan
 
@@ -127,16 +127,10 @@ def table_flows(tp: TablePlan, table: TableConfig, batch_sizes: list[int],
                 yield src, shard.rank, ("output_dist", "bwd"), bwd
 
 
-def ring_bytes(nbytes: int, world: int) -> int:
-    """Bytes each rank sends (and receives) in a ring all-reduce of ``nbytes``, as the
-    mechanism counts them (integer division, like ``allreduce_hook``)."""
-    return 2 * (world - 1) * nbytes // world
-
-
 def dp_allreduce_bytes(dp_tables: list[TableConfig], world: int) -> list[int]:
     """Ring bytes per fused group of data-parallel tables: a dense ``[rows, dim + 1]``
     float32 tensor (the last column counts touched rows) per group and step."""
-    return [ring_bytes(sum(t.num_embeddings for t in ts) * (dim + 1) * VALUE_BYTES, world)
+    return [ring_allreduce_bytes(sum(t.num_embeddings for t in ts) * (dim + 1) * VALUE_BYTES, world)
             for (dim, *_), ts in group_tables(dp_tables).items()]
 
 
@@ -173,7 +167,7 @@ def predict_all_ranks(plan: ShardingPlan, tables: list[TableConfig], *, batch_si
                     acc[a][key][0] += 2 * b * VALUE_BYTES
                     acc[z][key][1] += 2 * b * VALUE_BYTES
     if world > 1 and dense_param_bytes:  # DDP wraps the dense arches only with several ranks
-        ring = sum(ring_bytes(n, world) for n in dense_param_bytes)
+        ring = sum(ring_allreduce_bytes(n, world) for n in dense_param_bytes)
         for a in acc:
             a[("dense_allreduce", "bwd")] = [ring, ring]
     dp = [t for t in tables if plan.tables[t.name].sharding_type == "data_parallel"]

@@ -15,7 +15,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from hybridrec.comm.codecs import Codec
 from hybridrec.comm.ddp_hooks import HookFactory
-from hybridrec.comm.ledger import CommLedger
+from hybridrec.comm.ledger import CommLedger, ring_allreduce_bytes
 from hybridrec.model.dlrm import DLRM
 from hybridrec.model.embedding import EmbeddingBagCollection
 from hybridrec.parallel.plan import ShardingPlan
@@ -30,7 +30,7 @@ def allreduce_hook(ledger: CommLedger | None):
         buf = bucket.buffer()
         world = process_group.size()
         if ledger is not None:
-            ring = 2 * (world - 1) * buf.numel() * buf.element_size() // world
+            ring = ring_allreduce_bytes(buf.numel() * buf.element_size(), world)
             ledger.record("dense_allreduce", sent=ring, received=ring, direction="bwd")
         buf.div_(world)
         fut = torch.distributed.all_reduce(buf, group=process_group, async_op=True).get_future()

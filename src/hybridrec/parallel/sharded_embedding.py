@@ -37,7 +37,7 @@ import torch.distributed as dist
 from torch import nn
 
 from hybridrec.comm.codecs import CastCodec, Codec
-from hybridrec.comm.ledger import CommLedger
+from hybridrec.comm.ledger import CommLedger, ring_allreduce_bytes
 from hybridrec.model.embedding import (
     EmbeddingBagCollection,
     KeyedTensor,
@@ -218,7 +218,7 @@ class ReplicatedEmbeddingBagCollection(EmbeddingBagCollection):
             dense[:, d].index_add_(0, ids, torch.ones_like(ids, dtype=rows.dtype))
             dist.all_reduce(dense, group=self.topo.group)
             if self.ledger is not None:
-                ring = 2 * (self.topo.world_size - 1) * dense.numel() * dense.element_size() // self.topo.world_size
+                ring = ring_allreduce_bytes(dense.numel() * dense.element_size(), self.topo.world_size)
                 self.ledger.record("dp_table_allreduce", sent=ring, received=ring, direction="bwd")
             touched = dense[:, d].nonzero().squeeze(1)
             # Summed, not averaged: the forward already scaled these gradients by 1/world.
@@ -253,12 +253,12 @@ class ShardedEmbeddingBagCollection(nn.Module):
         # FM tables' first-order column never travels as such (owners send z_p instead).
         fm_cols = {f: t.fm_cols for t in tables for f in t.features}
         self.feature_dims = [d if fm_cols[f] is None else fm_cols[f] for f, d in out]
-        self.has_fm = any(c is not None for c in fm_cols.values())
         self.total_dim = sum(self.feature_dims)
         starts = torch.cumsum(torch.tensor([0] + self.feature_dims), 0).tolist()
         self._col = dict(zip(self.feature_names, starts))
         self._table_of = {f: t.name for t in tables for f in t.features}
         self.slots = _slots(tables, plan)
+        self._slot_of = {s.name: s for slots in self.slots.values() for s in slots}
         self._has_shards = any(self.slots.values())
         dp = [t for t in tables if plan.tables[t.name].sharding_type == "data_parallel"]
         # What each rank's shards send per sample (the widths of the output all-to-all),
@@ -297,14 +297,13 @@ class ShardedEmbeddingBagCollection(nn.Module):
         ``(block, piece, first column)``. Blocks are the owners' outputs in rank order
         (then the replicated tables'); pieces are their slots, in the owner's local order,
         followed by the block's ``[z_p, q_p]`` with FM tables."""
-        by_name = {s.name: s for slots in self.slots.values() for s in slots}
         pieces: dict[str, list[tuple[int, int, int]]] = {f: [] for f in self.feature_names}
         self._piece_widths = []
         for d, layout in enumerate(self._layouts):
             self._piece_widths.append([w for _, w in layout.pieces] + ([2] if layout.fm else []))
             for j, (name, _) in enumerate(layout.pieces):
                 if d < self.topo.world_size:
-                    s = by_name[name]
+                    s = self._slot_of[name]
                     pieces[s.feature].append((d, j, s.shard.cols[0]))
                 else:  # replicated tables: whole
                     pieces[name].append((d, j, 0))
@@ -318,27 +317,25 @@ class ShardedEmbeddingBagCollection(nn.Module):
         unknown = sorted(set(codecs) - set(self.tables))
         if unknown:
             raise ValueError(f"codecs for unknown tables {unknown}")
-        by_name = {s.name: s for slots in self.slots.values() for s in slots}
-        if not any(codecs.get(s.table) is not None for s in by_name.values()):
+        if not any(codecs.get(s.table) is not None for s in self._slot_of.values()):
             return None
         identity = CastCodec(torch.float32)
         layouts = []
         for d in range(self.topo.world_size):
             block = self._layouts[d]
             fm = [(2, identity)] if block.fm else []  # DeepFM's [z_p, q_p] travel as they are
-            layouts.append(owner_layout([(w, codecs.get(by_name[n].table) or identity)
+            layouts.append(owner_layout([(w, codecs.get(self._slot_of[n].table) or identity)
                                          for n, w in block.pieces] + fm))
         return layouts
 
     def _piece_byte_table(self) -> list[list[tuple[str | None, int, int, int]]]:
         """Per owner, per piece it sends: ``(table, forward bytes per row, backward bytes per
         row, float32 bytes per row)``; DeepFM's ``[z_p, q_p]`` belong to no table."""
-        by_name = {s.name: s for slots in self.slots.values() for s in slots}
         out = []
         for d in range(self.topo.world_size):
             block, rows = self._layouts[d], []
             for name, w in block.pieces:
-                table = by_name[name].table
+                table = self._slot_of[name].table
                 codec = self.codecs.get(table)
                 rows.append((table, codec.row_bytes(w) if codec else 4 * w,
                              codec.grad_row_bytes(w) if codec else 4 * w, 4 * w))
