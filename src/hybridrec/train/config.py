@@ -123,6 +123,11 @@ class DistConfig:
     exchange: str = "collective"
     """Pooled-embedding all-to-alls: ``collective`` (the backend's) or ``pairwise`` (receives
     posted first: on gloo over TCP both link directions run at once, about twice the rate)."""
+    dense_sync: str = "ddp"
+    """How the dense arches' gradients are averaged over ranks: ``ddp`` (torch DDP, bucketed
+    all-reduce overlapped with backward, through ``compress.dense``), ``allreduce`` (one
+    explicit step after backward, through ``compress.dense``, no DDP) or ``none`` (every rank
+    keeps its own dense replica; for a synchronizer that averages replicas instead)."""
 
 
 @dataclass(kw_only=True)
@@ -332,6 +337,12 @@ def validate(cfg: Config) -> None:
         (cfg.dist.backend in ("auto", "gloo", "nccl"), f"dist.backend {cfg.dist.backend!r}: auto, gloo or nccl"),
         (cfg.dist.timeout_s > 0, "dist.timeout_s must be positive"),
         (cfg.dist.exchange in ("collective", "pairwise"), f"dist.exchange {cfg.dist.exchange!r}: collective or pairwise"),
+        (cfg.dist.dense_sync in ("ddp", "allreduce", "none"),
+         f"dist.dense_sync {cfg.dist.dense_sync!r}: ddp, allreduce or none"),
+        (c.dense != "powersgd" or cfg.dist.dense_sync == "ddp",
+         "compress.dense=powersgd runs as a DDP comm hook: it needs dist.dense_sync=ddp"),
+        (c.dense == "none" or cfg.dist.dense_sync != "none",
+         f"compress.dense={c.dense} compresses the dense all-reduce, which dist.dense_sync=none does not run"),
         (c.dense in ("none", "dct", "topk", "fp16", "bf16", "powersgd"),
          f"compress.dense {c.dense!r}: none, dct, topk, fp16, bf16 or powersgd"),
         (0 < c.dense_ratio <= 1, f"compress.dense_ratio must be in (0, 1], got {c.dense_ratio}"),
