@@ -51,7 +51,7 @@ def _run(ebc, opt, seeds, reference_update, pooling="sum"):
         kjt, coef = _batch(seed)
         grads = _dense_grads(ebc, kjt, coef, pooling)
         (ebc(kjt).values * coef).sum().backward()
-        opt.step()
+        opt.step(ebc.pop_sparse_grads())
         for n in "ab":
             reference_update(ref[n], grads[n], state.setdefault(n, {}), step)
             torch.testing.assert_close(ebc.table_weight(n), ref[n], rtol=1e-5, atol=1e-6)
@@ -108,7 +108,7 @@ def test_state_dict_round_trip(name):
     opt = build_sparse_optimizer(name, ebc, lr=0.1)
     kjt, coef = _batch(11)
     (ebc(kjt).values * coef).sum().backward()
-    opt.step()
+    opt.step(ebc.pop_sparse_grads())
     sd = opt.state_dict()
     assert set(sd["tables"]) == {"a", "b"}
     fresh = build_sparse_optimizer(name, ebc, lr=0.5)

@@ -1,8 +1,10 @@
 """Sparse embedding optimizers: update only the rows a batch touched.
 
-They read ``(group, ids, grad_rows, unique)`` from an embedding collection's
-``pop_sparse_grads()`` (per occurrence, or already summed per id) and never build a dense
-``[rows, dim]`` gradient. Semantics match dense optimizers applied to the
+``step(grads)`` takes the row gradients explicitly: a list of ``(group, ids, grad_rows,
+unique)`` as an embedding collection's ``pop_sparse_grads()`` returns them after backward
+(per occurrence, or already summed per id), so the caller names where they come from and
+any reduction across ranks happens before, in the step, never inside the optimizer. No
+dense ``[rows, dim]`` gradient is ever built. Semantics match dense optimizers applied to the
 table gradient restricted to the touched rows:
 
 - ``sgd``: ``w[r] -= lr * g[r]``.
@@ -15,6 +17,8 @@ Here ``g[r]`` is the summed gradient of row ``r`` over its occurrences.
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping
 
 import torch
 import torch.nn.functional as F
@@ -52,10 +56,12 @@ class SparseOptimizer:
         self.lr = lr
         self.step_count = 0
 
-    def step(self) -> None:
+    def step(self, grads: list[tuple[int, torch.Tensor, torch.Tensor, bool]]) -> None:
+        """Apply ``grads`` (``(group, ids [n], rows [n, dim], unique)`` per fused group of
+        the collection) to the touched rows. ``rows`` may be overwritten."""
         self.step_count += 1
         with torch.no_grad():
-            for group, ids, rows, unique in self.collection.pop_sparse_grads():
+            for group, ids, rows, unique in grads:
                 self._update(group, self.collection.group_weight(group), ids, rows, unique)
 
     def _update(self, group: int, weight: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor,
@@ -166,9 +172,11 @@ class CombinedSparseOptimizer:
         for o in self.optimizers.values():
             o.lr = value
 
-    def step(self) -> None:
-        for o in self.optimizers.values():
-            o.step()
+    def step(self, grads: Mapping[str, list]) -> None:
+        """``grads[name]`` goes to the optimizer ``name``; every optimizer steps (its step
+        count is global), with no rows when ``grads`` has none for it."""
+        for k, o in self.optimizers.items():
+            o.step(grads.get(k, []))
 
     def state_dict(self) -> dict:
         return {k: o.state_dict() for k, o in self.optimizers.items()}
