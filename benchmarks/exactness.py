@@ -29,22 +29,9 @@ def run(cmd: list[str]) -> None:
 
 
 def final_state(run_dir: Path, data: Path):
-    from hybridrec.data.schema import DatasetMeta
-    from hybridrec.parallel.checkpoint import load_sharded
-    from hybridrec.parallel.topology import Topology
-    from hybridrec.train import checkpoint as ckpt
-    from hybridrec.train.build import build_model
-    from hybridrec.train.run import load_run_config
+    from hybridrec.train.run import load_run_model
 
-    cfg = load_run_config(run_dir)
-    cfg.dist.nproc = 1
-    model = build_model(cfg, DatasetMeta.load(data))
-    path = ckpt.latest_checkpoint(run_dir)
-    if (path / "state.pt").is_file():
-        model.load_state_dict(ckpt.load_checkpoint(path)["model"])
-    else:
-        load_sharded(path, model=model, dense_opt=None, sparse_opts=None, topo=Topology.single())
-    return model.state_dict()
+    return load_run_model(run_dir, data_path=str(data))[2].state_dict()
 
 
 def main(argv=None) -> int:

@@ -29,8 +29,9 @@ class Recorder:
     def __init__(self):
         self.calls = []
 
-    def prefetch(self, kjt):
+    def start_input_dist(self, kjt):
         self.calls.append(kjt)
+        return ("pending", kjt)
 
 
 @pytest.mark.parametrize("enabled", [True, False])
@@ -38,19 +39,20 @@ def test_next_batch_is_prefetched_before_the_current_one_is_yielded(enabled):
     sparse = Recorder()
     pipe = TrainPipeline(Loader(5), sparse, enabled=enabled)
     seen = []
-    for item in pipe.batches(10):
+    for item, pending in pipe.batches(10):
         seen.append(item.sparse)
+        assert pending == (("pending", item.sparse) if enabled else None)  # its own handle
         # While batch i trains, batch i+1 is already on its way (when there is one).
         expect = list(range(min(item.sparse + 2, 5))) if enabled else []
         assert sparse.calls == expect
-        assert pipe.loader_state() == {"step": item.sparse + 1}  # not the batch taken ahead
+        assert pipe.state_dict() == {"step": item.sparse + 1}  # not the batch taken ahead
     assert seen == [0, 1, 2, 3, 4]
 
 
 def test_limit_reads_no_batch_past_the_last_trained_one():
     loader, sparse = Loader(10), Recorder()
     pipe = TrainPipeline(loader, sparse, enabled=True)
-    assert [b.sparse for b in pipe.batches(3)] == [0, 1, 2]
+    assert [b.sparse for b, _ in pipe.batches(3)] == [0, 1, 2]
     assert sparse.calls == [0, 1, 2] and loader.pos == 3
     assert list(pipe.batches(0)) == []
 
@@ -58,4 +60,4 @@ def test_limit_reads_no_batch_past_the_last_trained_one():
 def test_without_a_sharded_collection_it_is_a_plain_loop():
     pipe = TrainPipeline(Loader(3), object(), enabled=True)
     assert not pipe.enabled
-    assert [b.sparse for b in pipe.batches(5)] == [0, 1, 2]
+    assert [b.sparse for b, _ in pipe.batches(5)] == [0, 1, 2]

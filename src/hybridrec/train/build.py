@@ -17,6 +17,7 @@ from hybridrec.comm.compress import (
     CastCompressor,
     DCTCompressor,
     GradientCompressor,
+    NoCompression,
     TopKCompressor,
 )
 from hybridrec.comm.ddp_hooks import CompressedAllReduce, HookFactory, PowerSGDHooks
@@ -36,6 +37,7 @@ from hybridrec.train.optim import (
     dense_parameters,
 )
 from hybridrec.parallel import plan as plan_lib
+from hybridrec.parallel.dense_sync import AllReduceSync, DDPSync, DenseSync, NoSync
 from hybridrec.parallel.parallelize import parallelize_dlrm
 from hybridrec.parallel.plan import ShardingPlan
 from hybridrec.parallel.planner import plan_sharding
@@ -45,6 +47,8 @@ from hybridrec.train.sparse_optim import (
     CombinedSparseOptimizer,
     build_sparse_optimizer,
 )
+from hybridrec.train.checkpointer import Checkpointer, Component, TorchRNG
+from hybridrec.train.pipeline import TrainPipeline
 from hybridrec.train.trainer import Trainer
 
 
@@ -214,6 +218,38 @@ def build_dense_hooks(c: CompressConfig, ledger: CommLedger, *, seed: int = 0) -
     return CompressedAllReduce(build_dense_compressor(c), ledger)
 
 
+def build_dense_sync(cfg: Config, topo: Topology, ledger: CommLedger) -> DenseSync:
+    """The dense-synchronization strategy of ``dist.dense_sync`` (one process: none)."""
+    kind = cfg.dist.dense_sync
+    if topo.world_size == 1 or kind == "none":
+        return NoSync()
+    if kind == "ddp":
+        return DDPSync(topo, hooks=build_dense_hooks(cfg.compress, ledger, seed=cfg.train.seed),
+                       ledger=ledger)
+    if cfg.compress.dense == "powersgd":
+        raise ConfigError("compress.dense=powersgd runs as a DDP comm hook: use dist.dense_sync=ddp")
+    plain = cfg.compress.dense == "none"
+    compressor = NoCompression() if plain else build_dense_compressor(cfg.compress)
+    return AllReduceSync(topo, CompressedAllReduce(compressor, ledger), ledger=ledger, predict=plain)
+
+
+def build_parallel_model(cfg: Config, meta: DatasetMeta, topo: Topology, ledger: CommLedger,
+                         dense_sync: DenseSync, run_dir: Path) -> torch.nn.Module:
+    """Several ranks: plan the sharding, build this rank's shards and apply parallelism;
+    rank 0 writes the plan into the run directory."""
+    plan = build_plan(cfg, build_tables(meta, cfg), topo, meta)
+    cw = [n for n, tp in plan.tables.items() if tp.sharding_type == "column_wise"]
+    if cw and cfg.optim.sparse == "rowwise_adagrad" and topo.rank == 0:
+        warnings.warn(f"column-wise tables {cw[:3]} with row-wise Adagrad keep one accumulator per "
+                      "column shard: training will not equal one process exactly", stacklevel=1)
+    model = parallelize_dlrm(build_model(cfg, meta, plan=plan, topo=topo, ledger=ledger),
+                             plan, topo, ledger=ledger, dense_sync=dense_sync)
+    if topo.rank == 0:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "plan.json").write_text(plan.to_json())
+    return model
+
+
 def build_trainer(cfg: Config, *, meta: DatasetMeta | None = None, topo: Topology | None = None) -> Trainer:
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
@@ -221,32 +257,30 @@ def build_trainer(cfg: Config, *, meta: DatasetMeta | None = None, topo: Topolog
     topo = topo or build_topology(cfg)
     ledger = CommLedger()
     run_dir = Path(cfg.train.run_dir)
+    dense_sync = build_dense_sync(cfg, topo, ledger)
     if topo.world_size == 1:
         model = build_model(cfg, meta)
     else:
-        plan = build_plan(cfg, build_tables(meta, cfg), topo, meta)
-        cw = [n for n, tp in plan.tables.items() if tp.sharding_type == "column_wise"]
-        if cw and cfg.optim.sparse == "rowwise_adagrad" and topo.rank == 0:
-            warnings.warn(f"column-wise tables {cw[:3]} with row-wise Adagrad keep one accumulator per "
-                          "column shard: training will not equal one process exactly", stacklevel=1)
-        model = parallelize_dlrm(build_model(cfg, meta, plan=plan, topo=topo, ledger=ledger),
-                                 plan, topo, ledger=ledger,
-                                 dense_hooks=build_dense_hooks(cfg.compress, ledger, seed=cfg.train.seed))
-        if topo.rank == 0:
-            run_dir.mkdir(parents=True, exist_ok=True)
-            (run_dir / "plan.json").write_text(plan.to_json())
+        model = build_parallel_model(cfg, meta, topo, ledger, dense_sync, run_dir)
     dense_opt = build_dense_optimizer(dense_parameters(model), cfg.optim)
     sparse_opt = build_sparse_optimizers(cfg, model.sparse)
     train_loader, eval_loader = build_loaders(cfg, meta, rank=topo.rank, world_size=topo.world_size)
+    pipeline = TrainPipeline(train_loader, model.sparse, enabled=cfg.dist.pipeline)
     total_steps = planned_steps(cfg, len(train_loader))
     schedule = LRSchedule(cfg.optim.warmup_steps, cfg.optim.decay, cfg.optim.decay_start, total_steps)
     scheduler = LRScheduler(schedule, dense_opt, sparse_opt,
                             dense_lr=cfg.optim.dense_lr, sparse_lr=cfg.optim.sparse_lr)
+    checkpointer = Checkpointer(run_dir, topo, model=model, dense_opt=dense_opt, sparse_opt=sparse_opt,
+                                components=[Component("loader", pipeline),
+                                            Component("dense_sync", dense_sync, per_rank=True),
+                                            Component("rng", TorchRNG(), per_rank=True)],
+                                keep=cfg.train.keep_checkpoints)
     run_dir.mkdir(parents=True, exist_ok=True)
     logger = MetricLogger(run_dir, tensorboard=cfg.train.tensorboard) if topo.rank == 0 else None
-    return Trainer(cfg=cfg, model=model, dense_opt=dense_opt, sparse_opt=sparse_opt,
-                   scheduler=scheduler, train_loader=train_loader, eval_loader=eval_loader,
-                   logger=logger, ledger=ledger, run_dir=run_dir, total_steps=total_steps, topo=topo)
+    return Trainer(cfg=cfg, model=model, dense_opt=dense_opt, sparse_opt=sparse_opt, dense_sync=dense_sync,
+                   scheduler=scheduler, pipeline=pipeline, eval_loader=eval_loader,
+                   checkpointer=checkpointer, logger=logger, ledger=ledger, run_dir=run_dir,
+                   total_steps=total_steps, topo=topo)
 
 
 def planned_steps(cfg: Config, per_epoch: int) -> int:

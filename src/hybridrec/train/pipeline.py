@@ -24,25 +24,32 @@ class TrainPipeline:
     Args:
         loader: the training loader (``iter`` yields :class:`Batch`, ``state_dict``
             is the position after the last yielded batch).
-        sparse: the model's embedding collection; prefetching needs its ``prefetch(kjt)``
-            (a sharded collection); anything else disables the pipeline.
+        sparse: the model's embedding collection; prefetching needs its
+            ``start_input_dist(kjt)`` (a sharded collection); anything else disables it.
         enabled: the switch (``dist.pipeline``).
 
-    ``batches(limit)`` yields at most ``limit`` batches of one pass over the loader.
-    ``loader_state()`` is the loader position after the last batch *yielded* (the one
-    taken ahead is not trained yet, so a checkpoint must not skip it).
+    ``batches(limit)`` yields at most ``limit`` ``(batch, pending)`` pairs of one pass over
+    the loader: ``pending`` is the handle of the batch's input_dist under way (None when
+    not prefetched), which the caller passes to the model's forward. ``state_dict()`` is
+    the loader position after the last batch *yielded* (the one taken ahead is not
+    trained yet, so a checkpoint must not skip it); the pipeline is the checkpointer's
+    ``loader`` component.
     """
 
     def __init__(self, loader, sparse, *, enabled: bool) -> None:
         self.loader = loader
         self.sparse = sparse
-        self.enabled = enabled and hasattr(sparse, "prefetch")
+        self.enabled = enabled and hasattr(sparse, "start_input_dist")
         self._state: dict | None = None  # loader position after the batch being trained
 
-    def loader_state(self) -> dict:
+    def state_dict(self) -> dict:
         return self._state if self._state is not None else self.loader.state_dict()
 
-    def batches(self, limit: int) -> Iterator[Batch]:
+    def load_state_dict(self, state: dict) -> None:
+        self.loader.load_state_dict(state)
+        self._state = None
+
+    def batches(self, limit: int) -> Iterator[tuple[Batch, object | None]]:
         if limit <= 0:
             return
         it = iter(self.loader)
@@ -58,8 +65,8 @@ class TrainPipeline:
             nxt_state = self.loader.state_dict()
             yield cur
 
-    def _take(self, it) -> Batch | None:
+    def _take(self, it) -> tuple[Batch, object | None] | None:
         batch = next(it, None)
-        if batch is not None and self.enabled:
-            self.sparse.prefetch(batch.sparse)
-        return batch
+        if batch is None:
+            return None
+        return batch, self.sparse.start_input_dist(batch.sparse) if self.enabled else None

@@ -72,9 +72,11 @@ def load_run_config(run_dir: str | Path) -> Config:
     return cfg
 
 
-def evaluate_run(run_dir: str | Path, *, checkpoint: str | None = None,
-                 data_path: str | None = None) -> dict:
-    """Evaluate a run's newest (or a given) checkpoint on the held-out split."""
+def load_run_model(run_dir: str | Path, *, checkpoint: str | None = None,
+                   data_path: str | None = None):
+    """A run's single-process model with the weights of its newest (or a given)
+    checkpoint, whatever world size saved it. Returns ``(cfg, meta, model, path, extra)``
+    (``extra``: the checkpoint's global state: step, loader position)."""
     cfg = load_run_config(run_dir)
     if data_path:
         cfg.data.path = data_path
@@ -83,10 +85,14 @@ def evaluate_run(run_dir: str | Path, *, checkpoint: str | None = None,
     if path is None:
         raise ConfigError(f"{run_dir} has no checkpoint to evaluate")
     model = build_model(cfg, meta)
-    if (path / "state.pt").is_file():
-        model.load_state_dict(ckpt.load_checkpoint(path)["model"])
-    else:  # a multi-rank run's sharded checkpoint, resharded into this one process
-        load_sharded(path, model=model, dense_opt=None, sparse_opts=None, topo=Topology.single())
+    extra = load_sharded(path, model=model, dense_opt=None, sparse_opts=None, topo=Topology.single())
+    return cfg, meta, model, path, extra
+
+
+def evaluate_run(run_dir: str | Path, *, checkpoint: str | None = None,
+                 data_path: str | None = None) -> dict:
+    """Evaluate a run's newest (or a given) checkpoint on the held-out split."""
+    cfg, meta, model, path, _ = load_run_model(run_dir, checkpoint=checkpoint, data_path=data_path)
     _, eval_loader = build_loaders(cfg, meta)
     result = {"checkpoint": str(path), "data": str(meta.path), **evaluate_model(model, eval_loader)}
     write_json_atomic(Path(run_dir) / "eval.json", result)

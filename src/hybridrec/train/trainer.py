@@ -16,13 +16,15 @@ from hybridrec.comm.ledger import CommLedger
 from hybridrec.metrics.classification import BinaryMetrics, RunningLoss
 from hybridrec.metrics.logger import MetricLogger
 from hybridrec.metrics.throughput import Throughput
-from hybridrec.parallel import checkpoint as sharded
+from hybridrec.parallel.dense_sync import DenseSync
+from hybridrec.parallel.sharded_embedding import ShardedEmbeddingBagCollection
 from hybridrec.parallel.topology import Topology
 from hybridrec.sparse.keyed_jagged import Batch
-from hybridrec.train import checkpoint as ckpt
+from hybridrec.train.checkpointer import Checkpointer
 from hybridrec.train.config import Config
 from hybridrec.train.optim import LRScheduler
 from hybridrec.train.pipeline import TrainPipeline
+from hybridrec.train.sparse_optim import CombinedSparseOptimizer
 
 
 @dataclass
@@ -53,7 +55,10 @@ def evaluate_model(model: torch.nn.Module, loader, topo: Topology | None = None)
 
 
 class Trainer:
-    """Owns one run: model, optimizers, loaders, logger, ledger.
+    """Owns one run and every stateful part of it: model, dense and sparse optimizers, the
+    dense synchronization (and its compressor state), the loader position (through the
+    pipeline), the RNG; one :class:`~hybridrec.train.checkpointer.Checkpointer` saves
+    and restores them as a list.
 
     Constructed by :func:`hybridrec.train.build.build_trainer`; it stores what it
     is given and does no set-up of its own.
@@ -65,10 +70,12 @@ class Trainer:
         cfg: Config,
         model: torch.nn.Module,
         dense_opt: torch.optim.Optimizer,
-        sparse_opt,
+        sparse_opt: CombinedSparseOptimizer,
+        dense_sync: DenseSync,
         scheduler: LRScheduler,
-        train_loader,
+        pipeline: TrainPipeline,
         eval_loader,
+        checkpointer: Checkpointer,
         logger: MetricLogger | None,
         ledger: CommLedger,
         run_dir: Path,
@@ -79,9 +86,11 @@ class Trainer:
         self.model = model
         self.dense_opt = dense_opt
         self.sparse_opt = sparse_opt
+        self.dense_sync = dense_sync
         self.scheduler = scheduler
-        self.train_loader = train_loader
+        self.pipeline = pipeline
         self.eval_loader = eval_loader
+        self.checkpointer = checkpointer
         self.logger = logger
         self.ledger = ledger
         self.run_dir = run_dir
@@ -89,74 +98,49 @@ class Trainer:
         self.topo = topo
         self.step = 0
         self._saved_step: int | None = None  # step of the newest checkpoint on disk
-        sparse = getattr(model, "sparse", None)
-        self.pipeline = TrainPipeline(train_loader, sparse, enabled=cfg.dist.pipeline)
 
     # -- one step --------------------------------------------------------------
-    def train_step(self, batch: Batch) -> torch.Tensor:
-        """Forward, backward, dense and sparse updates. Returns the detached loss."""
+    def train_step(self, batch: Batch, pending=None) -> torch.Tensor:
+        """One step, in order. ``pending``: the batch's input_dist already under way
+        (the pipeline's handle), or None. Returns the detached loss."""
         self.scheduler.apply(self.step)
         self.model.train()
-        logits = self.model(batch)
+        # Forward: input_dist (or its pending handle), lookup, output_dist, dense arches.
+        logits = self.model(batch) if pending is None else self.model(batch, sparse_input=pending)
         loss = F.binary_cross_entropy_with_logits(logits, batch.labels)
         self.dense_opt.zero_grad(set_to_none=True)
-        loss.backward()
+        loss.backward()  # dense grads; row grads of the lookups; output_dist backward
+        self.dense_sync.synchronize()  # dense synchronization (DDP's ran inside backward)
+        grads = self._sparse_grads()  # rows this step touched; replicated tables all-reduced
         self.dense_opt.step()
-        self.sparse_opt.step()
+        self.sparse_opt.step(grads)
         self.step += 1
         self.ledger.step_end()
         return loss.detach()
+
+    def _sparse_grads(self) -> dict[str, list]:
+        """The row gradients for the sparse optimizers, by collection name. With several
+        ranks the replicated tables' rows are reduced here, an explicit collective."""
+        sparse = self.model.sparse
+        if isinstance(sparse, ShardedEmbeddingBagCollection):
+            return sparse.reduce_sparse_grads(sparse.pop_sparse_grads())
+        return {"tables": sparse.pop_sparse_grads()}
 
     def evaluate(self) -> dict:
         with self.ledger.suspended():  # evaluation traffic is not a training step's
             return evaluate_model(self.model, self.eval_loader, self.topo)
 
     # -- state -----------------------------------------------------------------
-    def state_dict(self) -> dict:
-        return {
-            "step": self.step,
-            "model": self.model.state_dict(),
-            "dense_opt": self.dense_opt.state_dict(),
-            "sparse_opt": self.sparse_opt.state_dict(),
-            "loader": self.pipeline.loader_state(),
-            "rng": torch.get_rng_state(),
-        }
-
-    def load_state_dict(self, state: dict) -> None:
-        self.model.load_state_dict(state["model"])
-        self.dense_opt.load_state_dict(state["dense_opt"])
-        self.sparse_opt.load_state_dict(state["sparse_opt"])
-        self.train_loader.load_state_dict(state["loader"])
-        torch.set_rng_state(state["rng"])
-        self.step = int(state["step"])
-
     def save_checkpoint(self) -> Path:
-        """One process: an atomic torch.save file; several: a sharded
-        torch.distributed.checkpoint that any world size or plan can load."""
-        keep = self.cfg.train.keep_checkpoints
-        if self.topo.world_size == 1:
-            path = ckpt.save_checkpoint(self.run_dir, self.step, self.state_dict(), keep=keep)
-        else:
-            path = ckpt.checkpoint_dir(self.run_dir) / f"step-{self.step:08d}"
-            extra = {"step": self.step, "loader": self.pipeline.loader_state()}
-            sharded.save_sharded(path, model=self.model, dense_opt=self.dense_opt,
-                                 sparse_opts=list(self.sparse_opt.optimizers.values()), extra=extra, topo=self.topo)
-            if self.topo.rank == 0:
-                ckpt.prune(self.run_dir, keep=keep)
+        path = self.checkpointer.save(self.step)
         self._saved_step = self.step
         return path
 
     def maybe_resume(self) -> int | None:
-        path = ckpt.latest_checkpoint(self.run_dir) if self.cfg.train.resume else None
+        path = self.checkpointer.latest() if self.cfg.train.resume else None
         if path is None:
             return None
-        if self.topo.world_size == 1 and (path / "state.pt").is_file():
-            self.load_state_dict(ckpt.load_checkpoint(path))
-        else:
-            extra = sharded.load_sharded(path, model=self.model, dense_opt=self.dense_opt,
-                                         sparse_opts=list(self.sparse_opt.optimizers.values()), topo=self.topo)
-            self.train_loader.load_state_dict(extra["loader"])
-            self.step = int(extra["step"])
+        self.step = self.checkpointer.restore(path)
         self._saved_step = self.step
         return self.step
 
@@ -172,8 +156,8 @@ class Trainer:
         last_loss = float("nan")
         meter.start()
         while self.step < self.total_steps:
-            for batch in self.pipeline.batches(self.total_steps - self.step):
-                running.update(self.train_step(batch))
+            for batch, pending in self.pipeline.batches(self.total_steps - self.step):
+                running.update(self.train_step(batch, pending))
                 meter.step(batch.batch_size * self.topo.world_size)  # global samples
                 bar.update(1)
                 if t.log_every and self.step % t.log_every == 0:

@@ -1,0 +1,225 @@
+"""How a checkpoint directory is written and read: safely, atomically, every rank agreeing.
+
+Nothing is unpickled from a checkpoint: tensors load with ``torch.load(weights_only=True)``
+(DCP's reader), non-tensor data is JSON (:func:`encode_skeleton`: a skeleton whose tensors
+are moved out to DCP keys), and DCP's pickled ``.metadata`` is read by an unpickler that
+only builds DCP's own metadata classes (:class:`SafeFileSystemReader`).
+
+Atomicity: ranks write into ``PATH.tmp-<pid of rank 0>``; after every rank reported
+success, rank 0 renames it to ``PATH``. After each phase the ranks exchange their outcome
+(:func:`agree`), so a failure on one rank makes every rank raise instead of waiting in a
+collective; a rank that dies is caught by the process-group timeout. :func:`is_complete`
+is what readers check.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import pickle
+import shutil
+import warnings
+from pathlib import Path
+from typing import ClassVar
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException as DCPException
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+
+from hybridrec.errors import HybridrecError
+from hybridrec.parallel.topology import Topology
+
+FORMAT = "hybridrec-dcp/2"
+MANIFEST = "manifest.json"
+TMP_MARK = ".tmp-"
+
+class CheckpointError(HybridrecError):
+    """A sharded checkpoint could not be saved or loaded; says which rank and why."""
+
+
+def is_complete(path: str | Path) -> bool:
+    """A finished checkpoint: not a tmp dir, DCP's index and the manifest present."""
+    p = Path(path)
+    return TMP_MARK not in p.name and (p / ".metadata").is_file() and (p / MANIFEST).is_file()
+
+
+# -- ranks agree on every outcome ------------------------------------------------------
+def gather(topo: Topology, obj) -> list:
+    """Collective: every rank's ``obj`` (small, picklable: our own live processes, never
+    a file), in rank order."""
+    if topo.group is None or topo.world_size == 1:
+        return [obj]
+    out = [None] * topo.world_size
+    dist.all_gather_object(out, obj, group=topo.group)
+    return out
+
+
+def describe(error: BaseException | None) -> str | None:
+    if error is None:
+        return None
+    if isinstance(error, DCPException):  # the ranks' root causes, not DCP's tracebacks
+        causes = "; ".join(f"rank {r}: {type(e).__name__}: {e}" for r, (e, _) in error.failures.items())
+        return f"DCP failed ({causes})"
+    return f"{type(error).__name__}: {error}"
+
+
+def raise_failures(messages: list, what: str, error: BaseException | None) -> None:
+    by_message: dict[str, list[int]] = {}
+    for r, m in enumerate(messages):
+        if m is not None:
+            by_message.setdefault(m, []).append(r)
+    if by_message:
+        lines = "; ".join(f"rank {', '.join(map(str, rs))}: {m}" for m, rs in by_message.items())
+        raise CheckpointError(f"{what} failed on {lines}") from error
+
+
+def agree(topo: Topology, error: BaseException | None, what: str) -> None:
+    """Collective: raise on every rank if any rank failed ``what``, so that no rank goes on
+    into a collective its peers will never join."""
+    raise_failures(gather(topo, describe(error)), what, error)
+
+
+def dist_kwargs(topo: Topology) -> dict:
+    return {"process_group": topo.group, "no_dist": topo.group is None}
+
+
+# -- non-tensor data: JSON, with tensors moved out to DCP keys ----------------------------
+_MARKS = ("__tensor__", "__tuple__", "__dict__")
+
+
+def encode_skeleton(obj, key: str, tensors: dict[str, torch.Tensor]) -> object:
+    """JSON-able skeleton of ``obj``; each tensor goes to ``tensors[<its path>]``,
+    e.g. ``extra.rng`` or ``dense_opt.state.top.layers.0.weight.exp_avg``."""
+    if isinstance(obj, torch.Tensor):
+        if key in tensors:
+            raise CheckpointError(f"two tensors would be stored as {key!r}")
+        tensors[key] = obj
+        return {"__tensor__": key, "dtype": str(obj.dtype).removeprefix("torch."), "shape": list(obj.shape)}
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return obj
+    if isinstance(obj, (list, tuple)):
+        items = [encode_skeleton(v, f"{key}.{i}", tensors) for i, v in enumerate(obj)]
+        return items if isinstance(obj, list) else {"__tuple__": items}
+    if isinstance(obj, dict):
+        if all(isinstance(k, str) for k in obj) and not any(k in _MARKS for k in obj):
+            return {k: encode_skeleton(v, f"{key}.{k}", tensors) for k, v in obj.items()}
+        return {"__dict__": [[encode_skeleton(k, f"{key}.{k}#key", tensors), encode_skeleton(v, f"{key}.{k}", tensors)]
+                             for k, v in obj.items()]}
+    raise CheckpointError(f"{key}: cannot store a {type(obj).__name__} "
+                          "(use tensors, numbers, strings, None, lists, tuples, dicts)")
+
+
+def decode_skeleton(obj, tensors: dict[str, torch.Tensor]):
+    if isinstance(obj, list):
+        return [decode_skeleton(v, tensors) for v in obj]
+    if not isinstance(obj, dict):
+        return obj
+    if "__tensor__" in obj:
+        return tensors[obj["__tensor__"]]
+    if "__tuple__" in obj:
+        return tuple(decode_skeleton(v, tensors) for v in obj["__tuple__"])
+    if "__dict__" in obj:
+        return {decode_skeleton(k, tensors): decode_skeleton(v, tensors) for k, v in obj["__dict__"]}
+    return {k: decode_skeleton(v, tensors) for k, v in obj.items()}
+
+
+def tensor_slots(obj, out: dict[str, torch.Tensor]) -> None:
+    """Empty tensors for every tensor placeholder in a skeleton (what ``dcp.load`` fills)."""
+    if isinstance(obj, list):
+        for v in obj:
+            tensor_slots(v, out)
+    elif isinstance(obj, dict):
+        if "__tensor__" in obj:
+            dtype = getattr(torch, obj["dtype"], None)
+            if not isinstance(dtype, torch.dtype):
+                raise CheckpointError(f"{obj['__tensor__']}: unknown dtype {obj['dtype']!r}")
+            out[obj["__tensor__"]] = torch.empty(obj["shape"], dtype=dtype)
+        else:
+            for v in obj.values():
+                tensor_slots(v, out)
+
+
+# -- DCP's .metadata without arbitrary unpickling ---------------------------------------------
+class _MetadataUnpickler(pickle.Unpickler):
+    """Builds only DCP's metadata types, torch.Size, dtypes, layouts and paths."""
+
+    _ALLOWED: ClassVar[set[tuple[str, str]]] = {
+        *(("torch.distributed.checkpoint.metadata", n) for n in (
+            "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
+            "ChunkStorageMetadata", "BytesStorageMetadata", "_MEM_FORMAT_ENCODING")),
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+        ("torch", "Size"), ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
+        ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "PurePosixPath"),
+    }
+
+    def find_class(self, module: str, name: str):
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        if (module, name) in self._ALLOWED:
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"checkpoint metadata may not reference {module}.{name}")
+
+
+class SafeFileSystemReader(dcp.FileSystemReader):
+    """DCP's file reader with :class:`_MetadataUnpickler` for ``.metadata``."""
+
+    def read_metadata(self, *args, **kwargs) -> Metadata:
+        rank = kwargs.get("rank")
+        name = ".metadata" if rank is None else f"__{rank}.metadata"
+        with open(Path(self.path) / name, "rb") as f:
+            metadata = _MetadataUnpickler(f).load()
+        if not isinstance(metadata, Metadata):
+            raise CheckpointError(f"{self.path}: {name} is not DCP metadata")
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+@contextlib.contextmanager
+def quiet():
+    """DCP warns that ShardedTensor is deprecated and that a single process has no process
+    group; both are expected here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*deprecating ShardedTensor")
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def write_and_publish(final: Path, tmp: Path, state: dict, meta: dict, topo: Topology) -> None:
+    err = None
+    try:  # phase 2: every rank writes its chunks (DCP reports a rank's failure to all ranks)
+        with quiet():
+            dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp), **dist_kwargs(topo))
+        if topo.rank == 0:
+            write_json(tmp / MANIFEST, meta)
+    except (Exception, DCPException) as e:  # noqa: BLE001 - DCP's is a BaseException
+        err = e
+    agree(topo, err, "save_sharded: writing")
+    try:  # phase 3: every rank's part is on disk; rank 0 publishes the directory
+        if topo.rank == 0:
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+            fsync_dir(final.parent)
+    except Exception as e:  # noqa: BLE001
+        err = e
+    agree(topo, err, "save_sharded: publishing")
+
+
+def write_json(path: Path, obj) -> None:
+    with open(path, "w") as f:
+        json.dump(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def fsync_dir(d: Path) -> None:
+    fd = os.open(d, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,250 @@
+"""Where the tensors of a (sharded) model and its optimizers live, as DCP sees them.
+
+Every table is ONE global tensor keyed by its name, made of the rank-local shards at their
+global offsets (see :mod:`hybridrec.parallel.checkpoint` for the keys and why
+ShardedTensor). This module turns a model and its optimizers into those global tensors
+(:class:`GlobalTensor`: this rank's pieces and every rank's layout) for saving, and into
+the targets ``dcp.load`` fills for loading, including the row-wise optimizer state of
+column-split tables (cell form).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.distributed._shard.metadata import ShardMetadata
+from torch.distributed._shard.sharded_tensor import Shard as STShard
+from torch.distributed._shard.sharded_tensor import ShardedTensor
+from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata
+from torch.distributed._shard.sharded_tensor.metadata import TensorProperties as STProperties
+from torch.nn.parallel import DistributedDataParallel
+
+from hybridrec.model.embedding import EmbeddingBagCollection, TableConfig
+from hybridrec.parallel.checkpoint_io import CheckpointError
+from hybridrec.parallel.plan import Shard
+from hybridrec.parallel.sharded_embedding import ShardedEmbeddingBagCollection
+from hybridrec.parallel.topology import Topology
+
+# -- global tensors ---------------------------------------------------------------------
+Layout = list[tuple[tuple[int, ...], tuple[int, ...], int]]  # (offsets, sizes, rank) per shard
+
+
+@dataclass
+class GlobalTensor:
+    """One DCP key: global size, the pieces this rank holds, every rank's pieces."""
+
+    size: tuple[int, ...]
+    pieces: list[tuple[tuple[int, ...], torch.Tensor]]
+    layout: Layout | None  # None: replicated, every holder has the whole tensor
+
+
+def _sharded_tensor(g: GlobalTensor, topo: Topology) -> ShardedTensor:
+    dev = g.pieces[0][1].device
+    where = "cpu" if dev.type == "cpu" else f"{dev.type}:{{}}"
+
+    def place(rank: int) -> str:
+        return f"rank:{rank}/" + where.format(rank % topo.local_world_size)
+
+    local = [STShard(t, ShardMetadata(shard_offsets=list(o), shard_sizes=list(t.shape),
+                                      placement=place(topo.rank))) for o, t in g.pieces]
+    md = ShardedTensorMetadata(
+        shards_metadata=[ShardMetadata(shard_offsets=list(o), shard_sizes=list(s), placement=place(r))
+                         for o, s, r in g.layout],
+        size=torch.Size(g.size),
+        tensor_properties=STProperties(dtype=g.pieces[0][1].dtype))
+    return ShardedTensor._init_from_local_shards_and_global_metadata(local, md, process_group=topo.group)
+
+
+def _block(offsets: tuple[int, ...], t: torch.Tensor) -> tuple[slice, ...]:
+    return tuple(slice(o, o + n) for o, n in zip(offsets, t.shape))
+
+
+def save_object(g: GlobalTensor, topo: Topology) -> torch.Tensor:
+    # Pieces may be views into fused weights: DCP's writer copies such views before
+    # torch.save, which would otherwise write the whole storage.
+    if g.layout is None:
+        return g.pieces[0][1]
+    if topo.world_size > 1:
+        return _sharded_tensor(g, topo)
+    full = g.pieces[0][1].new_empty(g.size)  # one process holds every shard: assemble
+    for o, t in g.pieces:
+        full[_block(o, t)] = t
+    return full
+
+
+def load_object(g: GlobalTensor, topo: Topology) -> tuple[torch.Tensor, Callable | None]:
+    """What ``dcp.load`` fills, and what then moves it into the pieces (None: in place)."""
+    if g.layout is None:
+        return g.pieces[0][1], None
+    if topo.world_size > 1:
+        return _sharded_tensor(g, topo), None
+    full = g.pieces[0][1].new_empty(g.size)
+
+    def scatter():
+        for o, t in g.pieces:
+            t.copy_(full[_block(o, t)])
+
+    return full, scatter
+
+
+# -- where the embedding state lives ---------------------------------------------------
+@dataclass(frozen=True)
+class Where:
+    """A local table of a collection: a block of global table ``table``."""
+
+    table: TableConfig
+    shard: Shard | None  # None: the whole table (replicated or single process)
+    all_shards: list[Shard] | None
+
+    @property
+    def column_split(self) -> bool:
+        return any(s.cols != (0, self.table.embedding_dim) for s in self.all_shards or [])
+
+
+def locate(ebc: nn.Module, local_name: str) -> Where:
+    base, _, idx = local_name.partition("@")
+    if isinstance(ebc, ShardedEmbeddingBagCollection) and idx not in ("", "*"):
+        shards = ebc.plan.tables[base].shards
+        return Where(ebc.tables[base], shards[int(idx)], shards)
+    return Where(ebc.tables[base], None, None)
+
+
+def local_weights(ebc: nn.Module) -> dict[str, torch.Tensor]:
+    if isinstance(ebc, ShardedEmbeddingBagCollection):
+        return {k: w for k, (_, w) in ebc.local_shards().items()}
+    if isinstance(ebc, EmbeddingBagCollection):
+        return {n: ebc.table_weight(n) for n in ebc.tables}
+    raise TypeError(f"model.sparse is a {type(ebc).__name__}, not an embedding-bag collection")
+
+
+def add_block(out: dict[str, GlobalTensor], key: str, where: Where, t: torch.Tensor, two_d: bool) -> None:
+    """Register this rank's block ``t`` of table-shaped key ``key`` ([rows, dim] or [rows])."""
+    tc = where.table
+    size = (tc.num_embeddings, tc.embedding_dim) if two_d else (tc.num_embeddings,)
+    if where.shard is None:
+        out[key] = GlobalTensor(size, [((0,) * len(size), t.detach())], None)
+        return
+
+    def at(s: Shard):
+        if two_d:
+            return (s.rows[0], s.cols[0]), (s.num_rows, s.num_cols), s.rank
+        return (s.rows[0],), (s.num_rows,), s.rank
+
+    g = out.setdefault(key, GlobalTensor(size, [], [at(s) for s in where.all_shards]))
+    g.pieces.append((at(where.shard)[0], t.detach()))
+
+
+def table_key(table: str) -> str:
+    return f"model.sparse.tables.{table}.weight"
+
+
+# -- dense part -------------------------------------------------------------------------
+def _dense_modules(model: nn.Module) -> dict[str, nn.Module]:
+    """Every child but the embeddings, DDP unwrapped: names as in the single-process model."""
+    return {n: (m.module if isinstance(m, DistributedDataParallel) else m)
+            for n, m in model.named_children() if n != "sparse"}
+
+
+def dense_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, m in _dense_modules(model).items():
+        for k, v in m.state_dict(prefix=f"{name}.").items():
+            out[f"model.{k}"] = v  # detached, shares storage: loads in place
+    return out
+
+
+def _param_names(model: nn.Module) -> dict[int, str]:
+    return {id(p): f"{name}.{k}" for name, m in _dense_modules(model).items()
+            for k, p in m.named_parameters()}
+
+
+def _opt_params(opt: torch.optim.Optimizer, model: nn.Module) -> list[str]:
+    """Names of the optimizer's parameters in its state-dict index order."""
+    names = _param_names(model)
+    order = [p for g in opt.param_groups for p in g["params"]]
+    missing = [i for i, p in enumerate(order) if id(p) not in names]
+    if missing:
+        raise CheckpointError(f"dense optimizer parameters {missing} are not dense model parameters")
+    return [names[id(p)] for p in order]
+
+
+def dense_opt_state(opt: torch.optim.Optimizer, model: nn.Module) -> dict:
+    """``opt.state_dict()`` with parameter names instead of indices."""
+    names, sd = _opt_params(opt, model), opt.state_dict()
+    return {"state": {names[i]: s for i, s in sd["state"].items()},
+            "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in sd["param_groups"]]}
+
+
+def load_dense_opt(opt: torch.optim.Optimizer, model: nn.Module, named: dict) -> None:
+    index = {n: i for i, n in enumerate(_opt_params(opt, model))}
+    unknown = sorted({n for g in named["param_groups"] for n in g["params"]} - index.keys())
+    if unknown or len(named["param_groups"]) != len(opt.param_groups):
+        raise CheckpointError(f"dense optimizer does not match the checkpoint (unknown {unknown[:5]}, "
+                              f"{len(named['param_groups'])} groups saved, {len(opt.param_groups)} here)")
+    opt.load_state_dict({
+        "state": {index[n]: s for n, s in named["state"].items()},
+        "param_groups": [{**g, "params": [index[n] for n in g["params"]]} for g in named["param_groups"]]})
+
+
+@dataclass
+class LoadPlan:
+    """What ``dcp.load`` fills, then what moves it into the model and optimizers."""
+
+    targets: dict
+    scatters: list[Callable]  # world 1: full tensors into the shards
+    reductions: list[Callable]  # after the scatters: blocks into per-row state
+
+
+def add_targets(plan: LoadPlan, g: dict[str, GlobalTensor], topo: Topology) -> None:
+    for key, x in g.items():
+        plan.targets[key], fn = load_object(x, topo)
+        if fn is not None:
+            plan.scatters.append(fn)
+
+
+def model_targets(plan: LoadPlan, model: nn.Module, stored: dict, topo: Topology) -> None:
+    ebc, g = model.sparse, {}
+    for name, w in local_weights(ebc).items():
+        add_block(g, table_key(name.partition("@")[0]), locate(ebc, name), w, two_d=True)
+    dense = dense_tensors(model)
+    saved = {k for k in stored if k.startswith("model.")}
+    missing = sorted((dense.keys() | g.keys()) - saved)
+    unexpected = sorted(saved - dense.keys() - {table_key(t) for t in ebc.tables})
+    if missing or unexpected:
+        raise CheckpointError(f"the model does not match the checkpoint: missing {missing[:5]}, "
+                              f"unexpected {unexpected[:5]}")
+    add_targets(plan, g, topo)
+    plan.targets.update(dense)
+
+
+def sparse_targets(plan: LoadPlan, ebc, sparse_opts: Sequence, stored: dict, topo) -> None:
+    """Per-row state of the sparse optimizers, whatever form it was saved in."""
+    g: dict[str, GlobalTensor] = {}
+    for opt in sparse_opts:
+        for name, states in opt.state_dict()["tables"].items():  # views of the live state
+            where = locate(ebc, name)
+            for s, v in states.items():
+                key = f"sparse_opt.{where.table.name}.{s}"
+                if key not in stored:
+                    raise CheckpointError(f"the checkpoint has no {key}")
+                if v.dim() == 2 or len(stored[key]) == 1 and not where.column_split:
+                    add_block(g, key, where, v, two_d=v.dim() == 2)  # same form: straight in
+                elif len(stored[key]) == 1:  # [rows] into a column shard: its rows, whole
+                    full = plan.targets.setdefault(key, v.new_empty(stored[key]))
+                    r0, r1 = where.shard.rows
+                    plan.reductions.append(lambda v=v, x=full[r0:r1]: v.copy_(x))
+                else:  # cell form: one value per row
+                    cols = where.shard.num_cols if where.shard else where.table.embedding_dim
+                    block = v.new_empty(v.shape[0], cols)
+                    add_block(g, key, where, block, two_d=True)
+                    plan.reductions.append(lambda v=v, b=block: v.copy_(_row_mean(b)))
+    add_targets(plan, g, topo)
+
+
+def _row_mean(block: torch.Tensor) -> torch.Tensor:
+    """Mean over columns; exactly the value when a row's cells are all equal."""
+    first = block[:, :1]
+    return (first + (block - first).mean(1, keepdim=True)).squeeze(1)

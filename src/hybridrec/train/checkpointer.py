@@ -1,0 +1,130 @@
+"""One checkpointer for every stateful part of a run, on one process or many.
+
+The Trainer's components, saved and restored as a list, by name:
+
+==============  ==========  =====================================================
+component       scope       what it holds
+==============  ==========  =====================================================
+``model``       sharded     tables (one global tensor per table), dense arches
+``dense_opt``   replicated  torch.optim state, by parameter name
+``sparse_opt``  sharded     per-row state of the sparse optimizers, per table
+``loader``      global      position after the last trained batch
+``dense_sync``  per rank    a compressor's residuals, thresholds, step counts
+``rng``         per rank    torch's CPU random generator
+==============  ==========  =====================================================
+
+Everything goes through torch.distributed.checkpoint (:mod:`hybridrec.parallel.checkpoint`),
+in one process too, so a checkpoint of any run loads into any world size or plan. Global
+components are rank 0's state. Per-rank components carry over only to the world size that
+saved them; into another world size they restart from their initial state, each with a
+warning that names it. The manifest (``manifest.json``) lists the step, the world size,
+the plan and every component with its scope.
+
+Codecs of the pooled-embedding hop hold no state across steps (a fixed top-k per row, or a
+cast), so there is nothing of theirs to save.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import torch
+from torch import nn
+
+from hybridrec.parallel.checkpoint import load_state, save_sharded
+from hybridrec.parallel.topology import Topology
+from hybridrec.train import checkpoint as ckpt
+
+
+class Stateful(Protocol):
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, state: dict) -> None: ...
+
+
+@dataclass(frozen=True)
+class Component:
+    """A stateful part of a run, saved under ``name``; ``per_rank``: each rank's own
+    (bound to the world size), else global (equal on every rank; rank 0's is saved)."""
+
+    name: str
+    obj: Stateful
+    per_rank: bool = False
+
+
+class TorchRNG:
+    """torch's CPU generator as a component (each rank draws from its own)."""
+
+    def state_dict(self) -> dict:
+        return {"cpu": torch.get_rng_state()}
+
+    def load_state_dict(self, state: dict) -> None:
+        torch.set_rng_state(state["cpu"])
+
+
+class Checkpointer:
+    """Saves ``RUN/checkpoints/step-N/`` and restores the newest, for every component.
+
+    ``model``, ``dense_opt`` and ``sparse_opt`` (a ``CombinedSparseOptimizer``) are saved
+    by their tensor layout (sharded tables, named dense state); ``components`` by their
+    ``state_dict``. Collective: every rank calls :meth:`save` and :meth:`restore`.
+    """
+
+    def __init__(self, run_dir: str | Path, topo: Topology, *, model: nn.Module,
+                 dense_opt: torch.optim.Optimizer, sparse_opt, components: list[Component],
+                 keep: int = 2) -> None:
+        names = [c.name for c in components]
+        clash = {"model", "dense_opt", "sparse_opt", "step"} & set(names)
+        if clash or len(set(names)) != len(names):
+            raise ValueError(f"component names must be unique and not {sorted(clash)}: {names}")
+        self.run_dir, self.topo, self.keep = Path(run_dir), topo, keep
+        self.model, self.dense_opt, self.sparse_opt = model, dense_opt, sparse_opt
+        self.components = components
+
+    def _sparse_opts(self) -> list:
+        return list(self.sparse_opt.optimizers.values())
+
+    def save(self, step: int) -> Path:
+        path = ckpt.checkpoint_dir(self.run_dir) / f"step-{step:08d}"
+        extra = {"step": step, **{c.name: c.obj.state_dict() for c in self.components if not c.per_rank}}
+        per_rank = {c.name: c.obj.state_dict() for c in self.components if c.per_rank}
+        manifest = {"step": step, "components": {
+            "model": "sharded", "dense_opt": "replicated", "sparse_opt": "sharded",
+            **{c.name: "per_rank" if c.per_rank else "global" for c in self.components}}}
+        save_sharded(path, model=self.model, dense_opt=self.dense_opt, sparse_opts=self._sparse_opts(),
+                     extra=extra, per_rank=per_rank, manifest=manifest, topo=self.topo)
+        if self.topo.rank == 0:
+            ckpt.prune(self.run_dir, keep=self.keep)
+        return path
+
+    def latest(self) -> Path | None:
+        return ckpt.latest_checkpoint(self.run_dir)
+
+    def restore(self, path: str | Path) -> int:
+        """Load ``path`` into every component; returns the step it was saved at."""
+        loaded = load_state(path, model=self.model, dense_opt=self.dense_opt,
+                            sparse_opts=self._sparse_opts(), topo=self.topo)
+        for c in self.components:
+            if not c.per_rank:
+                c.obj.load_state_dict(loaded.extra[c.name])
+            elif loaded.per_rank is None:
+                self._warn(f"{c.name}: saved by {loaded.manifest['world_size']} ranks, this run has "
+                           f"{self.topo.world_size}; its per-rank state restarts from scratch")
+            elif c.name not in loaded.per_rank:
+                self._warn(f"{c.name}: not in the checkpoint {path}; it restarts from scratch")
+            else:
+                self._load_per_rank(c, loaded.per_rank[c.name])
+        return int(loaded.extra["step"])
+
+    def _load_per_rank(self, c: Component, state: dict) -> None:
+        try:
+            c.obj.load_state_dict(state)
+        except ValueError as e:  # e.g. another compressor than the one saved
+            self._warn(f"{c.name}: the saved state does not fit this run ({e}); it restarts from scratch")
+
+    def _warn(self, message: str) -> None:
+        if self.topo.rank == 0:  # one line per run, not one per rank
+            warnings.warn(f"resuming: {message}", stacklevel=3)
