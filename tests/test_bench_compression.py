@@ -122,6 +122,35 @@ def test_pareto_front():
     assert report.pareto_front([]) == []
 
 
+def _summary(sent: float, original: float, auc: float) -> dict:
+    """A run's summary.json as far as the report reads it (one dense category)."""
+    cat = {"sent": sent, "original": original}
+    run = {"sent": 10 * sent, "original": 10 * original, "ratio": original / sent}
+    return {"eval": {"auc": auc, "log_loss": 0.5, "ne": 0.9}, "step": 10, "world_size": 2,
+            "throughput": {"samples_per_sec_overall": 1000.0},
+            "comm": {"per_step": {"mean": cat, "mean_by_category": {"dense_allreduce": cat}},
+                     "by_category": {"dense_allreduce": run}}}
+
+
+def test_ratios_are_the_ratio_of_mean_bytes_not_the_mean_of_per_seed_ratios():
+    # Seed 0 sends 100 B, seed 1 300 B of the same 30,000 original bytes per step:
+    # per-seed ratios 300x and 100x (their mean, 200x, overstates); mean bytes give 150x.
+    runs = [report.run_record({"seed": k, "status": "ok", "compress": {"dense": "topk",
+                                                                       "dense_ratio": 0.01},
+                               "summary": _summary(sent, 30_000.0, 0.75)})
+            for k, sent in enumerate((100.0, 300.0))]
+    assert [r["ratio"]["dense_allreduce"] for r in runs] == [300.0, 100.0]
+    row = report.aggregate("dense-topk-0.01", runs)
+    assert row["sent_per_step"]["dense_allreduce"] == 200.0
+    assert row["ratio"]["dense_allreduce"] == pytest.approx(150.0)
+    assert row["original_per_step"]["dense_allreduce"] == 30_000.0
+    assert row["ratio"]["output_dist"] is None  # nothing sent: no ratio
+    assert "200 B (150.0x)" in report._bytes_cell(row, "dense_allreduce")
+    # A failed run's bytes do not enter the means.
+    failed = {"seed": 2, "status": "failed", "compress": {}}
+    assert report.aggregate("x", [*runs, failed])["ratio"] == row["ratio"]
+
+
 def _points(tree, panel):
     g = tree.findall("{http://www.w3.org/2000/svg}g")[panel]
     return {c.get("data-label"): "front" in c.get("class")

@@ -4,7 +4,10 @@ front of held-out AUC against bytes sent, and the files ``results.json``,
 
 Bytes are rank 0's ledger (``summary.json``'s ``comm``): the mean per training step of
 what it sent to other ranks, by category; ``ratio`` is the ledger's original float32
-bytes over the bytes sent (indices, scales and headers counted).
+bytes over the bytes sent (indices, scales and headers counted). Every ratio is a ratio of
+means: a run's mean original bytes per step over its mean sent bytes per step, and a
+setting's mean original bytes (over its seeds) over its mean sent bytes, never a mean of
+per-seed ratios (which overstates whenever the seeds send different amounts).
 """
 
 from __future__ import annotations
@@ -29,15 +32,15 @@ def run_record(result: dict) -> dict:
         return rec
     comm = s.get("comm", {})
     per_cat = comm.get("per_step", {}).get("mean_by_category", {})
-    by_cat = comm.get("by_category", {})
     total = comm.get("per_step", {}).get("mean", {})
+    sent = {c: v.get("sent", 0.0) for c, v in per_cat.items()}
+    original = {c: v.get("original", 0.0) for c, v in per_cat.items()}
     rec.update(
         auc=s["eval"].get("auc"), log_loss=s["eval"].get("log_loss"), ne=s["eval"].get("ne"),
         steps=s.get("step"), world_size=s.get("world_size"),
         samples_per_sec=s.get("throughput", {}).get("samples_per_sec_overall"),
-        sent_per_step={c: v.get("sent", 0.0) for c, v in per_cat.items()},
-        original_per_step={c: v.get("original", 0.0) for c, v in per_cat.items()},
-        ratio={c: v.get("ratio") for c, v in by_cat.items()},
+        sent_per_step=sent, original_per_step=original,
+        ratio={c: byte_ratio(original[c], sent[c]) for c in per_cat},
         total_sent_per_step=total.get("sent", 0.0),
         total_original_per_step=total.get("original", 0.0))
     return rec
@@ -64,6 +67,13 @@ def fmt_bytes(n: float | None) -> str:
         if abs(n) >= size:
             return f"{n / size:.3g} {unit}" if n % size else f"{n // size:.0f} {unit}"
     return f"{n:.0f} B"
+
+
+def byte_ratio(original: float | None, sent: float | None) -> float | None:
+    """``original / sent``; None where nothing was sent (or a mean is missing)."""
+    if original is None or sent is None or sent <= 0:
+        return None
+    return original / sent
 
 
 def mean_std(values: list[float]) -> tuple[float | None, float | None]:
@@ -121,10 +131,13 @@ def aggregate(name: str, runs: list[dict]) -> dict:
     out["log_loss"], out["log_loss_std"] = mean_std([r["log_loss"] for r in ok])
     out["samples_per_sec"] = mean_std([r["samples_per_sec"] for r in ok])[0]
     out["total_sent_per_step"] = mean_std([r["total_sent_per_step"] for r in ok])[0]
-    out["sent_per_step"], out["ratio"] = {}, {}
+    out["sent_per_step"], out["original_per_step"], out["ratio"] = {}, {}, {}
     for c in CATEGORIES:
-        out["sent_per_step"][c] = mean_std([r["sent_per_step"].get(c, 0.0) for r in ok])[0]
-        out["ratio"][c] = mean_std([r["ratio"].get(c) for r in ok])[0]
+        sent = mean_std([r["sent_per_step"].get(c, 0.0) for r in ok])[0]
+        original = mean_std([r.get("original_per_step", {}).get(c, 0.0) for r in ok])[0]
+        out["sent_per_step"][c], out["original_per_step"][c] = sent, original
+        # The ratio of the means, not the mean of the per-seed ratios.
+        out["ratio"][c] = byte_ratio(original, sent)
     return out
 
 
@@ -216,7 +229,8 @@ def format_markdown(results: dict) -> str:
                                   if results["overrides"] else "") + f". {results['written']}.",
               "",
               "Bytes: rank 0's mean per training step sent to other ranks (ledger), with the "
-              "original float32 bytes / bytes sent in parentheses; total = every category. "
+              "mean original float32 bytes / mean bytes sent in parentheses (a ratio of means "
+              "over seeds); total = every category. "
               "AUC and log loss on the held-out split: mean ± std over seeds. Pareto: no other "
               "setting has a higher AUC for no more bytes.", "",
               "| setting | dense (η) | embedding (η) | AUC | ΔAUC | log loss "
