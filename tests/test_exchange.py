@@ -14,7 +14,19 @@ def test_slices_cover_the_block_in_order():
         pieces = _slices(flat, k)
         assert torch.equal(torch.cat(pieces), flat)
         assert len(pieces) == min(k, 10) and all(p.numel() for p in pieces)
-        assert all(p.data_ptr() >= flat.data_ptr() for p in pieces)  # views, no copies
+        sizes = [p.numel() for p in pieces]
+        assert max(sizes) - min(sizes) <= 1  # near-equal
+        # Views, no copies: the same storage, each piece starting where the previous ended.
+        offset = 0
+        for p in pieces:
+            assert p.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()
+            assert p.storage_offset() == offset and p.is_contiguous()
+            offset += p.numel()
+    # Writing through the views writes the block (what the receives rely on).
+    flat = torch.zeros(7)
+    for g, p in enumerate(_slices(flat, 3)):
+        p.fill_(g + 1)
+    assert flat.tolist() == [1, 1, 2, 2, 3, 3, 3]
     assert _slices(torch.empty(0), 3) == []
 
 
