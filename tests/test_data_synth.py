@@ -8,9 +8,11 @@ import json
 import numpy as np
 import pytest
 
+from hybridrec.data import synth
 from hybridrec.data.criteo import read_criteo
-from hybridrec.data.synth import SynthConfig, Teacher, auc, format_tsv, generate
+from hybridrec.data.synth import SynthConfig, Teacher, format_tsv, generate
 from hybridrec.errors import DataError
+from hybridrec.metrics import classification
 
 SMALL = {"days": 2, "rows_per_day": 4000, "max_cardinality": 2000}
 
@@ -72,10 +74,10 @@ def test_refuses_non_empty_out(tmp_path):
         generate(tmp_path / "raw", **SMALL)
 
 
-def test_auc_rank_statistic():
-    assert auc(np.array([0, 0, 1, 1]), np.array([0.1, 0.2, 0.3, 0.4])) == 1.0
-    assert auc(np.array([0, 1, 0, 1]), np.array([0.5, 0.5, 0.5, 0.5])) == 0.5
-    assert auc(np.array([1, 0, 1, 0]), np.array([0.1, 0.4, 0.5, 0.8])) == 0.25
+def test_teacher_auc_is_the_metrics_auc():
+    # One AUC in the code base: the generator reports the teacher with metrics' (tested
+    # in test_metrics.py), not a copy of its own.
+    assert synth.auc is classification.auc
 
 
 def test_format_tsv_matches_python_formatting():

@@ -35,6 +35,7 @@ def brute_force_auc(labels: np.ndarray, scores: np.ndarray) -> float:
         ([0, 1, 0, 1], [0.5, 0.5, 0.5, 0.5], 0.5),  # all tied
         ([0, 1, 1], [0.3, 0.3, 0.7], 0.75),  # (1/2 + 1) / 2
         ([0, 0, 1], [0.1, 0.5, 0.5], 0.75),  # (1 + 1/2) / 2
+        ([1, 0, 1, 0], [0.1, 0.4, 0.5, 0.8], 0.25),  # 1 of 4 pairs ordered
     ],
 )
 def test_auc_hand_cases(labels, scores, expected):

@@ -39,6 +39,7 @@ import numpy as np
 
 from hybridrec.data.criteo import CATEGORICAL, DENSE
 from hybridrec.errors import ConfigError, DataError
+from hybridrec.metrics.classification import auc
 
 KAGGLE_CARDINALITIES = (
     1460, 583, 10131227, 2202608, 305, 24, 12517, 633, 3, 93145, 5683, 8351593, 3194,
@@ -329,19 +330,6 @@ def format_tsv(teacher: Teacher, rows: dict, labels: np.ndarray) -> bytes:
         col = b
     mat[:, -1] = 10
     return mat[mask].tobytes()
-
-
-def auc(labels: np.ndarray, scores: np.ndarray) -> float:
-    """ROC AUC by the rank-sum statistic (ties get their average rank)."""
-    labels = np.asarray(labels).astype(bool)
-    n1 = int(labels.sum())
-    n0 = labels.size - n1
-    if n1 == 0 or n0 == 0:
-        return float("nan")
-    _, inv, counts = np.unique(scores, return_inverse=True, return_counts=True)
-    avg_rank = np.cumsum(counts) - (counts - 1) / 2.0
-    ranks = avg_rank[inv.reshape(-1)]
-    return float((ranks[labels].sum() - n1 * (n1 + 1) / 2.0) / (n1 * n0))
 
 
 def _log_loss(labels: np.ndarray, p: np.ndarray) -> float:
