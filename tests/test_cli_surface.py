@@ -2,7 +2,10 @@
 
 import argparse
 
-from hybridrec.cli.main import build_parser
+import pytest
+
+from hybridrec.cli.main import build_parser, main
+from hybridrec.parallel.cost_model import OPTIMIZERS
 
 EXPECTED = {
     "data synth": {"--out", "--days", "--rows-per-day", "--multi-hot", "--multi-hot-fields", "--scale",
@@ -48,3 +51,25 @@ def test_cli_surface_is_frozen():
     for cmd, opts in EXPECTED.items():
         assert opts <= surface[cmd], (cmd, opts - surface[cmd])
         assert surface[cmd] - opts == set(), (cmd, surface[cmd] - opts)
+
+
+def test_plan_optimizer_takes_the_cost_model_names(capsys):
+    base = ["plan", "--nproc", "2", "--tables", "2x100x8"]
+    for name in OPTIMIZERS:
+        assert main([*base, "--optimizer", name]) == 0
+        assert f"optimizer {name}," in capsys.readouterr().out
+    assert main([*base, "--optimizer", "adamw"]) != 0
+    assert f"--optimizer 'adamw': choose from {', '.join(OPTIMIZERS)}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["plan", "--help"]])
+def test_help_does_not_import_torch(argv):
+    """Building the parser and printing help stay light: no torch import."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from hybridrec.cli.main import main\n"
+            f"try: main({argv!r})\nexcept SystemExit: pass\n"
+            "assert 'torch' not in sys.modules, 'torch imported'")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr[-2000:]

@@ -3,6 +3,7 @@
 import pytest
 
 from hybridrec.errors import ConfigError
+from hybridrec.parallel.cost_model import OPTIMIZERS
 from hybridrec.train import recipes
 from hybridrec.train.config import build_config, describe
 from hybridrec.train.optim import LRSchedule
@@ -75,3 +76,18 @@ def test_lr_schedule():
     c = LRSchedule(warmup_steps=0, decay="cosine", decay_start=2, total_steps=6)
     assert c.factor(1) == 1.0 and c.factor(4) == pytest.approx(0.5) and c.factor(6) == pytest.approx(0.0)
     assert LRSchedule(0, "none", 0, 10).factor(9) == 1.0
+
+
+def test_sparse_optimizer_names_are_one_list():
+    """cost_model.OPTIMIZERS is the list: the registry builds exactly those, the config
+    accepts exactly those (and documents each)."""
+    from hybridrec.train.sparse_optim import SPARSE_OPTIMIZERS
+
+    assert len(set(OPTIMIZERS)) == len(OPTIMIZERS)
+    assert set(SPARSE_OPTIMIZERS) == set(OPTIMIZERS)
+    doc = next(line for line in describe().splitlines() if line.strip().startswith("optim.sparse ="))
+    for name in OPTIMIZERS:
+        assert build_config(overrides=[f"optim.sparse={name}"]).optim.sparse == name
+        assert f"``{name}``" in doc, (name, doc)
+    with pytest.raises(ConfigError, match="optim.sparse 'adagrad': " + ", ".join(OPTIMIZERS[:-1])):
+        build_config(overrides=["optim.sparse=adagrad"])

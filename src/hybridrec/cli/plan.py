@@ -41,8 +41,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="embedding memory cap per rank, e.g. 4GiB [no cap]")
     p.add_argument("--bandwidth", default="1Gbit", metavar="RATE",
                    help="network bandwidth per rank, e.g. 10Gbit [1Gbit]")
-    p.add_argument("--optimizer", default="sgd", choices=("sgd", "rowwise_adagrad", "lazy_adam"),
-                   help="sparse optimizer, its state counts as memory [sgd]")
+    # No argparse choices: the names are cost_model.OPTIMIZERS, checked in _plan so that
+    # building the parser does not import torch.
+    p.add_argument("--optimizer", default="sgd", metavar="NAME",
+                   help="sparse optimizer (as optim.sparse), its state counts as memory [sgd]")
     p.add_argument("--pin", action="append", default=[], metavar="NAME=TYPE[@RANKS]",
                    help="constrain a table (repeatable)")
     p.add_argument("--out", metavar="FILE", help="write the plan as JSON (for dist.plan)")
@@ -50,9 +52,11 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from hybridrec.parallel.cost_model import describe_plan, ids_per_sample
+    from hybridrec.parallel.cost_model import OPTIMIZERS, describe_plan, ids_per_sample
     from hybridrec.parallel.planner import plan_sharding
 
+    if args.optimizer not in OPTIMIZERS:
+        raise ConfigError(f"--optimizer {args.optimizer!r}: choose from {', '.join(OPTIMIZERS)}")
     if args.nproc < 1 or args.nnodes < 1:
         raise ConfigError("--nproc and --nnodes must be >= 1")
     if args.batch_size < 1:

@@ -310,6 +310,10 @@ def build_config(base: dict | None = None, files: list[str] = (), overrides: lis
 
 
 def validate(cfg: Config) -> None:
+    # The one list of sparse optimizer names (the cost model prices their state); imported
+    # here, not at the top, so that reading a config does not import torch.
+    from hybridrec.parallel.cost_model import OPTIMIZERS as SPARSE_OPTIMIZERS
+
     m, o, d, t, c = cfg.model, cfg.optim, cfg.data, cfg.train, cfg.compress
     checks = [
         (d.batch_size > 0, "data.batch_size must be positive"),
@@ -322,8 +326,8 @@ def validate(cfg: Config) -> None:
         (bool(m.bottom_mlp) and m.bottom_mlp[-1] == m.embedding_dim,
          f"model.bottom_mlp must end in model.embedding_dim ({m.embedding_dim}), got {m.bottom_mlp}"),
         (o.dense in ("sgd", "adagrad", "adam"), f"optim.dense {o.dense!r}: sgd, adagrad or adam"),
-        (o.sparse in ("sgd", "rowwise_adagrad", "lazy_adam"),
-         f"optim.sparse {o.sparse!r}: sgd, rowwise_adagrad or lazy_adam"),
+        (o.sparse in SPARSE_OPTIMIZERS,
+         f"optim.sparse {o.sparse!r}: {', '.join(SPARSE_OPTIMIZERS[:-1])} or {SPARSE_OPTIMIZERS[-1]}"),
         (o.dense_lr > 0 and o.sparse_lr > 0, "learning rates must be positive"),
         (o.decay in ("none", "linear", "cosine", "poly2"), f"optim.decay {o.decay!r}: none, linear, cosine or poly2"),
         (o.warmup_steps >= 0, "optim.warmup_steps must be >= 0"),
