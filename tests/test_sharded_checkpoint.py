@@ -27,6 +27,7 @@ from hybridrec.parallel.parallelize import parallelize_dlrm
 from hybridrec.parallel.topology import Topology
 from hybridrec.sparse.keyed_jagged import Batch, KeyedJagged
 from hybridrec.train.sparse_optim import build_sparse_optimizer
+from hybridrec.train.trainer import sparse_grads
 
 DIM, GLOBAL_B, STEPS = 4, 12, 4  # save after 2 steps, then 2 more
 TABLES = {"t0": 23, "t1": 40, "t2": 7, "t3": 11}
@@ -57,9 +58,16 @@ def build(seed, sparse_opt, plan=None, topo=None):
                  top_mlp=[6, 1])
     if plan is not None:
         model = parallelize_dlrm(model, plan, topo)
-    colls = model.sparse.collections() if plan is not None else [model.sparse]
     dense = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=0.01)
-    return model, dense, [build_sparse_optimizer(sparse_opt, c, lr=0.1) for c in colls]
+    return model, dense, [build_sparse_optimizer(sparse_opt, c, lr=0.1) for c in named_collections(model).values()]
+
+
+def named_collections(model):
+    """The local collections by the names :func:`sparse_grads` gives their row gradients."""
+    s = model.sparse
+    if isinstance(s, EmbeddingBagCollection):
+        return {"tables": s}
+    return {k: c for k, c in (("shards", s.local), ("replicated", s.replicated)) if c is not None}
 
 
 def batches():
@@ -82,9 +90,10 @@ def train(model, dense, sparse, steps, lo, hi):
         loss = F.binary_cross_entropy_with_logits(model(batch), batch.labels)
         dense.zero_grad()
         loss.backward()
+        grads = sparse_grads(model.sparse)
         dense.step()
-        for o in sparse:
-            o.step()
+        for o, k in zip(sparse, named_collections(model)):
+            o.step(grads[k])
 
 
 def snapshot(model, dense, sparse):

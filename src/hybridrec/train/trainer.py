@@ -54,6 +54,33 @@ def evaluate_model(model: torch.nn.Module, loader, topo: Topology | None = None)
     return metrics.compute()
 
 
+def sparse_grads(sparse) -> dict[str, list]:
+    """The row gradients of the step for the sparse optimizers, by collection name
+    (``CombinedSparseOptimizer``'s keys). With several ranks the replicated tables' rows
+    are all-reduced here: an explicit collective every rank runs every step."""
+    if isinstance(sparse, ShardedEmbeddingBagCollection):
+        return sparse.reduce_sparse_grads(sparse.pop_sparse_grads())
+    return {"tables": sparse.pop_sparse_grads()}
+
+
+def training_step(model: torch.nn.Module, batch: Batch, *, dense_opt: torch.optim.Optimizer,
+                  sparse_opt: CombinedSparseOptimizer, dense_sync: DenseSync,
+                  pending=None) -> torch.Tensor:
+    """One training step, in order; returns the detached loss. ``pending``: the batch's
+    input_dist already under way (the pipeline's handle), or None."""
+    model.train()
+    # Forward: input_dist (or its pending handle), lookup, output_dist, the dense arches.
+    logits = model(batch) if pending is None else model(batch, sparse_input=pending)
+    loss = F.binary_cross_entropy_with_logits(logits, batch.labels)
+    dense_opt.zero_grad(set_to_none=True)
+    loss.backward()  # dense grads, the lookups' row grads, the output_dist backward
+    dense_sync.synchronize()  # dense synchronization (DDP's ran inside backward)
+    grads = sparse_grads(model.sparse)
+    dense_opt.step()
+    sparse_opt.step(grads)
+    return loss.detach()
+
+
 class Trainer:
     """Owns one run and every stateful part of it: model, dense and sparse optimizers, the
     dense synchronization (and its compressor state), the loader position (through the
@@ -101,30 +128,13 @@ class Trainer:
 
     # -- one step --------------------------------------------------------------
     def train_step(self, batch: Batch, pending=None) -> torch.Tensor:
-        """One step, in order. ``pending``: the batch's input_dist already under way
-        (the pipeline's handle), or None. Returns the detached loss."""
+        """The learning rate of this step, then :func:`training_step`."""
         self.scheduler.apply(self.step)
-        self.model.train()
-        # Forward: input_dist (or its pending handle), lookup, output_dist, dense arches.
-        logits = self.model(batch) if pending is None else self.model(batch, sparse_input=pending)
-        loss = F.binary_cross_entropy_with_logits(logits, batch.labels)
-        self.dense_opt.zero_grad(set_to_none=True)
-        loss.backward()  # dense grads; row grads of the lookups; output_dist backward
-        self.dense_sync.synchronize()  # dense synchronization (DDP's ran inside backward)
-        grads = self._sparse_grads()  # rows this step touched; replicated tables all-reduced
-        self.dense_opt.step()
-        self.sparse_opt.step(grads)
+        loss = training_step(self.model, batch, dense_opt=self.dense_opt, sparse_opt=self.sparse_opt,
+                             dense_sync=self.dense_sync, pending=pending)
         self.step += 1
         self.ledger.step_end()
-        return loss.detach()
-
-    def _sparse_grads(self) -> dict[str, list]:
-        """The row gradients for the sparse optimizers, by collection name. With several
-        ranks the replicated tables' rows are reduced here, an explicit collective."""
-        sparse = self.model.sparse
-        if isinstance(sparse, ShardedEmbeddingBagCollection):
-            return sparse.reduce_sparse_grads(sparse.pop_sparse_grads())
-        return {"tables": sparse.pop_sparse_grads()}
+        return loss
 
     def evaluate(self) -> dict:
         with self.ledger.suspended():  # evaluation traffic is not a training step's
