@@ -22,12 +22,12 @@ from hybridrec.comm.ledger import CommLedger
 from hybridrec.model.dlrm import DLRM
 from hybridrec.model.embedding import EmbeddingBagCollection, TableConfig
 from hybridrec.parallel import plan as P
-from hybridrec.parallel.coded_dist import owner_layout
 from hybridrec.parallel.cost_model import predict_step_bytes
+from hybridrec.parallel.layout import build_layout, owner_layout
 from hybridrec.parallel.parallelize import parallelize_dlrm
 from hybridrec.parallel.sharded_embedding import ShardedEmbeddingBagCollection
 from hybridrec.sparse.keyed_jagged import Batch, KeyedJagged
-from hybridrec.train.sparse_optim import build_sparse_optimizer
+from test_sharded_embedding import sparse_optimizers, sparse_step
 
 CODECS = {
     "fp32": lambda: CastCodec(torch.float32),
@@ -222,17 +222,17 @@ def local_mask(x, codec):
 class RoundTripReference(ShardedEmbeddingBagCollection):
     """The float32 hop, then every received piece through :func:`local_mask`."""
 
-    def __init__(self, *args, codecs, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.ref_layouts = self._codec_layouts(codecs)
+    def __init__(self, tables, plan, *args, codecs, **kwargs):
+        super().__init__(tables, plan, *args, **kwargs)
+        self.ref_layouts = build_layout(tables, plan, codecs).coded
 
-    def _combine(self, blocks):
+    def _combine(self, blocks, b):
         coded = []
         for block, lay in zip(blocks, self.ref_layouts):
             pieces = [local_mask(block[:, g.start : g.start + g.width].reshape(-1, g.n, g.cols),
                                  g.codec).reshape(-1, g.width) for g in lay.groups]
             coded.append(torch.cat(pieces, 1) if pieces else block)
-        return super()._combine(coded + blocks[len(self.ref_layouts):])
+        return super()._combine(coded + blocks[len(self.ref_layouts):], b)
 
 
 def ledger_counts(ledger):
@@ -262,9 +262,11 @@ def hop_case(topo, kind, codec_name):
         ebc = cls(tables(), plan, topo, seed=3, ledger=ledger, **kw)
         y = ebc(kjt).values
         (y * w).sum().backward()
-        grads = [(grp, ids, rows.clone()) for c in ebc.collections()
-                 for grp, ids, rows, _ in c.pop_sparse_grads()]
-        out[name] = (y.detach(), grads, ledger_counts(ledger))
+        grads = [(grp, ids, rows.clone()) for rows_of in ebc.pop_sparse_grads().values()
+                 for grp, ids, rows, _ in rows_of]
+        ledger.step_end()
+        matched = [v["match"] for v in ledger.summary()["predicted_vs_counted"].values()]
+        out[name] = (y.detach(), grads, ledger_counts(ledger), matched)
     pred = predict_step_bytes(plan, tables(), rank=topo.rank, batch_sizes=BATCH, codecs=codecs)
     plain = predict_step_bytes(plan, tables(), rank=topo.rank, batch_sizes=BATCH)
     return out, pred, plain
@@ -274,7 +276,8 @@ def hop_case(topo, kind, codec_name):
 def test_coded_hop_equals_float32_hop_plus_local_mask():
     for case, (out, pred, plain) in ((c, r) for per_rank in run_ranks(hop_worker, 2)
                                      for c, r in per_rank.items()):
-        (y, grads, counts), (y_ref, grads_ref, counts_ref) = out["coded"], out["ref"]
+        (y, grads, counts, matched), (y_ref, grads_ref, counts_ref, _) = out["coded"], out["ref"]
+        assert matched and all(matched), case  # the collection's own per-step prediction
         torch.testing.assert_close(y, y_ref, rtol=0, atol=1e-6)  # row-wise: summed in a new order
         assert len(grads) == len(grads_ref)
         for (g, ids, rows), (g2, ids2, rows2) in zip(grads, grads_ref):
@@ -297,8 +300,7 @@ def train_worker(topo, codec_name, kind):
                      bottom_mlp=[8, DIM], top_mlp=[6, 1])
         model = parallelize_dlrm(model, plan, topo, codecs=codecs)
         dense_opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
-        sparse = [build_sparse_optimizer("rowwise_adagrad", c, lr=0.1)
-                  for c in model.sparse.collections()]
+        sparse = sparse_optimizers("rowwise_adagrad", model.sparse)
         losses = []
         for step in range(3):
             b = BATCH[topo.rank]
@@ -309,8 +311,7 @@ def train_worker(topo, codec_name, kind):
             dense_opt.zero_grad()
             loss.backward()
             dense_opt.step()
-            for o in sparse:
-                o.step()
+            sparse_step(model.sparse, sparse)
             losses.append(loss.item())
         shards = {k: w.detach().clone() for k, (_, w) in model.sparse.local_shards().items()}
         results.append((losses, shards, {k: v.clone() for k, v in model.state_dict().items()}))

@@ -6,13 +6,14 @@ import torch.nn.functional as F
 
 from distributed import run_ranks
 from hybridrec.comm.ledger import CommLedger
-from hybridrec.model.deepfm import DeepFM
+from hybridrec.comm.codecs import make_codec
+from hybridrec.model.deepfm import DeepFM, fm_terms
 from hybridrec.model.embedding import EmbeddingBagCollection, TableConfig
 from hybridrec.parallel import plan as P
 from hybridrec.parallel.cost_model import predict_step_bytes
 from hybridrec.parallel.parallelize import parallelize_dlrm
 from hybridrec.sparse.keyed_jagged import Batch, KeyedJagged
-from hybridrec.train.sparse_optim import build_sparse_optimizer
+from test_sharded_embedding import sparse_optimizers, sparse_step
 
 K, GLOBAL_B, STEPS = 4, 12, 3
 TABLES = [("t0", 23), ("t1", 40), ("t2", 7)]
@@ -23,10 +24,17 @@ def tables():
             for n, r in TABLES]
 
 
-def build():
+def build(zero_top=False):
+    """``zero_top``: the deep part's logit is 0 (last layer zero), so its gradient to the
+    fields is zero too."""
     torch.manual_seed(0)
-    return DeepFM(num_dense=3, sparse=EmbeddingBagCollection(tables(), seed=7), bottom_mlp=[8, K],
-                  top_mlp=[6, 1])
+    model = DeepFM(num_dense=3, sparse=EmbeddingBagCollection(tables(), seed=7), bottom_mlp=[8, K],
+                   top_mlp=[6, 1])
+    if zero_top:
+        with torch.no_grad():
+            model.top.layers[-1].weight.zero_()
+            model.top.layers[-1].bias.zero_()
+    return model
 
 
 def global_batches(multi_hot=True, steps=STEPS):
@@ -107,7 +115,7 @@ def make_plan(kind, world):
     return plan
 
 
-def train(model, sparse_opts, batches, lo, hi):
+def train(model, sparse_opts, batches, lo, hi, ledger=None):
     dense_opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.05)
     losses = []
     for b in batches:
@@ -116,25 +124,27 @@ def train(model, sparse_opts, batches, lo, hi):
         dense_opt.zero_grad()
         loss.backward()
         dense_opt.step()
-        for o in sparse_opts:
-            o.step()
+        sparse_step(model.sparse, sparse_opts)
         losses.append(loss.item())
+        if ledger is not None:
+            ledger.step_end()
     return losses
 
 
 def worker(topo, kind, sparse_opt):
     ledger = CommLedger()
     model = parallelize_dlrm(build(), make_plan(kind, topo.world_size), topo, ledger=ledger)
-    opts = [build_sparse_optimizer(sparse_opt, c, lr=0.05) for c in model.sparse.collections()]
+    opts = sparse_optimizers(sparse_opt, model.sparse, lr=0.05)
     per = GLOBAL_B // topo.world_size
-    losses = train(model, opts, global_batches(), topo.rank * per, (topo.rank + 1) * per)
+    losses = train(model, opts, global_batches(), topo.rank * per, (topo.rank + 1) * per, ledger)
     shards = {k: (s, w.detach().clone()) for k, (s, w) in model.sparse.local_shards().items()}
     counted = {d: (ledger.totals(category="output_dist", direction=d).sent // STEPS,
                    ledger.totals(category="output_dist", direction=d).received // STEPS) for d in ("fwd", "bwd")}
     pred = predict_step_bytes(make_plan(kind, topo.world_size), tables(), rank=topo.rank,
                               batch_sizes=[per] * topo.world_size)
     predicted = {d: pred.get(("output_dist", d), (0, 0)) for d in ("fwd", "bwd")}
-    return losses, shards, (counted, predicted), model.sparse._widths
+    matched = {k: v["match"] for k, v in ledger.summary()["predicted_vs_counted"].items()}
+    return losses, shards, (counted, predicted, matched), model.sparse.layout.widths
 
 
 @pytest.mark.distributed
@@ -144,7 +154,7 @@ def worker(topo, kind, sparse_opt):
 def test_des_deepfm_equals_single_process(kind, world, sparse_opt):
     results = run_ranks(worker, world, kind, sparse_opt)
     ref = build()
-    ref_losses = train(ref, [build_sparse_optimizer(sparse_opt, ref.sparse, lr=0.05)], global_batches(), 0, GLOBAL_B)
+    ref_losses = train(ref, sparse_optimizers(sparse_opt, ref.sparse, lr=0.05), global_batches(), 0, GLOBAL_B)
     mean = [sum(r[0][s] for r in results) / world for s in range(STEPS)]
     torch.testing.assert_close(torch.tensor(mean), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
     for n, rows in TABLES:
@@ -156,6 +166,7 @@ def test_des_deepfm_equals_single_process(kind, world, sparse_opt):
         torch.testing.assert_close(full, ref.sparse.table_weight(n), rtol=1e-5, atol=1e-6)
     for r in results:  # the cost model knows the DES layout: predicted == counted
         assert r[2][0] == r[2][1], r[2]
+        assert r[2][2] and all(r[2][2].values()), r[2][2]  # and so does every step's prediction
     # DES: an owner sends its pieces' embedding columns plus [z_p, q_p], never the
     # first-order column: K floats per field piece + 2 per owner per sample.
     widths = results[0][3]
@@ -166,3 +177,86 @@ def test_des_deepfm_equals_single_process(kind, world, sparse_opt):
             cols = sum(sh.num_cols - (sh.cols[0] <= K < sh.cols[1])
                        for s in owned for sh in s.shards if sh.rank == r)
             assert w == cols + 2, (r, w, cols)
+
+
+# -- codecs on the hop: the deep part sees decoded fields, the FM term the true vectors ------
+def full_tables(results):
+    out = {}
+    for n, rows in TABLES:
+        full = torch.full((rows, K + 1), float("nan"))
+        for r in results:
+            for key, (sh, w) in r.items():
+                if key.split("@")[0] == n:
+                    full[sh.rows[0] : sh.rows[1], sh.cols[0] : sh.cols[1]] = w
+        out[n] = full
+    return out
+
+
+def codec_worker(topo, kind, codec_args, steps):
+    out = {}
+    per = GLOBAL_B // topo.world_size
+    for name, codecs in (("plain", {}), ("coded", {n: make_codec("dct", **codec_args) for n, _ in TABLES})):
+        plan = make_plan(kind, topo.world_size)
+        codecs = {n: c for n, c in codecs.items() if plan.tables[n].sharding_type != "data_parallel"}
+        model = parallelize_dlrm(build(zero_top=steps == 1), plan, topo, codecs=codecs)
+        opts = sparse_optimizers("sgd", model.sparse, lr=0.05)
+        batches = global_batches(steps=steps)
+        losses = train(model, opts, batches, topo.rank * per, (topo.rank + 1) * per)
+        shards = {k: (s, w.detach().clone()) for k, (s, w) in model.sparse.local_shards().items()}
+        out[name] = (losses, shards, {k: v.clone() for k, v in model.state_dict().items()})
+    return out
+
+
+@pytest.mark.distributed
+def test_lossless_codec_trains_deepfm_exactly():
+    """dct at eta = 1 with float32 values: bit for bit the uncoded hop (owners send s_p
+    computed as the receiver would compute it), and the single process's model."""
+    results = run_ranks(codec_worker, 2, "mixed", {"eta": 1.0}, STEPS)
+    for r in results:
+        plain, coded = r["plain"], r["coded"]
+        assert plain[0] == coded[0]
+        for k in plain[1]:
+            assert torch.equal(plain[1][k][1], coded[1][k][1]), k
+        for k in plain[2]:
+            assert torch.equal(plain[2][k], coded[2][k]), k
+    ref = build()
+    ref_losses = train(ref, sparse_optimizers("sgd", ref.sparse, lr=0.05), global_batches(), 0, GLOBAL_B)
+    mean = [sum(r["coded"][0][s] for r in results) / 2 for s in range(STEPS)]
+    torch.testing.assert_close(torch.tensor(mean), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
+    for n, full in full_tables([r["coded"][1] for r in results]).items():
+        torch.testing.assert_close(full, ref.sparse.table_weight(n), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.distributed
+def test_lossy_codec_keeps_the_fm_term_exact():
+    """With the deep part's logit zeroed (its gradient to the fields is then zero), one
+    step with a lossy codec updates the tables exactly like one process: the first-order
+    and FM terms see the true vectors, not the decoded ones."""
+    results = run_ranks(codec_worker, 2, "row_wise", {"eta": 0.25}, 1)
+    ref = build(zero_top=True)
+    train(ref, sparse_optimizers("sgd", ref.sparse, lr=0.05), global_batches(steps=1), 0, GLOBAL_B)
+    for n, full in full_tables([r["coded"][1] for r in results]).items():
+        torch.testing.assert_close(full, ref.sparse.table_weight(n), rtol=1e-5, atol=1e-6)
+
+
+def logits_worker(topo, kind):
+    per = GLOBAL_B // topo.world_size
+    plan = make_plan(kind, topo.world_size)
+    codecs = {n: make_codec("dct", eta=0.25) for n, _ in TABLES if plan.tables[n].sharding_type != "data_parallel"}
+    model = parallelize_dlrm(build(), plan, topo, codecs=codecs)
+    batch = local_batch(global_batches(steps=1)[0], topo.rank * per, (topo.rank + 1) * per)
+    with torch.no_grad():
+        logits = model(batch)
+        kt = model.sparse(batch.sparse)  # the same forward again: what the model saw
+        deep = model.top(model.interaction(model.bottom(batch.dense), kt.as_3d())).squeeze(1)
+        true_fields, z, q, s = fm_terms(build().sparse(batch.sparse), K)
+    return logits, deep, kt.as_3d(), kt.fm, true_fields, z, q, s
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("kind", ["row_wise", "column_wise"])
+def test_lossy_codec_logit_is_deep_of_decoded_plus_true_fm(kind):
+    for logits, deep, fields, fm, true_fields, z, q, s in run_ranks(logits_worker, 2, kind):
+        assert not torch.allclose(fields, true_fields)  # the codec is lossy
+        torch.testing.assert_close(fm, torch.cat([z[:, None], q[:, None], s], 1), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(logits, deep + z + 0.5 * (s.pow(2).sum(1) - q), rtol=1e-5, atol=1e-6)

@@ -1,4 +1,4 @@
-"""CommLedger: totals, compression ratios, per-step totals, predicted vs counted, threads."""
+"""CommLedger: totals, compression ratios, per-step totals, predicted vs counted step by step, threads."""
 
 import json
 import threading
@@ -54,29 +54,63 @@ def test_summary_layout_and_per_step_totals():
     assert led.totals(scope="step").sent == 1000
 
 
-def test_predicted_equals_counted():
+def test_predictions_accumulate_per_step_like_the_counts():
     led = CommLedger()
-    led.predict("input_dist", sent=8, received=8, table="t0")  # lengths
-    led.predict("input_dist", sent=32, received=24, table="t0")  # ids
-    led.predict("output_dist", sent=256, received=256, table="t0")
-    for _ in range(2):
-        led.record("input_dist", sent=8, received=8, table="t0")
-        led.record("input_dist", sent=32, received=24, table="t0")
-        led.record("output_dist", sent=256, received=256, table="t0", original=512)
+    for step in range(3):
+        n = 8 * (step + 1)  # data-dependent bytes: a different prediction every step
+        led.predict("input_dist", sent=n, received=2 * n, table="t0")
+        led.record("input_dist", sent=n, received=2 * n, table="t0")
+        led.predict("output_dist", sent=256, received=128, table="t0")
+        led.predict("output_dist", sent=64, received=64, table="t0", direction="bwd")
+        led.record("output_dist", sent=256, received=128, table="t0", original=512)
+        led.record("output_dist", sent=64, received=64, table="t0", direction="bwd")
+        led.record("dense_allreduce", sent=40, received=40, direction="bwd")  # nobody predicts it
         led.step_end()
-    for cat in ("input_dist", "output_dist"):
-        pred = led.totals(scope="predicted", category=cat)
-        last = led.totals(scope="last_step", category=cat)
-        assert (pred.sent, pred.received) == (last.sent, last.received)
+    led.predict("input_dist", sent=1000, received=0, table="t0")  # open step: not compared yet
     cmp = led.summary()["predicted_vs_counted"]
-    assert cmp["input_dist"]["predicted"] == {"sent": 40, "received": 32}
-    assert all(c["match_last_step"] for c in cmp.values())
-    assert cmp["output_dist"]["mean_per_step"]["sent"] == pytest.approx(256)
-    led.reset(counted_only=True)
-    assert led.steps == 0 and led.totals() == ByteCount()
-    assert led.totals(scope="predicted").sent == 296
+    assert set(cmp) == {"input_dist", "output_dist"}
+    entry = cmp["input_dist"]
+    assert entry["predicted"] == entry["counted"] == {"sent": 48, "received": 96}
+    assert entry["predicted_per_step"] == entry["counted_per_step"] == {"sent": 16, "received": 32}
+    assert entry["match"] and entry["mismatched_steps"] == 0 and entry["first_mismatched_step"] is None
+    assert set(cmp["output_dist"]["by_direction"]) == {"fwd", "bwd"}
+    assert cmp["output_dist"]["by_direction"]["bwd"]["counted"] == {"sent": 192, "received": 192}
+    assert all(c["match"] for c in cmp.values())
+    assert led.totals(scope="predicted_last_step", category="input_dist").sent == 24
+    assert led.totals(scope="predicted_step").sent == 1000
+    assert led.totals(scope="predicted", category="input_dist").sent == 1048  # the open step too
     led.reset()
-    assert led.totals(scope="predicted") == ByteCount()
+    assert led.steps == 0 and led.totals(scope="predicted") == ByteCount()
+    assert led.summary()["predicted_vs_counted"] == {}
+
+
+def test_a_step_that_differs_is_flagged_even_when_the_totals_agree():
+    led = CommLedger()
+    for predicted, counted in ((10, 12), (12, 10), (5, 5)):
+        led.predict("input_dist", sent=predicted, received=0, table="t0")
+        led.record("input_dist", sent=counted, received=0, table="t0")
+        led.step_end()
+    led.predict("output_dist", sent=8, received=0)  # predicted forward, counted backward
+    led.record("output_dist", sent=8, received=0, direction="bwd")
+    led.step_end()
+    cmp = led.summary()["predicted_vs_counted"]
+    entry = cmp["input_dist"]
+    assert entry["predicted"] == entry["counted"] == {"sent": 27, "received": 0}
+    assert not entry["match"]
+    assert (entry["mismatched_steps"], entry["first_mismatched_step"]) == (2, 0)
+    out = cmp["output_dist"]  # compared per predicted direction: bwd is nobody's prediction
+    assert set(out["by_direction"]) == {"fwd"} and not out["match"]
+    assert (out["predicted"], out["counted"]) == ({"sent": 8, "received": 0}, {"sent": 0, "received": 0})
+
+
+def test_suspended_drops_records_and_predictions():
+    led = CommLedger()
+    with led.suspended():
+        led.predict("output_dist", sent=8, received=8)
+        led.record("output_dist", sent=8, received=8)
+    led.step_end()
+    assert led.totals() == ByteCount() and led.totals(scope="predicted") == ByteCount()
+    assert led.summary()["predicted_vs_counted"] == {}
 
 
 def test_record_validates():

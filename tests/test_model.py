@@ -133,3 +133,45 @@ def test_dlrm_forward_and_validation():
         DLRM(num_dense=2, sparse=ebc, bottom_mlp=[8, 5], top_mlp=[6, 1])
     with pytest.raises(ValueError, match="end in 1"):
         DLRM(num_dense=2, sparse=ebc, bottom_mlp=[8, 4], top_mlp=[6, 2])
+
+
+class _Recording(EmbeddingBagCollection):
+    """Records the extra arguments the model passes beside the ids."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.calls = []
+
+    def forward(self, kjt, *extra):
+        self.calls.append(extra)
+        return super().forward(kjt)
+
+
+@pytest.mark.parametrize("arch", ["dlrm", "deepfm"])
+def test_sparse_input_reaches_the_collection_only_when_given(arch):
+    from hybridrec.model.deepfm import DeepFM
+
+    fm = arch == "deepfm"
+    tables = [TableConfig(name=f"c{i}", num_embeddings=10, embedding_dim=4 + fm, fm_cols=4 if fm else None)
+              for i in range(2)]
+    ebc = _Recording(tables)
+    model = (DeepFM if fm else DLRM)(num_dense=2, sparse=ebc, bottom_mlp=[8, 4], top_mlp=[6, 1])
+    batch = Batch(torch.randn(3, 2), KeyedJagged.from_dense(["c0", "c1"], torch.randint(0, 10, (3, 2))),
+                  torch.zeros(3))
+    plain = model(batch)
+    handle = object()  # any object: the model only passes it on
+    torch.testing.assert_close(model(batch, sparse_input=handle), plain)
+    assert ebc.calls == [(), (handle,)]
+
+
+def test_model_package_never_imports_torch_distributed():
+    import ast
+    from pathlib import Path
+
+    import hybridrec.model
+
+    for path in Path(hybridrec.model.__file__).parent.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            assert not any(n.startswith("torch.distributed") for n in names), path.name

@@ -18,12 +18,12 @@ from hybridrec.parallel.cost_model import (
     memory_by_rank,
     predict_all_ranks,
     predict_step_bytes,
-    record_predictions,
 )
+from hybridrec.parallel.dense_sync import DDPSync
 from hybridrec.parallel.parallelize import parallelize_dlrm
 from hybridrec.parallel.planner import TableConstraint, plan_sharding
 from hybridrec.sparse.keyed_jagged import Batch, KeyedJagged
-from hybridrec.train.sparse_optim import build_sparse_optimizer
+from test_sharded_embedding import sparse_optimizers, sparse_step
 
 GiB = 2**30
 
@@ -197,16 +197,17 @@ def predicted_vs_counted_worker(topo):
         dense = [sum(p.numel() * p.element_size() for p in m.parameters())
                  for m in (model.bottom, model.top)]
         ledger = CommLedger()
-        model = parallelize_dlrm(model, plan, topo, ledger=ledger)
-        sparse = [build_sparse_optimizer("sgd", c, lr=0.1) for c in model.sparse.collections()]
+        sync = DDPSync(topo, ledger=ledger)
+        model = parallelize_dlrm(model, plan, topo, ledger=ledger, dense_sync=sync)
+        opts = sparse_optimizers("sgd", model.sparse)
         F.binary_cross_entropy_with_logits(model(batch), batch.labels).backward()
-        for o in sparse:  # the data-parallel tables' all-reduce runs here
-            o.step()
+        sync.synchronize()  # the plain all-reduce predicts its step's bytes
+        sparse_step(model.sparse, opts)  # the data-parallel tables' all-reduce runs here
         ledger.step_end()
-        pred = record_predictions(ledger, plan, small_tables(), rank=topo.rank, batch_sizes=BATCH,
+        pred = predict_step_bytes(plan, small_tables(), rank=topo.rank, batch_sizes=BATCH,
                                   ids_per_bag=BAG, dense_param_bytes=dense)
         summary = ledger.summary()["predicted_vs_counted"]
-        match = {k: v["match_last_step"] for k, v in summary.items()}
+        match = {k: v["match"] for k, v in summary.items()}
         per_table = {}
         for e in ledger.summary()["entries"]:
             if e["category"] in ("input_dist", "output_dist"):
@@ -222,7 +223,10 @@ def test_predicted_bytes_equal_counted_bytes_on_two_ranks():
         assert set(per_plan) == {"table_wise", "row_wise", "column_wise", "table_row_wise",
                                  "data_parallel", "mixed", "planned", "mixed_dp"}
         for name, (pred, count, match, plan, per_table) in per_plan.items():
+            # The static expectation is exact for this batch (ids spread evenly over the rows).
             assert pred == count, (rank, name, pred, count)
+            # The step's own prediction covers every category counted, and matches.
+            assert set(match) == {c for c, _ in count}, (name, match, count)
             # Every sharded table has its own input and output entries, both directions.
             sharded = {n for n, tp in plan["tables"].items() if tp["sharding_type"] != "data_parallel"}
             assert set(per_table) == sharded, (name, per_table)

@@ -9,6 +9,7 @@ from hybridrec.model.dlrm import DLRM
 from hybridrec.model.embedding import EmbeddingBagCollection, TableConfig
 from hybridrec.parallel import plan as P
 from hybridrec.parallel.parallelize import parallelize_dlrm
+from hybridrec.parallel.sharded_embedding import ShardedEmbeddingBagCollection
 from hybridrec.sparse.keyed_jagged import Batch, KeyedJagged
 from hybridrec.train.sparse_optim import build_sparse_optimizer
 
@@ -75,22 +76,41 @@ def build(pooling):
     return DLRM(num_dense=3, sparse=ebc, bottom_mlp=[8, DIM], top_mlp=[6, 1])
 
 
+def sparse_optimizers(name, sparse, lr=0.1):
+    """Named like the collections' row gradients: ``shards``/``replicated`` or ``tables``."""
+    if isinstance(sparse, ShardedEmbeddingBagCollection):
+        named = {"shards": sparse.local, "replicated": sparse.replicated}
+    else:
+        named = {"tables": sparse}
+    return {k: build_sparse_optimizer(name, c, lr=lr) for k, c in named.items() if c is not None}
+
+
+def sparse_step(sparse, opts):
+    """The row gradients of the step (replicated tables reduced over ranks), then the updates."""
+    if isinstance(sparse, ShardedEmbeddingBagCollection):
+        grads = sparse.reduce_sparse_grads(sparse.pop_sparse_grads())
+    else:
+        grads = {"tables": sparse.pop_sparse_grads()}
+    for k, o in opts.items():
+        o.step(grads.get(k, []))
+
+
 def train(model, opts, batches, lo, hi, pipeline=False):
     dense_opt, sparse_opts = opts
     losses = []
     local = [local_batch(b, lo, hi) for b in batches]
-    if pipeline:
-        model.sparse.prefetch(local[0].sparse)
+    pending = model.sparse.start_input_dist(local[0].sparse) if pipeline else None
     for i, batch in enumerate(local):
-        if pipeline and i + 1 < len(local):  # the next batch's ids travel during this step
-            model.sparse.prefetch(local[i + 1].sparse)
-        loss = F.binary_cross_entropy_with_logits(model(batch), batch.labels)
+        # The next batch's ids travel during this step.
+        nxt = model.sparse.start_input_dist(local[i + 1].sparse) if pipeline and i + 1 < len(local) else None
+        logits = model(batch) if pending is None else model(batch, sparse_input=pending)
+        loss = F.binary_cross_entropy_with_logits(logits, batch.labels)
         dense_opt.zero_grad()
         loss.backward()
         dense_opt.step()
-        for o in sparse_opts:
-            o.step()
+        sparse_step(model.sparse, sparse_opts)
         losses.append(loss.item())
+        pending = nxt
     return losses
 
 
@@ -109,7 +129,7 @@ def worker(topo, kind, sparse_opt, multi_hot, pooling, pipeline=False, exchange=
     plan = make_plan(kind, topo.world_size)
     model = parallelize_dlrm(build(pooling), plan, topo)
     dense_opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
-    sparse = [build_sparse_optimizer(sparse_opt, c, lr=0.1) for c in model.sparse.collections()]
+    sparse = sparse_optimizers(sparse_opt, model.sparse)
     per = GLOBAL_B // topo.world_size
     lo = topo.rank * per
     losses = train(model, (dense_opt, sparse), global_batches(multi_hot), lo, lo + per, pipeline)
@@ -121,7 +141,7 @@ def worker(topo, kind, sparse_opt, multi_hot, pooling, pipeline=False, exchange=
 def reference(sparse_opt, multi_hot, pooling):
     model = build(pooling)
     dense_opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
-    sparse = [build_sparse_optimizer(sparse_opt, model.sparse, lr=0.1)]
+    sparse = sparse_optimizers(sparse_opt, model.sparse)
     losses = train(model, (dense_opt, sparse), global_batches(multi_hot), 0, GLOBAL_B)
     return losses, model
 
@@ -170,3 +190,54 @@ def check_against_reference(kind, world, sparse_opt, multi_hot, pooling, pipelin
 def test_pairwise_exchange_changes_nothing(kind, world):
     """The output all-to-all as receive-first isend/irecv: the same result."""
     check_against_reference(kind, world, "sgd", True, "sum", pipeline=True, exchange="pairwise")
+
+
+def api_worker(topo):
+    import torch.distributed as dist
+
+    per = GLOBAL_B // topo.world_size
+    batch = local_batch(global_batches(True)[0], topo.rank * per, (topo.rank + 1) * per)
+    model = parallelize_dlrm(build("sum"), make_plan("mixed", topo.world_size), topo)
+    sparse = model.sparse
+    pending = sparse.start_input_dist(batch.sparse)
+    F.binary_cross_entropy_with_logits(model(batch, sparse_input=pending), batch.labels).backward()
+    with pytest.raises(RuntimeError, match="already consumed"):  # raises before any collective
+        model(batch, sparse_input=pending)
+    names = ("all_reduce", "all_to_all_single", "all_gather", "broadcast")
+    saved = {n: getattr(dist, n) for n in names}
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("pop_sparse_grads communicated")
+
+    for n in names:
+        setattr(dist, n, refuse)
+    try:
+        grads = sparse.pop_sparse_grads()
+    finally:
+        for n, f in saved.items():
+            setattr(dist, n, f)
+    assert set(grads) == {"shards", "replicated"}
+    own = [(g, ids.clone(), rows.clone()) for g, ids, rows, _ in grads["replicated"]]
+    reduced = sparse.reduce_sparse_grads(grads)
+    assert reduced["shards"] is grads["shards"] and all(u for *_, u in reduced["replicated"])
+    row_wise = parallelize_dlrm(build("sum"), make_plan("row_wise", topo.world_size), topo).sparse
+    untouched = row_wise.pop_sparse_grads()
+    assert set(untouched) == {"shards"} and row_wise.reduce_sparse_grads(untouched) is untouched
+
+    def dense(entries):
+        out = torch.zeros_like(sparse.replicated.group_weight(0))
+        for g, ids, rows, *_ in entries:
+            assert g == 0
+            out.index_add_(0, ids, rows)
+        return out
+
+    return dense(own), dense(reduced["replicated"])
+
+
+def test_row_gradients_popped_locally_then_reduced_explicitly():
+    """pop_sparse_grads communicates nothing (each rank's own replicated rows);
+    reduce_sparse_grads sums them over ranks; a handle serves one forward."""
+    results = run_ranks(api_worker, 2)
+    total = sum(own for own, _ in results)
+    for _, reduced in results:
+        torch.testing.assert_close(reduced, total)

@@ -3,8 +3,12 @@
 Pure bookkeeping, no torch.distributed: the collectives (input_dist,
 output_dist, dense all-reduce, synchronizers, parameter-server pulls/pushes)
 call :meth:`CommLedger.record` with the bytes they put on the wire, after
-encoding. The planner calls :meth:`CommLedger.predict` with the bytes it
-expects per step, so tests and reports can compare predicted with counted.
+encoding. Whoever can predict a collective's bytes from a formula (the sharded
+collection through the cost model, a plain dense all-reduce) calls
+:meth:`CommLedger.predict` in the same step, with that step's prediction.
+Predictions accumulate per step like the counts, so a data-dependent collective
+(row-wise input_dist: which ids fall in which row range) is compared step by step;
+categories nobody predicts are simply not compared.
 
 Counters are keyed by ``(category, table, direction)``, e.g.
 ``("output_dist", "t_user", "fwd")`` or ``("dense_allreduce", None, "bwd")``.
@@ -13,15 +17,17 @@ here; the usual directions are "fwd", "bwd", "pull", "push" and "sync".
 
 Worked example, one step of a compressed output all-to-all::
 
+    ledger.predict("output_dist", sent=2048, received=2048, table="t0")
     ledger.record("output_dist", sent=2048, received=2048, table="t0", original=4096)
     ledger.step_end()
     ledger.totals(category="output_dist").ratio    # 2.0 = original / sent
+    ledger.summary()["predicted_vs_counted"]["output_dist"]["match"]    # True
 """
 
 from __future__ import annotations
 
-import operator
 import contextlib
+import operator
 import threading
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -30,7 +36,8 @@ from typing import Any, Literal
 import torch
 
 Key = tuple[str, str | None, str]
-Scope = Literal["run", "step", "last_step", "predicted"]
+Scope = Literal["run", "step", "last_step", "predicted", "predicted_step", "predicted_last_step"]
+Check = tuple[str, str | None]  # (category, direction): predicted vs counted; direction None: any
 
 
 @dataclass(frozen=True)
@@ -140,24 +147,21 @@ def _mean(count: ByteCount, steps: int) -> dict[str, float | None]:
 
 
 class CommLedger:
-    """Byte counters of every collective: counted per run and per step, and predicted.
+    """Byte counters of every collective, counted and predicted, per run and per step.
 
     Thread-safe: the training thread and a background synchronizer thread may
     record at the same time.
 
     Scopes (see :meth:`totals`): "run" is everything recorded since the last
     :meth:`reset`; "step" the open step; "last_step" the step closed by the
-    last :meth:`step_end`; "predicted" what :meth:`predict` was told, per step.
+    last :meth:`step_end`; "predicted", "predicted_step" and "predicted_last_step"
+    the same for what :meth:`predict` was told.
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._suspended = 0  # > 0 inside suspended(): records are dropped
-        self._run: dict[Key, ByteCount] = {}
-        self._step: dict[Key, ByteCount] = {}
-        self._last: dict[Key, ByteCount] = {}
-        self._predicted: dict[Key, ByteCount] = {}
-        self._steps = 0
+        self._suspended = 0  # > 0 inside suspended(): records and predictions are dropped
+        self.reset()
 
     def record(
         self,
@@ -202,23 +206,30 @@ class CommLedger:
         table: str | None = None,
         direction: str = "fwd",
     ) -> None:
-        """Adds the planner's predicted on-the-wire bytes of one step.
-
-        Calls with the same key add up (one step may run several collectives of
-        a category, e.g. the lengths and the ids of input_dist). Predictions are
-        kept apart from the counted bytes and survive :meth:`reset`'s ``counted_only``.
-        """
+        """Adds to the open step's predicted on-the-wire bytes (calls add up: one step may
+        run several collectives of a category). Dropped inside :meth:`suspended`."""
+        if self._suspended:
+            return
         key = _key(category, table, direction)
         sent = _nbytes("sent", sent)
         inc = ByteCount(sent=sent, received=_nbytes("received", received), original=sent, calls=1)
         with self._lock:
-            _add(self._predicted, key, inc)
+            _add(self._pred_run, key, inc)
+            _add(self._pred_step, key, inc)
 
     def step_end(self) -> None:
-        """Closes the current step: it becomes "last_step" and a new one opens."""
+        """Closes the current step: it becomes "last_step" and a new one opens. Every
+        (category, direction) predicted so far is compared with its counted bytes of the step."""
         with self._lock:
-            self._last = self._step
-            self._step = {}
+            self._predicted_keys |= set(_by_check(self._pred_step))
+            counted, predicted = _by_check(self._step), _by_check(self._pred_step)
+            bad = {key for key in self._predicted_keys
+                   if _pair(counted.get(key, _ZERO)) != _pair(predicted.get(key, _ZERO))}
+            for key in bad | {(cat, None) for cat, _ in bad}:  # (category, None): any direction
+                self._mismatched[key] = self._mismatched.get(key, 0) + 1
+                self._first_mismatch.setdefault(key, self._steps)
+            self._last, self._pred_last = self._step, self._pred_step
+            self._step, self._pred_step = {}, {}
             self._steps += 1
 
     @property
@@ -251,20 +262,17 @@ class CommLedger:
 
     def _counters(self, scope: Scope) -> dict[Key, ByteCount]:
         """The counter dict of a scope; the caller holds the lock."""
-        if scope == "run":
-            return self._run
-        if scope == "step":
-            return self._step
-        if scope == "last_step":
-            return self._last
-        if scope == "predicted":
-            return self._predicted
-        raise ValueError(f"CommLedger: unknown scope {scope!r}")
+        scopes = {"run": self._run, "step": self._step, "last_step": self._last,
+                  "predicted": self._pred_run, "predicted_step": self._pred_step,
+                  "predicted_last_step": self._pred_last}
+        if scope not in scopes:
+            raise ValueError(f"CommLedger: unknown scope {scope!r}")
+        return scopes[scope]
 
     @contextlib.contextmanager
     def suspended(self):
-        """Drops what is recorded inside the block (e.g. evaluation traffic, which is
-        not part of a training step)."""
+        """Drops what is recorded and predicted inside the block (e.g. evaluation traffic,
+        which is not part of a training step)."""
         with self._lock:
             self._suspended += 1
         try:
@@ -273,13 +281,19 @@ class CommLedger:
             with self._lock:
                 self._suspended -= 1
 
-    def reset(self, *, counted_only: bool = False) -> None:
-        """Clears the counters and the step count (and the predictions unless ``counted_only``)."""
+    def reset(self) -> None:
+        """Clears the counters, the predictions, their comparison and the step count."""
         with self._lock:
-            self._run, self._step, self._last = {}, {}, {}
+            self._run: dict[Key, ByteCount] = {}
+            self._step: dict[Key, ByteCount] = {}
+            self._last: dict[Key, ByteCount] = {}
+            self._pred_run: dict[Key, ByteCount] = {}
+            self._pred_step: dict[Key, ByteCount] = {}
+            self._pred_last: dict[Key, ByteCount] = {}
+            self._predicted_keys: set[Check] = set()
+            self._mismatched: dict[Check, int] = {}  # closed steps where the two differed
+            self._first_mismatch: dict[Check, int] = {}
             self._steps = 0
-            if not counted_only:
-                self._predicted = {}
 
     def summary(self) -> dict[str, Any]:
         """JSON-ready report of the ledger (ratios are None where nothing was sent).
@@ -292,18 +306,22 @@ class CommLedger:
              "entries": [{"category", "table", "direction", **counts}, ...],
              "per_step": {"mean": {...}, "last": counts,
                           "mean_by_category": {...}, "last_by_category": {...}},
-             "predicted_vs_counted": {category: {"predicted": counts,
-                                                 "last_step": counts,
-                                                 "mean_per_step": {...},
-                                                 "match_last_step": bool}}}
+             "predicted_vs_counted": {category: {**comparison,
+                                                 "by_direction": {direction: comparison}}}}
 
-        where ``counts`` is :meth:`ByteCount.to_dict`. Per-step means are over
-        closed steps only, so a half-recorded open step does not skew them.
+        where ``counts`` is :meth:`ByteCount.to_dict` and ``comparison`` is
+        ``{"predicted": {"sent", "received"}, "counted": {"sent", "received"},
+        "predicted_per_step": means, "counted_per_step": means, "mismatched_steps": int,
+        "first_mismatched_step": int | None, "match": bool}`` over closed steps (``match``:
+        equal totals and no step that differed). Only predicted categories appear.
+        Per-step means are over closed steps only, so a half-recorded open step does not skew them.
         """
         with self._lock:
             run, step, last = dict(self._run), dict(self._step), dict(self._last)
-            predicted, steps = dict(self._predicted), self._steps
-        closed = {k: run[k] - step.get(k, _ZERO) for k in run}
+            pred_closed = _closed(self._pred_run, self._pred_step)
+            checks = (set(self._predicted_keys), dict(self._mismatched), dict(self._first_mismatch))
+            steps = self._steps
+        closed = _closed(run, step)
         return {
             "steps": steps,
             "total": sum(run.values(), _ZERO).to_dict(),
@@ -317,8 +335,25 @@ class CommLedger:
                 "mean_by_category": {k: _mean(v, steps) for k, v in _group(closed, 0).items()},
                 "last_by_category": {k: v.to_dict() for k, v in _group(last, 0).items()},
             },
-            "predicted_vs_counted": _compare(predicted, last, closed, steps),
+            "predicted_vs_counted": _compare(pred_closed, closed, checks, steps),
         }
+
+
+def _pair(count: ByteCount) -> tuple[int, int]:
+    return count.sent, count.received
+
+
+def _closed(run: dict[Key, ByteCount], step: dict[Key, ByteCount]) -> dict[Key, ByteCount]:
+    """Counters of the closed steps: the run less the open step."""
+    return {k: run[k] - step.get(k, _ZERO) for k in run}
+
+
+def _by_check(counters: dict[Key, ByteCount]) -> dict[Check, ByteCount]:
+    """Counters summed over tables: ``{(category, direction): counts}``."""
+    out: dict[Check, ByteCount] = {}
+    for (cat, _, dirn), count in counters.items():
+        out[(cat, dirn)] = out.get((cat, dirn), _ZERO) + count
+    return out
 
 
 def _entries(counters: dict[Key, ByteCount]) -> list[dict[str, Any]]:
@@ -329,21 +364,31 @@ def _entries(counters: dict[Key, ByteCount]) -> list[dict[str, Any]]:
     ]
 
 
-def _compare(
-    predicted: dict[Key, ByteCount],
-    last: dict[Key, ByteCount],
-    closed: dict[Key, ByteCount],
-    steps: int,
-) -> dict[str, Any]:
-    """Per predicted category: predicted bytes per step beside the counted ones."""
-    pred_by, last_by, closed_by = _group(predicted, 0), _group(last, 0), _group(closed, 0)
+def _comparison(p: ByteCount, c: ByteCount, mismatched: int, first: int | None, steps: int) -> dict[str, Any]:
+    return {
+        "predicted": {"sent": p.sent, "received": p.received},
+        "counted": {"sent": c.sent, "received": c.received},
+        "predicted_per_step": {k: v for k, v in _mean(p, steps).items() if k != "original"},
+        "counted_per_step": {k: v for k, v in _mean(c, steps).items() if k != "original"},
+        "mismatched_steps": mismatched,
+        "first_mismatched_step": first,
+        "match": mismatched == 0 and (p.sent, p.received) == (c.sent, c.received),
+    }
+
+
+def _compare(predicted: dict[Key, ByteCount], counted: dict[Key, ByteCount],
+             checks: tuple[set[Check], dict[Check, int], dict[Check, int]], steps: int) -> dict[str, Any]:
+    """Per predicted category (and direction): predicted beside counted bytes, closed steps."""
+    keys, mismatched, first = checks
+    pred, count = _by_check(predicted), _by_check(counted)
     out: dict[str, Any] = {}
-    for cat in sorted(pred_by):
-        p, c = pred_by[cat], last_by.get(cat, _ZERO)
-        out[cat] = {
-            "predicted": {"sent": p.sent, "received": p.received},
-            "last_step": {"sent": c.sent, "received": c.received},
-            "mean_per_step": _mean(closed_by.get(cat, _ZERO), steps),
-            "match_last_step": (p.sent, p.received) == (c.sent, c.received),
-        }
+    for cat in sorted({c for c, _ in keys}):
+        dirs = sorted(d for c, d in keys if c == cat and d is not None)
+        by_dir = {d: _comparison(pred.get((cat, d), _ZERO), count.get((cat, d), _ZERO),
+                                 mismatched.get((cat, d), 0), first.get((cat, d)), steps) for d in dirs}
+        p = sum((pred.get((cat, d), _ZERO) for d in dirs), _ZERO)
+        c = sum((count.get((cat, d), _ZERO) for d in dirs), _ZERO)
+        out[cat] = {**_comparison(p, c, mismatched.get((cat, None), 0), first.get((cat, None)), steps),
+                    "by_direction": by_dir}
+        out[cat]["match"] = all(v["match"] for v in by_dir.values())  # equal sums could hide a swap
     return out

@@ -17,8 +17,23 @@ over every active id (for one-hot fields the two coincide).
 Sharded (DES, see :mod:`hybridrec.parallel.sharded_embedding`): ``z`` and ``q`` are
 sums over ids, so every shard owner adds up its own part and sends 2 floats per
 sample (``[z_p, q_p]``) instead of its ids' weights and rows; the receiver adds the
-owners' parts. ``s`` is the sum of the field vectors the deep part receives anyway.
-The collection then returns the fields (``k`` columns each) and ``fm = [z, q]``.
+owners' parts. ``s`` adds up over owners as well: ``s = sum_d s_d`` with ``s_d`` the
+sum of owner ``d``'s field pieces, each at its columns. The collection returns the
+fields (``k`` columns each) and ``fm = [z, q, s]`` (``[B, 2 + k]``).
+
+Codecs on the hop (``compress.embedding``): the FM term is always the exact FM of the
+embeddings. A lossy codec changes the field vectors the receiver decodes, and an FM
+built from decoded fields with ``q`` from the true rows is the FM of no set of vectors
+(``||s_hat||^2 - q`` is not a sum of pairwise products), while one process (``hybridrec
+eval``) computes the true FM. So the *deep part* sees the decoded fields (as in DLRM,
+the compression being studied), and the FM term uses ``s`` and ``q`` of the true
+vectors: an owner whose FM pieces are coded sends ``s_p`` uncoded, float32, in its FM
+piece (``[z_p, q_p, s_p]``: ``k + 2`` floats per sample instead of 2). Owners without
+coded FM pieces send ``[z_p, q_p]`` and the receiver computes their ``s_d`` from the
+float32 fields it has, with the function the owners use for ``s_p``, so a lossless
+codec (``dct`` at ``eta = 1``, float32 values) trains bit for bit like the uncoded hop.
+The loss trained is ``BCE(deep(decoded fields) + z + FM(true v))``; its gradient is
+exact for the first-order and FM terms and the codec's backward for the deep part.
 """
 
 from __future__ import annotations
@@ -32,17 +47,18 @@ from hybridrec.model.mlp import MLP
 from hybridrec.sparse.keyed_jagged import Batch
 
 
-def fm_terms(pooled: KeyedTensor, dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(fields [B, F, k], z [B], q [B])`` from a collection's output: either a plain
-    collection of FM tables (``k + 1`` columns per feature and square sums) or a sharded
-    one that already reduced ``[z, q]`` (``pooled.fm``)."""
+def fm_terms(pooled: KeyedTensor, dim: int) -> tuple[torch.Tensor, ...]:
+    """``(fields [B, F, k], z [B], q [B], s [B, k])`` from a collection's output: either a
+    plain collection of FM tables (``k + 1`` columns per feature and square sums; ``s``
+    is the fields' sum) or a sharded one that already reduced ``[z, q, s]`` (``pooled.fm``)."""
     b, nf = pooled.values.shape[0], len(pooled.keys)
     if pooled.fm is not None:
-        return pooled.as_3d(), pooled.fm[:, 0], pooled.fm[:, 1]
+        return pooled.as_3d(), pooled.fm[:, 0], pooled.fm[:, 1], pooled.fm[:, 2:]
     if pooled.square_sums is None or any(d != dim + 1 for d in pooled.dims):
         raise ValueError(f"DeepFM needs FM tables of {dim} + 1 columns (fm_cols={dim})")
     v = pooled.values.view(b, nf, dim + 1)
-    return v[:, :, :dim], v[:, :, dim].sum(1), pooled.square_sums.sum(1)
+    fields = v[:, :, :dim]
+    return fields, v[:, :, dim].sum(1), pooled.square_sums.sum(1), fields.sum(1)
 
 
 class DeepFM(nn.Module):
@@ -56,7 +72,8 @@ class DeepFM(nn.Module):
         top_mlp: top MLP widths, ending in 1.
         interaction: ``dot`` or ``cat``.
 
-    ``forward(batch)`` returns logits ``[B]``: deep + first-order + FM.
+    ``forward(batch, *, sparse_input=None)`` returns logits ``[B]``: deep + first-order
+    + FM (``sparse_input``: as in :meth:`hybridrec.model.dlrm.DLRM.forward`).
     """
 
     def __init__(self, *, num_dense: int, sparse, bottom_mlp: list[int], top_mlp: list[int],
@@ -70,9 +87,10 @@ class DeepFM(nn.Module):
         self.bottom = MLP([num_dense, *bottom_mlp], final_relu=True)
         self.top = MLP([top_in, *top_mlp], final_relu=False)
 
-    def forward(self, batch: Batch) -> torch.Tensor:
-        fields, z, q = fm_terms(self.sparse(batch.sparse), self.dim)
+    def forward(self, batch: Batch, *, sparse_input=None) -> torch.Tensor:
+        sparse = batch.sparse
+        pooled = self.sparse(sparse) if sparse_input is None else self.sparse(sparse, sparse_input)
+        fields, z, q, s = fm_terms(pooled, self.dim)
         x = self.bottom(batch.dense)
         deep = self.top(self.interaction(x, fields)).squeeze(1)
-        s = fields.sum(1)
         return deep + z + 0.5 * (s.pow(2).sum(1) - q)

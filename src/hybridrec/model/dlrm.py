@@ -27,7 +27,7 @@ class DLRM(nn.Module):
         top_mlp: widths of the top MLP, ending in 1 (the logit), e.g. ``[512, 256, 1]``.
         interaction: ``dot`` (DLRM) or ``cat``.
 
-    ``forward(batch)`` returns logits ``[B]``.
+    ``forward(batch, *, sparse_input=None)`` returns logits ``[B]``.
     """
 
     def __init__(
@@ -54,8 +54,12 @@ class DLRM(nn.Module):
         self.bottom = MLP([num_dense, *bottom_mlp], final_relu=True)
         self.top = MLP([top_in, *top_mlp], final_relu=False)
 
-    def forward(self, batch: Batch) -> torch.Tensor:
-        pooled = self.sparse(batch.sparse)
+    def forward(self, batch: Batch, *, sparse_input=None) -> torch.Tensor:
+        """Logits ``[B]``. ``sparse_input``: a handle the embedding collection takes
+        beside the ids (a sharded collection's input_dist already under way); None for
+        a single-device collection."""
+        sparse = batch.sparse
+        pooled = self.sparse(sparse) if sparse_input is None else self.sparse(sparse, sparse_input)
         x = self.bottom(batch.dense)
         z = self.interaction(x, pooled.as_3d())
         return self.top(z).squeeze(1)

@@ -130,8 +130,8 @@ class KeyedTensor:
     ``square_sums`` (collections with FM tables): ``[B, len(keys)]``, for every bag the
     sum over its ids of the squared norm of the id's embedding, ``sum_i ||v_i||^2`` (the
     FM term's ``q``; unlike the pooled vector's norm it adds up over row shards; zeros
-    for ordinary tables). ``fm``: ``[B, 2]`` = ``[z, q]`` already added up over shard
-    owners by a sharded collection, see :mod:`hybridrec.model.deepfm`.
+    for ordinary tables). ``fm``: ``[B, 2 + k]`` = ``[z, q, s]`` already added up over
+    shard owners by a sharded collection, see :mod:`hybridrec.model.deepfm`.
     """
 
     keys: list[str]
@@ -179,7 +179,15 @@ class EmbeddingBagCollection(nn.Module):
 
     ``forward(kjt)`` takes a :class:`KeyedJagged` whose keys include every
     feature of the collection and returns a :class:`KeyedTensor` with the
-    features in :attr:`feature_names` order.
+    features in :attr:`feature_names` order (``[B, sum(feature_dims)]``).
+
+    State across a training step: a forward in training mode with gradients enabled
+    parks its lookups (the ids per fused group and the pooled output, an autograd leaf)
+    in ``self._pending``, because the row gradients exist only after ``backward``.
+    :meth:`pop_sparse_grads` is their one consumer: it turns them into row gradients
+    and clears them, so call it once per step after ``backward`` (a forward whose
+    lookups are never popped keeps them, and their tensors, until the next pop).
+    Evaluation (``eval()`` or ``torch.no_grad()``) parks nothing.
     """
 
     def __init__(
@@ -197,7 +205,7 @@ class EmbeddingBagCollection(nn.Module):
             raise ValueError("duplicate table names")
         self._groups: list[_Group] = []
         self._table_rows: dict[str, tuple[int, int]] = {}  # name -> (group, first row)
-        self._pending: list[_Lookup] = []
+        self._pending: list[_Lookup] = []  # the lookups of forwards not popped yet, see the class
         self._build_groups(tables, device)
 
     def _build_groups(self, tables: list[TableConfig], device) -> None:

@@ -1,31 +1,32 @@
 """What a sharding plan costs per training step: bytes on the wire, memory, lookups.
 
-Pure arithmetic on a :class:`ShardingPlan`; no processes. The byte formulas
-mirror how the mechanism counts bytes in the :class:`CommLedger`
-(:mod:`hybridrec.parallel.sharded_embedding`, :mod:`hybridrec.parallel.parallelize`),
-so :func:`predict_step_bytes` equals what one step records, category by
-category and direction by direction. A *slot* is (feature, shard of its table);
-for a slot on owner ``o`` and every source rank ``r`` with local batch ``b_r``:
+Pure arithmetic; no processes. The bytes come from the collection's
+:class:`~hybridrec.parallel.layout.EmbeddingLayout` (the same object the mechanism
+runs, built by :func:`~hybridrec.parallel.layout.build_layout`): its slots, its pieces
+and their bytes per row. :func:`step_bytes` is one step of one rank, from the step's
+batch sizes and id counts; the sharded collection calls it every training step and
+tells the ledger (:meth:`CommLedger.predict`), so predicted and counted bytes are
+compared step by step. :func:`predict_step_bytes` / :func:`predict_all_ranks` are the
+static expectation for the planner and ``hybridrec plan`` (ids from a mean pooling
+factor). A *slot* is (feature, shard of its table); for a slot on owner ``o`` and every
+source rank ``r`` with local batch ``b_r`` and ``ids_r`` ids for the slot:
 
 - ``input_dist`` fwd: ``r`` sends ``o`` the slot's bag lengths and ids, int64:
-  ``(b_r + ids_r) * 8`` bytes; ``ids_r = b_r * ids_per_bag`` (row shards: times the
-  shard's share of the table's rows, see below).
-- ``output_dist`` fwd: ``o`` sends ``r`` the pooled partials, float32:
-  ``b_r * shard_cols * 4``; bwd: ``r`` sends ``o`` their gradients, the same bytes.
-  With a codec for the table (:mod:`hybridrec.comm.codecs`): ``b_r *
-  codec.row_bytes(shard_cols)`` fwd and ``b_r * codec.grad_row_bytes(shard_cols)`` bwd,
-  exact (codecs spend a fixed number of bytes per row).
+  ``(b_r + ids_r) * 8`` bytes (row shards: only the ids in the shard's row range).
+- ``output_dist`` fwd: ``o`` sends ``r`` every piece of its block: ``b_r * piece.fwd_bytes``;
+  bwd: ``r`` sends ``o`` their gradients, ``b_r * piece.bwd_bytes`` (float32: ``4 * width``;
+  with a codec, :mod:`hybridrec.comm.codecs`, its fixed bytes per row). DeepFM's FM piece
+  (``[z_p, q_p]``, and ``s_p`` when coded) belongs to no table.
 - ``input_dist_counts`` fwd: every rank sends every other rank two int64 counts.
 - ``dense_allreduce`` bwd: per DDP bucket of ``n`` bytes, ``2 (W-1) n // W`` bytes
   sent and received (a ring all-reduce).
 - ``dp_table_allreduce`` bwd: per fused group of data-parallel tables (same dim
   and pooling), a dense ``[rows, dim + 1]`` float32 all-reduce, counted as a ring.
 
-Bytes a rank sends to itself are not counted. Row-wise assumption: the ids of
+Bytes a rank sends to itself are not counted. Static row-wise assumption: the ids of
 a bag are spread over the table's rows uniformly, so a row shard receives its
-share ``shard_rows / table_rows`` of them. The prediction is exact when a
-batch's ids are spread that way (e.g. rows divisible by the shards and each
-shard hit by the same number of ids); with skewed ids it is an expectation.
+share ``shard_rows / table_rows`` of them; exact when a batch's ids are spread that
+way, an expectation otherwise (the per-step prediction uses the real counts).
 
 Worked example, one table-wise table of dim 4 on rank 1, one-hot, 2 ranks with
 local batch 3: rank 0 sends rank 1 ``(3 + 3) * 8 = 48`` input bytes and gets back
@@ -37,8 +38,9 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 
 from hybridrec.comm.codecs import Codec
-from hybridrec.comm.ledger import CommLedger, ring_allreduce_bytes
-from hybridrec.model.embedding import TableConfig, group_tables
+from hybridrec.comm.ledger import ring_allreduce_bytes
+from hybridrec.model.embedding import TableConfig
+from hybridrec.parallel.layout import ROW_SPLIT, EmbeddingLayout, build_layout
 from hybridrec.parallel.plan import Shard, ShardingPlan, TablePlan
 
 ID_BYTES = 8
@@ -50,8 +52,12 @@ OPTIMIZERS = ("sgd", "rowwise_adagrad", "lazy_adam")
 
 Key = tuple[str, str]
 """``(category, direction)`` of a ledger counter."""
-
-ROW_SPLIT = ("row_wise", "table_row_wise")
+TableKey = tuple[str, str | None, str]
+"""``(category, table, direction)``: a ledger entry."""
+IdCounts = Mapping[tuple[int, int, int], float]
+"""``{(source rank, owner rank, slot position on the owner): ids}`` of one step."""
+Flow = tuple[int, int, str, str | None, str, float]
+"""``(src, dst, category, table, direction, bytes)``: one piece of an all-to-all."""
 
 
 # -- memory --------------------------------------------------------------------
@@ -96,42 +102,56 @@ def _ids_map(tables: list[TableConfig],
     return {f: float(ids_per_bag) for t in tables for f in t.features}
 
 
-def _row_share(tp: TablePlan, shard: Shard) -> float:
-    """Fraction of a bag's ids a shard receives (row shards: its share of the rows)."""
-    return shard.num_rows / tp.num_embeddings if tp.sharding_type in ROW_SPLIT else 1.0
-
-
-def table_flows(tp: TablePlan, table: TableConfig, batch_sizes: list[int],
-                ids: Mapping[str, float],
-                codec: Codec | None = None) -> Iterator[tuple[int, int, Key, float]]:
-    """``(src, dst, key, bytes)`` of every all-to-all piece a sharded table causes
-    (``codec``: of the table's output_dist hop; None = float32).
-
-    Data-parallel tables cause none (their cost is an all-reduce, see
-    :func:`dp_allreduce_bytes`). Pieces from a rank to itself are included;
-    callers drop them.
-    """
-    if tp.sharding_type == "data_parallel":
-        return
-    for shard in tp.shards:
-        share = _row_share(tp, shard)
-        for f in table.features:
+def expected_ids(layout: EmbeddingLayout, batch_sizes: list[int],
+                 ids_per_bag: Mapping[str, float]) -> dict[tuple[int, int, int], float]:
+    """Static :data:`IdCounts`: ``b_src * ids_per_bag[feature]`` per slot, row shards their
+    share of the rows."""
+    out = {}
+    for o, slots in enumerate(layout.slots):
+        for j, s in enumerate(slots):
+            share = s.shard.num_rows / s.table_rows if s.row_split else 1.0
             for src, b in enumerate(batch_sizes):
-                yield src, shard.rank, ("input_dist", "fwd"), (b + b * ids[f] * share) * ID_BYTES
-                # An FM table's first-order column stays with its owner (summed into z_p).
-                fo = table.first_order_col is not None and shard.cols[0] <= table.first_order_col < shard.cols[1]
-                c = shard.num_cols - fo
-                fwd = b * (codec.row_bytes(c) if codec else c * VALUE_BYTES)
-                bwd = b * (codec.grad_row_bytes(c) if codec else c * VALUE_BYTES)
-                yield shard.rank, src, ("output_dist", "fwd"), fwd
-                yield src, shard.rank, ("output_dist", "bwd"), bwd
+                out[(src, o, j)] = b * ids_per_bag.get(s.feature, 1.0) * share
+    return out
 
 
-def dp_allreduce_bytes(dp_tables: list[TableConfig], world: int) -> list[int]:
+def flows(layout: EmbeddingLayout, batch_sizes: list[int], ids: IdCounts, *,
+          rank: int | None = None, backward: bool = True) -> Iterator[Flow]:
+    """Every all-to-all piece of one step between two different ranks (``rank``: only
+    those it sends or receives; ``backward``: include the output_dist's backward).
+    Nothing without sharded tables (no input or output distribution runs)."""
+    if not layout.has_shards:
+        return
+    for src, b in enumerate(batch_sizes):
+        for o in range(layout.world_size):
+            if src == o or (rank is not None and rank not in (src, o)):
+                continue
+            yield src, o, "input_dist_counts", None, "fwd", 2 * ID_BYTES
+            for j, s in enumerate(layout.slots[o]):
+                yield src, o, "input_dist", s.table, "fwd", (b + ids[(src, o, j)]) * ID_BYTES
+            for p in layout.blocks[o].pieces:
+                yield o, src, "output_dist", p.table, "fwd", b * p.fwd_bytes
+                if backward:
+                    yield src, o, "output_dist", p.table, "bwd", b * p.bwd_bytes
+
+
+def step_bytes(layout: EmbeddingLayout, rank: int, batch_sizes: list[int], ids: IdCounts, *,
+               backward: bool = True) -> dict[TableKey, tuple[float, float]]:
+    """``{(category, table, direction): (sent, received)}`` of ``rank`` in one step of
+    input_dist and output_dist; ``ids`` needs only the pairs ``rank`` is part of."""
+    out: dict[TableKey, list[float]] = {}
+    for src, dst, category, table, direction, n in flows(layout, batch_sizes, ids, rank=rank,
+                                                          backward=backward):
+        acc = out.setdefault((category, table, direction), [0, 0])
+        acc[0 if src == rank else 1] += n
+    return {k: (s, r) for k, (s, r) in out.items()}
+
+
+def dp_allreduce_bytes(layout: EmbeddingLayout) -> list[int]:
     """Ring bytes per fused group of data-parallel tables: a dense ``[rows, dim + 1]``
     float32 tensor (the last column counts touched rows) per group and step."""
-    return [ring_allreduce_bytes(sum(t.num_embeddings for t in ts) * (dim + 1) * VALUE_BYTES, world)
-            for (dim, *_), ts in group_tables(dp_tables).items()]
+    return [ring_allreduce_bytes(rows * (dim + 1) * VALUE_BYTES, layout.world_size)
+            for rows, dim in layout.dp_groups]
 
 
 def predict_all_ranks(plan: ShardingPlan, tables: list[TableConfig], *, batch_sizes: list[int],
@@ -143,36 +163,22 @@ def predict_all_ranks(plan: ShardingPlan, tables: list[TableConfig], *, batch_si
     world = plan.world_size
     if len(batch_sizes) != world:
         raise ValueError(f"batch_sizes has {len(batch_sizes)} entries, the plan {world} ranks")
-    ids = _ids_map(tables, ids_per_bag)
-    counts = 2 * (world - 1) * ID_BYTES  # two int64 to every other rank, and from it
-    sharded = any(tp.sharding_type != "data_parallel" for tp in plan.tables.values())
+    layout = build_layout(tables, plan, codecs)
+    ids = expected_ids(layout, batch_sizes, _ids_map(tables, ids_per_bag))
     # With only replicated tables the mechanism runs no input/output distribution at all.
-    acc: list[dict[Key, list[float]]] = [
-        {("input_dist_counts", "fwd"): [counts, counts], ("input_dist", "fwd"): [0, 0],
-         ("output_dist", "fwd"): [0, 0], ("output_dist", "bwd"): [0, 0]} if sharded else {}
-        for _ in range(world)]
-    for t in tables:
-        flows = table_flows(plan.tables[t.name], t, batch_sizes, ids, (codecs or {}).get(t.name))
-        for src, dst, key, nbytes in flows:
-            if src != dst:
-                acc[src][key][0] += nbytes
-                acc[dst][key][1] += nbytes
-    # DES for DeepFM: every owner of FM shards sends each sample its [z_p, q_p].
-    fm_owners = {sh.rank for t in tables if t.fm_cols is not None
-                 for sh in plan.tables[t.name].shards if plan.tables[t.name].sharding_type != "data_parallel"}
-    for o in fm_owners:
-        for src, b in enumerate(batch_sizes):
-            if src != o:
-                for key, (a, z) in ((("output_dist", "fwd"), (o, src)), (("output_dist", "bwd"), (src, o))):
-                    acc[a][key][0] += 2 * b * VALUE_BYTES
-                    acc[z][key][1] += 2 * b * VALUE_BYTES
+    keys = [("input_dist_counts", "fwd"), ("input_dist", "fwd"), ("output_dist", "fwd"),
+            ("output_dist", "bwd")]
+    acc: list[dict[Key, list[float]]] = [{k: [0, 0] for k in keys} if layout.has_shards else {}
+                                         for _ in range(world)]
+    for src, dst, category, _table, direction, nbytes in flows(layout, batch_sizes, ids):
+        acc[src][(category, direction)][0] += nbytes
+        acc[dst][(category, direction)][1] += nbytes
     if world > 1 and dense_param_bytes:  # DDP wraps the dense arches only with several ranks
         ring = sum(ring_allreduce_bytes(n, world) for n in dense_param_bytes)
         for a in acc:
             a[("dense_allreduce", "bwd")] = [ring, ring]
-    dp = [t for t in tables if plan.tables[t.name].sharding_type == "data_parallel"]
-    if dp:
-        ring = sum(dp_allreduce_bytes(dp, world))
+    if layout.dp_groups:
+        ring = sum(dp_allreduce_bytes(layout))
         for a in acc:
             a[("dp_table_allreduce", "bwd")] = [ring, ring]
     # Sums of integer-valued floats are exact; round fractional expectations once.
@@ -183,7 +189,8 @@ def predict_step_bytes(plan: ShardingPlan, tables: list[TableConfig], *, rank: i
                        batch_sizes: list[int], ids_per_bag: Mapping[str, float] | float = 1.0,
                        world_size: int | None = None, dense_param_bytes: list[int] = (),
                        codecs: Mapping[str, Codec] | None = None) -> dict[Key, tuple[int, int]]:
-    """Bytes ``rank`` sends and receives in one training step, per (category, direction).
+    """Bytes ``rank`` is expected to send and receive in one training step, per
+    (category, direction): the static expectation (the planner, ``hybridrec plan``).
 
     Args:
         plan: the sharding plan the mechanism runs.
@@ -191,7 +198,8 @@ def predict_step_bytes(plan: ShardingPlan, tables: list[TableConfig], *, rank: i
         rank: the rank whose ledger is predicted.
         batch_sizes: local batch size of every rank, in rank order.
         ids_per_bag: mean ids per bag, per feature (missing features: 1) or for all;
-            exact when every rank's batch holds ``b_r * ids_per_bag`` ids of the feature.
+            exact when every rank's batch holds ``b_r * ids_per_bag`` ids of the feature
+            (row shards: spread evenly over the rows).
         world_size: checked against the plan when given.
         dense_param_bytes: bytes of every dense all-reduce of a step: one entry per
             DDP bucket (a DDP module whose gradients fit in one bucket is one entry,
@@ -212,23 +220,6 @@ def predict_step_bytes(plan: ShardingPlan, tables: list[TableConfig], *, rank: i
                              dense_param_bytes=dense_param_bytes, codecs=codecs)[rank]
 
 
-def record_predictions(ledger: CommLedger, plan: ShardingPlan, tables: list[TableConfig], *,
-                       rank: int, batch_sizes: list[int],
-                       ids_per_bag: Mapping[str, float] | float = 1.0,
-                       dense_param_bytes: list[int] = (),
-                       codecs: Mapping[str, Codec] | None = None) -> dict[Key, tuple[int, int]]:
-    """Tell ``ledger`` the bytes :func:`predict_step_bytes` expects per step; returns them.
-
-    Call once: :meth:`CommLedger.predict` adds up repeated calls.
-    """
-    pred = predict_step_bytes(plan, tables, rank=rank, batch_sizes=batch_sizes,
-                              ids_per_bag=ids_per_bag, dense_param_bytes=dense_param_bytes,
-                              codecs=codecs)
-    for (category, direction), (sent, received) in pred.items():
-        ledger.predict(category, sent=sent, received=received, direction=direction)
-    return pred
-
-
 # -- per-table loads, for the planner ------------------------------------------
 def lookup_work(tp: TablePlan, table: TableConfig, batch_sizes: list[int],
                 ids: Mapping[str, float]) -> list[float]:
@@ -241,14 +232,16 @@ def lookup_work(tp: TablePlan, table: TableConfig, batch_sizes: list[int],
         return out
     total = sum(batch_sizes)
     for shard in tp.shards:
-        share = _row_share(tp, shard)
+        share = shard.num_rows / tp.num_embeddings if tp.sharding_type in ROW_SPLIT else 1.0
         out[shard.rank] += sum(total * ids[f] * share for f in table.features) * shard.num_cols
     return out
 
 
 def table_traffic(tp: TablePlan, table: TableConfig, batch_sizes: list[int],
                   ids: Mapping[str, float]) -> tuple[list[float], list[float]]:
-    """``(sent, received)`` bytes per rank that one table adds to a step.
+    """``(sent, received)`` bytes per rank that one table adds to a step: the flows of
+    a layout holding the table alone (its FM piece included; the per-step counts are not
+    the table's).
 
     Data-parallel: the ring all-reduce of the table alone (fused groups differ
     only by integer rounding).
@@ -258,8 +251,11 @@ def table_traffic(tp: TablePlan, table: TableConfig, batch_sizes: list[int],
     if tp.sharding_type == "data_parallel":
         ring = 2 * (world - 1) * tp.num_embeddings * (tp.embedding_dim + 1) * VALUE_BYTES / world
         return [ring] * world, [ring] * world
-    for src, dst, _key, nbytes in table_flows(tp, table, batch_sizes, ids):
-        if src != dst:
+    plan = ShardingPlan(world_size=world, local_world_size=world, tables={table.name: tp})
+    layout = build_layout([table], plan)
+    expected = expected_ids(layout, batch_sizes, ids)
+    for src, dst, category, _t, _d, nbytes in flows(layout, batch_sizes, expected):
+        if category != "input_dist_counts":
             sent[src] += nbytes
             received[dst] += nbytes
     return sent, received

@@ -4,8 +4,9 @@ Cost model (per training step, per rank; :mod:`hybridrec.parallel.cost_model`):
 
 - memory: weights + sparse optimizer state of the shards a rank holds
   (sgd: none; rowwise_adagrad: one float per row; lazy_adam: twice the weights);
-- traffic: the bytes the mechanism puts on the wire, from the same formulas
-  :func:`~hybridrec.parallel.cost_model.predict_step_bytes` uses (pooling factor
+- traffic: the bytes the mechanism puts on the wire, from the layout the mechanism
+  runs (:func:`~hybridrec.parallel.cost_model.table_traffic`, the flows
+  :func:`~hybridrec.parallel.cost_model.predict_step_bytes` sums; pooling factor
   from the dataset's ``mean_ids_per_sample``, default 1), all local batches
   ``batch_size_per_rank``; time = (sent + received) / bandwidth;
 - lookups: ids x columns gathered by the rank's shards, read forward and
@@ -48,7 +49,6 @@ from hybridrec.parallel.cost_model import (  # noqa: F401 - the byte model is pu
     ids_per_sample,
     lookup_work,
     predict_step_bytes,
-    record_predictions,
     table_memory,
     table_traffic,
 )

@@ -1,0 +1,415 @@
+"""The layout of a sharded embedding collection, as data: :func:`build_layout`.
+
+A pure function of the tables, the plan and the codecs (no process group, no rank):
+every rank builds the same :class:`EmbeddingLayout`, and so does the cost model
+(:mod:`hybridrec.parallel.cost_model`), so the bytes the mechanism moves and the bytes
+predicted for it are read from the same pieces.
+
+Terms, for a world of ``W`` ranks:
+
+- *slot*: (feature, shard of the feature's table); every owner rank's slots in one order.
+- *piece*: one column block of what an owner sends per sample. A slot's piece is its
+  pooled partial: the shard's columns, less an FM table's first-order column (it stays
+  with its owner and is summed into ``z_p``). With FM tables a block ends in the *FM
+  piece* ``[z_p, q_p]`` (DES, :mod:`hybridrec.model.deepfm`), followed by ``s_p`` (the
+  owner's FM columns summed, ``k`` floats) when the owner's FM pieces are coded.
+- *block*: an owner's pieces side by side, ``[rows, width]``; blocks ``0..W-1`` are the
+  owners', block ``W`` the replicated tables' (looked up locally, no hop).
+- *assembly*: for every output feature, its pieces among the blocks.
+
+Bytes per row of a piece, both directions, come from its codec (the float32 identity
+when the table has none): ``codec.row_bytes(width)`` forward, ``codec.grad_row_bytes``
+backward, ``4 * width`` as float32 (:attr:`Piece.fwd_bytes` ...). Nothing else in the
+package writes these formulas.
+
+Example, 2 ranks, table ``t`` (dim 4) row-wise, one feature ``f``: slots
+``((f@0,), (f@1,))``; each owner's block is one piece of width 4 (16 bytes per row
+float32); feature ``f`` is assembled from ``((0, 0, 0), (1, 0, 0))`` and its partials
+are added (``row_split``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from functools import cached_property
+
+import torch
+
+from hybridrec.comm.codecs import CastCodec, Codec
+from hybridrec.model.embedding import KeyedTensor, TableConfig, group_tables, output_features
+from hybridrec.parallel.plan import Shard, ShardingPlan
+
+VALUE_BYTES = 4
+"""Pooled partials and their gradients are float32."""
+IDENTITY: Codec = CastCodec(torch.float32)
+"""The codec of every piece whose table has none: float32, bit-exact."""
+ROW_SPLIT = ("row_wise", "table_row_wise")
+
+
+@dataclass(frozen=True)
+class Slot:
+    feature: str
+    table: str
+    index: int  # shard index within the table's plan
+    shard: Shard
+    row_split: bool  # ids are bucketized by row range
+    table_rows: int  # rows of the whole table
+
+    @property
+    def name(self) -> str:
+        return f"{self.feature}@{self.index}"
+
+    @property
+    def shard_table(self) -> str:
+        return f"{self.table}@{self.index}"
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One column block of a block (see the module docstring)."""
+
+    name: str  # slot name "f@i"; the feature for a replicated table; "fm" for the FM piece
+    feature: str | None  # None: the FM piece
+    table: str | None  # None: the FM piece (it belongs to no table)
+    width: int  # float32 columns per row
+    col: int  # first column of the feature's output (and of s) that it fills
+    fm: bool  # embedding columns of an FM table: they add up into s
+    codec: Codec
+
+    @property
+    def fwd_bytes(self) -> int:
+        """Bytes per row forward, as encoded."""
+        return self.codec.row_bytes(self.width)
+
+    @property
+    def bwd_bytes(self) -> int:
+        """Bytes per row of the gradient, as encoded."""
+        return self.codec.grad_row_bytes(self.width)
+
+    @property
+    def orig_bytes(self) -> int:
+        """Bytes per row as float32 (uncompressed)."""
+        return VALUE_BYTES * self.width
+
+
+@dataclass(frozen=True)
+class PieceGroup:
+    """``n`` neighbouring pieces of width ``cols`` coded by ``codec``, starting at
+    column ``start`` of the owner's partials and at byte ``fwd_at`` / ``bwd_at`` of
+    its encoded rows."""
+
+    codec: Codec
+    start: int
+    n: int
+    cols: int
+    fwd_at: int
+    bwd_at: int
+
+    @property
+    def width(self) -> int:
+        return self.n * self.cols
+
+    @property
+    def fwd_bytes(self) -> int:
+        return self.n * self.codec.row_bytes(self.cols)
+
+    @property
+    def bwd_bytes(self) -> int:
+        return self.n * self.codec.grad_row_bytes(self.cols)
+
+
+@dataclass(frozen=True)
+class OwnerLayout:
+    """How one owner's encoded rows are laid out: groups, and bytes per row both ways."""
+
+    groups: tuple[PieceGroup, ...]
+    width: int  # float32 columns of the owner's partials
+    fwd_bytes: int
+    bwd_bytes: int
+
+
+def owner_layout(pieces: Sequence[tuple[int, Codec]]) -> OwnerLayout:
+    """``pieces`` = ``(width, codec)`` of an owner's pieces in its output order; a run of
+    neighbours with the same codec object and width becomes one group."""
+    groups: list[PieceGroup] = []
+    col = fwd = bwd = 0
+    for cols, codec in pieces:
+        last = groups[-1] if groups else None
+        if last is not None and last.codec is codec and last.cols == cols:
+            groups[-1] = PieceGroup(codec, last.start, last.n + 1, cols, last.fwd_at, last.bwd_at)
+        else:
+            groups.append(PieceGroup(codec, col, 1, cols, fwd, bwd))
+        col += cols
+        fwd += codec.row_bytes(cols)
+        bwd += codec.grad_row_bytes(cols)
+    return OwnerLayout(tuple(groups), col, fwd, bwd)
+
+
+@dataclass(frozen=True)
+class BlockLayout:
+    """What one collection (an owner's shards, or the replicated tables) sends per sample."""
+
+    pieces: tuple[Piece, ...]  # the slots' pieces, then the FM piece when there are FM tables
+    field_cols: tuple[int, ...]  # columns of the local output sent as they are
+    lr_cols: tuple[int, ...]  # first-order columns of the local output, summed into z_p
+    fm_dim: int  # width of s (the FM tables' k); 0 without FM tables
+    s_at_owner: bool  # the FM piece carries s_p: the owner's FM pieces are coded
+
+    @property
+    def has_fm(self) -> bool:
+        return bool(self.pieces) and self.pieces[-1].feature is None
+
+    @property
+    def field_pieces(self) -> tuple[Piece, ...]:
+        return self.pieces[:-1] if self.has_fm else self.pieces
+
+    @property
+    def widths(self) -> tuple[int, ...]:
+        return tuple(p.width for p in self.pieces)
+
+    @property
+    def width(self) -> int:
+        return sum(self.widths)
+
+    def row_bytes(self, direction: str) -> int:
+        """Bytes of one row as encoded, ``"fwd"`` or ``"bwd"``."""
+        return sum(p.fwd_bytes if direction == "fwd" else p.bwd_bytes for p in self.pieces)
+
+    def bytes_by_table(self, nbytes: int, direction: str) -> dict[str | None, tuple[int, int]]:
+        """``nbytes`` of this block's rows, moved in ``direction`` -> ``{table: (bytes as
+        encoded, bytes as float32)}`` (table None: the FM piece). ``nbytes`` must be whole rows."""
+        per_row = self.row_bytes(direction)
+        rows, rest = divmod(nbytes, per_row) if per_row else (0, nbytes)
+        if rest:
+            raise ValueError(f"{nbytes} bytes are not whole rows of {per_row} bytes")
+        out: dict[str | None, tuple[int, int]] = {}
+        for p in self.pieces:
+            enc, orig = out.get(p.table, (0, 0))
+            out[p.table] = (enc + rows * (p.fwd_bytes if direction == "fwd" else p.bwd_bytes),
+                            orig + rows * p.orig_bytes)
+        return out
+
+    @cached_property
+    def _index(self) -> tuple[torch.Tensor, torch.Tensor]:
+        # Column indices as tensors, built once per layout (the hot path reuses them).
+        return torch.tensor(self.field_cols, dtype=torch.long), torch.tensor(self.lr_cols, dtype=torch.long)
+
+    def encode(self, kt: KeyedTensor) -> torch.Tensor:
+        """A local collection's output -> this block, ``[rows, width]``."""
+        if not self.has_fm:
+            return kt.values
+        v = kt.values
+        fields_idx, lr_idx = self._index
+        fields = v.index_select(1, fields_idx)
+        z = v.index_select(1, lr_idx).sum(1, keepdim=True) if self.lr_cols else v.new_zeros(v.shape[0], 1)
+        parts = [fields, z, kt.square_sums.sum(1, keepdim=True)]
+        if self.s_at_owner:
+            widths = [p.width for p in self.field_pieces]
+            parts.append(self.fm_sum(torch.split(fields, widths, dim=1), v.shape[0]))
+        return torch.cat(parts, dim=1)
+
+    def fm_sum(self, parts: Sequence[torch.Tensor], rows: int) -> torch.Tensor:
+        """``S = sum`` of the FM field pieces ``parts`` (``[rows, width]`` each, in piece
+        order), each at its columns: ``[rows, fm_dim]``. The same function runs at the
+        owner (``s_p``, coded blocks) or at the receiver (on the float32 pieces), so both
+        give the same bits."""
+        s = parts[0].new_zeros(rows, self.fm_dim) if parts else torch.zeros(rows, self.fm_dim)
+        for p, x in zip(self.field_pieces, parts):
+            if p.fm and p.width:
+                s[:, p.col : p.col + p.width] += x
+        return s
+
+
+@dataclass(frozen=True)
+class EmbeddingLayout:
+    """Everything a :class:`~hybridrec.parallel.sharded_embedding.ShardedEmbeddingBagCollection`
+    derives from its tables, plan and codecs (see the module docstring)."""
+
+    world_size: int
+    feature_names: tuple[str, ...]  # the output's features, in the single-device order
+    feature_dims: tuple[int, ...]  # FM features: k (the first-order column never travels)
+    slots: tuple[tuple[Slot, ...], ...]  # per owner rank
+    blocks: tuple[BlockLayout, ...]  # per owner rank, then the replicated tables' block
+    assembly: tuple[tuple[tuple[int, int, int], ...], ...]  # per feature: (block, piece, column)
+    row_split: tuple[bool, ...]  # per feature: its partials are added (row shards)
+    mean_features: tuple[int, ...]  # sharded mean-pooled features: divided after the sum
+    replicated_tables: tuple[str, ...]  # data-parallel tables
+    dp_groups: tuple[tuple[int, int], ...]  # (rows, dim) of every fused replicated group
+    fm_dim: int  # k of the FM tables; 0 without
+    coded: tuple[OwnerLayout, ...] | None  # per owner; None: no codec, the float32 hop
+
+    @property
+    def has_shards(self) -> bool:
+        return any(self.slots)
+
+    @property
+    def widths(self) -> tuple[int, ...]:
+        """Width of every owner's block (the output all-to-all's columns)."""
+        return tuple(b.width for b in self.blocks[: self.world_size])
+
+    @property
+    def replicated(self) -> BlockLayout:
+        return self.blocks[self.world_size]
+
+    @property
+    def feature_cols(self) -> tuple[int, ...]:
+        """First output column of every feature."""
+        starts, col = [], 0
+        for d in self.feature_dims:
+            starts.append(col)
+            col += d
+        return tuple(starts)
+
+
+@dataclass(frozen=True)
+class _ShardTable:
+    """A local table of one shard, as the block layout needs it (a shard may have no
+    rows, which a :class:`TableConfig` refuses, and the cost model lays out any plan)."""
+
+    name: str  # "table@i"
+    num_embeddings: int
+    embedding_dim: int
+    features: tuple[str, ...]  # slot names
+    fm_cols: int | None
+    pooling: str = "sum"  # always: mean is applied after the sum
+
+    @property
+    def first_order_col(self) -> int | None:
+        fm = self.fm_cols
+        return fm if fm is not None and fm < self.embedding_dim else None
+
+
+def _shard_tables(slots: Sequence[Slot], tables: Mapping[str, TableConfig]) -> list[_ShardTable]:
+    features: dict[str, list[str]] = {}
+    shards: dict[str, Slot] = {}
+    for s in slots:
+        features.setdefault(s.shard_table, []).append(s.name)
+        shards[s.shard_table] = s
+    out = []
+    for n, f in features.items():
+        sh, fm = shards[n].shard, tables[shards[n].table].fm_cols
+        out.append(_ShardTable(n, sh.num_rows, sh.num_cols, tuple(f),
+                               None if fm is None else max(0, min(sh.cols[1], fm) - sh.cols[0])))
+    return out
+
+
+def local_tables(slots: Sequence[Slot], tables: Mapping[str, TableConfig]) -> list[TableConfig]:
+    """One local table per shard (named ``table@i``, features named by slot); always sum
+    pooling (mean is applied after the sum). A shard of an FM table keeps the FM columns
+    it holds (and the first-order column if it holds it)."""
+    return [TableConfig(name=t.name, num_embeddings=t.num_embeddings, embedding_dim=t.embedding_dim,
+                        features=list(t.features), pooling=t.pooling, fm_cols=t.fm_cols)
+            for t in _shard_tables(slots, tables)]
+
+
+def build_layout(tables: Sequence[TableConfig], plan: ShardingPlan,
+                 codecs: Mapping[str, Codec] | None = None) -> EmbeddingLayout:
+    """The layout of ``tables`` sharded by ``plan``, with ``codecs`` (table -> codec of its
+    output_dist hop; tables without one travel as float32). Pure; raises ValueError for
+    tables the plan lacks, codecs of unknown tables, or FM tables of different ``fm_cols``."""
+    by_name = {t.name: t for t in tables}
+    codecs = dict(codecs or {})
+    _check(by_name, plan, codecs)
+    slots = _slots(tables, plan)
+    dp = [t for t in tables if plan.tables[t.name].sharding_type == "data_parallel"]
+    fm_dims = {t.fm_cols for t in tables if t.fm_cols is not None}
+    if len(fm_dims) > 1:
+        raise ValueError(f"FM tables must share fm_cols, got {sorted(fm_dims)}")
+    fm_dim = fm_dims.pop() if fm_dims else 0
+    blocks = tuple(_owner_block(s, by_name, codecs, fm_dim) for s in slots)
+    blocks += (_replicated_block(dp, fm_dim),)
+    features = output_features(list(tables))
+    names = tuple(f for f, _ in features)
+    table_of = {f: t for t in tables for f in t.features}
+    row_split = {s.feature for owner in slots for s in owner if s.row_split}
+    coded = None
+    if any(codecs.get(s.table) is not None for owner in slots for s in owner):
+        coded = tuple(owner_layout([(p.width, p.codec) for p in b.pieces]) for b in blocks[:-1])
+    return EmbeddingLayout(
+        world_size=plan.world_size, feature_names=names,
+        feature_dims=tuple(d if table_of[f].fm_cols is None else table_of[f].fm_cols for f, d in features),
+        slots=slots, blocks=blocks, assembly=_assembly(names, blocks),
+        row_split=tuple(f in row_split for f in names),
+        mean_features=tuple(i for i, f in enumerate(names) if table_of[f].pooling == "mean"
+                            and plan.tables[table_of[f].name].sharding_type != "data_parallel"),
+        replicated_tables=tuple(t.name for t in dp),
+        dp_groups=tuple((sum(t.num_embeddings for t in ts), dim)
+                        for (dim, *_), ts in group_tables(dp).items()),
+        fm_dim=fm_dim, coded=coded)
+
+
+def _check(tables: Mapping[str, TableConfig], plan: ShardingPlan, codecs: Mapping[str, Codec]) -> None:
+    missing = [n for n in tables if n not in plan.tables]
+    if missing:
+        raise ValueError(f"the sharding plan has no entry for tables {missing}")
+    unknown = sorted(set(codecs) - set(tables))
+    if unknown:
+        raise ValueError(f"codecs for unknown tables {unknown}")
+
+
+def _slots(tables: Sequence[TableConfig], plan: ShardingPlan) -> tuple[tuple[Slot, ...], ...]:
+    """Slots grouped by owner rank, in one order every rank computes identically."""
+    by_rank: list[list[Slot]] = [[] for _ in range(plan.world_size)]
+    for t in tables:
+        tp = plan.tables[t.name]
+        if tp.sharding_type == "data_parallel":
+            continue
+        for i, sh in enumerate(tp.shards):
+            for f in t.features:
+                row_split = tp.sharding_type in ROW_SPLIT
+                by_rank[sh.rank].append(Slot(f, t.name, i, sh, row_split, t.num_embeddings))
+    return tuple(tuple(s) for s in by_rank)
+
+
+def _block(local: Sequence[TableConfig | _ShardTable], piece_of, fm_dim: int,
+           s_at_owner: bool) -> BlockLayout:
+    """The block of a collection of ``local`` tables (in its output order: fused groups);
+    ``piece_of(feature, table, width)`` makes the piece of one output feature (``width``
+    without the first-order column)."""
+    table_of = {f: t for t in local for f in t.features}
+    pieces, field_cols, lr_cols, col = [], [], [], 0
+    for name, width in output_features(list(local)):
+        lr = table_of[name].first_order_col
+        pieces.append(piece_of(name, table_of[name], width - (lr is not None)))
+        field_cols += [col + c for c in range(width) if c != lr]
+        lr_cols += [col + lr] if lr is not None else []
+        col += width
+    if any(t.fm_cols is not None for t in local):
+        pieces.append(Piece("fm", None, None, 2 + (fm_dim if s_at_owner else 0), 0, False, IDENTITY))
+    return BlockLayout(tuple(pieces), tuple(field_cols), tuple(lr_cols), fm_dim, s_at_owner)
+
+
+def _owner_block(slots: Sequence[Slot], tables: Mapping[str, TableConfig], codecs: Mapping[str, Codec],
+                 fm_dim: int) -> BlockLayout:
+    slot_of = {s.name: s for s in slots}
+    # s_p travels when a coded FM piece would make the receiver's s differ from the
+    # owner's vectors (see hybridrec.model.deepfm).
+    s_at_owner = any(codecs.get(s.table) is not None and tables[s.table].fm_cols is not None for s in slots)
+
+    def piece(name: str, table: _ShardTable, width: int) -> Piece:
+        s = slot_of[name]
+        return Piece(name, s.feature, s.table, width, s.shard.cols[0], table.fm_cols is not None,
+                     codecs.get(s.table) or IDENTITY)
+
+    return _block(_shard_tables(slots, tables), piece, fm_dim, s_at_owner)
+
+
+def _replicated_block(dp: Sequence[TableConfig], fm_dim: int) -> BlockLayout:
+    table_of = {f: t for t in dp for f in t.features}
+
+    def piece(name: str, table: TableConfig, width: int) -> Piece:
+        return Piece(name, name, table_of[name].name, width, 0, table.fm_cols is not None, IDENTITY)
+
+    return _block(list(dp), piece, fm_dim, False)
+
+
+def _assembly(features: Sequence[str],
+              blocks: Sequence[BlockLayout]) -> tuple[tuple[tuple[int, int, int], ...], ...]:
+    """For every feature, ``(block, piece, first column)`` of its pieces, column shards in
+    column order."""
+    found: dict[str, list[tuple[int, int, int]]] = {f: [] for f in features}
+    for d, block in enumerate(blocks):
+        for j, p in enumerate(block.field_pieces):
+            found[p.feature].append((d, j, p.col))
+    return tuple(tuple(sorted(found[f], key=lambda x: x[2])) for f in features)
