@@ -127,11 +127,11 @@ def worker_hybridrec(args) -> dict:
     for i in range(total):
         if i == args.warmup:
             start = time.perf_counter()
-        batch = next(it, None)
-        if batch is None:  # a new pass over the data
+        item = next(it, None)
+        if item is None:  # a new pass over the data
             it = trainer.pipeline.batches(total - i)
-            batch = next(it)
-        trainer.train_step(batch)
+            item = next(it)
+        trainer.train_step(*item)  # (batch, its input_dist handle when pipelined)
     secs = time.perf_counter() - start
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     if world > 1:  # total peak RSS over the ranks, like the peer reports

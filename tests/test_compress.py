@@ -345,7 +345,7 @@ def _train_settings(topo, data, run_root):
             "train.progress=false", *extra])
         trainer = build_trainer(cfg, topo=topo)
         losses = []
-        for step, batch in zip(range(STEPS), trainer.train_loader):
+        for step, batch in zip(range(STEPS), trainer.pipeline.loader):
             losses.append(float(trainer.train_step(batch)))
         dense = {k: v.clone() for k, v in trainer.model.state_dict().items() if k.startswith(("bottom", "top"))}
         out[name] = {"losses": losses, "dense": dense,

@@ -70,7 +70,8 @@ def test_plain_dense_bytes_are_predicted_exactly(kind):
     for _, summary, _ in run_ranks(worker, 2, kind, False):
         entry = summary["predicted_vs_counted"]["dense_allreduce"]
         counted = summary["by_category"]["dense_allreduce"]
-        assert entry["predicted"]["sent"] == counted["sent"] > 0
+        assert entry["match"] and entry["mismatched_steps"] == 0
+        assert entry["predicted"]["sent"] == entry["counted"]["sent"] == counted["sent"] > 0
         assert entry["predicted"]["received"] == counted["received"]
 
 

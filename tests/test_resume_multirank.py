@@ -16,7 +16,7 @@ SMALL = ["model.embedding_dim=8", "model.bottom_mlp=16,8", "model.top_mlp=16,1",
          "data.batch_size=64", "data.eval_batch_size=1000", "train.progress=false"]
 DCT = ["compress.dense=dct", "compress.dense_ratio=0.05", "compress.dense_refresh_every=7",
        "compress.embedding=dct", "compress.embedding_ratio=0.25", "train.checkpoint_every=10",
-       "optim.decay=none"]
+       "optim.decay=none", "train.epochs=4"]
 
 
 @pytest.fixture(scope="module")

@@ -107,7 +107,7 @@ class Where:
 def locate(ebc: nn.Module, local_name: str) -> Where:
     base, _, idx = local_name.partition("@")
     if isinstance(ebc, ShardedEmbeddingBagCollection) and idx not in ("", "*"):
-        shards = ebc.plan.tables[base].shards
+        shards = list(ebc.layout.table_shards(base))
         return Where(ebc.tables[base], shards[int(idx)], shards)
     return Where(ebc.tables[base], None, None)
 

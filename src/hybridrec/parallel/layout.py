@@ -252,6 +252,12 @@ class EmbeddingLayout:
     def replicated(self) -> BlockLayout:
         return self.blocks[self.world_size]
 
+    def table_shards(self, table: str) -> tuple[Shard, ...]:
+        """Every shard of a sharded table, in the plan's order, from every owner's slots
+        (what a checkpoint needs to place this rank's blocks in the global table)."""
+        found = {s.index: s.shard for slots in self.slots for s in slots if s.table == table}
+        return tuple(found[i] for i in sorted(found))
+
     @property
     def feature_cols(self) -> tuple[int, ...]:
         """First output column of every feature."""
