@@ -6,6 +6,8 @@ top MLP 512-256-1, batch 2048, SGD (dense and sparse), one process.
 
     .venv/bin/python benchmarks/throughput.py                 # both, 3 alternating rounds
     .venv/bin/python benchmarks/throughput.py --no-peer       # hybridrec only
+    .venv/bin/python benchmarks/throughput.py --no-peer --no-ablation --baseline-rev HEAD~1
+                                                              # this tree vs an earlier commit
 
 Data: a synthetic Criteo-like click log (Zipf ids) preprocessed into the binary
 shards with 100,000-row tables (hex ids modulo 100,000). hybridrec reads its
@@ -55,6 +57,9 @@ def parse_args(argv=None):
     p.add_argument("--variant", action="append", default=[], metavar="NAME=KEY=VALUE,...",
                    help="another hybridrec configuration in every round, e.g. "
                         "nopipe=dist.pipeline=false (repeatable)")
+    p.add_argument("--baseline-rev", metavar="REV",
+                   help="also run hybridrec as of this git revision (e.g. HEAD~1) in every round: "
+                        "its source is exported under --out and run with its own worker")
     p.add_argument("--override", action="append", default=[], help=argparse.SUPPRESS)
     p.add_argument("--worker", choices=["hybridrec"], help=argparse.SUPPRESS)
     p.add_argument("--data", help=argparse.SUPPRESS)
@@ -182,8 +187,11 @@ def main(argv=None) -> int:
         if not name or not rest:
             raise SystemExit(f"--variant {v!r}: expected NAME=KEY=VALUE[,KEY=VALUE...]")
         variants[name] = [a for kv in rest.split(",") if kv for a in ("--override", kv)]
+    baseline = baseline_command(args, me) if args.baseline_rev else None
     runs: dict[str, list[dict]] = {"hybridrec": [], **{k: [] for k in variants},
                                    "hybridrec (torch F.linear)": [], "torchrec": []}
+    if baseline:
+        runs[baseline[0]] = []
     peer = None
     if args.peer:
         npz = dump_peer_batches(data, args)
@@ -194,6 +202,8 @@ def main(argv=None) -> int:
         runs["hybridrec"].append(run_json(me))
         for name, extra in variants.items():
             runs[name].append(run_json([*me, *extra]))
+        if baseline:
+            runs[baseline[0]].append(run_json(baseline[1], env=baseline[2]))
         if args.ablation:
             runs["hybridrec (torch F.linear)"].append(
                 run_json(me, env={**os.environ, "HYBRIDREC_ONEDNN_LINEAR": "0"}))
@@ -207,6 +217,27 @@ def main(argv=None) -> int:
     print(format_report(report))
     print(f"\nwritten: {out}")
     return 0
+
+
+def baseline_command(args, me: list[str]) -> tuple[str, list[str], dict]:
+    """``(name, command, env)`` that runs the worker of hybridrec as of ``--baseline-rev``:
+    ``git archive`` of that revision under --out, its own benchmark script, its ``src`` first
+    on PYTHONPATH (ahead of the installed package)."""
+    rev = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", args.baseline_rev],
+                         capture_output=True, text=True)
+    if rev.returncode:
+        raise SystemExit(f"--baseline-rev {args.baseline_rev}: {rev.stderr.strip()}")
+    sha = rev.stdout.strip()
+    tree = Path(args.out) / f"rev-{sha}"
+    if not (tree / "src").is_dir():
+        tree.mkdir(parents=True, exist_ok=True)
+        archive = subprocess.run(["git", "-C", str(ROOT), "archive", sha], capture_output=True, check=True)
+        subprocess.run(["tar", "-x", "-C", str(tree)], input=archive.stdout, check=True)
+    script = me.index(__file__)
+    cmd = [*me[:script], str(tree / "benchmarks/throughput.py"), *me[script + 1:]]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(tree / "src"),
+                                                                      os.environ.get("PYTHONPATH")]))}
+    return f"hybridrec @ {sha}", cmd, env
 
 
 def summarize(runs: dict, args, data: Path) -> dict:
