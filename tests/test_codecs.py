@@ -27,7 +27,8 @@ from hybridrec.parallel.layout import build_layout, owner_layout
 from hybridrec.parallel.parallelize import parallelize_dlrm
 from hybridrec.parallel.sharded_embedding import ShardedEmbeddingBagCollection
 from hybridrec.sparse.keyed_jagged import Batch, KeyedJagged
-from test_sharded_embedding import sparse_optimizers, sparse_step
+from hybridrec.train.sparse_optim import combined_sparse_optimizer
+from hybridrec.train.trainer import sparse_grads
 
 CODECS = {
     "fp32": lambda: CastCodec(torch.float32),
@@ -300,7 +301,7 @@ def train_worker(topo, codec_name, kind):
                      bottom_mlp=[8, DIM], top_mlp=[6, 1])
         model = parallelize_dlrm(model, plan, topo, codecs=codecs)
         dense_opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
-        sparse = sparse_optimizers("rowwise_adagrad", model.sparse)
+        sparse = combined_sparse_optimizer("rowwise_adagrad", model.sparse, lr=0.1)
         losses = []
         for step in range(3):
             b = BATCH[topo.rank]
@@ -311,7 +312,7 @@ def train_worker(topo, codec_name, kind):
             dense_opt.zero_grad()
             loss.backward()
             dense_opt.step()
-            sparse_step(model.sparse, sparse)
+            sparse.step(sparse_grads(model.sparse))
             losses.append(loss.item())
         shards = {k: w.detach().clone() for k, (_, w) in model.sparse.local_shards().items()}
         results.append((losses, shards, {k: v.clone() for k, v in model.state_dict().items()}))

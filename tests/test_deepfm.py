@@ -13,7 +13,8 @@ from hybridrec.parallel import plan as P
 from hybridrec.parallel.cost_model import predict_step_bytes
 from hybridrec.parallel.parallelize import parallelize_dlrm
 from hybridrec.sparse.keyed_jagged import Batch, KeyedJagged
-from test_sharded_embedding import sparse_optimizers, sparse_step
+from hybridrec.train.sparse_optim import combined_sparse_optimizer
+from hybridrec.train.trainer import sparse_grads
 
 K, GLOBAL_B, STEPS = 4, 12, 3
 TABLES = [("t0", 23), ("t1", 40), ("t2", 7)]
@@ -124,7 +125,7 @@ def train(model, sparse_opts, batches, lo, hi, ledger=None):
         dense_opt.zero_grad()
         loss.backward()
         dense_opt.step()
-        sparse_step(model.sparse, sparse_opts)
+        sparse_opts.step(sparse_grads(model.sparse))
         losses.append(loss.item())
         if ledger is not None:
             ledger.step_end()
@@ -134,7 +135,7 @@ def train(model, sparse_opts, batches, lo, hi, ledger=None):
 def worker(topo, kind, sparse_opt):
     ledger = CommLedger()
     model = parallelize_dlrm(build(), make_plan(kind, topo.world_size), topo, ledger=ledger)
-    opts = sparse_optimizers(sparse_opt, model.sparse, lr=0.05)
+    opts = combined_sparse_optimizer(sparse_opt, model.sparse, lr=0.05)
     per = GLOBAL_B // topo.world_size
     losses = train(model, opts, global_batches(), topo.rank * per, (topo.rank + 1) * per, ledger)
     shards = {k: (s, w.detach().clone()) for k, (s, w) in model.sparse.local_shards().items()}
@@ -154,7 +155,7 @@ def worker(topo, kind, sparse_opt):
 def test_des_deepfm_equals_single_process(kind, world, sparse_opt):
     results = run_ranks(worker, world, kind, sparse_opt)
     ref = build()
-    ref_losses = train(ref, sparse_optimizers(sparse_opt, ref.sparse, lr=0.05), global_batches(), 0, GLOBAL_B)
+    ref_losses = train(ref, combined_sparse_optimizer(sparse_opt, ref.sparse, lr=0.05), global_batches(), 0, GLOBAL_B)
     mean = [sum(r[0][s] for r in results) / world for s in range(STEPS)]
     torch.testing.assert_close(torch.tensor(mean), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
     for n, rows in TABLES:
@@ -199,7 +200,7 @@ def codec_worker(topo, kind, codec_args, steps):
         plan = make_plan(kind, topo.world_size)
         codecs = {n: c for n, c in codecs.items() if plan.tables[n].sharding_type != "data_parallel"}
         model = parallelize_dlrm(build(zero_top=steps == 1), plan, topo, codecs=codecs)
-        opts = sparse_optimizers("sgd", model.sparse, lr=0.05)
+        opts = combined_sparse_optimizer("sgd", model.sparse, lr=0.05)
         batches = global_batches(steps=steps)
         losses = train(model, opts, batches, topo.rank * per, (topo.rank + 1) * per)
         shards = {k: (s, w.detach().clone()) for k, (s, w) in model.sparse.local_shards().items()}
@@ -220,7 +221,7 @@ def test_lossless_codec_trains_deepfm_exactly():
         for k in plain[2]:
             assert torch.equal(plain[2][k], coded[2][k]), k
     ref = build()
-    ref_losses = train(ref, sparse_optimizers("sgd", ref.sparse, lr=0.05), global_batches(), 0, GLOBAL_B)
+    ref_losses = train(ref, combined_sparse_optimizer("sgd", ref.sparse, lr=0.05), global_batches(), 0, GLOBAL_B)
     mean = [sum(r["coded"][0][s] for r in results) / 2 for s in range(STEPS)]
     torch.testing.assert_close(torch.tensor(mean), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
     for n, full in full_tables([r["coded"][1] for r in results]).items():
@@ -234,7 +235,7 @@ def test_lossy_codec_keeps_the_fm_term_exact():
     and FM terms see the true vectors, not the decoded ones."""
     results = run_ranks(codec_worker, 2, "row_wise", {"eta": 0.25}, 1)
     ref = build(zero_top=True)
-    train(ref, sparse_optimizers("sgd", ref.sparse, lr=0.05), global_batches(steps=1), 0, GLOBAL_B)
+    train(ref, combined_sparse_optimizer("sgd", ref.sparse, lr=0.05), global_batches(steps=1), 0, GLOBAL_B)
     for n, full in full_tables([r["coded"][1] for r in results]).items():
         torch.testing.assert_close(full, ref.sparse.table_weight(n), rtol=1e-5, atol=1e-6)
 

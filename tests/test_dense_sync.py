@@ -12,7 +12,7 @@ from hybridrec.comm.ledger import CommLedger
 from hybridrec.parallel.dense_sync import AllReduceSync, DDPSync, NoSync, dense_arches
 from hybridrec.parallel.parallelize import parallelize_dlrm
 from hybridrec.train.optim import dense_parameters
-from hybridrec.train.sparse_optim import CombinedSparseOptimizer, build_sparse_optimizer
+from hybridrec.train.sparse_optim import combined_sparse_optimizer
 from hybridrec.train.trainer import training_step
 from test_sharded_embedding import GLOBAL_B, build, global_batches, local_batch, make_plan
 
@@ -36,9 +36,7 @@ def worker(topo, kind, dct):
     model = parallelize_dlrm(build("sum"), make_plan("table_wise", topo.world_size), topo, ledger=ledger,
                              dense_sync=sync)
     dense_opt = torch.optim.SGD(dense_parameters(model), lr=0.1)
-    sparse_opt = CombinedSparseOptimizer({k: build_sparse_optimizer("sgd", c, lr=0.1) for k, c in
-                                          (("shards", model.sparse.local), ("replicated", model.sparse.replicated))
-                                          if c is not None})
+    sparse_opt = combined_sparse_optimizer("sgd", model.sparse, lr=0.1)
     b = GLOBAL_B // topo.world_size
     for g in global_batches(False):
         training_step(model, local_batch(g, topo.rank * b, (topo.rank + 1) * b), dense_opt=dense_opt,

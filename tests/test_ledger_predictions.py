@@ -16,7 +16,8 @@ from hybridrec.parallel.cost_model import predict_step_bytes
 from hybridrec.parallel.dense_sync import DDPSync
 from hybridrec.parallel.parallelize import parallelize_dlrm
 from hybridrec.sparse.keyed_jagged import Batch, KeyedJagged
-from test_sharded_embedding import sparse_optimizers, sparse_step
+from hybridrec.train.sparse_optim import combined_sparse_optimizer
+from hybridrec.train.trainer import sparse_grads
 
 pytestmark = pytest.mark.distributed
 
@@ -48,7 +49,7 @@ def worker(topo, arch, kind, codec, pipeline):
     model = parallelize_dlrm(case.build() if arch == "deepfm" else case.build("sum"), plan, topo,
                              ledger=ledger, codecs=codecs, dense_sync=sync)
     dense_opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.05)
-    opts = sparse_optimizers("rowwise_adagrad", model.sparse)
+    opts = combined_sparse_optimizer("rowwise_adagrad", model.sparse, lr=0.1)
     batches = [skewed_batch(case.TABLES, topo.rank, s) for s in range(STEPS)]
     pending = model.sparse.start_input_dist(batches[0].sparse) if pipeline else None
     input_bytes = []
@@ -59,7 +60,7 @@ def worker(topo, arch, kind, codec, pipeline):
         dense_opt.zero_grad()
         loss.backward()
         sync.synchronize()
-        sparse_step(model.sparse, opts)
+        opts.step(sparse_grads(model.sparse))
         dense_opt.step()
         ledger.step_end()
         input_bytes.append(ledger.totals(scope="last_step", category="input_dist").sent)

@@ -23,7 +23,8 @@ from hybridrec.parallel.dense_sync import DDPSync
 from hybridrec.parallel.parallelize import parallelize_dlrm
 from hybridrec.parallel.planner import TableConstraint, plan_sharding
 from hybridrec.sparse.keyed_jagged import Batch, KeyedJagged
-from test_sharded_embedding import sparse_optimizers, sparse_step
+from hybridrec.train.sparse_optim import combined_sparse_optimizer
+from hybridrec.train.trainer import sparse_grads
 
 GiB = 2**30
 
@@ -199,10 +200,10 @@ def predicted_vs_counted_worker(topo):
         ledger = CommLedger()
         sync = DDPSync(topo, ledger=ledger)
         model = parallelize_dlrm(model, plan, topo, ledger=ledger, dense_sync=sync)
-        opts = sparse_optimizers("sgd", model.sparse)
+        opts = combined_sparse_optimizer("sgd", model.sparse, lr=0.1)
         F.binary_cross_entropy_with_logits(model(batch), batch.labels).backward()
         sync.synchronize()  # the plain all-reduce predicts its step's bytes
-        sparse_step(model.sparse, opts)  # the data-parallel tables' all-reduce runs here
+        opts.step(sparse_grads(model.sparse))  # the data-parallel tables' all-reduce runs here
         ledger.step_end()
         pred = predict_step_bytes(plan, small_tables(), rank=topo.rank, batch_sizes=BATCH,
                                   ids_per_bag=BAG, dense_param_bytes=dense)

@@ -26,7 +26,7 @@ from hybridrec.parallel.checkpoint import (
 from hybridrec.parallel.parallelize import parallelize_dlrm
 from hybridrec.parallel.topology import Topology
 from hybridrec.sparse.keyed_jagged import Batch, KeyedJagged
-from hybridrec.train.sparse_optim import build_sparse_optimizer
+from hybridrec.train.sparse_optim import build_sparse_optimizer, combined_sparse_optimizer
 from hybridrec.train.trainer import sparse_grads
 
 DIM, GLOBAL_B, STEPS = 4, 12, 4  # save after 2 steps, then 2 more
@@ -59,15 +59,7 @@ def build(seed, sparse_opt, plan=None, topo=None):
     if plan is not None:
         model = parallelize_dlrm(model, plan, topo)
     dense = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=0.01)
-    return model, dense, [build_sparse_optimizer(sparse_opt, c, lr=0.1) for c in named_collections(model).values()]
-
-
-def named_collections(model):
-    """The local collections by the names :func:`sparse_grads` gives their row gradients."""
-    s = model.sparse
-    if isinstance(s, EmbeddingBagCollection):
-        return {"tables": s}
-    return {k: c for k, c in (("shards", s.local), ("replicated", s.replicated)) if c is not None}
+    return model, dense, combined_sparse_optimizer(sparse_opt, model.sparse, lr=0.1)
 
 
 def batches():
@@ -92,8 +84,7 @@ def train(model, dense, sparse, steps, lo, hi):
         loss.backward()
         grads = sparse_grads(model.sparse)
         dense.step()
-        for o, k in zip(sparse, named_collections(model)):
-            o.step(grads[k])
+        sparse.step(grads)
 
 
 def snapshot(model, dense, sparse):

@@ -9,9 +9,9 @@ from hybridrec.model.dlrm import DLRM
 from hybridrec.model.embedding import EmbeddingBagCollection, TableConfig
 from hybridrec.parallel import plan as P
 from hybridrec.parallel.parallelize import parallelize_dlrm
-from hybridrec.parallel.sharded_embedding import ShardedEmbeddingBagCollection
 from hybridrec.sparse.keyed_jagged import Batch, KeyedJagged
-from hybridrec.train.sparse_optim import build_sparse_optimizer
+from hybridrec.train.sparse_optim import combined_sparse_optimizer
+from hybridrec.train.trainer import sparse_grads
 
 pytestmark = pytest.mark.distributed
 
@@ -76,25 +76,6 @@ def build(pooling):
     return DLRM(num_dense=3, sparse=ebc, bottom_mlp=[8, DIM], top_mlp=[6, 1])
 
 
-def sparse_optimizers(name, sparse, lr=0.1):
-    """Named like the collections' row gradients: ``shards``/``replicated`` or ``tables``."""
-    if isinstance(sparse, ShardedEmbeddingBagCollection):
-        named = {"shards": sparse.local, "replicated": sparse.replicated}
-    else:
-        named = {"tables": sparse}
-    return {k: build_sparse_optimizer(name, c, lr=lr) for k, c in named.items() if c is not None}
-
-
-def sparse_step(sparse, opts):
-    """The row gradients of the step (replicated tables reduced over ranks), then the updates."""
-    if isinstance(sparse, ShardedEmbeddingBagCollection):
-        grads = sparse.reduce_sparse_grads(sparse.pop_sparse_grads())
-    else:
-        grads = {"tables": sparse.pop_sparse_grads()}
-    for k, o in opts.items():
-        o.step(grads.get(k, []))
-
-
 def train(model, opts, batches, lo, hi, pipeline=False):
     dense_opt, sparse_opts = opts
     losses = []
@@ -108,7 +89,7 @@ def train(model, opts, batches, lo, hi, pipeline=False):
         dense_opt.zero_grad()
         loss.backward()
         dense_opt.step()
-        sparse_step(model.sparse, sparse_opts)
+        sparse_opts.step(sparse_grads(model.sparse))
         losses.append(loss.item())
         pending = nxt
     return losses
@@ -129,7 +110,7 @@ def worker(topo, kind, sparse_opt, multi_hot, pooling, pipeline=False, exchange=
     plan = make_plan(kind, topo.world_size)
     model = parallelize_dlrm(build(pooling), plan, topo)
     dense_opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
-    sparse = sparse_optimizers(sparse_opt, model.sparse)
+    sparse = combined_sparse_optimizer(sparse_opt, model.sparse, lr=0.1)
     per = GLOBAL_B // topo.world_size
     lo = topo.rank * per
     losses = train(model, (dense_opt, sparse), global_batches(multi_hot), lo, lo + per, pipeline)
@@ -141,7 +122,7 @@ def worker(topo, kind, sparse_opt, multi_hot, pooling, pipeline=False, exchange=
 def reference(sparse_opt, multi_hot, pooling):
     model = build(pooling)
     dense_opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
-    sparse = sparse_optimizers(sparse_opt, model.sparse)
+    sparse = combined_sparse_optimizer(sparse_opt, model.sparse, lr=0.1)
     losses = train(model, (dense_opt, sparse), global_batches(multi_hot), 0, GLOBAL_B)
     return losses, model
 

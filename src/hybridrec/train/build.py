@@ -43,10 +43,7 @@ from hybridrec.parallel.plan import ShardingPlan
 from hybridrec.parallel.planner import plan_sharding
 from hybridrec.parallel.sharded_embedding import ShardedEmbeddingBagCollection
 from hybridrec.parallel.topology import Topology
-from hybridrec.train.sparse_optim import (
-    CombinedSparseOptimizer,
-    build_sparse_optimizer,
-)
+from hybridrec.train.sparse_optim import CombinedSparseOptimizer, combined_sparse_optimizer
 from hybridrec.train.checkpointer import Checkpointer, Component, TorchRNG
 from hybridrec.train.pipeline import TrainPipeline
 from hybridrec.train.trainer import Trainer
@@ -184,13 +181,7 @@ def build_sparse_optimizers(cfg: Config, sparse) -> CombinedSparseOptimizer:
     """One sparse optimizer per local collection (a sharded model: its shards and its
     replicated tables), behind one interface."""
     kwargs = {} if cfg.optim.sparse == "sgd" else {"eps": cfg.optim.eps}
-    if isinstance(sparse, ShardedEmbeddingBagCollection):
-        named = {"shards": sparse.local, "replicated": sparse.replicated}
-    else:
-        named = {"tables": sparse}
-    return CombinedSparseOptimizer({
-        k: build_sparse_optimizer(cfg.optim.sparse, c, lr=cfg.optim.sparse_lr, **kwargs)
-        for k, c in named.items() if c is not None})
+    return combined_sparse_optimizer(cfg.optim.sparse, sparse, lr=cfg.optim.sparse_lr, **kwargs)
 
 
 def build_dense_compressor(c: CompressConfig) -> GradientCompressor:

@@ -163,6 +163,12 @@ class CombinedSparseOptimizer:
     def __init__(self, optimizers: dict[str, SparseOptimizer]) -> None:
         self.optimizers = optimizers
 
+    def __iter__(self):  # the parts, e.g. for a checkpoint that saves each one's tables
+        return iter(self.optimizers.values())
+
+    def __len__(self) -> int:
+        return len(self.optimizers)
+
     @property
     def lr(self) -> float:
         return next(iter(self.optimizers.values())).lr
@@ -184,3 +190,19 @@ class CombinedSparseOptimizer:
     def load_state_dict(self, state: dict) -> None:
         for k, o in self.optimizers.items():
             o.load_state_dict(state[k])
+
+
+def local_collections(sparse) -> dict:
+    """The embedding collections a rank updates, by the names its row gradients carry
+    (:func:`hybridrec.train.trainer.sparse_grads`): a sharded collection's ``shards`` and
+    ``replicated`` (those it has), or a single-device collection's ``tables``."""
+    if hasattr(sparse, "reduce_sparse_grads"):
+        return {k: c for k, c in (("shards", sparse.local), ("replicated", sparse.replicated))
+                if c is not None}
+    return {"tables": sparse}
+
+
+def combined_sparse_optimizer(name: str, sparse, *, lr: float, **kwargs) -> CombinedSparseOptimizer:
+    """One ``name`` optimizer per local collection of ``sparse``, behind one interface."""
+    return CombinedSparseOptimizer({k: build_sparse_optimizer(name, c, lr=lr, **kwargs)
+                                    for k, c in local_collections(sparse).items()})
