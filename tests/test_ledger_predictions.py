@@ -5,7 +5,6 @@ ledger's comparison, step by step; row-wise, table-wise with a codec, DeepFM wit
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import test_deepfm as fm_case
 import test_sharded_embedding as dlrm_case
@@ -17,7 +16,7 @@ from hybridrec.parallel.dense_sync import DDPSync
 from hybridrec.parallel.parallelize import parallelize_dlrm
 from hybridrec.sparse.keyed_jagged import Batch, KeyedJagged
 from hybridrec.train.sparse_optim import combined_sparse_optimizer
-from hybridrec.train.trainer import sparse_grads
+from hybridrec.train.trainer import training_step
 
 pytestmark = pytest.mark.distributed
 
@@ -55,13 +54,7 @@ def worker(topo, arch, kind, codec, pipeline):
     input_bytes = []
     for i, batch in enumerate(batches):
         nxt = model.sparse.start_input_dist(batches[i + 1].sparse) if pipeline and i + 1 < STEPS else None
-        logits = model(batch) if pending is None else model(batch, sparse_input=pending)
-        loss = F.binary_cross_entropy_with_logits(logits, batch.labels)
-        dense_opt.zero_grad()
-        loss.backward()
-        sync.synchronize()
-        opts.step(sparse_grads(model.sparse))
-        dense_opt.step()
+        training_step(model, batch, dense_opt=dense_opt, sparse_opt=opts, dense_sync=sync, pending=pending)
         ledger.step_end()
         input_bytes.append(ledger.totals(scope="last_step", category="input_dist").sent)
         if i == 1:  # evaluation between steps, a prefetch in flight: neither counted nor predicted

@@ -8,10 +8,11 @@ from distributed import run_ranks
 from hybridrec.model.dlrm import DLRM
 from hybridrec.model.embedding import EmbeddingBagCollection, TableConfig
 from hybridrec.parallel import plan as P
+from hybridrec.parallel.dense_sync import DDPSync, NoSync
 from hybridrec.parallel.parallelize import parallelize_dlrm
 from hybridrec.sparse.keyed_jagged import Batch, KeyedJagged
 from hybridrec.train.sparse_optim import combined_sparse_optimizer
-from hybridrec.train.trainer import sparse_grads
+from hybridrec.train.trainer import training_step
 
 pytestmark = pytest.mark.distributed
 
@@ -76,7 +77,9 @@ def build(pooling):
     return DLRM(num_dense=3, sparse=ebc, bottom_mlp=[8, DIM], top_mlp=[6, 1])
 
 
-def train(model, opts, batches, lo, hi, pipeline=False):
+def train(model, opts, batches, lo, hi, pipeline=False, sync=None):
+    """The trainer's step over ``batches`` (rows ``lo:hi`` of each); ``sync``: the dense
+    synchronization the model was parallelized with (None: one process)."""
     dense_opt, sparse_opts = opts
     losses = []
     local = [local_batch(b, lo, hi) for b in batches]
@@ -84,13 +87,8 @@ def train(model, opts, batches, lo, hi, pipeline=False):
     for i, batch in enumerate(local):
         # The next batch's ids travel during this step.
         nxt = model.sparse.start_input_dist(local[i + 1].sparse) if pipeline and i + 1 < len(local) else None
-        logits = model(batch) if pending is None else model(batch, sparse_input=pending)
-        loss = F.binary_cross_entropy_with_logits(logits, batch.labels)
-        dense_opt.zero_grad()
-        loss.backward()
-        dense_opt.step()
-        sparse_opts.step(sparse_grads(model.sparse))
-        losses.append(loss.item())
+        losses.append(training_step(model, batch, dense_opt=dense_opt, sparse_opt=sparse_opts,
+                                    dense_sync=sync or NoSync(), pending=pending).item())
         pending = nxt
     return losses
 
@@ -108,12 +106,13 @@ def full_tables_from_shards(shards):
 def worker(topo, kind, sparse_opt, multi_hot, pooling, pipeline=False, exchange="collective"):
     topo.exchange = exchange
     plan = make_plan(kind, topo.world_size)
-    model = parallelize_dlrm(build(pooling), plan, topo)
+    sync = DDPSync(topo)
+    model = parallelize_dlrm(build(pooling), plan, topo, dense_sync=sync)
     dense_opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
     sparse = combined_sparse_optimizer(sparse_opt, model.sparse, lr=0.1)
     per = GLOBAL_B // topo.world_size
     lo = topo.rank * per
-    losses = train(model, (dense_opt, sparse), global_batches(multi_hot), lo, lo + per, pipeline)
+    losses = train(model, (dense_opt, sparse), global_batches(multi_hot), lo, lo + per, pipeline, sync)
     shards = {k: (s, w.detach().clone()) for k, (s, w) in model.sparse.local_shards().items()}
     dense = {k: v.detach().clone() for k, v in model.state_dict().items() if "sparse" not in k}
     return losses, shards, dense
