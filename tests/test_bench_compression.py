@@ -6,6 +6,7 @@ import xml.etree.ElementTree as ET
 
 import pytest
 
+from synth_data import synth_dataset
 from hybridrec.bench import compression_report as report
 from hybridrec.bench.compression import (
     SweepSpec,
@@ -190,12 +191,7 @@ def test_results_of_an_unfinished_sweep_say_so(tmp_path):
 
 @pytest.fixture(scope="module")
 def dataset(tmp_path_factory):
-    root = tmp_path_factory.mktemp("bench")
-    assert main(["data", "synth", "--out", str(root / "raw"), "--days", "2",
-                 "--rows-per-day", "2000"]) == 0
-    assert main(["data", "preprocess", *sorted(str(p) for p in (root / "raw").glob("day_*")),
-                 "--out", str(root / "data")]) == 0
-    return root / "data"
+    return synth_dataset(tmp_path_factory.mktemp("bench"), days=2, rows=2000)
 
 
 def test_one_process_sweep_reports_a_failure_continues_and_reuses_finished_runs(

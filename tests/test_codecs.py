@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from synth_data import synth_dataset
 from distributed import run_ranks
 from hybridrec.comm.codecs import (
     CastCodec,
@@ -332,14 +333,7 @@ def test_eta_one_fp32_trains_exactly_like_uncompressed():
 # -- the config path, 2 ranks ------------------------------------------------------------
 @pytest.fixture(scope="module")
 def dataset(tmp_path_factory):
-    from hybridrec.cli.main import main
-
-    root = tmp_path_factory.mktemp("codecs")
-    assert main(["data", "synth", "--out", str(root / "raw"), "--days", "2",
-                 "--rows-per-day", "800"]) == 0
-    assert main(["data", "preprocess", *sorted(str(p) for p in (root / "raw").glob("day_*")),
-                 "--out", str(root / "data")]) == 0
-    return root / "data"
+    return synth_dataset(tmp_path_factory.mktemp("codecs"), days=2, rows=800)
 
 
 def config_worker(topo, data, run_root):

@@ -11,6 +11,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from synth_data import synth_dataset
 from distributed import run_ranks
 from hybridrec.comm import sparse_message as sm
 from hybridrec.comm.compress import (
@@ -323,13 +324,7 @@ STEPS = 5
 
 @pytest.fixture(scope="module")
 def dataset(tmp_path_factory):
-    from hybridrec.cli.main import main
-
-    root = tmp_path_factory.mktemp("compress")
-    assert main(["data", "synth", "--out", str(root / "raw"), "--days", "2", "--rows-per-day", "1000"]) == 0
-    assert main(["data", "preprocess", *sorted(str(p) for p in (root / "raw").glob("day_*")),
-                 "--out", str(root / "data")]) == 0
-    return root / "data"
+    return synth_dataset(tmp_path_factory.mktemp("compress"), days=2, rows=1000)
 
 
 def _train_settings(topo, data, run_root):

@@ -9,6 +9,7 @@ import time
 import pytest
 import torch
 
+from synth_data import synth_dataset
 from hybridrec.cli.main import main
 from hybridrec.train import checkpoint as ckpt
 from hybridrec.train.run import load_run_model
@@ -19,11 +20,7 @@ SMALL = ["model.embedding_dim=8", "model.bottom_mlp=16,8", "model.top_mlp=16,1",
 
 @pytest.fixture(scope="module")
 def dataset(tmp_path_factory):
-    root = tmp_path_factory.mktemp("e2e")
-    assert main(["data", "synth", "--out", str(root / "raw"), "--days", "3", "--rows-per-day", "3000"]) == 0
-    days = sorted(str(p) for p in (root / "raw").glob("day_*"))
-    assert main(["data", "preprocess", *days, "--out", str(root / "data")]) == 0
-    return root / "data"
+    return synth_dataset(tmp_path_factory.mktemp("e2e"), days=3, rows=3000)
 
 
 def _train(dataset, run_dir, *extra):

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from synth_data import synth_dataset
 from hybridrec.cli.main import main
 
 pytestmark = pytest.mark.distributed
@@ -22,11 +23,7 @@ SMALL = ["model.embedding_dim=8", "model.bottom_mlp=16,8", "model.top_mlp=16,1",
 
 @pytest.fixture(scope="module")
 def dataset(tmp_path_factory):
-    root = tmp_path_factory.mktemp("launch")
-    assert main(["data", "synth", "--out", str(root / "raw"), "--days", "2", "--rows-per-day", "2000"]) == 0
-    assert main(["data", "preprocess", *sorted(str(p) for p in (root / "raw").glob("day_*")),
-                 "--out", str(root / "data")]) == 0
-    return root / "data"
+    return synth_dataset(tmp_path_factory.mktemp("launch"), days=2, rows=2000)
 
 
 def _cmd(dataset, run, *extra):

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from hybridrec.cli.main import main
+from synth_data import synth_dataset
 
 pytestmark = pytest.mark.distributed
 
@@ -21,11 +21,7 @@ DCT = ["compress.dense=dct", "compress.dense_ratio=0.05", "compress.dense_refres
 
 @pytest.fixture(scope="module")
 def dataset(tmp_path_factory):
-    root = tmp_path_factory.mktemp("resume")
-    assert main(["data", "synth", "--out", str(root / "raw"), "--days", "2", "--rows-per-day", "2000"]) == 0
-    assert main(["data", "preprocess", *sorted(str(p) for p in (root / "raw").glob("day_*")),
-                 "--out", str(root / "data")]) == 0
-    return root / "data"
+    return synth_dataset(tmp_path_factory.mktemp("resume"), days=2, rows=2000)
 
 
 def _train(dataset, run, nproc, *extra):
