@@ -161,6 +161,32 @@ class CompressConfig:
 
 
 @dataclass(kw_only=True)
+class SyncConfig:
+    algorithm: str = "none"
+    """Synchronization of the dense replicas instead of averaging gradients (ShadowSync):
+    ``none``, ``ma`` (model averaging), ``easgd`` (elastic averaging) or ``bmuf`` (block
+    momentum). With one, every rank keeps its own dense replica (no DDP all-reduce); the
+    embeddings stay sharded and synchronous."""
+    mode: str = "background"
+    """``background``: a shadow thread per rank synchronizes as often as it can while training
+    runs; ``foreground``: a round every ``sync.every`` steps inside the loop."""
+    every: int = 1
+    """``foreground``: training steps between two rounds."""
+    alpha: float = 0.25
+    """``easgd``: moving rate: each replica moves ``alpha`` of the way to the centre per round,
+    the centre ``min(1, N alpha)`` of the way to the replicas' mean (N ranks)."""
+    block_momentum: float = 0.5
+    """``bmuf``: block momentum (mu)."""
+    block_lr: float = 1.0
+    """``bmuf``: block learning rate (zeta)."""
+    nesterov: bool = True
+    """``bmuf``: hand the replicas the Nesterov look-ahead ``g + mu * delta``."""
+    write_back: str = "delta"
+    """``background``: ``delta`` keeps the steps a replica trained during a round
+    (``w += new - snapshot``) or ``overwrite`` (``w = new``)."""
+
+
+@dataclass(kw_only=True)
 class Config:
     data: DataConfig = field(default_factory=DataConfig)
     """Dataset and batching."""
@@ -174,13 +200,15 @@ class Config:
     """Ranks, sharding, process groups."""
     compress: CompressConfig = field(default_factory=CompressConfig)
     """Communication compression (dense gradients, pooled embeddings)."""
+    sync: SyncConfig = field(default_factory=SyncConfig)
+    """Background / periodic synchronization of dense replicas (MA, EASGD, BMUF)."""
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
 
 SECTIONS = {"data": DataConfig, "model": ModelConfig, "optim": OptimConfig, "train": TrainConfig,
-            "dist": DistConfig, "compress": CompressConfig}
+            "dist": DistConfig, "compress": CompressConfig, "sync": SyncConfig}
 
 
 def _section_fields(section: str) -> dict[str, dataclasses.Field]:
@@ -309,6 +337,21 @@ def build_config(base: dict | None = None, files: list[str] = (), overrides: lis
     return cfg
 
 
+def _sync_checks(cfg: Config) -> list[tuple[bool, str]]:
+    s = cfg.sync
+    return [
+        (s.algorithm in ("none", "ma", "easgd", "bmuf"), f"sync.algorithm {s.algorithm!r}: none, ma, easgd or bmuf"),
+        (s.mode in ("background", "foreground"), f"sync.mode {s.mode!r}: background or foreground"),
+        (s.every >= 1, "sync.every must be >= 1"),
+        (0 <= s.alpha <= 1, f"sync.alpha must be in [0, 1], got {s.alpha}"),
+        (0 <= s.block_momentum < 1, f"sync.block_momentum must be in [0, 1), got {s.block_momentum}"),
+        (s.block_lr > 0, "sync.block_lr must be positive"),
+        (s.write_back in ("delta", "overwrite"), f"sync.write_back {s.write_back!r}: delta or overwrite"),
+        (s.algorithm == "none" or cfg.compress.dense == "none",
+         f"sync.algorithm={s.algorithm} averages replicas, not gradients: compress.dense must be none"),
+    ]
+
+
 def validate(cfg: Config) -> None:
     # The one list of sparse optimizer names (the cost model prices their state); imported
     # here, not at the top, so that reading a config does not import torch.
@@ -352,6 +395,7 @@ def validate(cfg: Config) -> None:
         (0 < c.dense_ratio <= 1, f"compress.dense_ratio must be in (0, 1], got {c.dense_ratio}"),
         (c.dense_refresh_every >= 1, "compress.dense_refresh_every must be >= 1"),
         (c.dense_warmup_steps >= 0, "compress.dense_warmup_steps must be >= 0"),
+        *_sync_checks(cfg),
         (c.powersgd_rank >= 1, "compress.powersgd_rank must be >= 1"),
         (c.embedding in ("none", "dct", "fp16", "bf16", "int8"),
          f"compress.embedding {c.embedding!r}: none, dct, fp16, bf16 or int8"),
