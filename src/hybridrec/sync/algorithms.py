@@ -1,0 +1,139 @@
+"""Synchronizers of dense replicas (ShadowSync's algorithms): MA, EASGD and BMUF.
+
+Every rank trains its own dense replica (no gradient all-reduce); a synchronizer makes the
+replicas meet, one *round* at a time. A round takes this rank's snapshot ``s`` (the
+replica's parameters flattened, ``[n]`` float32), runs one all-reduce over the sync group
+and returns the *target* ``t`` ``[n]`` the replica should become; the runner
+(:mod:`hybridrec.sync.runners`) writes it back. Each algorithm is a small state object:
+
+- :class:`ModelAveraging` (MA): ``t = mean_i s_i``. No state.
+- :class:`ElasticAveraging` (EASGD, centre replicated on every rank): with the centre ``c``,
+  ``t = s - alpha (s - c)``, then ``c <- c + beta (mean_i s_i - c)``, ``beta = min(1, N alpha)``
+  (the synchronous EASGD of Zhang et al. 2015 with ``beta = N alpha``, capped so the centre
+  never overshoots the mean). ``alpha = 0``: independent training.
+- :class:`BlockMomentum` (BMUF, Chen & Huo 2016): with the global model ``g`` and the block
+  momentum ``delta``: ``d = mean_i s_i - g``, ``delta <- mu delta + zeta d``,
+  ``g <- g + delta``; ``t = g + mu delta`` (Nesterov) or ``t = g``. ``mu = 0, zeta = 1``: MA.
+
+The centre and the global model start as the replica at :meth:`Synchronizer.init` (every
+rank holds the same initial dense model: same seed, or the same checkpoint) and are kept
+identical on every rank by construction (each rank applies the same all-reduced mean), so
+they are checkpointed once, as global state.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+
+
+class Synchronizer(Protocol):
+    name: str
+
+    def init(self, replica: torch.Tensor) -> None:
+        """Start from ``replica`` ``[n]`` (the same on every rank) unless state was loaded."""
+
+    def round(self, snapshot: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        """Collective over ``group``: the target ``[n]`` of this rank's replica."""
+
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, state: dict) -> None: ...
+
+
+def mean_over(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """``mean_i x_i`` over ``group`` (one all-reduce of ``x``'s size; ``x`` is not modified)."""
+    out = x.clone()
+    dist.all_reduce(out, group=group)
+    return out.div_(group.size())
+
+
+class ModelAveraging:
+    name = "ma"
+
+    def init(self, replica: torch.Tensor) -> None:
+        pass
+
+    def round(self, snapshot, group):
+        return mean_over(snapshot, group)
+
+    def state_dict(self) -> dict:
+        return {"name": self.name}
+
+    def load_state_dict(self, state: dict) -> None:
+        _check_name(self, state)
+
+
+class ElasticAveraging:
+    name = "easgd"
+
+    def __init__(self, alpha: float) -> None:
+        if not 0 <= alpha <= 1:
+            raise ValueError(f"EASGD alpha must be in [0, 1], got {alpha}")
+        self.alpha = alpha
+        self.centre: torch.Tensor | None = None  # [n], identical on every rank
+
+    def init(self, replica: torch.Tensor) -> None:
+        if self.centre is None:
+            self.centre = replica.detach().clone()
+
+    def round(self, snapshot, group):
+        c = self.centre
+        target = snapshot - self.alpha * (snapshot - c)  # uses the centre before its update
+        beta = min(1.0, group.size() * self.alpha)
+        self.centre = c + beta * (mean_over(snapshot, group) - c)
+        return target
+
+    def state_dict(self) -> dict:
+        return {"name": self.name, "alpha": self.alpha, "centre": self.centre}
+
+    def load_state_dict(self, state: dict) -> None:
+        _check_name(self, state)
+        self.centre = state["centre"]
+
+
+class BlockMomentum:
+    name = "bmuf"
+
+    def __init__(self, block_momentum: float, block_lr: float, *, nesterov: bool = True) -> None:
+        if not 0 <= block_momentum < 1 or block_lr <= 0:
+            raise ValueError(f"BMUF needs 0 <= mu < 1 and zeta > 0, got {block_momentum}, {block_lr}")
+        self.mu, self.zeta, self.nesterov = block_momentum, block_lr, nesterov
+        self.global_model: torch.Tensor | None = None  # [n] g, identical on every rank
+        self.delta: torch.Tensor | None = None  # [n] block momentum
+
+    def init(self, replica: torch.Tensor) -> None:
+        if self.global_model is None:
+            self.global_model = replica.detach().clone()
+            self.delta = torch.zeros_like(self.global_model)
+
+    def round(self, snapshot, group):
+        d = mean_over(snapshot, group) - self.global_model
+        self.delta = self.mu * self.delta + self.zeta * d
+        self.global_model = self.global_model + self.delta
+        return self.global_model + self.mu * self.delta if self.nesterov else self.global_model.clone()
+
+    def state_dict(self) -> dict:
+        return {"name": self.name, "global_model": self.global_model, "delta": self.delta}
+
+    def load_state_dict(self, state: dict) -> None:
+        _check_name(self, state)
+        self.global_model, self.delta = state["global_model"], state["delta"]
+
+
+def _check_name(sync, state: dict) -> None:
+    if state.get("name") != sync.name:
+        raise ValueError(f"synchronizer state is for {state.get('name')!r}, not {sync.name!r}")
+
+
+def make_synchronizer(algorithm: str, *, alpha: float = 0.25, block_momentum: float = 0.5,
+                      block_lr: float = 1.0, nesterov: bool = True) -> Synchronizer:
+    if algorithm == "ma":
+        return ModelAveraging()
+    if algorithm == "easgd":
+        return ElasticAveraging(alpha)
+    if algorithm == "bmuf":
+        return BlockMomentum(block_momentum, block_lr, nesterov=nesterov)
+    raise ValueError(f"unknown synchronizer {algorithm!r}: ma, easgd or bmuf")

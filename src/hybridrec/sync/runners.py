@@ -1,0 +1,221 @@
+"""Runners: when a synchronizer's rounds happen, and how their targets are written back.
+
+- :class:`ForegroundRunner`: a round every ``every`` training steps, inside the loop (the
+  A/B counterpart of the background runner: synchronization on the critical path).
+- :class:`BackgroundRunner`: ShadowSync's shadow thread: rounds back to back while training
+  runs, on a process group of its own (so its all-reduces never interleave with the step's
+  all-to-alls). Before every round the ranks all-reduce a stop flag, so every rank runs the
+  same number of rounds and all leave together when one asks to stop.
+
+Write-back while training goes on (background only; in the foreground nothing trains during
+a round and the target is copied): the training thread applies a round's target at its next
+step boundary (autograd forbids in-place writes between a step's forward and backward).
+``delta`` (the default) adds ``target - snapshot``, keeping the steps the replica trained
+since the snapshot; ``overwrite`` sets the parameters to ``target``, dropping them.
+ShadowSync's paper has the shadow thread *copy* the synchronized model into the trainer's
+replica (overwrite); the delta form is the elastic-averaging reading that loses no local
+progress, chosen as the default here (not yet measured against overwrite). The snapshot is
+read without a lock while the optimizer writes (Hogwild style, as in the paper): it may mix
+two steps' values of a parameter.
+
+The runner counts what it moves in the ledger (category ``sync``, direction ``sync``: one
+ring all-reduce of the replica per round, plus the 4-byte stop flag in the background) and
+keeps the *sync gap*: training steps between two rounds of this rank.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+import torch.distributed as dist
+
+from hybridrec.comm.ledger import CommLedger, ring_allreduce_bytes
+from hybridrec.sync.algorithms import Synchronizer, mean_over
+
+CATEGORY = "sync"
+
+
+class SyncRunner:
+    """Base: rounds over ``params`` (the dense replica) with ``sync`` on ``group``."""
+
+    mode = ""
+
+    def __init__(self, sync: Synchronizer, params: list[torch.nn.Parameter], group: dist.ProcessGroup, *,
+                 ledger: CommLedger | None = None, write_back: str = "delta") -> None:
+        if write_back not in ("delta", "overwrite"):
+            raise ValueError(f"write_back {write_back!r}: delta or overwrite")
+        self.sync, self.params, self.group = sync, list(params), group
+        self.ledger, self.write_back = ledger, write_back
+        self.step = 0  # the trainer's step, as of its last after_step()
+        self.rounds = 0
+        self._last_round_step: int | None = None
+        self.gaps: list[int] = []  # training steps between two rounds of this rank
+
+    def flat(self) -> torch.Tensor:
+        """This rank's replica, ``[n]`` float32 (a copy)."""
+        with torch.no_grad():
+            return torch.cat([p.detach().reshape(-1) for p in self.params])
+
+    def start(self) -> None:
+        self.sync.init(self.flat())
+
+    def after_step(self, step: int) -> None:
+        self.step = step
+
+    def finish(self) -> None:
+        """Stop rounds and average the replicas once, so every rank ends with the same
+        dense model (the one evaluated and saved)."""
+        self._average()
+
+    def one_round(self) -> None:
+        """A round in the calling thread; nothing trains meanwhile, so the target is
+        copied exactly (write-back modes differ only in the background)."""
+        snapshot = self.flat()
+        with torch.no_grad():
+            self._write(self.sync.round(snapshot, self.group), None)
+        self._count(snapshot)
+        self._note_round()
+
+    def _note_round(self) -> None:
+        self.rounds += 1
+        if self._last_round_step is not None:
+            self.gaps.append(self.step - self._last_round_step)
+        self._last_round_step = self.step
+
+    def _average(self) -> None:
+        snapshot = self.flat()
+        with torch.no_grad():
+            self._write(mean_over(snapshot, self.group), None)
+        self._count(snapshot)
+
+    def _write(self, target: torch.Tensor, snapshot: torch.Tensor | None) -> None:
+        at = 0
+        for p in self.params:
+            n = p.numel()
+            t = target[at : at + n].view_as(p)
+            if snapshot is None:
+                p.copy_(t)
+            else:  # keep what trained since the snapshot
+                p.add_(t - snapshot[at : at + n].view_as(p))
+            at += n
+
+    def _count(self, snapshot: torch.Tensor, extra: int = 0) -> None:
+        if self.ledger is not None:
+            ring = ring_allreduce_bytes(snapshot.numel() * snapshot.element_size(), self.group.size()) + extra
+            self.ledger.record(CATEGORY, sent=ring, received=ring, direction="sync")
+
+    def state_dict(self) -> dict:
+        """The synchronizer's state (identical on every rank: checkpointed once)."""
+        return {"synchronizer": self.sync.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.sync.load_state_dict(state["synchronizer"])
+
+    def summary(self) -> dict:
+        g = self.gaps
+        return {"algorithm": self.sync.name, "mode": self.mode, "write_back": self.write_back,
+                "rounds": self.rounds, "gap_mean": sum(g) / len(g) if g else None,
+                "gap_max": max(g) if g else None}
+
+
+class ForegroundRunner(SyncRunner):
+    """A round after every ``every``-th training step, in the training thread."""
+
+    mode = "foreground"
+
+    def __init__(self, *args, every: int = 1, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        if every < 1:
+            raise ValueError(f"every must be >= 1, got {every}")
+        self.every = every
+
+    def after_step(self, step: int) -> None:
+        self.step = step
+        if step % self.every == 0:
+            self.one_round()
+
+
+class BackgroundRunner(SyncRunner):
+    """ShadowSync's shadow thread: rounds back to back while training runs.
+
+    The thread reads the live replica (the snapshot) and runs the round's all-reduce beside
+    training; it never writes the parameters itself: autograd saves them for backward, so an
+    in-place write between a step's forward and backward would corrupt (and here stop) that
+    step. It hands the target to the training thread, which writes it back at its next step
+    boundary (:meth:`after_step`: a vector add, the only sync work on the critical path),
+    then the thread starts the next round."""
+
+    mode = "background"
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._stop = threading.Event()
+        self._cond = threading.Condition()  # guards _pending and the synchronizer's state
+        self._pending: tuple[torch.Tensor, torch.Tensor, int] | None = None  # snapshot, target, round
+        self._thread: threading.Thread | None = None
+        self.error: BaseException | None = None
+
+    def start(self) -> None:
+        super().start()
+        self._thread = threading.Thread(target=self._loop, name="hybridrec-shadow-sync", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        try:
+            while self._agree_to_go_on():
+                snapshot = self.flat()  # unlocked reads: may mix two steps' values (Hogwild)
+                with self._cond:
+                    target = self.sync.round(snapshot, self.group)
+                    self._pending = (snapshot, target, self.rounds)
+                self._count(snapshot)
+                with self._cond:  # the training thread writes it back, then the next round
+                    while self._pending is not None and not self._stop.is_set():
+                        self._cond.wait()
+        except BaseException as e:  # noqa: BLE001 - reported to the training thread in stop()
+            self.error = e
+
+    def _agree_to_go_on(self) -> bool:
+        """Collective on the sync group: False on every rank once any rank asked to stop."""
+        flag = torch.tensor([1.0 if self._stop.is_set() else 0.0])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+        if self.ledger is not None:
+            ring = ring_allreduce_bytes(4, self.group.size())
+            self.ledger.record(CATEGORY, sent=ring, received=ring, direction="sync")
+        return flag.item() == 0.0  # host read: the loop's decision
+
+    def after_step(self, step: int) -> None:
+        self.step = step
+        self._apply_pending()
+
+    def _apply_pending(self) -> None:
+        with self._cond:
+            if self._pending is None:
+                return
+            snapshot, target, _ = self._pending
+            with torch.no_grad():
+                self._write(target, snapshot if self.write_back == "delta" else None)
+            self._pending = None
+            self._note_round()
+            self._cond.notify_all()
+
+    def state_dict(self) -> dict:
+        with self._cond:
+            return super().state_dict()
+
+    def stop(self) -> None:
+        """Ask for the last round, wait for the thread (every rank's thread leaves after
+        the same round), and write back a target still pending."""
+        with self._cond:
+            self._stop.set()
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        self._apply_pending()
+        if self.error is not None:
+            raise RuntimeError(f"background synchronization failed: {self.error}") from self.error
+
+    def finish(self) -> None:
+        self.stop()
+        super().finish()
