@@ -13,6 +13,7 @@ def build_parser() -> argparse.ArgumentParser:
     from hybridrec.cli import bench as bench_cmd
     from hybridrec.cli import data as data_cmd
     from hybridrec.cli import plan as plan_cmd
+    from hybridrec.cli import report as report_cmd
     from hybridrec.cli import train as train_cmd
 
     p = argparse.ArgumentParser(
@@ -28,6 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
     train_cmd.register(sub)
     plan_cmd.register(sub)
     bench_cmd.register(sub)
+    report_cmd.register(sub)
     return p
 
 
