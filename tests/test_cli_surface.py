@@ -20,6 +20,7 @@ EXPECTED = {
              "--bandwidth", "--optimizer", "--pin", "--out"},
     "bench compression": {"--data", "--out", "--nproc", "--recipe", "--setting", "--dense",
                           "--embedding", "--cross", "--seeds", "--max-steps", "--overwrite"},
+    "report": {"--out"},
 }
 
 
@@ -51,6 +52,11 @@ def test_cli_surface_is_frozen():
     for cmd, opts in EXPECTED.items():
         assert opts <= surface[cmd], (cmd, opts - surface[cmd])
         assert surface[cmd] - opts == set(), (cmd, surface[cmd] - opts)
+
+
+def test_global_options():
+    """``--debug`` comes before the command: ``hybridrec --debug train ...``."""
+    assert _options(build_parser()) == {"--version", "--debug"}
 
 
 def test_plan_optimizer_takes_the_cost_model_names(capsys):

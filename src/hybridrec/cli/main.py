@@ -1,12 +1,30 @@
-"""`hybridrec` command line: argument parsing only; the work lives in the library."""
+"""`hybridrec` command line: argument parsing only; the work lives in the library.
+
+Every error a user can cause (a bad config or input, a file system error, a checkpoint
+that cannot be saved or loaded) ends the command with one line on stderr,
+``hybridrec: error: PATH: what happened``, and exit status 2. ``hybridrec --debug ...``
+or ``HYBRIDREC_DEBUG=1`` shows the traceback instead. Output cut short by a closed pipe
+(``hybridrec train --list-keys | head``) ends quietly with status 141, as a command
+stopped by SIGPIPE does.
+"""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import hashlib
+import os
+import re
 import sys
+import warnings
+from pathlib import Path
 
 from hybridrec import __version__
-from hybridrec.errors import HybridrecError
+from hybridrec.errors import HybridrecError, HybridrecWarning, os_error_message
+
+DEBUG_ENV = "HYBRIDREC_DEBUG"
+USER_ERROR = 2
+BROKEN_PIPE = 128 + 13  # the shell's status for a command killed by SIGPIPE
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -24,6 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     p.add_argument("--version", action="version", version=f"hybridrec {__version__}")
+    p.add_argument("--debug", action="store_true",
+                   help=f"show the full traceback of an error (also: {DEBUG_ENV}=1)")
     sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
     data_cmd.register(sub)
     train_cmd.register(sub)
@@ -34,13 +54,98 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    with warnings.catch_warnings():
+        return _main(argv)
+
+
+def _main(argv: list[str] | None) -> int:
     try:
-        return int(args.func(args) or 0)
+        args = build_parser().parse_args(argv)
+        if args.debug:  # ranks and subprocesses (torchrun workers, sweep runs) inherit it
+            os.environ[DEBUG_ENV] = "1"
+        if not debug_enabled():
+            warnings.showwarning = _one_line_warnings(warnings.showwarning)
+        status = int(args.func(args) or 0)
+        sys.stdout.flush()  # a closed pipe shows here, not at interpreter exit
+        return status
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
-    except HybridrecError as e:
-        print(f"hybridrec: error: {e}", file=sys.stderr)
-        return 2
+    except BrokenPipeError:
+        _silence_stdout()
+        return BROKEN_PIPE
+    except (HybridrecError, OSError) as e:
+        if debug_enabled():
+            raise
+        report(e)
+        return USER_ERROR
+
+
+def debug_enabled() -> bool:
+    return os.environ.get(DEBUG_ENV, "").strip().lower() not in ("", "0", "false", "no", "off")
+
+
+def error_line(e: BaseException) -> str:
+    """The one line an error shows the user (without the ``hybridrec: error:`` prefix)."""
+    text = os_error_message(e) if isinstance(e, OSError) else str(e)
+    return re.sub(r"\s*\n\s*", " ", text).strip() or type(e).__name__
+
+
+def _one_line_warnings(show):
+    """hybridrec's own warnings as ``hybridrec: warning: ...``, others as ``show`` does."""
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+
+    def show_warning(message, category, filename, lineno, file=None, line=None):
+        if issubclass(category, HybridrecWarning) or (
+                issubclass(category, UserWarning) and os.path.abspath(filename).startswith(package)):
+            text = re.sub(r"\s*\n\s*", " ", str(message)).strip()
+            with contextlib.suppress(OSError):
+                print(f"hybridrec: warning: {text}", file=sys.stderr if file is None else file, flush=True)
+        else:
+            show(message, category, filename, lineno, file, line)
+
+    return show_warning
+
+
+def report(e: BaseException) -> None:
+    """Print the error line; with several ranks, each message once (see :func:`_first_to_say`)."""
+    line = f"hybridrec: error: {error_line(e)}"
+    if not _first_to_say(line, getattr(e, "same_on_every_rank", False)):
+        return
+    try:
+        print(line, file=sys.stderr, flush=True)
+    except BrokenPipeError:  # stderr itself is gone: nobody to tell
+        pass
+
+
+def _first_to_say(line: str, same_on_every_rank: bool) -> bool:
+    """Whether this process prints ``line``. One process: yes. Ranks of torchrun (which
+    gives each a TORCHELASTIC_ERROR_FILE in one directory per attempt): the first local
+    rank to claim the message in that directory prints it, so a message every rank raises
+    shows once per machine and a message of one rank still shows. Other launchers: rank 0
+    prints errors that every rank raises alike, every rank prints its other errors."""
+    world = os.environ.get("WORLD_SIZE", "1")
+    if not world.isdigit() or int(world) <= 1:
+        return True
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if error_file:
+        digest = hashlib.sha256(line.encode()).hexdigest()[:16]
+        marker = Path(error_file).parent.parent / f"hybridrec-error-{digest}"
+        try:
+            os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
+        except FileExistsError:
+            return False  # another local rank printed this same line
+        except OSError:
+            return True  # cannot tell: better twice than never
+        return True
+    return os.environ.get("RANK", "0") == "0" or not same_on_every_rank
+
+
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null, so that flushing it at exit raises nothing."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError, AttributeError):  # stdout replaced (e.g. captured in tests)
+        pass

@@ -94,6 +94,7 @@ from hybridrec.parallel.checkpoint_io import (
     is_complete,
     quiet,
     raise_failures,
+    root_cause,
     tensor_slots,
     write_and_publish,
 )
@@ -190,10 +191,11 @@ def save_sharded(path: str | Path, *, model: nn.Module, dense_opt: torch.optim.O
         err = e
     infos = gather(topo, (describe(err), meta.get("sparse_opt"), tmp, mine))
     try:
-        raise_failures([m for m, *_ in infos], "save_sharded: preparing", err)
+        raise_failures([m for m, *_ in infos], final, "saving the checkpoint", err)
         heads = [h for _, h, _, _ in infos if h is not None]  # a rank may hold no embeddings
         if any(h != heads[0] for h in heads[1:]):
-            raise CheckpointError(f"save_sharded: the ranks' sparse optimizers disagree: {heads}")
+            raise CheckpointError(f"{final}: saving the checkpoint failed: the ranks' sparse optimizers "
+                                  f"disagree: {heads}")
         meta.update(manifest or {}, sparse_opt=heads[0] if heads else None,
                     per_rank=[x for *_, x in infos])
         tmp = infos[0][2]
@@ -210,11 +212,14 @@ def read_manifest(path: str | Path) -> dict:
     """The manifest of a complete checkpoint (JSON; raises CheckpointError otherwise)."""
     path = Path(path)
     if not is_complete(path):
-        raise CheckpointError(f"{path} is not a complete checkpoint")
+        if not path.is_dir():
+            os.listdir(path)  # raises the file system's error: No such file, Not a directory
+        what = "an unfinished save" if TMP_MARK in path.name else "no .metadata or manifest.json"
+        raise CheckpointError(f"{path}: not a complete checkpoint ({what})")
     try:
         meta = json.loads((path / MANIFEST).read_text())
     except (OSError, ValueError) as e:
-        raise CheckpointError(f"{path / MANIFEST}: {e}") from None
+        raise CheckpointError(f"{path / MANIFEST}: {root_cause(e)}") from None
     if meta.get("format") != FORMAT:
         raise CheckpointError(f"{path}: format {meta.get('format')!r}, expected {FORMAT!r}")
     return meta
@@ -228,12 +233,12 @@ def _plan_load(path: Path, model, dense_opt, sparse_opts, topo) -> tuple[dict, L
     model_targets(plan, model, stored, topo)
     if dense_opt is not None:
         if meta["dense_opt"] is None:
-            raise CheckpointError(f"{path} has no dense optimizer state")
+            raise CheckpointError(f"{path}: it has no dense optimizer state")
         tensor_slots(meta["dense_opt"], plan.targets)
     if sparse_opts:
         head = meta["sparse_opt"]
         if head is None:
-            raise CheckpointError(f"{path} has no sparse optimizer state")
+            raise CheckpointError(f"{path}: it has no sparse optimizer state")
         for o in sparse_opts:
             if o.name != head["name"]:
                 raise CheckpointError(f"sparse optimizer state is for {head['name']!r}, not {o.name!r}")
@@ -272,12 +277,12 @@ def load_state(path: str | Path, *, model: nn.Module, dense_opt: torch.optim.Opt
         meta, plan = _plan_load(path, model, dense_opt, sparse_opts, topo)
     except Exception as e:  # noqa: BLE001 - every rank learns of it below
         err = e
-    agree(topo, err, "load_sharded: planning")
+    agree(topo, err, path, "loading the checkpoint")
     try:  # DCP reports a rank's failure to every rank itself
         with quiet():
             dcp.load(plan.targets, storage_reader=SafeFileSystemReader(path), **dist_kwargs(topo))
     except DCPException as e:
-        raise CheckpointError(f"load_sharded: reading {path} failed: {describe(e)}") from e
+        raise_failures([describe(e)] * topo.world_size, path, "loading the checkpoint", e)
     loaded = None
     try:
         with torch.no_grad():
@@ -291,7 +296,7 @@ def load_state(path: str | Path, *, model: nn.Module, dense_opt: torch.optim.Opt
         loaded = LoadedState(decode_skeleton(meta["extra"], plan.targets), mine, meta)
     except Exception as e:  # noqa: BLE001
         err = e
-    agree(topo, err, "load_sharded: applying")
+    agree(topo, err, path, "loading the checkpoint")
     return loaded
 
 

@@ -18,6 +18,7 @@ import contextlib
 import json
 import os
 import pickle
+import re
 import shutil
 import warnings
 from pathlib import Path
@@ -29,7 +30,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException as DCPException
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
-from hybridrec.errors import HybridrecError
+from hybridrec.errors import HybridrecError, os_error_message
 from hybridrec.parallel.topology import Topology
 
 FORMAT = "hybridrec-dcp/2"
@@ -57,29 +58,88 @@ def gather(topo: Topology, obj) -> list:
     return out
 
 
-def describe(error: BaseException | None) -> str | None:
+def describe(error: BaseException | None) -> list[tuple[tuple[int, ...] | None, str]] | None:
+    """What went wrong, picklable for :func:`gather`: ``[(ranks, cause), ...]``, where ranks
+    are those DCP reported the cause for (None: this rank). Causes are root causes: DCP's
+    per-rank failures without their tracebacks, and the error of the file system under
+    torch's wrapping (a full disk shows as ``No space left on device``, not as torch's
+    ``unexpected pos``)."""
     if error is None:
         return None
-    if isinstance(error, DCPException):  # the ranks' root causes, not DCP's tracebacks
-        causes = "; ".join(f"rank {r}: {type(e).__name__}: {e}" for r, (e, _) in error.failures.items())
-        return f"DCP failed ({causes})"
-    return f"{type(error).__name__}: {error}"
+    if isinstance(error, DCPException):
+        by_cause: dict[str, list[int]] = {}
+        for r, failure in sorted(error.failures.items()):
+            e = failure[0] if isinstance(failure, tuple) else failure
+            by_cause.setdefault(root_cause(e), []).append(r)
+        return [(tuple(rs), text) for text, rs in by_cause.items()]
+    return [(None, root_cause(error))]
 
 
-def raise_failures(messages: list, what: str, error: BaseException | None) -> None:
-    by_message: dict[str, list[int]] = {}
-    for r, m in enumerate(messages):
-        if m is not None:
-            by_message.setdefault(m, []).append(r)
-    if by_message:
-        lines = "; ".join(f"rank {', '.join(map(str, rs))}: {m}" for m, rs in by_message.items())
-        raise CheckpointError(f"{what} failed on {lines}") from error
+def root_cause(error: BaseException) -> str:
+    """The words for what failed: our own message, else the first error of the file system
+    in the chain of causes, else refusals and truncations in plain words."""
+    if isinstance(error, HybridrecError):
+        return str(error)
+    chain, e = [], error
+    while e is not None and e not in chain:
+        chain.append(e)
+        e = e.__cause__ or e.__context__
+    for e in chain:
+        if isinstance(e, HybridrecError):
+            return str(e)
+        if isinstance(e, OSError):
+            return os_error_message(e)
+    text = str(error)
+    if isinstance(error, pickle.UnpicklingError) or "Weights only load failed" in text:
+        return _refused(text)
+    if isinstance(error, EOFError) or "PytorchStreamReader" in text:
+        return f"truncated or corrupt ({type(error).__name__}{': ' + text if text else ''})"
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__
 
 
-def agree(topo: Topology, error: BaseException | None, what: str) -> None:
-    """Collective: raise on every rank if any rank failed ``what``, so that no rank goes on
-    into a collective its peers will never join."""
-    raise_failures(gather(topo, describe(error)), what, error)
+def _refused(text: str) -> str:
+    """torch.load(weights_only=True) refused a pickle: say so, without torch's advice to
+    load it with weights_only=False."""
+    found = re.search(r"GLOBAL ([\w.]+)", text)
+    what = f" ({found[1]})" if found else ""
+    return f"refused: it holds objects other than tensors{what}, which are never unpickled"
+
+
+def raise_failures(messages: list, path: str | Path, action: str, error: BaseException | None) -> None:
+    """Raise one :class:`CheckpointError` (the same on every rank) from every rank's
+    :func:`describe`: ``PATH: ACTION failed[ on rank R]: CAUSE``."""
+    by_cause: dict[str, set[int]] = {}
+    for r, described in enumerate(messages):
+        for ranks, cause in described or ():
+            by_cause.setdefault(_relative(cause, path), set()).update((r,) if ranks is None else ranks)
+    if not by_cause:
+        return
+    single = len(messages) == 1 and all(rs == {0} for rs in by_cause.values())
+    if single:
+        text = "; ".join(by_cause)
+    else:
+        text = "; ".join(f"on rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, sorted(rs)))}: {cause}"
+                         for cause, rs in by_cause.items())
+    sep = ": " if single else " "
+    err = CheckpointError(f"{path}: {action} failed{sep}{text}")
+    err.same_on_every_rank = True  # every rank gathered the same messages
+    raise err from error
+
+
+def _relative(cause: str, path: str | Path) -> str:
+    """``PATH/x: ...`` -> ``x: ...`` and ``PATH: ...`` -> ``...`` (the message names PATH)."""
+    p = str(path)
+    if cause.startswith(p + ": "):
+        return cause[len(p) + 2:]
+    if cause.startswith(p + os.sep):
+        return cause[len(p) + 1:]
+    return cause
+
+
+def agree(topo: Topology, error: BaseException | None, path: str | Path, action: str) -> None:
+    """Collective: raise on every rank if any rank failed ``action`` on ``path``, so that no
+    rank goes on into a collective its peers will never join."""
+    raise_failures(gather(topo, describe(error)), path, action, error)
 
 
 def dist_kwargs(topo: Topology) -> dict:
@@ -160,23 +220,59 @@ class _MetadataUnpickler(pickle.Unpickler):
             return getattr(torch, name)
         if (module, name) in self._ALLOWED:
             return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"checkpoint metadata may not reference {module}.{name}")
+        raise _Refused(f"{module}.{name}")
+
+
+class _Refused(pickle.UnpicklingError):
+    """The metadata names a class outside :attr:`_MetadataUnpickler._ALLOWED`."""
 
 
 class SafeFileSystemReader(dcp.FileSystemReader):
-    """DCP's file reader with :class:`_MetadataUnpickler` for ``.metadata``."""
+    """DCP's file reader with :class:`_MetadataUnpickler` for ``.metadata``; its errors
+    name the file (refused, truncated or corrupt) instead of torch's advice to unpickle."""
 
     def read_metadata(self, *args, **kwargs) -> Metadata:
         rank = kwargs.get("rank")
         name = ".metadata" if rank is None else f"__{rank}.metadata"
-        with open(Path(self.path) / name, "rb") as f:
-            metadata = _MetadataUnpickler(f).load()
+        where = Path(self.path) / name
+        with open(where, "rb") as f:
+            try:
+                metadata = _MetadataUnpickler(f).load()
+            except _Refused as e:
+                raise CheckpointError(f"{where}: refused: it references {e}; checkpoint metadata "
+                                      "may hold only DCP's metadata types") from None
+            except Exception as e:  # noqa: BLE001 - any unpickling failure: a damaged file
+                raise CheckpointError(f"{where}: truncated or corrupt ({type(e).__name__}: {e})") from None
         if not isinstance(metadata, Metadata):
-            raise CheckpointError(f"{self.path}: {name} is not DCP metadata")
+            raise CheckpointError(f"{where}: not DCP metadata")
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
+
+    def _slice_file(self, file, sinfo):
+        self._reading = sinfo.relative_path  # the file a failure of read_data is about
+        return super()._slice_file(file, sinfo)
+
+    def read_data(self, plan, planner):
+        self._reading = None
+        try:
+            return super().read_data(plan, planner)
+        except Exception as e:
+            if self._reading is None or isinstance(e, (OSError, HybridrecError)):
+                raise
+            where = Path(self.path) / self._reading
+            raise CheckpointError(f"{where}: {self._read_failure(e, where)}") from e
+
+    def _read_failure(self, error: Exception, where: Path) -> str:
+        """A file shorter than the metadata says is truncated; else the root cause."""
+        needed = max((i.offset + i.length for i in self.storage_data.values()
+                      if i.relative_path == self._reading), default=0)
+        with contextlib.suppress(OSError):
+            size = where.stat().st_size
+            if size < needed:
+                return f"truncated ({size:,} of {needed:,} bytes)"
+        return root_cause(error)
 
 
 @contextlib.contextmanager
@@ -198,7 +294,7 @@ def write_and_publish(final: Path, tmp: Path, state: dict, meta: dict, topo: Top
             write_json(tmp / MANIFEST, meta)
     except (Exception, DCPException) as e:  # noqa: BLE001 - DCP's is a BaseException
         err = e
-    agree(topo, err, "save_sharded: writing")
+    agree(topo, err, final, "saving the checkpoint")
     try:  # phase 3: every rank's part is on disk; rank 0 publishes the directory
         if topo.rank == 0:
             if final.exists():
@@ -207,7 +303,7 @@ def write_and_publish(final: Path, tmp: Path, state: dict, meta: dict, topo: Top
             fsync_dir(final.parent)
     except Exception as e:  # noqa: BLE001
         err = e
-    agree(topo, err, "save_sharded: publishing")
+    agree(topo, err, final, "publishing the checkpoint")
 
 
 def write_json(path: Path, obj) -> None:
