@@ -104,3 +104,41 @@ def test_help_texts(capsys):
             main([*cmd, "--help"])
         assert e.value.code == 0
     assert "--min-count" in capsys.readouterr().out
+
+
+def _synth(raw, days=2):
+    return main(["data", "synth", "--out", str(raw), "--days", str(days), "--rows-per-day", "300",
+                 "--max-cardinality", "50"])
+
+
+def test_warnings_are_one_line_each(tmp_path, capsys):
+    raw = tmp_path / "raw"
+    assert _synth(raw) == 0
+    capsys.readouterr()
+    stale = tmp_path / "ds.tmp-4194304"  # above any Linux pid_max: no such process
+    stale.mkdir()
+    one = str(raw / "day_0.tsv")
+    assert main(["data", "preprocess", one, "--out", str(tmp_path / "ds")]) == 0
+    err = capsys.readouterr().err
+    assert err.splitlines() == [
+        f"hybridrec: warning: removed what an interrupted run left: {stale}",
+        (f"hybridrec: warning: {one}: the only input, so there is no held-out split and training "
+         "will report AUC n/a; give two or more inputs (the last one is held out for evaluation)"),
+    ]
+    assert not stale.exists()
+
+
+def test_synth_rerun_names_the_cli_option(tmp_path, capsys):
+    raw = tmp_path / "raw"
+    assert _synth(raw, days=1) == 0
+    capsys.readouterr()
+    assert _synth(raw, days=1) == 2
+    assert capsys.readouterr().err == (
+        f"hybridrec: error: {raw}: not empty (use --overwrite to replace its day files)\n")
+    assert main(["data", "preprocess", str(raw / "day_0.tsv"), "--out", str(tmp_path / "ds"),
+                 "--eval-parts", "none"]) == 0
+    capsys.readouterr()
+    assert main(["data", "preprocess", str(raw / "day_0.tsv"), "--out", str(tmp_path / "ds"),
+                 "--eval-parts", "none"]) == 2
+    assert capsys.readouterr().err == (
+        f"hybridrec: error: {tmp_path / 'ds'}: already exists (use --overwrite to replace it)\n")

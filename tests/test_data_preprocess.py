@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import re
+import warnings
 
 import numpy as np
 import pytest
@@ -10,7 +12,7 @@ import pytest
 from hybridrec.data import preprocess as pp
 from hybridrec.data.preprocess import preprocess_criteo
 from hybridrec.data.schema import DatasetMeta, FeatureSpec, Schema
-from hybridrec.errors import ConfigError, DataError
+from hybridrec.errors import ConfigError, DataError, HybridrecWarning
 
 
 def line(label, c1, dense0="1", c2="0000000a") -> str:
@@ -82,7 +84,8 @@ def test_skip_mode_report_and_eval_parts(days, tmp_path):
 def test_multihot_shards(tmp_path):
     path = tmp_path / "d.tsv"
     path.write_text(line(1, "1,2,3") + "\n" + line(0, "") + "\n" + line(1, "4") + "\n")
-    meta = preprocess_criteo([path], tmp_path / "ds", table_size=100, multi_hot_fields="C1")
+    with pytest.warns(HybridrecWarning, match="no held-out split"):
+        meta = preprocess_criteo([path], tmp_path / "ds", table_size=100, multi_hot_fields="C1")
     assert meta.schema.feature("C1").kind == "multihot" and len(meta.schema.onehot) == 25
     assert meta.splits == {"train": ["part-00000"], "eval": []}
     part = tmp_path / "ds/part-00000"
@@ -160,3 +163,58 @@ def test_schema_json_round_trip():
         FeatureSpec(name="h", kind="dense", num_embeddings=1)
     with pytest.raises(DataError, match="duplicate"):
         Schema(label="f", features=[FeatureSpec(name="f", num_embeddings=1)])
+
+
+def _dead_pid() -> int:
+    """The pid of a process that has exited (and been reaped)."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)
+    return int(proc.stdout)
+
+
+def test_a_killed_runs_leftover_is_removed_with_a_warning(days, tmp_path):
+    stale = tmp_path / f"ds.tmp-{_dead_pid()}"
+    (stale / "part-00000").mkdir(parents=True)
+    other = tmp_path / f"dsx.tmp-{_dead_pid()}"  # another output's: not ours to touch
+    other.mkdir()
+    with pytest.warns(HybridrecWarning, match=re.escape(f"removed what an interrupted run left: {stale}") + "$"):
+        preprocess_criteo(days, tmp_path / "ds", table_size=4)
+    assert not stale.exists() and other.exists()
+    assert DatasetMeta.load(tmp_path / "ds").splits["eval"] == ["part-00002"]
+
+
+def test_a_running_processes_tmp_dir_is_named_not_removed(days, tmp_path):
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        live = tmp_path / f"ds.tmp-{proc.pid}"
+        live.mkdir()
+        with pytest.warns(HybridrecWarning, match=re.escape(f"{live}: being written by another process")):
+            preprocess_criteo(days, tmp_path / "ds", table_size=4)
+        assert live.is_dir()
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_one_input_warns_that_there_is_no_held_out_split(days, tmp_path):
+    with pytest.warns(HybridrecWarning, match=r"day_0.tsv: the only input, so there is no held-out "
+                      r"split and training will report AUC n/a; give two or more inputs"):
+        meta = preprocess_criteo(days[:1], tmp_path / "ds", table_size=4)
+    assert meta.splits["eval"] == []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # named explicitly: no warning
+        preprocess_criteo(days[:1], tmp_path / "ds2", table_size=4, eval_parts="none")
+        preprocess_criteo(days[:2], tmp_path / "ds3", table_size=4)
+
+
+def test_overwrite_message_names_the_cli_option(days, tmp_path):
+    preprocess_criteo(days, tmp_path / "ds", table_size=4)
+    with pytest.raises(DataError) as e:
+        preprocess_criteo(days, tmp_path / "ds", table_size=4)
+    assert str(e.value) == f"{tmp_path / 'ds'}: already exists (use --overwrite to replace it)"

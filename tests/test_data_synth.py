@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import re
 
 import numpy as np
 import pytest
@@ -11,7 +12,7 @@ import pytest
 from hybridrec.data import synth
 from hybridrec.data.criteo import read_criteo
 from hybridrec.data.synth import SynthConfig, Teacher, format_tsv, generate
-from hybridrec.errors import DataError
+from hybridrec.errors import DataError, HybridrecWarning
 from hybridrec.metrics import classification
 
 SMALL = {"days": 2, "rows_per_day": 4000, "max_cardinality": 2000}
@@ -98,3 +99,27 @@ def test_format_tsv_matches_python_formatting():
                 fields.append("" if c[i] < 0 else f"{teacher.hex_values[f][c[i]]:08x}")
         expected.append("\t".join(fields) + "\n")
     assert format_tsv(teacher, rows, labels).decode() == "".join(expected)
+
+
+def test_a_killed_runs_leftovers_are_removed_and_the_rerun_goes_on(tmp_path):
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)
+    dead = int(proc.stdout)  # exited and reaped: what a killed run's pid is
+    out = tmp_path / "raw"
+    out.mkdir()
+    stale = [out / f"day_0.tsv.tmp-{dead}", out / f"teacher.json.tmp-{dead}"]
+    for p in stale:
+        p.write_text("partial")
+    with pytest.warns(HybridrecWarning, match=re.escape(f"removed what an interrupted run left: {stale[0]}, {stale[1]}") + "$"):
+        generate(out, days=1, rows_per_day=100, max_cardinality=50)
+    assert sorted(p.name for p in out.iterdir()) == ["day_0.tsv", "teacher.json"]
+
+
+def test_rerun_message_names_the_cli_option(tmp_path):
+    generate(tmp_path / "raw", days=1, rows_per_day=100, max_cardinality=50)
+    with pytest.raises(DataError) as e:
+        generate(tmp_path / "raw", days=1, rows_per_day=100, max_cardinality=50)
+    assert str(e.value) == f"{tmp_path / 'raw'}: not empty (use --overwrite to replace its day files)"

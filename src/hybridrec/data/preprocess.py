@@ -2,7 +2,8 @@
 
 One part per input file, in order. Everything is written into ``OUT.tmp-<pid>``
 and renamed to ``OUT`` only when complete (``meta.json`` last), so an interrupted
-run leaves nothing that looks like a dataset; on failure the tmp dir is removed.
+run leaves nothing that looks like a dataset; on failure the tmp dir is removed, and
+what a killed run left (its process gone) is removed by the next run, with a warning.
 
 With a vocabulary (``min_count``) there are two passes over the training inputs:
 count keys first, then write. Statistics (for the sharding planner) are over the
@@ -15,6 +16,7 @@ import os
 import shutil
 import sys
 import time
+import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,9 +29,9 @@ from hybridrec.data.criteo import CATEGORICAL, DENSE, CriteoReader
 from hybridrec.data.encode import KeyCounter, ModuloEncoder, VocabEncoder, resolve_table_sizes
 from hybridrec.data.inputs import check_inputs
 from hybridrec.data.schema import DatasetMeta, FeatureSpec, PartInfo, Schema
-from hybridrec.data.shards import FeatureStats, PartWriter
+from hybridrec.data.shards import FeatureStats, PartWriter, clear_stale_tmp, tmp_path
 from hybridrec.data.tabular import CsvReader, ParquetReader, TabularSpec
-from hybridrec.errors import ConfigError, DataError
+from hybridrec.errors import ConfigError, DataError, HybridrecWarning
 
 Encoder = ModuloEncoder | VocabEncoder
 
@@ -185,7 +187,8 @@ class _Job:
         self.part_names = [f"part-{i:05d}" for i in range(len(self.inputs))]
         self.train_idx = [i for i in range(len(self.inputs)) if i not in eval_idx]
         self.eval_idx = eval_idx
-        tmp = self.out.with_name(f"{self.out.name}.tmp-{os.getpid()}")
+        tmp = tmp_path(self.out)
+        clear_stale_tmp(self.out.parent, lambda name: name == self.out.name)
         if tmp.exists():
             shutil.rmtree(tmp)
         self.out.parent.mkdir(parents=True, exist_ok=True)
@@ -198,13 +201,18 @@ class _Job:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
         meta.path = self.out
+        if self.eval_parts is None and len(self.inputs) == 1:
+            warnings.warn(f"{self.inputs[0]}: the only input, so there is no held-out split and "
+                          "training will report AUC n/a; give two or more inputs (the last one "
+                          "is held out for evaluation)",
+                          HybridrecWarning, stacklevel=3)
         return meta
 
     def _check_out(self) -> None:
         if not self.out.exists():
             return
         if not self.overwrite:
-            raise DataError(f"{self.out}: already exists (use --overwrite / overwrite=True)")
+            raise DataError(f"{self.out}: already exists (use --overwrite to replace it)")
         if not self.out.is_dir() or not (
             (self.out / "meta.json").is_file() or not any(self.out.iterdir())
         ):

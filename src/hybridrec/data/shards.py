@@ -9,15 +9,22 @@ from __future__ import annotations
 
 import math
 import os
+import shutil
+import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 
 from hybridrec.data.encode import KeyCounter
 from hybridrec.data.schema import Schema
+from hybridrec.errors import HybridrecWarning
 
 COUNTS_FILE_MAX_ROWS = 50_000_000
 """Tables up to this size get ``stats/<feature>.counts.npy``; larger ones only summary stats."""
+
+TMP_MARK = ".tmp-"
+"""Outputs are written as ``NAME.tmp-<pid>`` and renamed to ``NAME`` when complete."""
 
 _NPY_MAGIC = b"\x93NUMPY\x01\x00"
 _NPY_ALIGN = 64
@@ -194,3 +201,51 @@ def summarize_counts(counts: np.ndarray, num_embeddings: int, rows: int) -> dict
             share = int(np.partition(counts, counts.size - k)[counts.size - k :].sum()) / total
         out[key] = share
     return out
+
+
+# -- leftovers of interrupted runs ---------------------------------------------------------
+def tmp_path(path: Path) -> Path:
+    """Where this process writes ``path`` before renaming it into place."""
+    return path.with_name(f"{path.name}{TMP_MARK}{os.getpid()}")
+
+
+def clear_stale_tmp(directory: Path, owned: Callable[[str], bool]) -> list[Path]:
+    """Remove ``NAME.tmp-<pid>`` in ``directory`` (for names ``owned(NAME)`` is true) whose
+    process is gone: what a killed run left. One warning names what was removed, another
+    the files of processes still running (another run writing the same output). Returns
+    the removed paths."""
+    if not directory.is_dir():
+        return []
+    removed, running = [], []
+    for p in sorted(directory.iterdir()):
+        name, mark, pid = p.name.rpartition(TMP_MARK)
+        if not mark or not pid.isdigit() or not 0 < int(pid) < 2**31 or not owned(name):
+            continue
+        if int(pid) == os.getpid():
+            continue  # this process's own: its writer replaces it
+        if _process_alive(int(pid)):
+            running.append(p)
+            continue
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p)
+        else:
+            p.unlink()
+        removed.append(p)
+    if removed:
+        warnings.warn(f"removed what an interrupted run left: {', '.join(map(str, removed))}",
+                      HybridrecWarning, stacklevel=2)
+    if running:
+        warnings.warn(f"{', '.join(map(str, running))}: being written by another process that is "
+                      "still running (the pid after .tmp-); the run that finishes last wins",
+                      HybridrecWarning, stacklevel=2)
+    return removed
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # PermissionError: alive, another user's
+        return True
+    return True

@@ -31,6 +31,7 @@ import dataclasses
 import gzip as gzip_mod
 import json
 import os
+import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +39,7 @@ from pathlib import Path
 import numpy as np
 
 from hybridrec.data.criteo import CATEGORICAL, DENSE
+from hybridrec.data.shards import clear_stale_tmp, tmp_path
 from hybridrec.errors import ConfigError, DataError
 from hybridrec.metrics.classification import auc
 
@@ -337,12 +339,16 @@ def _log_loss(labels: np.ndarray, p: np.ndarray) -> float:
     return float(-np.mean(labels * np.log(p) + (1 - labels) * np.log1p(-p)))
 
 
+_OUTPUTS = re.compile(r"day_\d+\.tsv(\.gz)?|teacher\.json")
+
+
 def _prepare_out(out: Path, overwrite: bool) -> None:
     if out.exists() and not out.is_dir():
         raise DataError(f"{out}: exists and is not a directory")
+    clear_stale_tmp(out, lambda name: _OUTPUTS.fullmatch(name) is not None)
     if out.exists() and any(out.iterdir()):
         if not overwrite:
-            raise DataError(f"{out}: not empty (use --overwrite / overwrite=True)")
+            raise DataError(f"{out}: not empty (use --overwrite to replace its day files)")
         for p in [*out.glob("day_*.tsv"), *out.glob("day_*.tsv.gz"), out / "teacher.json"]:
             p.unlink(missing_ok=True)
     out.mkdir(parents=True, exist_ok=True)
@@ -351,7 +357,7 @@ def _prepare_out(out: Path, overwrite: bool) -> None:
 def _write_day(teacher: Teacher, path: Path, day: int, keep: bool) -> tuple[int, list]:
     """Write one day file (via a tmp name); returns (clicks, [(p, labels)] if keep)."""
     cfg = teacher.cfg
-    tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
+    tmp = tmp_path(path)
     clicks, kept = 0, []
     try:
         # Level 1: gzip is otherwise the bottleneck of generation.
@@ -431,7 +437,7 @@ def generate(
         "seconds": round(seconds, 3),
         "rows_per_second": round(rows / seconds),
     }
-    tmp = out / f"teacher.json.tmp-{os.getpid()}"
+    tmp = tmp_path(out / "teacher.json")
     tmp.write_text(json.dumps(report, indent=2) + "\n")
     os.replace(tmp, out / "teacher.json")
     return report
