@@ -113,3 +113,42 @@ def test_peak_memory_covers_a_measured_allocation():
     # ... and not above what the machine has.
     assert peak <= os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     del block
+
+
+def test_keep_until_drops_the_records_of_later_steps(tmp_path):
+    with MetricLogger(tmp_path) as log:
+        for step in (1, 2, 3):
+            log.log(step, {"loss": 0.1})
+        log.log(3, {"auc": 0.7}, split="eval")
+    with (tmp_path / "metrics.jsonl").open("a") as f:
+        f.write('{"step": 4, "spl')  # a line cut short by a crash
+    with MetricLogger(tmp_path, keep_until=2) as log:  # resumed from step 2: 3 is trained again
+        log.log(3, {"loss": 0.2})
+        assert log.drop(lambda r: r["step"] == 1) == 1
+        log.log(4, {"loss": 0.3})
+    assert [(r["step"], r["split"], r["loss"]) for r in read_lines(tmp_path / "metrics.jsonl")] == [
+        (2, "train", 0.1), (3, "train", 0.2), (4, "train", 0.3)]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl"]
+
+
+def test_keep_until_leaves_a_file_with_nothing_to_drop_untouched(tmp_path):
+    with MetricLogger(tmp_path) as log:
+        log.log(1, {"loss": 0.1})
+    before = (tmp_path / "metrics.jsonl").stat()
+    MetricLogger(tmp_path, keep_until=1).close()
+    after = (tmp_path / "metrics.jsonl").stat()
+    assert (after.st_ino, after.st_mtime_ns) == (before.st_ino, before.st_mtime_ns)
+
+
+def test_files_written_atomically_get_the_mode_open_gives(tmp_path):
+    old = os.umask(0o027)
+    try:
+        write_json_atomic(tmp_path / "summary.json", {"a": 1})
+        with MetricLogger(tmp_path) as log:
+            log.log(1, {"loss": 0.1})
+            log.log(2, {"loss": 0.1})
+            log.drop(lambda r: r["step"] == 2)  # rewritten through a temporary file
+    finally:
+        os.umask(old)
+    modes = {p.name: p.stat().st_mode & 0o777 for p in tmp_path.iterdir()}
+    assert modes == {"summary.json": 0o640, "metrics.jsonl": 0o640}

@@ -17,6 +17,11 @@ examples:
   hybridrec train --config my.toml optim.dense_lr=0.05 train.max_steps=1000
   hybridrec train --list-keys
 
+Without train.run_dir every run gets a new runs/<YYYYmmdd-HHMMSS>. Naming a directory
+that holds a run resumes it (train.run_dir=runs/kaggle again); a finished run is left
+alone (train.reevaluate=true evaluates it again), a run of another config is refused
+(train.resume=false replaces it).
+
 A config file is TOML (or JSON) with sections [data] [model] [optim] [train];
 precedence: defaults < --recipe < --config files (in order) < KEY=VALUE arguments.
 """
@@ -66,19 +71,29 @@ def _train(args) -> int:
         print(json.dumps(cfg.to_dict(), indent=2))
         return 0
     if cfg.dist.nproc > 1 and "RANK" not in os.environ:
-        return _launch(cfg.dist.nproc, args)
+        return _launch(cfg, args)
     from hybridrec.train.run import train
 
     summary = train(cfg)
-    if summary["world_size"] == 1 or int(os.environ.get("RANK", "0")) == 0:
-        print(format_results(summary))
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(summary["already_finished"] if "already_finished" in summary else format_results(summary))
     return 0
 
 
-def _launch(nproc: int, args) -> int:
-    """Start ``nproc`` local ranks of this same command through torch's elastic launcher
-    (torchrun): it sets RANK/WORLD_SIZE/MASTER_*, and if one rank fails it stops the
-    others and exits non-zero, so a dead rank never leaves the rest hanging."""
+def _launch(cfg, args) -> int:
+    """Start ``dist.nproc`` local ranks of this same command through torch's elastic
+    launcher (torchrun): it sets RANK/WORLD_SIZE/MASTER_*, and if one rank fails it stops
+    the others and exits non-zero, so a dead rank never leaves the rest hanging. The run
+    directory is checked here first (a refusal is one line, no rank starts), and a new
+    one chosen here is handed to every rank."""
+    from hybridrec.train.run import preflight
+
+    named = bool(cfg.train.run_dir)
+    finished, run_dir = preflight(cfg, world_size=cfg.dist.nproc)
+    if finished is not None:
+        print(finished["already_finished"])
+        return 0
+    nproc = cfg.dist.nproc
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            f"--nproc-per-node={nproc}", "-m", "hybridrec", "train"]
     if args.recipe:
@@ -86,6 +101,8 @@ def _launch(nproc: int, args) -> int:
     for f in args.config:
         cmd += ["--config", f]
     cmd += list(args.overrides)
+    if not named:  # the new directory preflight made, the same for every rank
+        cmd.append(f"train.run_dir={run_dir}")
     print(f"launching {nproc} ranks: {' '.join(cmd[2:])}", file=sys.stderr, flush=True)
     return subprocess.call(cmd)
 

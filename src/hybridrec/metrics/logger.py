@@ -19,6 +19,7 @@ import resource
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -98,6 +99,7 @@ def write_text_atomic(path: str | Path, text: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        os.fchmod(fd, file_mode())  # mkstemp's 0600 -> what open() would give (0644)
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
             f.flush()
@@ -107,6 +109,24 @@ def write_text_atomic(path: str | Path, text: str) -> None:
         Path(tmp).unlink(missing_ok=True)
         raise
     _fsync_dir(path.parent)
+
+
+def file_mode() -> int:
+    """The mode a newly created file gets from ``open()``: 0666 less the umask (0644
+    with the usual 022), so files written through a temporary file match the others."""
+    return 0o666 & ~_umask()
+
+
+def _umask() -> int:
+    try:  # Linux >= 4.7 reports it without changing it
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)  # elsewhere: read by setting it, then put it back
+    os.umask(mask)
+    return mask
 
 
 def _fsync_dir(directory: Path) -> None:
@@ -146,7 +166,9 @@ def cuda_peak_memory_bytes(device: torch.device | int | None = None) -> int | No
 class MetricLogger:
     """Appends metrics to ``run_dir/metrics.jsonl`` and optionally to TensorBoard.
 
-    The file is opened in append mode so a resumed run continues the same log.
+    The file is opened in append mode so a resumed run continues the same log;
+    ``keep_until`` first drops the records of later steps (those a resumed run trains
+    again), so no step appears twice.
 
     Args:
         run_dir: the run directory (created if missing).
@@ -154,10 +176,13 @@ class MetricLogger:
             ``{split}/{name}`` (needs the ``tensorboard`` package).
         flush_every: flush the files every this many :meth:`log` calls; 1 loses
             nothing on a crash, larger values save syscalls on chatty logs.
+        keep_until: drop the existing records of steps after this one first
+            (None: keep every record).
     """
 
     def __init__(
-        self, run_dir: str | os.PathLike[str], *, tensorboard: bool = False, flush_every: int = 1
+        self, run_dir: str | os.PathLike[str], *, tensorboard: bool = False, flush_every: int = 1,
+        keep_until: int | None = None,
     ) -> None:
         if flush_every < 1:
             raise ValueError(f"MetricLogger: flush_every must be >= 1, got {flush_every}")
@@ -165,9 +190,23 @@ class MetricLogger:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.run_dir / METRICS_FILE
         self.flush_every = flush_every
+        if keep_until is not None:
+            drop_records(self.path, lambda r: r["step"] > keep_until)
         self._writer = _summary_writer(self.run_dir / TENSORBOARD_DIR) if tensorboard else None
         self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 (closed in close())
         self._pending = 0
+
+    def drop(self, predicate: Callable[[dict], bool]) -> int:
+        """Removes the records for which ``predicate(record)`` is true from the file
+        (atomically, see :func:`drop_records`); logging continues after them."""
+        if self._file is None:
+            raise RuntimeError("MetricLogger.drop called after close()")
+        self.flush()
+        self._file.close()
+        try:
+            return drop_records(self.path, predicate)
+        finally:
+            self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115
 
     def log(self, step: int, metrics: dict[str, Any], *, split: str = "train") -> None:
         """Appends one record ``{"step", "split", "time", **metrics}``.
@@ -218,6 +257,30 @@ class MetricLogger:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+def drop_records(path: str | Path, predicate: Callable[[dict], bool]) -> int:
+    """Rewrites the JSONL file ``path`` without the records for which ``predicate`` is
+    true, through a temporary file (readers see the old file or the new one); lines that
+    are not a JSON record (a line cut short by a crash) go too. Returns how many lines
+    went; the file is untouched when none does (or it does not exist)."""
+    path = Path(path)
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
+    except FileNotFoundError:
+        return 0
+    kept = []
+    for line in lines:
+        try:
+            record = json.loads(line)
+            keep = isinstance(record, dict) and not predicate(record)
+        except (ValueError, KeyError, TypeError):
+            keep = False
+        if keep:
+            kept.append(line if line.endswith("\n") else line + "\n")
+    if len(kept) != len(lines):
+        write_text_atomic(path, "".join(kept))
+    return len(lines) - len(kept)
 
 
 def _summary_writer(log_dir: Path) -> Any:

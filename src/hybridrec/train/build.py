@@ -3,8 +3,10 @@ so the classes themselves only store what they are given."""
 
 from __future__ import annotations
 
+import itertools
 import os
 import platform
+import shutil
 import warnings
 from pathlib import Path
 
@@ -26,9 +28,11 @@ from hybridrec.data.loader import ShardedLoader
 from hybridrec.data.schema import DatasetMeta
 from hybridrec.errors import ConfigError
 from hybridrec.metrics.logger import MetricLogger
+from hybridrec.metrics.throughput import RunTotals
 from hybridrec.model.deepfm import DeepFM
 from hybridrec.model.dlrm import DLRM
 from hybridrec.model.embedding import EmbeddingBagCollection, TableConfig
+from hybridrec.model.interaction import make_interaction
 from hybridrec.train.config import CompressConfig, Config
 from hybridrec.train.optim import (
     LRSchedule,
@@ -37,6 +41,8 @@ from hybridrec.train.optim import (
     dense_parameters,
 )
 from hybridrec.parallel import plan as plan_lib
+from hybridrec.parallel.checkpoint_io import gather
+from hybridrec.parallel.cost_model import memory_by_rank
 from hybridrec.parallel.dense_sync import AllReduceSync, DDPSync, DenseSync, NoSync
 from hybridrec.parallel.parallelize import parallelize_dlrm
 from hybridrec.parallel.plan import ShardingPlan
@@ -44,6 +50,7 @@ from hybridrec.parallel.planner import plan_sharding
 from hybridrec.parallel.sharded_embedding import ShardedEmbeddingBagCollection
 from hybridrec.parallel.topology import Topology
 from hybridrec.train.sparse_optim import CombinedSparseOptimizer, combined_sparse_optimizer
+from hybridrec.train import checkpoint as ckpt
 from hybridrec.train.checkpointer import Checkpointer, Component, TorchRNG
 from hybridrec.train.pipeline import TrainPipeline
 from hybridrec.train.trainer import Trainer
@@ -244,10 +251,18 @@ def build_parallel_model(cfg: Config, meta: DatasetMeta, topo: Topology, ledger:
 def build_trainer(cfg: Config, *, meta: DatasetMeta | None = None, topo: Topology | None = None) -> Trainer:
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
+    if not cfg.train.run_dir:
+        raise ConfigError("train.run_dir is not set (hybridrec train picks a new runs/<time> itself)")
     meta = meta or load_dataset(cfg)
     topo = topo or build_topology(cfg)
+    check_memory(cfg, meta, topo)  # before the model is allocated
     ledger = CommLedger()
     run_dir = Path(cfg.train.run_dir)
+    # Metrics of steps after the checkpoint it resumes from are trained (and logged) again.
+    latest = ckpt.list_checkpoints(run_dir) if cfg.train.resume else []
+    keep_until = latest[-1][0] if latest else 0
+    if not cfg.train.resume and topo.rank == 0:
+        start_over(run_dir)
     dense_sync = build_dense_sync(cfg, topo, ledger)
     if topo.world_size == 1:
         model = build_model(cfg, meta)
@@ -263,15 +278,155 @@ def build_trainer(cfg: Config, *, meta: DatasetMeta | None = None, topo: Topolog
                             dense_lr=cfg.optim.dense_lr, sparse_lr=cfg.optim.sparse_lr)
     checkpointer = Checkpointer(run_dir, topo, model=model, dense_opt=dense_opt, sparse_opt=sparse_opt,
                                 components=[Component("loader", pipeline),
+                                            Component("run_totals", totals := RunTotals()),
                                             Component("dense_sync", dense_sync, per_rank=True),
                                             Component("rng", TorchRNG(), per_rank=True)],
                                 keep=cfg.train.keep_checkpoints)
     run_dir.mkdir(parents=True, exist_ok=True)
-    logger = MetricLogger(run_dir, tensorboard=cfg.train.tensorboard) if topo.rank == 0 else None
-    return Trainer(cfg=cfg, model=model, dense_opt=dense_opt, sparse_opt=sparse_opt, dense_sync=dense_sync,
-                   scheduler=scheduler, pipeline=pipeline, eval_loader=eval_loader,
-                   checkpointer=checkpointer, logger=logger, ledger=ledger, run_dir=run_dir,
-                   total_steps=total_steps, topo=topo)
+    logger = (MetricLogger(run_dir, tensorboard=cfg.train.tensorboard, keep_until=keep_until)
+              if topo.rank == 0 else None)
+    trainer = Trainer(cfg=cfg, model=model, dense_opt=dense_opt, sparse_opt=sparse_opt, dense_sync=dense_sync,
+                      scheduler=scheduler, pipeline=pipeline, eval_loader=eval_loader,
+                      checkpointer=checkpointer, logger=logger, ledger=ledger, run_dir=run_dir,
+                      total_steps=total_steps, topo=topo)
+    trainer.totals = totals
+    return trainer
+
+
+RUN_FILES = ("summary.json", "eval.json", "plan.json", "metrics.jsonl")
+"""What a run writes besides config.json and its directories (checkpoints/, tensorboard/)."""
+
+
+def start_over(run_dir: Path) -> None:
+    """``train.resume=false``: the previous run's checkpoints, metrics, summary and events
+    go, so that nothing of it is resumed or mixed into the new run's files later."""
+    shutil.rmtree(ckpt.checkpoint_dir(run_dir), ignore_errors=True)
+    shutil.rmtree(run_dir / "tensorboard", ignore_errors=True)
+    for name in RUN_FILES:
+        (run_dir / name).unlink(missing_ok=True)
+
+
+# -- memory, before anything is allocated -------------------------------------------------
+_DENSE_OPT_STATES = {"sgd": 0, "adagrad": 1, "adam": 2}
+
+
+def dense_model_bytes(cfg: Config, meta: DatasetMeta, world_size: int = 1) -> int:
+    """The dense arches' weights, gradients and dense optimizer state (float32), plus
+    DDP's gradient buckets with several ranks."""
+    m = cfg.model
+    _, top_in = make_interaction(m.interaction, len(meta.schema.features), m.embedding_dim)
+    params = 0
+    for widths in ([len(meta.schema.dense), *m.bottom_mlp], [top_in, *m.top_mlp]):
+        params += sum(a * b + b for a, b in itertools.pairwise(widths))
+    copies = 2 + _DENSE_OPT_STATES.get(cfg.optim.dense, 2)
+    copies += cfg.optim.dense == "sgd" and cfg.optim.momentum > 0  # the momentum buffer
+    copies += world_size > 1 and cfg.dist.dense_sync == "ddp"
+    return params * 4 * copies
+
+
+def memory_per_rank(cfg: Config, meta: DatasetMeta, world_size: int,
+                    local_world_size: int) -> tuple[list[int], int]:
+    """``([embedding bytes of each rank], dense bytes of every rank)``: the planner's
+    estimate of each rank's shards with their sparse optimizer state
+    (:func:`~hybridrec.parallel.cost_model.memory_by_rank`), one process holding every
+    table whole; activations, batches and buffers not counted."""
+    tables = build_tables(meta, cfg)
+    if world_size == 1:
+        plan = uniform_plan("table_wise", tables, 1, 1)
+    else:
+        shape = Topology(0, world_size, 0, local_world_size, torch.device("cpu"), "none", None, None)
+        plan = build_plan(cfg, tables, shape, meta)
+    return memory_by_rank(plan, cfg.optim.sparse), dense_model_bytes(cfg, meta, world_size)
+
+
+def memory_problem(cfg: Config, meta: DatasetMeta, *, world_size: int = 1, local_world_size: int = 1,
+                   host: int = 0) -> str | None:
+    """Why the run cannot fit in the memory of machine ``host`` (its ranks
+    ``host * local_world_size ...``), or None when it fits: the sum of its ranks'
+    estimates against ``train.memory_limit_gb`` or else the memory available now."""
+    sparse, dense = memory_per_rank(cfg, meta, world_size, local_world_size)
+    ranks = range(host * local_world_size, min(world_size, (host + 1) * local_world_size))
+    need = sum(sparse[r] + dense for r in ranks)
+    limit, source = memory_limit(cfg)
+    if limit is None or need <= limit:
+        return None
+    if world_size == 1:
+        what = (f"this run needs {_size(need)} (embedding tables with their {cfg.optim.sparse} state "
+                f"{_size(sparse[0])}, dense model {_size(dense)})")
+    else:
+        big = max(ranks, key=lambda r: sparse[r])
+        what = (f"the {len(ranks)} ranks on this machine need {_size(need)} (the largest, rank {big}: "
+                f"embedding shards with their {cfg.optim.sparse} state {_size(sparse[big])}, "
+                f"dense model {_size(dense)})")
+    return (f"not enough memory: {what}, {source} is {_size(limit)}; train on more ranks "
+            f"(dist.nproc=N, or torchrun over more machines), split the tables' rows over them "
+            f"(dist.sharding=row_wise), or make the tables smaller "
+            f"(hybridrec data preprocess --table-size N)")
+
+
+def check_memory(cfg: Config, meta: DatasetMeta, topo: Topology) -> None:
+    """Refuse a plan that cannot fit before anything is allocated. Collective with several
+    ranks: every rank raises the same error when any machine is short."""
+    problem = memory_problem(cfg, meta, world_size=topo.world_size,
+                             local_world_size=topo.local_world_size,
+                             host=topo.rank // topo.local_world_size)
+    problems = sorted({p for p in gather(topo, problem) if p}) if topo.world_size > 1 else [problem]
+    if any(problems):
+        raise ConfigError("; ".join(p for p in problems if p))
+
+
+def memory_limit(cfg: Config) -> tuple[int | None, str]:
+    """``(bytes, what they are)``: ``train.memory_limit_gb``, else the memory this machine
+    (or the container's cgroup limit) has available now; None when unknown."""
+    if cfg.train.memory_limit_gb > 0:
+        return int(cfg.train.memory_limit_gb * 1e9), f"train.memory_limit_gb={cfg.train.memory_limit_gb:g}"
+    avail, source = available_memory()
+    return avail, f"{source} (train.memory_limit_gb=0: the machine's)"
+
+
+def available_memory() -> tuple[int | None, str]:
+    """Bytes of memory available now, and where the number comes from: MemAvailable of
+    /proc/meminfo (else sysconf), lowered to what a cgroup (v2) memory limit leaves."""
+    avail, source = None, "the memory available"
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                avail, source = int(line.split()[1]) * 1024, "the memory available (MemAvailable)"
+                break
+    except (OSError, ValueError, IndexError):
+        pass
+    if avail is None:
+        try:
+            avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (OSError, ValueError, AttributeError):
+            return None, source
+    left = _cgroup_memory_left()
+    if left is not None and left < avail:
+        return left, "the memory this cgroup may still use (memory.max)"
+    return avail, source
+
+
+def _cgroup_memory_left() -> int | None:
+    try:
+        rel = next((line[3:] for line in Path("/proc/self/cgroup").read_text().splitlines()
+                    if line.startswith("0::")), None)
+        for d in ([Path("/sys/fs/cgroup") / rel.lstrip("/")] if rel else []) + [Path("/sys/fs/cgroup")]:
+            limit = d / "memory.max"
+            if limit.is_file():
+                text = limit.read_text().strip()
+                if text == "max":
+                    return None
+                return max(0, int(text) - int((d / "memory.current").read_text()))
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def _size(n: float) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:,.1f} {unit}"
+    return f"{n:,.0f} bytes"
 
 
 def planned_steps(cfg: Config, per_epoch: int) -> int:

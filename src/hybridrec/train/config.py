@@ -89,16 +89,29 @@ class TrainConfig:
     """How many recent checkpoints to keep."""
     save_checkpoints: bool = True
     """false: write no checkpoint at all (e.g. throughput benchmarks); nothing to resume."""
-    run_dir: str = "runs/latest"
-    """Where the run writes config, metrics, summary and checkpoints."""
+    run_dir: str = ""
+    """Where the run writes config, metrics, summary and checkpoints (empty: a new
+    ``runs/<YYYYmmdd-HHMMSS>`` for every run). Naming a directory that holds a run
+    resumes it; one that holds a run of an incompatible config is refused."""
     resume: bool = True
-    """Resume from the newest checkpoint in run_dir if there is one."""
+    """Resume from the newest checkpoint in run_dir if there is one; false: start over,
+    deleting the directory's checkpoints, metrics and summary first."""
+    reevaluate: bool = False
+    """A finished run named again (its summary and final checkpoint at the planned step)
+    is left alone; true: evaluate its final checkpoint again and rewrite its summary."""
     seed: int = 0
     """Seed for initialisation and data order."""
     tensorboard: bool = False
     """Also write TensorBoard events (needs the tensorboard package)."""
     progress: bool = True
-    """Show a progress bar when stderr is a terminal."""
+    """Show progress on stderr: a bar on a terminal, else a line every ``log_interval_s``."""
+    log_interval_s: float = 30.0
+    """Seconds between two progress lines when stderr is not a terminal (0 = none): step,
+    samples/s, loss, ETA."""
+    memory_limit_gb: float = 0.0
+    """Memory (GB, 10^9 bytes) the run may use on each machine (0 = what the machine has
+    available): a plan whose tables, optimizer state and dense model need more is refused
+    before anything is allocated."""
     threads: int = 0
     """torch intra-op threads (0 = torch's default)."""
 
@@ -378,6 +391,9 @@ def validate(cfg: Config) -> None:
         (t.max_steps >= 0 and t.eval_every >= 0 and t.checkpoint_every >= 0 and t.log_every >= 0,
          "step counts must be >= 0"),
         (t.keep_checkpoints >= 1, "train.keep_checkpoints must be >= 1"),
+        (t.log_interval_s >= 0, f"train.log_interval_s must be >= 0, got {t.log_interval_s}"),
+        (t.memory_limit_gb >= 0,
+         f"train.memory_limit_gb must be >= 0 (0 = the machine's), got {t.memory_limit_gb}"),
         (cfg.dist.nproc >= 1, "dist.nproc must be >= 1"),
         (cfg.dist.sharding in ("auto", "table_wise", "row_wise", "column_wise", "table_row_wise",
                                "data_parallel"), f"dist.sharding {cfg.dist.sharding!r}: auto or a sharding type"),

@@ -16,7 +16,7 @@ def demo() -> dict:
         "data": {"batch_size": 512, "eval_batch_size": 16384},
         "optim": {"dense": "adagrad", "dense_lr": 0.05, "sparse": "rowwise_adagrad",
                   "sparse_lr": 0.05, "warmup_steps": 50},
-        "train": {"epochs": 1, "log_every": 100, "run_dir": "runs/demo"},
+        "train": {"epochs": 1, "log_every": 100},
     }
 
 

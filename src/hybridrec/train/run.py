@@ -1,37 +1,95 @@
-"""Run-level entry points used by the CLI: train a config, evaluate a run directory."""
+"""Run-level entry points used by the CLI: train a config, evaluate a run directory.
+
+A run directory belongs to one run. Before anything is written, :func:`inspect_run_dir`
+compares what the directory holds (config.json, the newest checkpoint) with the new
+config: a run of an incompatible config is refused (nothing in the directory changes),
+a finished run is left alone, anything else is resumed. Every rank of a multi-rank run
+reads the same files and decides the same, before any collective.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import datetime
 import json
+import os
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from hybridrec.errors import ConfigError
+import hybridrec
+from hybridrec.data.schema import DatasetMeta
+from hybridrec.errors import ConfigError, HybridrecError
 from hybridrec.metrics.logger import peak_memory_bytes, write_json_atomic
-from hybridrec.parallel.checkpoint import load_sharded
+from hybridrec.parallel.checkpoint import load_sharded, read_manifest
+from hybridrec.parallel.checkpoint_io import SafeFileSystemReader, gather
+from hybridrec.parallel.checkpoint_layout import table_key
 from hybridrec.parallel.topology import Topology
 from hybridrec.train import checkpoint as ckpt
-from hybridrec.train.build import build_loaders, build_model, build_trainer, load_dataset, versions
+from hybridrec.train.build import (
+    build_loaders,
+    build_model,
+    build_topology,
+    build_trainer,
+    load_dataset,
+    planned_steps,
+    versions,
+)
 from hybridrec.train.config import Config, apply_dict, validate
-from hybridrec.train.trainer import evaluate_model
+from hybridrec.train.trainer import evaluate_model, now_iso
+
+RUNS_ROOT = "runs"
+"""Where the run directories that are not named (``train.run_dir`` empty) go."""
 
 
 def train(cfg: Config, *, extra_summary: dict | None = None) -> dict:
-    """Train, evaluate on the held-out split, write summary.json; returns the summary."""
+    """Train, evaluate on the held-out split, write summary.json; returns the summary.
+
+    ``cfg``'s paths are made absolute (config.json works from any directory); an empty
+    ``train.run_dir`` becomes a new ``runs/<YYYYmmdd-HHMMSS>``. A finished run is not
+    trained again: the returned dict is its summary with ``already_finished``, the line
+    that says so (``train.reevaluate=true``: evaluate it again instead)."""
+    started_at, clock = now_iso(), time.monotonic()
+    shown = cfg.train.run_dir  # the run directory as the user wrote it, for messages
+    make_paths_absolute(cfg)
     meta = load_dataset(cfg)
-    trainer = build_trainer(cfg, meta=meta)
+    world, rank = _world_and_rank()
+    topo, created = None, None
+    if not cfg.train.run_dir:
+        if world > 1:  # launched by torchrun without a run directory: rank 0's choice
+            topo = build_topology(cfg)
+            shown = gather(topo, str(new_run_dir()) if topo.rank == 0 else None)[0]
+        else:
+            shown = str(new_run_dir())
+        cfg.train.run_dir = created = os.path.abspath(shown)
+        if rank == 0:
+            _announce(shown)
+    finished = inspect_run_dir(cfg, meta, world_size=world, shown=shown)
+    if finished is not None and not cfg.train.reevaluate:
+        return finished
+    try:
+        trainer = build_trainer(cfg, meta=meta, topo=topo)
+    except HybridrecError:
+        if created and rank == 0:  # refused (e.g. memory): leave no empty directory behind
+            with contextlib.suppress(OSError):
+                os.rmdir(created)
+        raise
     run_dir, topo = trainer.run_dir, trainer.topo
     if topo.rank == 0:
         write_json_atomic(run_dir / "config.json", cfg.to_dict())
+    if trainer.totals is not None:
+        trainer.totals.begin(started_at)  # the run's start, unless its checkpoint has an earlier one
     try:
         result = trainer.fit()
     finally:
         if trainer.logger:
             trainer.logger.close()
     summary = {
-        "run_dir": str(run_dir),
+        "run_dir": shown,
         "step": result.step,
         "resumed_from": result.resumed_from,
         "eval": result.eval_metrics,
@@ -45,12 +103,242 @@ def train(cfg: Config, *, extra_summary: dict | None = None) -> dict:
         "dataset": {"path": str(meta.path), "train_rows": meta.split_rows("train"),
                     "eval_rows": meta.split_rows("eval")},
         "config": cfg.to_dict(),
-        "versions": versions(),
+        "versions": {**versions(), **code_version()},
+        "command": list(sys.argv),
+        "started_at": started_at,
+        "ended_at": now_iso(),
+        "wall_seconds": time.monotonic() - clock,
+        # Over every invocation that trained the final checkpoint's steps (resumes included).
+        "run": trainer.totals.summary() if trainer.totals is not None else None,
         **(extra_summary or {}),
     }
     if topo.rank == 0:
         write_json_atomic(run_dir / "summary.json", summary)
     return summary
+
+
+def make_paths_absolute(cfg: Config) -> None:
+    """``data.path``, ``dist.plan`` and ``train.run_dir`` (where set) as absolute paths, so
+    that config.json and summary.json mean the same from any working directory."""
+    cfg.data.path = os.path.abspath(cfg.data.path) if cfg.data.path else cfg.data.path
+    cfg.dist.plan = os.path.abspath(cfg.dist.plan) if cfg.dist.plan else cfg.dist.plan
+    cfg.train.run_dir = os.path.abspath(cfg.train.run_dir) if cfg.train.run_dir else cfg.train.run_dir
+
+
+def new_run_dir(root: str | Path = RUNS_ROOT) -> Path:
+    """A new, empty ``ROOT/<YYYYmmdd-HHMMSS>`` (``-2``, ``-3``, ... when that exists: the
+    directory is created here, so two runs never get the same one)."""
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    for i in range(1, 10_000):
+        path = root / (stamp if i == 1 else f"{stamp}-{i}")
+        try:
+            path.mkdir()
+            return path
+        except FileExistsError:
+            continue
+    raise ConfigError(f"{root}: no free run directory named {stamp}-N; name one with train.run_dir")
+
+
+def preflight(cfg: Config, *, world_size: int) -> tuple[dict | None, str]:
+    """What :func:`train` checks before anything is written, for a launcher about to start
+    ``world_size`` local ranks (``hybridrec train dist.nproc=N``): refuse a run directory
+    of another run or a plan that does not fit this machine's memory (ConfigError).
+    Returns ``(finished, run_dir)``: a finished run's summary with ``already_finished``
+    (else None) and the run directory as the ranks should be given it; an empty
+    ``train.run_dir`` becomes a new directory."""
+    from hybridrec.train.build import memory_problem
+
+    shown = cfg.train.run_dir
+    make_paths_absolute(cfg)
+    meta = load_dataset(cfg)
+    if cfg.train.run_dir:
+        finished = inspect_run_dir(cfg, meta, world_size=world_size, shown=shown)
+        if finished is not None and not cfg.train.reevaluate:
+            return finished, shown
+    problem = memory_problem(cfg, meta, world_size=world_size, local_world_size=world_size)
+    if problem:
+        raise ConfigError(problem)
+    if not cfg.train.run_dir:
+        shown = str(new_run_dir())
+        cfg.train.run_dir = os.path.abspath(shown)
+        _announce(shown)
+    return None, shown
+
+
+def _announce(shown: str) -> None:
+    print(f"run directory {shown} (train.run_dir={shown} resumes it)", file=sys.stderr, flush=True)
+
+
+def _world_and_rank() -> tuple[int, int]:
+    """This process's world size and rank from torchrun's environment (1, 0 without)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    return world, int(os.environ.get("RANK", "0")) if world > 1 else 0
+
+
+# -- is the run directory this run's? ----------------------------------------------------
+COMPARED_KEYS = ("model.arch", "model.embedding_dim", "model.bottom_mlp", "model.top_mlp",
+                 "model.interaction", "model.pooling", "optim.dense", "optim.sparse",
+                 "train.seed", "data.shuffle", "data.shuffle_window")
+"""Config keys a run cannot change and still resume its checkpoints (with the tables,
+the global batch and the training rows, compared separately): the model's shapes, the
+optimizers' state, the order of the rows."""
+
+
+def inspect_run_dir(cfg: Config, meta: DatasetMeta, *, world_size: int,
+                    shown: str | None = None) -> dict | None:
+    """Decide, from the files alone (before anything is written, and the same on every
+    rank), what ``cfg.train.run_dir`` holds for this run:
+
+    - a run of an incompatible config: :class:`ConfigError` naming the differences
+      (``key: old -> new``) and the two ways out;
+    - a finished run (summary.json at the newest checkpoint's step, and that step is at
+      least this config's planned steps): its summary, with ``already_finished`` (the
+      line that says so);
+    - otherwise (nothing, or a run to resume) None.
+
+    ``train.resume=false`` starts over: nothing is compared."""
+    run_dir = Path(cfg.train.run_dir)
+    shown = shown or str(run_dir)
+    if not cfg.train.resume or not run_dir.is_dir():
+        return None
+    newest = ckpt.latest_checkpoint(run_dir)
+    try:
+        old = load_run_config(run_dir) if (run_dir / "config.json").is_file() else None
+        manifest = read_manifest(newest) if newest else None
+        diffs = _differences(old, cfg, meta, world_size, run_dir, newest, manifest)
+    except HybridrecError as e:
+        raise ConfigError(f"{shown} holds a run this one cannot be compared with ({e}): "
+                          f"{_WAYS_OUT}") from None
+    if diffs:
+        raise ConfigError(f"{shown} holds a run of another configuration ({'; '.join(diffs)}): "
+                          f"{_WAYS_OUT}")
+    summary = _read_json(run_dir / "summary.json")
+    per_epoch = meta.split_rows("train") // (cfg.data.batch_size * world_size)
+    planned = planned_steps(cfg, per_epoch)
+    if summary is None or manifest is None or summary.get("step") != manifest.get("step"):
+        return None
+    if summary["step"] < planned:
+        return None
+    auc = (summary.get("eval") or {}).get("auc")
+    auc_text = f", AUC {auc:.4f}" if isinstance(auc, (int, float)) else ""
+    return {**summary, "already_finished": (
+        f"{shown} is finished (step {summary['step']:,} of {planned:,}{auc_text}); nothing to do: "
+        f"train.reevaluate=true evaluates it again, `hybridrec eval {shown}` evaluates its "
+        f"checkpoint, train.run_dir=DIR starts another run")}
+
+
+_WAYS_OUT = ("train another run in a new directory (train.run_dir=DIR), or replace this one "
+             "(train.resume=false deletes its checkpoints, metrics and summary)")
+
+
+def _differences(old: Config | None, new: Config, meta: DatasetMeta, world_size: int,
+                 run_dir: Path, newest: Path | None, manifest: dict | None) -> list[str]:
+    """``key: old -> new`` for everything the old run and this one must share."""
+    diffs: list[str] = []
+    if old is not None:
+        for key in COMPARED_KEYS:
+            section, name = key.split(".")
+            a, b = getattr(getattr(old, section), name), getattr(getattr(new, section), name)
+            if a != b:
+                diffs.append(f"{key}: {_show(a)} -> {_show(b)}")
+    loader = ((manifest or {}).get("extra") or {}).get("loader") or {}
+    new_global = new.data.batch_size * world_size
+    if loader.get("global_batch_size") is not None:  # what the checkpoint was trained with
+        old_global, old_world = int(loader["global_batch_size"]), int(manifest.get("world_size", 1))
+    elif old is not None:
+        old_world = _old_world_size(run_dir)
+        old_global = old.data.batch_size * old_world
+    else:
+        old_global = None
+    if old_global is not None and old_global != new_global:
+        diffs.append(f"global batch (data.batch_size x ranks): {old_global} "
+                     f"({old_global // max(1, old_world)} x {old_world}) -> {new_global} "
+                     f"({new.data.batch_size} x {world_size})")
+    rows = meta.split_rows("train")
+    if loader.get("num_rows") is not None and int(loader["num_rows"]) != rows:
+        diffs.append(f"training rows (data.path): {int(loader['num_rows']):,} -> {rows:,}")
+    if old is None and manifest is not None:  # no config.json: what the checkpoint says
+        head = manifest.get("sparse_opt") or {}
+        if head.get("name") not in (None, new.optim.sparse):
+            diffs.append(f"optim.sparse: {head['name']} -> {new.optim.sparse}")
+        for key, saved in (("train.seed", loader.get("seed")), ("data.shuffle", loader.get("shuffle")),
+                           ("data.shuffle_window", loader.get("shuffle_window"))):
+            section, name = key.split(".")
+            if saved is not None and saved != getattr(getattr(new, section), name):
+                diffs.append(f"{key}: {_show(saved)} -> {_show(getattr(getattr(new, section), name))}")
+    diffs += _table_differences(_old_tables(old, newest), meta.num_embeddings)
+    return diffs
+
+
+def _show(value) -> str:
+    return ",".join(map(str, value)) if isinstance(value, list) else str(value)
+
+
+def _old_world_size(run_dir: Path) -> int:
+    """The world size of the run that wrote config.json, where no checkpoint says it:
+    summary.json's, else plan.json's (written by multi-rank runs only), else 1."""
+    summary = _read_json(run_dir / "summary.json") or {}
+    if isinstance(summary.get("world_size"), int):
+        return summary["world_size"]
+    plan = _read_json(run_dir / "plan.json") or {}
+    return plan["world_size"] if isinstance(plan.get("world_size"), int) else 1
+
+
+def _old_tables(old: Config | None, newest: Path | None) -> dict[str, int] | None:
+    """Rows of every table of the old run: the newest checkpoint's tensors, else its
+    dataset's schema (None when neither can be read)."""
+    if newest is not None:
+        stored = SafeFileSystemReader(newest).read_metadata().state_dict_metadata
+        prefix, _, suffix = table_key("{}").partition("{}")
+        return {k[len(prefix):-len(suffix)]: int(m.size[0]) for k, m in stored.items()
+                if k.startswith(prefix) and k.endswith(suffix) and hasattr(m, "size")}
+    if old is not None and old.data.path:
+        try:
+            return DatasetMeta.load(old.data.path).num_embeddings
+        except HybridrecError:
+            return None
+    return None
+
+
+def _table_differences(old: dict[str, int] | None, new: dict[str, int]) -> list[str]:
+    if old is None:
+        return []
+    if old.keys() != new.keys():
+        gone, added = sorted(old.keys() - new.keys()), sorted(new.keys() - old.keys())
+        parts = ([f"without {', '.join(gone[:3])}{'...' if len(gone) > 3 else ''}"] if gone else []) + \
+                ([f"with {', '.join(added[:3])}{'...' if len(added) > 3 else ''}"] if added else [])
+        return [f"tables: {len(old)} -> {len(new)} ({'; '.join(parts)})"]
+    changed = [f"table {t} rows: {old[t]:,} -> {new[t]:,}" for t in new if old[t] != new[t]]
+    return changed[:3] + ([f"{len(changed) - 3} more tables' rows"] if len(changed) > 3 else [])
+
+
+def _read_json(path: Path) -> dict | None:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def code_version() -> dict:
+    """The git commit of the checkout hybridrec runs from (None when it is not one whose
+    files git tracks, or git is absent), and whether tracked files differ from it."""
+    package = Path(hybridrec.__file__).resolve().parent
+
+    def git(*args: str) -> str | None:
+        try:
+            out = subprocess.run(["git", "-C", str(package), *args], capture_output=True, text=True,
+                                 timeout=10, stdin=subprocess.DEVNULL, check=False)
+        except (OSError, subprocess.SubprocessError):
+            return None
+        return out.stdout.strip() if out.returncode == 0 else None
+
+    if git("ls-files", "--error-unmatch", "__init__.py") is None:  # not a checkout of hybridrec
+        return {"git_commit": None}
+    status = git("status", "--porcelain", "--untracked-files=no")
+    return {"git_commit": git("rev-parse", "HEAD"), "git_dirty": None if status is None else bool(status)}
 
 
 def _gather_ints(value: int, topo) -> list[int]:
@@ -66,8 +354,14 @@ def load_run_config(run_dir: str | Path) -> Config:
     path = Path(run_dir) / "config.json"
     if not path.is_file():
         raise ConfigError(f"{run_dir} is not a run directory (no config.json)")
+    try:
+        data = json.loads(path.read_text())
+    except ValueError as e:
+        raise ConfigError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: not a config (a JSON object of sections)")
     cfg = Config()
-    apply_dict(cfg, json.loads(path.read_text()), source=str(path))
+    apply_dict(cfg, data, source=str(path))
     validate(cfg)
     return cfg
 

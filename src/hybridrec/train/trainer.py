@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import datetime
+import json
+import math
 import sys
 import time
 from dataclasses import dataclass, field
@@ -15,7 +18,8 @@ from tqdm import tqdm
 from hybridrec.comm.ledger import CommLedger
 from hybridrec.metrics.classification import BinaryMetrics, RunningLoss
 from hybridrec.metrics.logger import MetricLogger
-from hybridrec.metrics.throughput import Throughput
+from hybridrec.metrics.throughput import RunTotals, Throughput
+from hybridrec.parallel.checkpoint import read_manifest
 from hybridrec.parallel.dense_sync import DenseSync
 from hybridrec.parallel.sharded_embedding import ShardedEmbeddingBagCollection
 from hybridrec.parallel.topology import Topology
@@ -91,6 +95,12 @@ class Trainer:
     is given and does no set-up of its own.
     """
 
+    totals: RunTotals | None = None
+    """Samples and training seconds over every invocation of the run (a checkpointed
+    component, set by ``build_trainer``; None: not kept)."""
+    resumed_path: Path | None = None
+    """The checkpoint :meth:`maybe_resume` restored (None: started from scratch)."""
+
     def __init__(
         self,
         *,
@@ -150,26 +160,52 @@ class Trainer:
         path = self.checkpointer.latest() if self.cfg.train.resume else None
         if path is None:
             return None
-        self.step = self.checkpointer.restore(path)
+        self.step = self._restore(path)
         self._saved_step = self.step
+        self.resumed_path = path
         return self.step
+
+    def _restore(self, path: Path) -> int:
+        """Restore every component; a global one that a checkpoint written before it
+        existed lacks (``run_totals``) keeps its initial state instead of failing."""
+        saved = read_manifest(path).get("components", {})
+        every = self.checkpointer.components
+        self.checkpointer.components = [c for c in every if c.per_rank or c.name in saved]
+        try:
+            return self.checkpointer.restore(path)
+        finally:
+            self.checkpointer.components = every
 
     # -- the loop --------------------------------------------------------------
     def fit(self) -> FitResult:
         t = self.cfg.train
+        lead = self.topo.rank == 0
         resumed = self.maybe_resume()
-        running, meter = RunningLoss(), Throughput(warmup=min(5, max(0, self.total_steps // 10)))
+        if resumed is not None and lead:
+            print(f"resumed from step {resumed} ({self.resumed_path})", file=sys.stderr, flush=True)
+        first_step = self.step
+        if self.totals is not None:
+            self.totals.begin(now_iso())
+        running = RunningLoss()
+        meter = Throughput(warmup=min(5, max(0, self.total_steps // 10)), totals=self.totals)
         history: list[dict] = []
-        show = t.progress and sys.stderr.isatty() and self.topo.rank == 0
+        tty = sys.stderr.isatty()
+        show = t.progress and tty and lead
         bar = tqdm(total=self.total_steps, initial=self.step, unit="step", dynamic_ncols=True,
                    disable=not show, desc="train")
+        lines = (ProgressLines(self.total_steps, self.step, t.log_interval_s)
+                 if t.progress and not tty and lead and t.log_interval_s > 0 else None)
         last_loss = float("nan")
         meter.start()
         while self.step < self.total_steps:
             for batch, pending in self.pipeline.batches(self.total_steps - self.step):
-                running.update(self.train_step(batch, pending))
-                meter.step(batch.batch_size * self.topo.world_size)  # global samples
+                loss = self.train_step(batch, pending)
+                running.update(loss)
+                samples = batch.batch_size * self.topo.world_size  # global samples
+                meter.step(samples)
                 bar.update(1)
+                if lines is not None:
+                    lines.step(self.step, loss, samples)
                 if t.log_every and self.step % t.log_every == 0:
                     last_loss = self._log_train(running, meter, bar)
                 if t.eval_every and self.step % t.eval_every == 0 and self.step < self.total_steps:
@@ -181,10 +217,18 @@ class Trainer:
                 if self.step >= self.total_steps:
                     break
         bar.close()
-        if not t.log_every or self.step % t.log_every:
+        trained = self.step > first_step
+        if trained and (not t.log_every or self.step % t.log_every):
             last_loss = self._log_train(running, meter, None)  # the steps since the last log
+        if lines is not None and trained:
+            lines.emit(self.step)
         if t.save_checkpoints and self.step > 0 and self._saved_step != self.step:
             self.save_checkpoint()
+        if not trained and self.logger:
+            # Nothing trained (a finished run evaluated again): its evaluation of this
+            # step replaces the earlier one, and the loss is the last one logged.
+            self.logger.drop(lambda r: r["split"] == "eval" and r["step"] == self.step)
+            last_loss = _last_train_loss(self.logger.path)
         final = self._eval_and_log()
         if self.logger:
             self.logger.flush()
@@ -207,3 +251,71 @@ class Trainer:
         if self.logger:
             self.logger.log(self.step, m, split="eval")
         return {"step": self.step, **m}
+
+
+def now_iso() -> str:
+    """The local time now, ISO 8601 with its UTC offset (``2026-11-23T11:06:00+01:00``)."""
+    return datetime.datetime.now().astimezone().isoformat(timespec="seconds")
+
+
+def _last_train_loss(path: Path) -> float:
+    loss = float("nan")
+    try:
+        for line in path.read_text(encoding="utf-8").splitlines():
+            try:
+                r = json.loads(line)
+            except ValueError:
+                continue
+            if r.get("split") == "train" and r.get("loss") is not None:
+                loss = float(r["loss"])
+    except OSError:
+        pass
+    return loss
+
+
+class ProgressLines:
+    """Progress for a stream that is not a terminal (a log file, a pipe): a plain line
+    every ``interval_s`` seconds, ``step 120/1,171 (10%)  90,123 samples/s  loss 0.4521
+    ETA 0:01:23``. Samples/s and loss are over the steps since the previous line; the
+    ETA is the remaining steps at this invocation's mean time per step so far."""
+
+    def __init__(self, total: int, first_step: int, interval_s: float, stream=None) -> None:
+        self.total, self.first_step, self.interval_s = total, first_step, interval_s
+        self.stream = stream
+        self._start = self._last = time.monotonic()
+        self._samples = 0
+        self._loss = RunningLoss()
+        self._emitted = first_step
+
+    def step(self, step: int, loss: torch.Tensor, samples: int) -> None:
+        self._samples += samples
+        self._loss.update(loss)
+        if time.monotonic() - self._last >= self.interval_s:
+            self.emit(step)
+
+    def emit(self, step: int) -> None:
+        """A line now (nothing when ``step`` has had its line already)."""
+        if step == self._emitted:
+            return
+        self._emitted = step
+        now = time.monotonic()
+        rate = self._samples / (now - self._last) if now > self._last else float("nan")
+        loss = self._loss.compute()["loss"]
+        done, left = step - self.first_step, self.total - step
+        eta = (now - self._start) / done * left if done > 0 else float("nan")
+        pct = 100.0 * step / self.total if self.total else 100.0
+        print(f"step {step:,}/{self.total:,} ({pct:.0f}%)  {_num(rate, '{:,.0f}')} samples/s  "
+              f"loss {_num(loss, '{:.4f}')}  ETA {_duration(eta)}",
+              file=self.stream or sys.stderr, flush=True)
+        self._last, self._samples = now, 0
+
+
+def _num(value: float, fmt: str) -> str:
+    return fmt.format(value) if math.isfinite(value) else "n/a"
+
+
+def _duration(seconds: float) -> str:
+    if not math.isfinite(seconds):
+        return "n/a"
+    s = round(seconds)
+    return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}"
