@@ -80,3 +80,11 @@ def test_help_does_not_import_torch(argv):
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=60, check=False)
     assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_train_help_lists_every_config_section(capsys):
+    from hybridrec.train.config import SECTIONS
+
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    assert " ".join(f"[{s}]" for s in SECTIONS) in capsys.readouterr().out

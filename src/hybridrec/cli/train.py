@@ -9,9 +9,9 @@ import subprocess
 import sys
 
 from hybridrec.train import recipes
-from hybridrec.train.config import build_config, describe
+from hybridrec.train.config import SECTIONS, build_config, describe
 
-_TRAIN_EPILOG = """\
+_TRAIN_EPILOG = f"""\
 examples:
   hybridrec train --recipe criteo-kaggle data.path=data/criteo-pre train.run_dir=runs/kaggle
   hybridrec train --config my.toml optim.dense_lr=0.05 train.max_steps=1000
@@ -22,7 +22,7 @@ that holds a run resumes it (train.run_dir=runs/kaggle again); a finished run is
 alone (train.reevaluate=true evaluates it again), a run of another config is refused
 (train.resume=false replaces it).
 
-A config file is TOML (or JSON) with sections [data] [model] [optim] [train];
+A config file is TOML (or JSON) with sections {" ".join(f"[{n}]" for n in SECTIONS)};
 precedence: defaults < --recipe < --config files (in order) < KEY=VALUE arguments.
 """
 
@@ -76,8 +76,23 @@ def _train(args) -> int:
 
     summary = train(cfg)
     if int(os.environ.get("RANK", "0")) == 0:
-        print(summary["already_finished"] if "already_finished" in summary else format_results(summary))
+        if "already_finished" in summary:
+            print(summary["already_finished"])
+        else:
+            _report(summary)
+            print(format_results(summary))
     return 0
+
+
+def _report(summary: dict) -> None:
+    """The run's picture (RUN/report/index.html); a plotting problem is a warning, never a
+    failed run."""
+    from pathlib import Path
+
+    from hybridrec.bench.report import write_report
+
+    write_report(Path(summary["run_dir"]),
+                 on_error=lambda why: print(f"hybridrec: warning: report not written: {why}", file=sys.stderr))
 
 
 def _launch(cfg, args) -> int:
@@ -120,6 +135,7 @@ def _demo(args) -> int:
 
     summary = run_demo(out=args.out, days=args.days, rows_per_day=args.rows_per_day,
                        seed=args.seed, overrides=args.overrides)
+    _report(summary)
     print(format_results(summary))
     return 0
 

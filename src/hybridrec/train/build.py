@@ -51,6 +51,7 @@ from hybridrec.parallel.sharded_embedding import ShardedEmbeddingBagCollection
 from hybridrec.parallel.topology import Topology
 from hybridrec.train.sparse_optim import CombinedSparseOptimizer, combined_sparse_optimizer
 from hybridrec.train import checkpoint as ckpt
+from hybridrec.sync import BackgroundRunner, ForegroundRunner, SyncRunner, make_synchronizer
 from hybridrec.train.checkpointer import Checkpointer, Component, TorchRNG
 from hybridrec.train.pipeline import TrainPipeline
 from hybridrec.train.trainer import Trainer
@@ -217,9 +218,10 @@ def build_dense_hooks(c: CompressConfig, ledger: CommLedger, *, seed: int = 0) -
 
 
 def build_dense_sync(cfg: Config, topo: Topology, ledger: CommLedger) -> DenseSync:
-    """The dense-synchronization strategy of ``dist.dense_sync`` (one process: none)."""
+    """The dense-synchronization strategy of ``dist.dense_sync`` (one process, or a
+    synchronizer of replicas (``sync.algorithm``): none)."""
     kind = cfg.dist.dense_sync
-    if topo.world_size == 1 or kind == "none":
+    if topo.world_size == 1 or kind == "none" or cfg.sync.algorithm != "none":
         return NoSync()
     if kind == "ddp":
         return DDPSync(topo, hooks=build_dense_hooks(cfg.compress, ledger, seed=cfg.train.seed),
@@ -229,6 +231,20 @@ def build_dense_sync(cfg: Config, topo: Topology, ledger: CommLedger) -> DenseSy
     plain = cfg.compress.dense == "none"
     compressor = NoCompression() if plain else build_dense_compressor(cfg.compress)
     return AllReduceSync(topo, CompressedAllReduce(compressor, ledger), ledger=ledger, predict=plain)
+
+
+def build_sync_runner(cfg: Config, topo: Topology, params: list, ledger: CommLedger) -> SyncRunner | None:
+    """The runner of ``sync.algorithm`` over the dense replica ``params``, on a process group
+    of its own (None: no synchronizer, or one process)."""
+    s = cfg.sync
+    if s.algorithm == "none" or topo.world_size == 1:
+        return None
+    sync = make_synchronizer(s.algorithm, alpha=s.alpha, block_momentum=s.block_momentum,
+                             block_lr=s.block_lr, nesterov=s.nesterov)
+    group = topo.parallel_groups(1)[0]  # collective: every rank, same order
+    if s.mode == "foreground":
+        return ForegroundRunner(sync, params, group, ledger=ledger, every=s.every)
+    return BackgroundRunner(sync, params, group, ledger=ledger, write_back=s.write_back)
 
 
 def build_parallel_model(cfg: Config, meta: DatasetMeta, topo: Topology, ledger: CommLedger,
@@ -268,6 +284,7 @@ def build_trainer(cfg: Config, *, meta: DatasetMeta | None = None, topo: Topolog
         model = build_model(cfg, meta)
     else:
         model = build_parallel_model(cfg, meta, topo, ledger, dense_sync, run_dir)
+    sync_runner = build_sync_runner(cfg, topo, dense_parameters(model), ledger)
     dense_opt = build_dense_optimizer(dense_parameters(model), cfg.optim)
     sparse_opt = build_sparse_optimizers(cfg, model.sparse)
     train_loader, eval_loader = build_loaders(cfg, meta, rank=topo.rank, world_size=topo.world_size)
@@ -276,19 +293,20 @@ def build_trainer(cfg: Config, *, meta: DatasetMeta | None = None, topo: Topolog
     schedule = LRSchedule(cfg.optim.warmup_steps, cfg.optim.decay, cfg.optim.decay_start, total_steps)
     scheduler = LRScheduler(schedule, dense_opt, sparse_opt,
                             dense_lr=cfg.optim.dense_lr, sparse_lr=cfg.optim.sparse_lr)
+    totals = RunTotals()
+    components = [Component("loader", pipeline), Component("run_totals", totals),
+                  Component("dense_sync", dense_sync, per_rank=True), Component("rng", TorchRNG(), per_rank=True)]
+    if sync_runner is not None:
+        components.append(Component("sync", sync_runner))
     checkpointer = Checkpointer(run_dir, topo, model=model, dense_opt=dense_opt, sparse_opt=sparse_opt,
-                                components=[Component("loader", pipeline),
-                                            Component("run_totals", totals := RunTotals()),
-                                            Component("dense_sync", dense_sync, per_rank=True),
-                                            Component("rng", TorchRNG(), per_rank=True)],
-                                keep=cfg.train.keep_checkpoints)
+                                components=components, keep=cfg.train.keep_checkpoints)
     run_dir.mkdir(parents=True, exist_ok=True)
     logger = (MetricLogger(run_dir, tensorboard=cfg.train.tensorboard, keep_until=keep_until)
               if topo.rank == 0 else None)
     trainer = Trainer(cfg=cfg, model=model, dense_opt=dense_opt, sparse_opt=sparse_opt, dense_sync=dense_sync,
                       scheduler=scheduler, pipeline=pipeline, eval_loader=eval_loader,
                       checkpointer=checkpointer, logger=logger, ledger=ledger, run_dir=run_dir,
-                      total_steps=total_steps, topo=topo)
+                      total_steps=total_steps, topo=topo, sync_runner=sync_runner)
     trainer.totals = totals
     return trainer
 

@@ -9,6 +9,8 @@ component       scope       what it holds
 ``dense_opt``   replicated  torch.optim state, by parameter name
 ``sparse_opt``  sharded     per-row state of the sparse optimizers, per table
 ``loader``      global      position after the last trained batch
+``run_totals``  global      samples and training seconds over every invocation
+``sync``        global      a synchronizer's centre / global model / block momentum
 ``dense_sync``  per rank    a compressor's residuals, thresholds, step counts
 ``rng``         per rank    torch's CPU random generator
 ==============  ==========  =====================================================
@@ -108,7 +110,9 @@ class Checkpointer:
         loaded = load_state(path, model=self.model, dense_opt=self.dense_opt,
                             sparse_opts=self._sparse_opts(), topo=self.topo)
         for c in self.components:
-            if not c.per_rank:
+            if not c.per_rank and c.name not in loaded.extra:  # e.g. saved before it existed
+                self._warn(f"{c.name}: not in the checkpoint {path}; it starts from its initial state")
+            elif not c.per_rank:
                 c.obj.load_state_dict(loaded.extra[c.name])
             elif loaded.per_rank is None:
                 self._warn(f"{c.name}: saved by {loaded.manifest['world_size']} ranks, this run has "

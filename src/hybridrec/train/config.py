@@ -293,7 +293,8 @@ def _coerce(key: str, value, typ):
 
 def _type_name(typ) -> str:
     if typing.get_origin(typ) is list:
-        return f"list of {typing.get_args(typ)[0].__name__} (e.g. 512,256,64)"
+        (inner,) = typing.get_args(typ)
+        return f"list of {inner.__name__} (e.g. {'C1,C2' if inner is str else '512,256,64'})"
     return typ.__name__ if isinstance(typ, type) else str(typ)
 
 

@@ -88,7 +88,16 @@ def train(cfg: Config, *, extra_summary: dict | None = None) -> dict:
     finally:
         if trainer.logger:
             trainer.logger.close()
-    summary = {
+    summary = {**run_summary(trainer, result, meta, cfg, shown=shown, started_at=started_at,
+                             clock=clock), **(extra_summary or {})}
+    if topo.rank == 0:
+        write_json_atomic(run_dir / "summary.json", summary)
+    return summary
+
+
+def run_summary(trainer, result, meta, cfg: Config, *, shown: str, started_at: str, clock: float) -> dict:
+    """What summary.json holds after :meth:`Trainer.fit` (collective: memory per rank)."""
+    return {
         "run_dir": shown,
         "step": result.step,
         "resumed_from": result.resumed_from,
@@ -97,8 +106,8 @@ def train(cfg: Config, *, extra_summary: dict | None = None) -> dict:
         "train_loss": result.train_loss,
         "throughput": result.throughput,
         "peak_memory_bytes": peak_memory_bytes(),
-        "peak_memory_bytes_per_rank": _gather_ints(peak_memory_bytes(), topo),
-        "world_size": topo.world_size,
+        "peak_memory_bytes_per_rank": _gather_ints(peak_memory_bytes(), trainer.topo),
+        "world_size": trainer.topo.world_size,
         "comm": trainer.ledger.summary(),  # this rank's (rank 0's in summary.json)
         "dataset": {"path": str(meta.path), "train_rows": meta.split_rows("train"),
                     "eval_rows": meta.split_rows("eval")},
@@ -110,11 +119,9 @@ def train(cfg: Config, *, extra_summary: dict | None = None) -> dict:
         "wall_seconds": time.monotonic() - clock,
         # Over every invocation that trained the final checkpoint's steps (resumes included).
         "run": trainer.totals.summary() if trainer.totals is not None else None,
-        **(extra_summary or {}),
+        # Rounds and the sync gap of this rank's synchronizer of dense replicas (rank 0's).
+        "sync": trainer.sync_runner.summary() if trainer.sync_runner is not None else None,
     }
-    if topo.rank == 0:
-        write_json_atomic(run_dir / "summary.json", summary)
-    return summary
 
 
 def make_paths_absolute(cfg: Config) -> None:

@@ -19,11 +19,11 @@ from hybridrec.comm.ledger import CommLedger
 from hybridrec.metrics.classification import BinaryMetrics, RunningLoss
 from hybridrec.metrics.logger import MetricLogger
 from hybridrec.metrics.throughput import RunTotals, Throughput
-from hybridrec.parallel.checkpoint import read_manifest
 from hybridrec.parallel.dense_sync import DenseSync
 from hybridrec.parallel.sharded_embedding import ShardedEmbeddingBagCollection
 from hybridrec.parallel.topology import Topology
 from hybridrec.sparse.keyed_jagged import Batch
+from hybridrec.sync.runners import SyncRunner
 from hybridrec.train.checkpointer import Checkpointer
 from hybridrec.train.config import Config
 from hybridrec.train.optim import LRScheduler
@@ -118,6 +118,7 @@ class Trainer:
         run_dir: Path,
         total_steps: int,
         topo: Topology,
+        sync_runner: SyncRunner | None = None,
     ) -> None:
         self.cfg = cfg
         self.model = model
@@ -133,6 +134,7 @@ class Trainer:
         self.run_dir = run_dir
         self.total_steps = total_steps
         self.topo = topo
+        self.sync_runner = sync_runner
         self.step = 0
         self._saved_step: int | None = None  # step of the newest checkpoint on disk
 
@@ -143,6 +145,8 @@ class Trainer:
         loss = training_step(self.model, batch, dense_opt=self.dense_opt, sparse_opt=self.sparse_opt,
                              dense_sync=self.dense_sync, pending=pending)
         self.step += 1
+        if self.sync_runner is not None:  # a foreground round, or a background target written back
+            self.sync_runner.after_step(self.step)
         self.ledger.step_end()
         return loss
 
@@ -160,21 +164,10 @@ class Trainer:
         path = self.checkpointer.latest() if self.cfg.train.resume else None
         if path is None:
             return None
-        self.step = self._restore(path)
+        self.step = self.checkpointer.restore(path)
         self._saved_step = self.step
         self.resumed_path = path
         return self.step
-
-    def _restore(self, path: Path) -> int:
-        """Restore every component; a global one that a checkpoint written before it
-        existed lacks (``run_totals``) keeps its initial state instead of failing."""
-        saved = read_manifest(path).get("components", {})
-        every = self.checkpointer.components
-        self.checkpointer.components = [c for c in every if c.per_rank or c.name in saved]
-        try:
-            return self.checkpointer.restore(path)
-        finally:
-            self.checkpointer.components = every
 
     # -- the loop --------------------------------------------------------------
     def fit(self) -> FitResult:
@@ -196,6 +189,8 @@ class Trainer:
         lines = (ProgressLines(self.total_steps, self.step, t.log_interval_s)
                  if t.progress and not tty and lead and t.log_interval_s > 0 else None)
         last_loss = float("nan")
+        if self.sync_runner is not None:
+            self.sync_runner.start()
         meter.start()
         while self.step < self.total_steps:
             for batch, pending in self.pipeline.batches(self.total_steps - self.step):
@@ -217,6 +212,8 @@ class Trainer:
                 if self.step >= self.total_steps:
                     break
         bar.close()
+        if self.sync_runner is not None:  # last round, then one averaged dense model
+            self.sync_runner.finish()
         trained = self.step > first_step
         if trained and (not t.log_every or self.step % t.log_every):
             last_loss = self._log_train(running, meter, None)  # the steps since the last log
