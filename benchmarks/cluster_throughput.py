@@ -44,7 +44,8 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
-                   help="extra hybridrec config overrides (after --), e.g. compress.dense=dct")
+                   help="hybridrec config overrides for every hybridrec run (after --), "
+                        "e.g. model.embedding_dim=128")
     p.add_argument("--variant", action="append", default=[], metavar="NAME=KEY=VALUE,...",
                    help="another hybridrec configuration run in every round, e.g. "
                         "dct=compress.dense=dct,compress.embedding=dct (repeatable)")
@@ -77,13 +78,14 @@ def hybridrec_script(args, data: Path, run_dir: Path, overrides: list[str]) -> l
 
 def variants(args) -> dict[str, list[str]]:
     """hybridrec configurations per round: "hybridrec" (the positional overrides), then
-    every --variant NAME=KEY=VALUE,KEY=VALUE."""
+    every --variant NAME=KEY=VALUE,KEY=VALUE (the positional overrides first, then its own:
+    the positional ones set the model every variant trains)."""
     out = {"hybridrec": list(args.overrides)}
     for v in args.variant:
         name, _, rest = v.partition("=")
         if not name or not rest or name in out or name == "torchrec":
             raise SystemExit(f"--variant {v!r}: expected a new NAME=KEY=VALUE[,KEY=VALUE...]")
-        out[name] = [kv for kv in rest.split(",") if kv]
+        out[name] = [*args.overrides, *(kv for kv in rest.split(",") if kv)]
     return out
 
 
