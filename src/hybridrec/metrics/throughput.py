@@ -134,7 +134,7 @@ class RunTotals:
     def load_state_dict(self, state: dict) -> None:
         self.samples, self.seconds = int(state["samples"]), float(state["seconds"])
         self.steps, self.invocations = int(state["steps"]), int(state["invocations"])
-        self.started_at = state.get("started_at")
+        self.started_at = state.get("started_at") or self.started_at  # older checkpoints: none
         self._counted = False
 
 

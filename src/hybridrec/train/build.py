@@ -303,12 +303,10 @@ def build_trainer(cfg: Config, *, meta: DatasetMeta | None = None, topo: Topolog
     run_dir.mkdir(parents=True, exist_ok=True)
     logger = (MetricLogger(run_dir, tensorboard=cfg.train.tensorboard, keep_until=keep_until)
               if topo.rank == 0 else None)
-    trainer = Trainer(cfg=cfg, model=model, dense_opt=dense_opt, sparse_opt=sparse_opt, dense_sync=dense_sync,
-                      scheduler=scheduler, pipeline=pipeline, eval_loader=eval_loader,
-                      checkpointer=checkpointer, logger=logger, ledger=ledger, run_dir=run_dir,
-                      total_steps=total_steps, topo=topo, sync_runner=sync_runner)
-    trainer.totals = totals
-    return trainer
+    return Trainer(cfg=cfg, model=model, dense_opt=dense_opt, sparse_opt=sparse_opt, dense_sync=dense_sync,
+                   scheduler=scheduler, pipeline=pipeline, eval_loader=eval_loader,
+                   checkpointer=checkpointer, logger=logger, ledger=ledger, run_dir=run_dir,
+                   total_steps=total_steps, topo=topo, sync_runner=sync_runner, totals=totals)
 
 
 RUN_FILES = ("summary.json", "eval.json", "plan.json", "metrics.jsonl")

@@ -40,7 +40,7 @@ from hybridrec.train.build import (
     versions,
 )
 from hybridrec.train.config import Config, apply_dict, validate
-from hybridrec.train.trainer import evaluate_model, now_iso
+from hybridrec.train.trainer import evaluate_model
 
 RUNS_ROOT = "runs"
 """Where the run directories that are not named (``train.run_dir`` empty) go."""
@@ -122,6 +122,11 @@ def run_summary(trainer, result, meta, cfg: Config, *, shown: str, started_at: s
         # Rounds and the sync gap of this rank's synchronizer of dense replicas (rank 0's).
         "sync": trainer.sync_runner.summary() if trainer.sync_runner is not None else None,
     }
+
+
+def now_iso() -> str:
+    """The local time now, ISO 8601 with its UTC offset (``2026-11-23T11:06:00+01:00``)."""
+    return datetime.datetime.now().astimezone().isoformat(timespec="seconds")
 
 
 def make_paths_absolute(cfg: Config) -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import datetime
 import json
 import math
 import sys
@@ -95,9 +94,6 @@ class Trainer:
     is given and does no set-up of its own.
     """
 
-    totals: RunTotals | None = None
-    """Samples and training seconds over every invocation of the run (a checkpointed
-    component, set by ``build_trainer``; None: not kept)."""
     resumed_path: Path | None = None
     """The checkpoint :meth:`maybe_resume` restored (None: started from scratch)."""
 
@@ -119,6 +115,7 @@ class Trainer:
         total_steps: int,
         topo: Topology,
         sync_runner: SyncRunner | None = None,
+        totals: RunTotals | None = None,
     ) -> None:
         self.cfg = cfg
         self.model = model
@@ -135,6 +132,9 @@ class Trainer:
         self.total_steps = total_steps
         self.topo = topo
         self.sync_runner = sync_runner
+        # Samples and training seconds over every invocation of the run (a checkpointed
+        # component; None: not kept). The run's start is set by whoever starts it (run.train).
+        self.totals = totals
         self.step = 0
         self._saved_step: int | None = None  # step of the newest checkpoint on disk
 
@@ -177,8 +177,6 @@ class Trainer:
         if resumed is not None and lead:
             print(f"resumed from step {resumed} ({self.resumed_path})", file=sys.stderr, flush=True)
         first_step = self.step
-        if self.totals is not None:
-            self.totals.begin(now_iso())
         running = RunningLoss()
         meter = Throughput(warmup=min(5, max(0, self.total_steps // 10)), totals=self.totals)
         history: list[dict] = []
@@ -248,11 +246,6 @@ class Trainer:
         if self.logger:
             self.logger.log(self.step, m, split="eval")
         return {"step": self.step, **m}
-
-
-def now_iso() -> str:
-    """The local time now, ISO 8601 with its UTC offset (``2026-11-23T11:06:00+01:00``)."""
-    return datetime.datetime.now().astimezone().isoformat(timespec="seconds")
 
 
 def _last_train_loss(path: Path) -> float:
