@@ -270,10 +270,6 @@ class ShardedEmbeddingBagCollection(nn.Module):
         return {**grads, "replicated": reduced}
 
     # -- optimizer and state plumbing ------------------------------------------------
-    def collections(self) -> list[EmbeddingBagCollection]:
-        """The local collections a sparse optimizer updates (shards, replicated)."""
-        return [c for c in (self.local, self.replicated) if c is not None]
-
     def local_shards(self) -> dict[str, tuple[Shard, torch.Tensor]]:
         """``{"table@i": (shard, weight)}`` of the shards held here (replicated: ``table@*``)."""
         out = {}
