@@ -131,7 +131,7 @@ def _sparse_header(sparse_opts: Sequence) -> dict | None:
 def _tensor_state(model, sparse_opts, topo) -> dict:
     """This rank's tables and sparse optimizer state as DCP objects, plus the dense arches."""
     ebc = model.sparse
-    if topo.world_size > 1 and not isinstance(ebc, ShardedEmbeddingBagCollection):
+    if topo.world_size > 1 and not isinstance(ebc, ShardedEmbeddingBagCollection) and not getattr(ebc, "remote", False):
         raise CheckpointError("a checkpoint of several ranks needs a ShardedEmbeddingBagCollection")
     g: dict[str, GlobalTensor] = {}
     for name, w in local_weights(ebc).items():
@@ -171,7 +171,7 @@ def _save_state(model, dense_opt, sparse_opts, extra, per_rank, topo) -> tuple[d
 
 def save_sharded(path: str | Path, *, model: nn.Module, dense_opt: torch.optim.Optimizer | None,
                  sparse_opts: Sequence, extra: dict, topo: Topology, per_rank: dict | None = None,
-                 manifest: dict | None = None) -> Path:
+                 manifest: dict | None = None, attach=None) -> Path:
     """Collective: write a checkpoint of a (sharded) DLRM to the directory ``path``.
 
     Every rank writes its own shards; replicated tensors are written once.
@@ -179,6 +179,8 @@ def save_sharded(path: str | Path, *, model: nn.Module, dense_opt: torch.optim.O
     dicts) is global: rank 0's is saved. ``per_rank`` is each rank's own (e.g. its RNG,
     a compressor's residuals). ``manifest`` entries (JSON) are added to the manifest.
     An existing checkpoint at ``path`` is replaced only once the new one is complete.
+    ``attach(tmp)`` (collective) adds to the checkpoint before it is published (the
+    parameter servers' part).
     """
     final, tmp, err, state, meta, mine = Path(path), None, None, {}, {}, None
     try:  # phase 1, local: state dicts; rank 0 makes the tmp dir
@@ -199,7 +201,7 @@ def save_sharded(path: str | Path, *, model: nn.Module, dense_opt: torch.optim.O
         meta.update(manifest or {}, sparse_opt=heads[0] if heads else None,
                     per_rank=[x for *_, x in infos])
         tmp = infos[0][2]
-        write_and_publish(final, tmp, state, meta, topo)
+        write_and_publish(final, tmp, state, meta, topo, attach)
     except BaseException:
         if topo.rank == 0 and tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -225,12 +227,12 @@ def read_manifest(path: str | Path) -> dict:
     return meta
 
 
-def _plan_load(path: Path, model, dense_opt, sparse_opts, topo) -> tuple[dict, LoadPlan]:
+def _plan_load(path: Path, model, dense_opt, sparse_opts, topo, parts: str = "all") -> tuple[dict, LoadPlan]:
     meta = read_manifest(path)
     stored = {k: tuple(m.size) for k, m in
               SafeFileSystemReader(path).read_metadata().state_dict_metadata.items()}
     plan = LoadPlan({}, [], [])
-    model_targets(plan, model, stored, topo)
+    model_targets(plan, model, stored, topo, parts)
     if dense_opt is not None:
         if meta["dense_opt"] is None:
             raise CheckpointError(f"{path}: it has no dense optimizer state")
@@ -263,18 +265,20 @@ class LoadedState:
 
 
 def load_state(path: str | Path, *, model: nn.Module, dense_opt: torch.optim.Optimizer | None,
-               sparse_opts: Sequence | None, topo: Topology) -> LoadedState:
+               sparse_opts: Sequence | None, topo: Topology, parts: str = "all") -> LoadedState:
     """Collective: load a checkpoint of :func:`save_sharded` into ``model`` and the
     optimizers (None: skip them); returns the global ``extra``, this rank's ``per_rank``
     state (when the world size is the one saved) and the manifest.
 
     ``model`` may be sharded by any plan on any world size, or be a single-process
     DLRM (``Topology.single()``): the targets describe the new layout and DCP
-    reads the overlapping pieces of what was saved.
+    reads the overlapping pieces of what was saved. ``parts``: ``all``, or only the
+    ``tables`` or the ``dense`` arches of the model (a parameter-server run keeps them in
+    two checkpoints).
     """
     path, err, meta, plan = Path(path), None, {}, LoadPlan({}, [], [])
     try:
-        meta, plan = _plan_load(path, model, dense_opt, sparse_opts, topo)
+        meta, plan = _plan_load(path, model, dense_opt, sparse_opts, topo, parts)
     except Exception as e:  # noqa: BLE001 - every rank learns of it below
         err = e
     agree(topo, err, path, "loading the checkpoint")

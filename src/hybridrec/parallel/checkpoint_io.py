@@ -21,6 +21,7 @@ import pickle
 import re
 import shutil
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import ClassVar
 
@@ -285,11 +286,16 @@ def quiet():
         yield
 
 
-def write_and_publish(final: Path, tmp: Path, state: dict, meta: dict, topo: Topology) -> None:
+def write_and_publish(final: Path, tmp: Path, state: dict, meta: dict, topo: Topology,
+                      attach: Callable[[Path], None] | None = None) -> None:
+    """``attach(tmp)``: collective, after the ranks' chunks and before the manifest, e.g.
+    the parameter servers' own checkpoint inside this one (published with it)."""
     err = None
     try:  # phase 2: every rank writes its chunks (DCP reports a rank's failure to all ranks)
         with quiet():
             dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp), **dist_kwargs(topo))
+        if attach is not None:
+            attach(tmp)
         if topo.rank == 0:
             write_json(tmp / MANIFEST, meta)
     except (Exception, DCPException) as e:  # noqa: BLE001 - DCP's is a BaseException

@@ -117,6 +117,8 @@ def local_weights(ebc: nn.Module) -> dict[str, torch.Tensor]:
         return {k: w for k, (_, w) in ebc.local_shards().items()}
     if isinstance(ebc, EmbeddingBagCollection):
         return {n: ebc.table_weight(n) for n in ebc.tables}
+    if getattr(ebc, "remote", False):  # tables held by parameter servers: nothing here
+        return {}
     raise TypeError(f"model.sparse is a {type(ebc).__name__}, not an embedding-bag collection")
 
 
@@ -205,14 +207,17 @@ def add_targets(plan: LoadPlan, g: dict[str, GlobalTensor], topo: Topology) -> N
             plan.scatters.append(fn)
 
 
-def model_targets(plan: LoadPlan, model: nn.Module, stored: dict, topo: Topology) -> None:
+def model_targets(plan: LoadPlan, model: nn.Module, stored: dict, topo: Topology, parts: str = "all") -> None:
+    """``parts``: ``all``, ``tables`` or ``dense``."""
     ebc, g = model.sparse, {}
-    for name, w in local_weights(ebc).items():
-        add_block(g, table_key(name.partition("@")[0]), locate(ebc, name), w, two_d=True)
-    dense = dense_tensors(model)
+    if parts != "dense":
+        for name, w in local_weights(ebc).items():
+            add_block(g, table_key(name.partition("@")[0]), locate(ebc, name), w, two_d=True)
+    dense = dense_tensors(model) if parts != "tables" else {}
     saved = {k for k in stored if k.startswith("model.")}
     missing = sorted((dense.keys() | g.keys()) - saved)
-    unexpected = sorted(saved - dense.keys() - {table_key(t) for t in ebc.tables})
+    allowed = dense.keys() | ({table_key(t) for t in ebc.tables} if parts != "dense" else set())
+    unexpected = sorted(saved - allowed)
     if missing or unexpected:
         raise CheckpointError(f"the model does not match the checkpoint: missing {missing[:5]}, "
                               f"unexpected {unexpected[:5]}")

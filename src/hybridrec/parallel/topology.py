@@ -51,9 +51,12 @@ class Topology:
 
     @staticmethod
     def init(*, backend: str | None = None, timeout_s: float = 300.0,
-             local_world_size: int | None = None) -> Topology:
+             local_world_size: int | None = None, store: dist.Store | None = None,
+             rank: int | None = None, world_size: int | None = None) -> Topology:
         """Join (or start) the default process group from torchrun's environment
-        (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT).
+        (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT), or
+        with ``store``, ``rank`` and ``world_size`` given (a group of some of torchrun's
+        processes, e.g. a parameter-server run's trainers).
 
         Backend: NCCL when CUDA is available, gloo otherwise. ``timeout_s`` bounds
         every collective, so a dead peer ends in an error instead of a hang.
@@ -65,7 +68,9 @@ class Topology:
         if backend == "nccl":
             torch.cuda.set_device(device)
         if not dist.is_initialized():
-            dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
+            dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s),
+                                    store=store, rank=-1 if rank is None else rank,
+                                    world_size=-1 if world_size is None else world_size)
         rank, world = dist.get_rank(), dist.get_world_size()
         lws = local_world_size or int(os.environ.get("LOCAL_WORLD_SIZE", world))
         if world % lws:

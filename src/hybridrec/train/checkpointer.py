@@ -77,7 +77,9 @@ class Checkpointer:
 
     def __init__(self, run_dir: str | Path, topo: Topology, *, model: nn.Module,
                  dense_opt: torch.optim.Optimizer, sparse_opt, components: list[Component],
-                 keep: int = 2) -> None:
+                 keep: int = 2, servers=None) -> None:
+        """``servers``: a parameter-server run's :class:`~hybridrec.ps.setup.ServerCheckpoints`
+        (the tables and their optimizer state live there; saved into ``step-N/ps/``)."""
         names = [c.name for c in components]
         clash = {"model", "dense_opt", "sparse_opt", "step"} & set(names)
         if clash or len(set(names)) != len(names):
@@ -85,19 +87,23 @@ class Checkpointer:
         self.run_dir, self.topo, self.keep = Path(run_dir), topo, keep
         self.model, self.dense_opt, self.sparse_opt = model, dense_opt, sparse_opt
         self.components = components
+        self.servers = servers
 
     def _sparse_opts(self) -> list:
         return list(self.sparse_opt.optimizers.values())
 
     def save(self, step: int) -> Path:
         path = ckpt.checkpoint_dir(self.run_dir) / f"step-{step:08d}"
+        self.sparse_opt.flush()  # pushes in flight land before the servers save
         extra = {"step": step, **{c.name: c.obj.state_dict() for c in self.components if not c.per_rank}}
         per_rank = {c.name: c.obj.state_dict() for c in self.components if c.per_rank}
         manifest = {"step": step, "components": {
             "model": "sharded", "dense_opt": "replicated", "sparse_opt": "sharded",
-            **{c.name: "per_rank" if c.per_rank else "global" for c in self.components}}}
+            **{c.name: "per_rank" if c.per_rank else "global" for c in self.components},
+            **({"ps": "servers"} if self.servers is not None else {})}}
+        attach = None if self.servers is None else (lambda tmp: self.servers.save(tmp, step))
         save_sharded(path, model=self.model, dense_opt=self.dense_opt, sparse_opts=self._sparse_opts(),
-                     extra=extra, per_rank=per_rank, manifest=manifest, topo=self.topo)
+                     extra=extra, per_rank=per_rank, manifest=manifest, topo=self.topo, attach=attach)
         if self.topo.rank == 0:
             ckpt.prune(self.run_dir, keep=self.keep)
         return path
@@ -107,6 +113,8 @@ class Checkpointer:
 
     def restore(self, path: str | Path) -> int:
         """Load ``path`` into every component; returns the step it was saved at."""
+        if self.servers is not None:
+            self.servers.load(Path(path))
         loaded = load_state(path, model=self.model, dense_opt=self.dense_opt,
                             sparse_opts=self._sparse_opts(), topo=self.topo)
         for c in self.components:

@@ -25,10 +25,12 @@ import hybridrec
 from hybridrec.data.schema import DatasetMeta
 from hybridrec.errors import ConfigError, HybridrecError
 from hybridrec.metrics.logger import peak_memory_bytes, write_json_atomic
-from hybridrec.parallel.checkpoint import load_sharded, read_manifest
+from hybridrec.parallel.checkpoint import load_sharded, load_state, read_manifest
 from hybridrec.parallel.checkpoint_io import SafeFileSystemReader, gather
 from hybridrec.parallel.checkpoint_layout import table_key
 from hybridrec.parallel.topology import Topology
+from hybridrec.ps import world as ps_world
+from hybridrec.ps.setup import PS_DIR, run_server
 from hybridrec.train import checkpoint as ckpt
 from hybridrec.train.build import (
     build_loaders,
@@ -57,11 +59,33 @@ def train(cfg: Config, *, extra_summary: dict | None = None) -> dict:
     shown = cfg.train.run_dir  # the run directory as the user wrote it, for messages
     make_paths_absolute(cfg)
     meta = load_dataset(cfg)
-    world, rank = _world_and_rank()
-    topo, created = None, None
+    if not cfg.dist.num_ps:
+        return _train(cfg, meta, None, shown, started_at, clock, extra_summary)
+    # Parameter-server run: servers serve until the trainers leave; trainers train.
+    r = ps_world.roles(cfg.dist.num_ps)
+    if r.is_server:
+        return run_server(cfg, meta, r)
+    topo = ps_world.init_world(r, timeout_s=cfg.dist.timeout_s,
+                               backend=None if cfg.dist.backend == "auto" else cfg.dist.backend)
+    topo.exchange = cfg.dist.exchange
+    ps_world.join_rpc(r, timeout_s=cfg.dist.timeout_s, interface=cfg.dist.rpc_interface)
+    ok = False
+    try:
+        summary = _train(cfg, meta, topo, shown, started_at, clock, extra_summary)
+        ok = True
+        return summary
+    finally:  # graceful: the servers leave once every trainer has; after an error, leave now
+        ps_world.shutdown(graceful=ok)
+
+
+def _train(cfg: Config, meta, topo, shown: str, started_at: str, clock: float, extra_summary) -> dict:
+    """:func:`train` in this process (``topo``: a parameter-server run's trainers, else
+    None: from torchrun's environment)."""
+    world, rank = (topo.world_size, topo.rank) if topo is not None else _world_and_rank()
+    created = None
     if not cfg.train.run_dir:
         if world > 1:  # launched by torchrun without a run directory: rank 0's choice
-            topo = build_topology(cfg)
+            topo = topo or build_topology(cfg)
             shown = gather(topo, str(new_run_dir()) if topo.rank == 0 else None)[0]
         else:
             shown = str(new_run_dir())
@@ -121,6 +145,8 @@ def run_summary(trainer, result, meta, cfg: Config, *, shown: str, started_at: s
         "run": trainer.totals.summary() if trainer.totals is not None else None,
         # Rounds and the sync gap of this rank's synchronizer of dense replicas (rank 0's).
         "sync": trainer.sync_runner.summary() if trainer.sync_runner is not None else None,
+        # A parameter-server run: this trainer's pushes and their staleness (rank 0's).
+        "ps": trainer.model.sparse.summary() if getattr(trainer.model.sparse, "remote", False) else None,
     }
 
 
@@ -302,6 +328,8 @@ def _old_tables(old: Config | None, newest: Path | None) -> dict[str, int] | Non
     """Rows of every table of the old run: the newest checkpoint's tensors, else its
     dataset's schema (None when neither can be read)."""
     if newest is not None:
+        if (newest / PS_DIR).is_dir():  # a parameter-server run: the servers' part holds them
+            newest = newest / PS_DIR
         stored = SafeFileSystemReader(newest).read_metadata().state_dict_metadata
         prefix, _, suffix = table_key("{}").partition("{}")
         return {k[len(prefix):-len(suffix)]: int(m.size[0]) for k, m in stored.items()
@@ -391,15 +419,26 @@ def load_run_model(run_dir: str | Path, *, checkpoint: str | None = None,
     if path is None:
         raise ConfigError(f"{run_dir} has no checkpoint to evaluate")
     model = build_model(cfg, meta)
-    extra = load_sharded(path, model=model, dense_opt=None, sparse_opts=None, topo=Topology.single())
+    if "ps" not in read_manifest(path).get("components", {}):
+        extra = load_sharded(path, model=model, dense_opt=None, sparse_opts=None, topo=Topology.single())
+        return cfg, meta, model, path, extra
+    # A parameter-server run: the dense arches here, the tables in the servers' part.
+    extra = load_state(path, model=model, dense_opt=None, sparse_opts=None, topo=Topology.single(),
+                       parts="dense").extra
+    load_state(path / PS_DIR, model=model, dense_opt=None, sparse_opts=None, topo=Topology.single(),
+               parts="tables")
     return cfg, meta, model, path, extra
 
 
 def evaluate_run(run_dir: str | Path, *, checkpoint: str | None = None,
-                 data_path: str | None = None) -> dict:
-    """Evaluate a run's newest (or a given) checkpoint on the held-out split."""
+                 data_path: str | None = None, show=None) -> dict:
+    """Evaluate a run's newest (or a given) checkpoint on the held-out split; the result
+    goes to ``show`` (when given) before it is written to RUN/eval.json, so metrics a
+    read-only or full run directory cannot take are still seen."""
     cfg, meta, model, path, _ = load_run_model(run_dir, checkpoint=checkpoint, data_path=data_path)
     _, eval_loader = build_loaders(cfg, meta)
     result = {"checkpoint": str(path), "data": str(meta.path), **evaluate_model(model, eval_loader)}
+    if show is not None:
+        show(result)
     write_json_atomic(Path(run_dir) / "eval.json", result)
     return result

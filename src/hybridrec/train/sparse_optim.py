@@ -184,6 +184,12 @@ class CombinedSparseOptimizer:
         for k, o in self.optimizers.items():
             o.step(grads.get(k, []))
 
+    def flush(self) -> None:
+        """Wait for updates still in flight (a parameter-server run's pushes)."""
+        for o in self.optimizers.values():
+            if hasattr(o, "flush"):
+                o.flush()
+
     def state_dict(self) -> dict:
         return {k: o.state_dict() for k, o in self.optimizers.items()}
 

@@ -63,6 +63,8 @@ def sparse_grads(sparse) -> dict[str, list]:
     are all-reduced here: an explicit collective every rank runs every step."""
     if isinstance(sparse, ShardedEmbeddingBagCollection):
         return sparse.reduce_sparse_grads(sparse.pop_sparse_grads())
+    if getattr(sparse, "remote", False):  # parameter servers: pushed by the "ps" optimizer
+        return {"ps": sparse.pop_sparse_grads()}
     return {"tables": sparse.pop_sparse_grads()}
 
 
@@ -210,8 +212,11 @@ class Trainer:
                 if self.step >= self.total_steps:
                     break
         bar.close()
+        self.sparse_opt.flush()  # parameter servers: this rank's last push applied
         if self.sync_runner is not None:  # last round, then one averaged dense model
             self.sync_runner.finish()
+        if getattr(self.model.sparse, "remote", False) and self.topo.world_size > 1:
+            dist.barrier(group=self.topo.group)  # every trainer's last push, before evaluating
         trained = self.step > first_step
         if trained and (not t.log_every or self.step % t.log_every):
             last_loss = self._log_train(running, meter, None)  # the steps since the last log

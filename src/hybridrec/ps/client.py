@@ -1,0 +1,221 @@
+"""The trainer's side of the parameter-server mode: pull rows, look them up, push gradients.
+
+:class:`RemoteEmbeddingCollection` stands in for the embedding collection of a DLRM. Its
+forward, per table: the batch's distinct ids (``torch.unique``), one pull per server of the
+ids it owns, the pulled rows as a small ``[distinct ids, dim]`` autograd leaf, and the bags
+pooled from it (``embedding_bag``, sum or mean), in the single-device collection's output
+order. After backward, :meth:`pop_sparse_grads` gives the leaf's gradient: exactly one
+summed gradient row per distinct id. :class:`PushOptimizer` is the trainer's sparse
+optimizer: it pushes those rows to their servers, which apply the configured sparse
+optimizer (``optim.sparse``) to them.
+
+Order of a trainer's own updates: a pull first waits for this trainer's previous push, so
+a trainer always reads its own updates; other trainers' updates arrive whenever their
+pushes do (asynchronous across trainers; the servers' ``dist.ps_max_staleness`` bounds
+how far ahead a trainer may run). With one trainer this is exactly one-process training
+up to floating-point summation order (the server adds a row's gradient summed over its
+occurrences; one process adds the occurrences one by one).
+
+Counted bytes (ledger categories ``ps_pull`` and ``ps_push``): the tensors handed to RPC
+(ids as int64, rows as float32) and the rows received; RPC's own framing is not counted.
+Evaluation pulls are outside the training step and not counted.
+
+Simplification: FM tables (DeepFM's first-order column and square sums) are not served;
+``model.arch=deepfm`` with ``dist.num_ps`` is refused by the configuration.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed.rpc as rpc
+import torch.nn.functional as F
+from torch import nn
+
+from hybridrec.comm.ledger import CommLedger
+from hybridrec.errors import HybridrecError
+from hybridrec.model.embedding import KeyedTensor, TableConfig, output_features
+from hybridrec.parallel.plan import ShardingPlan
+from hybridrec.ps import server as srv
+from hybridrec.ps.world import server_name
+from hybridrec.sparse.keyed_jagged import KeyedJagged
+
+
+class ServerError(HybridrecError):
+    """A parameter server could not be reached or failed a request."""
+
+
+def _wait(fut, what: str, to: str):
+    try:
+        return fut.wait()
+    except RuntimeError as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ServerError(f"parameter server {to}: {what} failed: {first}") from None
+
+
+@dataclass
+class _Lookup:
+    table: str
+    ids: torch.Tensor  # distinct global ids, ascending
+    rows: torch.Tensor  # [len(ids), dim] pulled rows, an autograd leaf
+
+
+class RemoteEmbeddingCollection(nn.Module):
+    """Pooled embeddings from tables held by parameter servers (same output as
+    :class:`~hybridrec.model.embedding.EmbeddingBagCollection`)."""
+
+    remote = True  # no table is held here (checkpoints: the servers save them)
+
+    def __init__(self, tables: list[TableConfig], plan: ShardingPlan, *, trainer: int,
+                 ledger: CommLedger | None = None, timeout_s: float = 300.0) -> None:
+        super().__init__()
+        if any(t.fm_cols is not None for t in tables):
+            raise ValueError("FM tables are not served by parameter servers (use model.arch=dlrm)")
+        self.tables = {t.name: t for t in tables}
+        self.plan, self.trainer, self.ledger, self.timeout_s = plan, trainer, ledger, timeout_s
+        out = output_features(tables)
+        self.feature_names = [f for f, _ in out]
+        self.feature_dims = [d for _, d in out]
+        self._table_of = {f: t for t in tables for f in t.features}
+        # Shards of each table by first row: (row starts [k], owning servers [k]).
+        self._owners: dict[str, tuple[torch.Tensor, list[int]]] = {}
+        for name, tp in plan.tables.items():
+            shards = sorted(tp.shards, key=lambda s: s.rows[0])
+            self._owners[name] = (torch.tensor([s.rows[0] for s in shards]), [s.rank for s in shards])
+        self.pushed_steps = 0  # training steps pushed (the next pull is for the step after)
+        self.staleness: list[float] = []  # per push: mean over servers of its staleness
+        self.versions: dict[int, int] = {}  # per server: version at this step's pull
+        self._pending: list[_Lookup] = []
+        self.pushes: list = []  # (server, future) of the last push, see PushOptimizer
+
+    # -- pulls ------------------------------------------------------------------
+    def _route(self, table: str, ids: torch.Tensor) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        """``{server: (positions in ids, ids)}`` for ascending ``ids``."""
+        starts, owners = self._owners[table]
+        shard = torch.bucketize(ids, starts, right=True) - 1
+        out = {}
+        for k, server in enumerate(owners):
+            pos = (shard == k).nonzero().squeeze(1)
+            if pos.numel():
+                out[server] = (pos, ids.index_select(0, pos))
+        return out
+
+    def _pull(self, ids_by_table: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        self.flush_pushes()
+        routes = {t: self._route(t, ids) for t, ids in ids_by_table.items()}
+        asks: dict[int, dict[str, torch.Tensor]] = {}
+        for t, by_server in routes.items():
+            for server, (_, ids) in by_server.items():
+                asks.setdefault(server, {})[t] = ids
+        step = self.pushed_steps + 1 if self.training and torch.is_grad_enabled() else None
+        futs = {j: rpc.rpc_async(server_name(j), srv.rpc_pull, args=(self.trainer, step, a),
+                                 timeout=self.timeout_s) for j, a in asks.items()}
+        got = {j: _wait(f, "pull", server_name(j)) for j, f in futs.items()}
+        out = {}
+        for t, ids in ids_by_table.items():
+            rows = torch.empty(ids.numel(), self.tables[t].embedding_dim)
+            for server, (pos, _) in routes[t].items():
+                rows[pos] = got[server][1][t]
+            out[t] = rows
+        if step is not None:
+            self.versions = {j: v for j, (v, _) in got.items()}
+            if self.ledger is not None:
+                sent = sum(x.numel() * 8 for a in asks.values() for x in a.values())
+                received = sum(r.numel() * 4 for r in out.values())
+                self.ledger.record("ps_pull", sent=sent, received=received, direction="fwd")
+        return out
+
+    # -- lookup -----------------------------------------------------------------
+    def forward(self, kjt: KeyedJagged) -> KeyedTensor:
+        parts = kjt.split_by_key()
+        missing = [f for f in self.feature_names if f not in parts]
+        if missing:
+            raise KeyError(f"input has no feature(s) {missing}")
+        by_table: dict[str, list[str]] = {}
+        for f in self.feature_names:
+            by_table.setdefault(self._table_of[f].name, []).append(f)
+        unique, inverse = {}, {}
+        for t, feats in by_table.items():
+            values = torch.cat([parts[f][0] for f in feats])
+            unique[t], inverse[t] = torch.unique(values, sorted=True, return_inverse=True)
+        rows = self._pull(unique)
+        train = self.training and torch.is_grad_enabled()
+        blocks = {}
+        for t, feats in by_table.items():
+            leaf = rows[t].requires_grad_(train)
+            if train:
+                self._pending.append(_Lookup(t, unique[t], leaf))
+            at = 0
+            for f in feats:
+                vals, lengths = parts[f]
+                n = vals.numel()
+                offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64)
+                torch.cumsum(lengths, 0, out=offsets[1:])
+                blocks[f] = F.embedding_bag(inverse[t][at : at + n], leaf, offsets,
+                                            mode=self.tables[t].pooling, include_last_offset=True)
+                at += n
+        values = torch.cat([blocks[f] for f in self.feature_names], dim=1)
+        return KeyedTensor(self.feature_names, self.feature_dims, values)
+
+    def pop_sparse_grads(self) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+        """``[(table, distinct ids, summed gradient rows)]`` of the lookups since the last call."""
+        out = [(lk.table, lk.ids, lk.rows.grad) for lk in self._pending if lk.rows.grad is not None]
+        self._pending = []
+        return out
+
+    # -- pushes -----------------------------------------------------------------
+    def push(self, grads: list[tuple[str, torch.Tensor, torch.Tensor]], lr: float) -> None:
+        """Send every server its rows of ``grads`` (every server, every step: the servers
+        count each trainer's steps for the staleness bound). Asynchronous: the next pull,
+        or :meth:`flush_pushes`, waits for it."""
+        self.pushed_steps += 1
+        step = self.pushed_steps
+        asks: dict[int, dict] = {j: {} for j in range(self.plan.world_size)}
+        for t, ids, rows in grads:
+            for server, (pos, sub) in self._route(t, ids).items():
+                asks[server][t] = (sub, rows.index_select(0, pos))
+        self.pushes = [(j, rpc.rpc_async(server_name(j), srv.rpc_push,
+                                         args=(self.trainer, step, lr, a, self.versions.get(j, 0)),
+                                         timeout=self.timeout_s)) for j, a in asks.items()]
+        if self.ledger is not None:
+            sent = sum(ids.numel() * 8 + r.numel() * 4 for a in asks.values() for ids, r in a.values())
+            self.ledger.record("ps_push", sent=sent, received=0, direction="bwd")
+
+    def flush_pushes(self) -> None:
+        """Wait for the last push (and note its staleness)."""
+        pushes, self.pushes = self.pushes, []
+        stale = [_wait(f, "push", server_name(j)) for j, f in pushes]
+        if stale:
+            self.staleness.append(sum(stale) / len(stale))
+
+    def summary(self) -> dict:
+        s = self.staleness
+        return {"servers": self.plan.world_size, "steps_pushed": self.pushed_steps,
+                "staleness_mean": sum(s) / len(s) if s else None, "staleness_max": max(s) if s else None}
+
+
+class PushOptimizer:
+    """The trainer's sparse optimizer in PS mode: pushes the row gradients; the servers
+    hold the tables and the optimizer state (``name`` is the servers' optimizer)."""
+
+    def __init__(self, remote: RemoteEmbeddingCollection, *, name: str, lr: float) -> None:
+        self.remote, self.name, self.lr = remote, name, lr
+        self.step_count = 0
+
+    def step(self, grads: list) -> None:
+        self.step_count += 1
+        self.remote.push(grads, self.lr)
+
+    def flush(self) -> None:
+        """Wait for the pushes in flight (before a checkpoint, at the end)."""
+        self.remote.flush_pushes()
+
+    def state_dict(self) -> dict:
+        return {"name": self.name, "lr": self.lr, "step": self.step_count, "tables": {}}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("name") != self.name:
+            raise ValueError(f"optimizer state is for {state.get('name')!r}, not {self.name!r}")
+        self.lr, self.step_count = float(state["lr"]), int(state["step"])
+        self.remote.pushed_steps = self.step_count

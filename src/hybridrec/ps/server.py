@@ -1,0 +1,152 @@
+"""A parameter server: holds embedding shards, answers pulls, applies pushes.
+
+Each server process holds its shards of every table as a
+:class:`~hybridrec.parallel.sharded_embedding.ShardedEmbeddingBagCollection` over the
+servers' process group (the same storage, initial values and sharded checkpoints as DES
+ranks; it never runs a forward), and one of the project's sparse optimizers over them.
+
+- ``pull(trainer, step, ids)``: the rows of global ids per table, and the server's version
+  (pushes applied so far). With a staleness bound ``B`` a pull for step ``s`` waits until
+  every trainer has pushed step ``s - 1 - B`` (``B = 0``: lockstep, every step sees every
+  trainer's previous step; unbounded (``B < 0``): never waits).
+- ``push(trainer, step, lr, grads, pulled_version)``: row gradients per table, applied at
+  once under a lock (asynchronous across trainers: pushes apply in arrival order); returns
+  the staleness of the update, the other trainers' pushes applied between its pull and
+  its push.
+- ``save(path)`` / ``load(path)``: a sharded checkpoint of the servers (DCP, collective
+  over the servers, the checkpoint module's format).
+
+RPC calls these through module functions (RPC runs functions by their import path), on the
+one :class:`EmbeddingServer` of the process.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from hybridrec.model.embedding import TableConfig
+from hybridrec.parallel.checkpoint import load_state, save_sharded
+from hybridrec.parallel.plan import ShardingPlan
+from hybridrec.parallel.sharded_embedding import ShardedEmbeddingBagCollection
+from hybridrec.parallel.topology import Topology
+from hybridrec.train.sparse_optim import combined_sparse_optimizer
+
+
+class _Tables(nn.Module):
+    """The servers' shards as a model with only ``sparse`` (checkpoint keys
+    ``model.sparse.tables.<t>.weight``, like a trainer's model)."""
+
+    def __init__(self, sparse: ShardedEmbeddingBagCollection) -> None:
+        super().__init__()
+        self.sparse = sparse
+
+
+class EmbeddingServer:
+    def __init__(self, tables: list[TableConfig], plan: ShardingPlan, topo: Topology, *, optimizer: str,
+                 lr: float, num_trainers: int, max_staleness: int = -1, timeout_s: float = 300.0,
+                 seed: int = 0, **opt_kwargs) -> None:
+        self.topo, self.num_trainers = topo, num_trainers
+        self.max_staleness, self.timeout_s = max_staleness, timeout_s
+        self.model = _Tables(ShardedEmbeddingBagCollection(tables, plan, topo, seed=seed))
+        self.opt = combined_sparse_optimizer(optimizer, self.model.sparse, lr=lr, **opt_kwargs)
+        self._shards: dict[str, tuple[int, int, int]] = {}  # table -> (group, fused start, first row)
+        local = self.model.sparse.local
+        for name, (shard, _) in self.model.sparse.local_shards().items():
+            group, start, _ = local.table_slice(name)
+            self._shards[name.partition("@")[0]] = (group, start, shard.rows[0])
+        self._cond = threading.Condition()
+        self.version = 0  # pushes applied
+        self.pushed = [0] * num_trainers  # steps each trainer has pushed
+
+    def _rows(self, table: str, ids: torch.Tensor) -> tuple[int, torch.Tensor]:
+        try:
+            group, start, first = self._shards[table]
+        except KeyError:
+            raise ValueError(f"server {self.topo.rank} holds no rows of table {table!r}") from None
+        return group, ids - first + start
+
+    def pull(self, trainer: int, step: int | None, ids: dict[str, torch.Tensor]) -> tuple[int, dict]:
+        with self._cond:
+            if step is not None and self.max_staleness >= 0:
+                self._wait_for(step - 1 - self.max_staleness)
+            out = {}
+            for table, gids in ids.items():
+                group, rows = self._rows(table, gids)
+                out[table] = self.model.sparse.local.group_weight(group).index_select(0, rows)
+            return self.version, out
+
+    def _wait_for(self, step: int) -> None:
+        deadline = time.monotonic() + self.timeout_s
+        while min(self.pushed) < step:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                late = [i for i, s in enumerate(self.pushed) if s < step]
+                raise TimeoutError(f"staleness bound: trainer(s) {late} did not push step {step} within "
+                                   f"dist.timeout_s={self.timeout_s:g}")
+            self._cond.wait(left)
+
+    def push(self, trainer: int, step: int, lr: float, grads: dict, pulled_version: int) -> int:
+        with self._cond:
+            staleness = self.version - pulled_version
+            rows = [(g, fused, r, True) for table, (ids, r) in grads.items()
+                    for g, fused in [self._rows(table, ids)]]
+            self.opt.lr = lr
+            self.opt.step({"shards": rows})
+            self.version += 1
+            self.pushed[trainer] = max(self.pushed[trainer], step)
+            self._cond.notify_all()
+            return staleness
+
+    def save(self, path: str, extra: dict) -> None:
+        with self._cond:
+            save_sharded(Path(path), model=self.model, dense_opt=None, sparse_opts=list(self.opt),
+                         extra={**extra, "version": self.version, "pushed": list(self.pushed)}, topo=self.topo)
+
+    def load(self, path: str) -> dict:
+        with self._cond:
+            extra = load_state(Path(path), model=self.model, dense_opt=None, sparse_opts=list(self.opt),
+                               topo=self.topo).extra
+            self.version, self.pushed = int(extra["version"]), [int(s) for s in extra["pushed"]]
+            self._cond.notify_all()
+            return extra
+
+
+_SERVER: EmbeddingServer | None = None
+
+
+def serve(server: EmbeddingServer) -> None:
+    """Make ``server`` the one the RPC functions below reach in this process."""
+    global _SERVER
+    _SERVER = server
+
+
+def _server() -> EmbeddingServer:
+    if _SERVER is None:
+        raise RuntimeError("this process serves no embedding shards")
+    return _SERVER
+
+
+def rpc_pull(trainer: int, step: int | None, ids: dict) -> tuple[int, dict]:
+    return _server().pull(trainer, step, ids)
+
+
+def rpc_push(trainer: int, step: int, lr: float, grads: dict, pulled_version: int) -> int:
+    return _server().push(trainer, step, lr, grads, pulled_version)
+
+
+def rpc_save(path: str, extra: dict) -> None:
+    _server().save(path, extra)
+
+
+def rpc_load(path: str) -> dict:
+    return _server().load(path)
+
+
+def rpc_stats() -> dict:
+    s = _server()
+    return {"version": s.version, "pushed": list(s.pushed)}

@@ -1,0 +1,78 @@
+"""Building a parameter-server run from a :class:`~hybridrec.train.config.Config`: the
+servers' placement of the tables, a server's whole life, and the trainers' checkpoint hook."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch.distributed.rpc as rpc
+
+from hybridrec.data.schema import DatasetMeta
+from hybridrec.model.embedding import TableConfig
+from hybridrec.parallel.checkpoint_io import agree
+from hybridrec.parallel.plan import ShardingPlan
+from hybridrec.parallel.topology import Topology
+from hybridrec.ps import server as srv
+from hybridrec.ps.client import ServerError, _wait
+from hybridrec.ps.world import Roles, init_world, join_rpc, server_name, shutdown
+from hybridrec.train.config import Config
+
+PS_DIR = "ps"
+"""The servers' part of a checkpoint: ``step-N/ps/``, a sharded checkpoint of its own."""
+
+
+def ps_plan(cfg: Config, tables: list[TableConfig], num_ps: int) -> ShardingPlan:
+    """Where the tables live on ``num_ps`` servers (``dist.ps_sharding``)."""
+    from hybridrec.train.build import uniform_plan
+
+    return uniform_plan(cfg.dist.ps_sharding, tables, num_ps, num_ps)
+
+
+def run_server(cfg: Config, meta: DatasetMeta, r: Roles) -> dict:
+    """A server's life: its process group, its shards, then it answers RPCs until every
+    trainer has left (graceful RPC shutdown)."""
+    from hybridrec.train.build import build_tables
+
+    topo = init_world(r, timeout_s=cfg.dist.timeout_s)
+    tables = build_tables(meta, cfg)
+    kwargs = {} if cfg.optim.sparse == "sgd" else {"eps": cfg.optim.eps}
+    server = srv.EmbeddingServer(tables, ps_plan(cfg, tables, r.num_ps), topo, optimizer=cfg.optim.sparse,
+                                 lr=cfg.optim.sparse_lr, num_trainers=r.num_trainers,
+                                 max_staleness=cfg.dist.ps_max_staleness, timeout_s=cfg.dist.timeout_s,
+                                 seed=cfg.train.seed, **kwargs)
+    srv.serve(server)  # before joining RPC: no pull can arrive at a server without its shards
+    join_rpc(r, timeout_s=cfg.dist.timeout_s, interface=cfg.dist.rpc_interface)
+    rows = sum(w.shape[0] for _, w in server.model.sparse.local_shards().values())
+    print(f"parameter server {r.name}: {rows:,} rows of {len(tables)} tables", file=sys.stderr, flush=True)
+    shutdown()
+    return {"server": r.name, "pushes": server.version}
+
+
+class ServerCheckpoints:
+    """The trainers' handle on the servers' checkpoints (``Checkpointer(servers=...)``).
+    :meth:`save` and :meth:`load` are collective over the trainers: rank 0 asks every
+    server at once (they save and load together, over their own group), and every trainer
+    learns of a failure."""
+
+    def __init__(self, topo: Topology, num_ps: int, timeout_s: float) -> None:
+        self.topo, self.num_ps, self.timeout_s = topo, num_ps, timeout_s
+
+    def _all(self, fn, args, what: str, path: Path) -> None:
+        err = None
+        if self.topo.rank == 0:
+            try:
+                futs = [(server_name(j), rpc.rpc_async(server_name(j), fn, args=args, timeout=self.timeout_s))
+                        for j in range(self.num_ps)]
+                for name, f in futs:
+                    _wait(f, what, name)
+            except ServerError as e:
+                err = e
+        agree(self.topo, err, path, what)
+
+    def save(self, path: Path, step: int) -> None:
+        """Into ``path/ps`` (``path``: the trainers' checkpoint, not yet published)."""
+        self._all(srv.rpc_save, (str(path / PS_DIR), {"step": step}), "saving the servers' checkpoint", path)
+
+    def load(self, path: Path) -> None:
+        self._all(srv.rpc_load, (str(path / PS_DIR),), "loading the servers' checkpoint", path)
