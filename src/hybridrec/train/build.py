@@ -49,6 +49,8 @@ from hybridrec.parallel.plan import ShardingPlan
 from hybridrec.parallel.planner import plan_sharding
 from hybridrec.parallel.sharded_embedding import ShardedEmbeddingBagCollection
 from hybridrec.parallel.topology import Topology
+from hybridrec.ps.client import PushOptimizer, RemoteEmbeddingCollection
+from hybridrec.ps.setup import ServerCheckpoints, ps_plan
 from hybridrec.train.sparse_optim import CombinedSparseOptimizer, combined_sparse_optimizer
 from hybridrec.train import checkpoint as ckpt
 from hybridrec.sync import BackgroundRunner, ForegroundRunner, SyncRunner, make_synchronizer
@@ -75,12 +77,15 @@ def build_tables(meta: DatasetMeta, cfg: Config) -> list[TableConfig]:
 
 
 def build_model(cfg: Config, meta: DatasetMeta, *, plan: ShardingPlan | None = None,
-                topo: Topology | None = None, ledger: CommLedger | None = None) -> DLRM:
+                topo: Topology | None = None, ledger: CommLedger | None = None, sparse=None) -> DLRM:
     """The single-device DLRM, or with ``plan`` one whose embedding collection holds only
-    this rank's shards (the whole tables are never materialised on a rank)."""
+    this rank's shards (the whole tables are never materialised on a rank), or with
+    ``sparse`` one with that embedding collection (a parameter-server run's)."""
     torch.manual_seed(cfg.train.seed)
     tables = build_tables(meta, cfg)
-    if plan is None:
+    if sparse is not None:
+        ebc = sparse
+    elif plan is None:
         ebc = EmbeddingBagCollection(tables, seed=cfg.train.seed)
     else:
         ebc = ShardedEmbeddingBagCollection(tables, plan, topo, seed=cfg.train.seed, ledger=ledger,
@@ -264,6 +269,20 @@ def build_parallel_model(cfg: Config, meta: DatasetMeta, topo: Topology, ledger:
     return model
 
 
+def build_ps_model(cfg: Config, meta: DatasetMeta, topo: Topology, ledger: CommLedger,
+                   dense_sync: DenseSync, run_dir: Path) -> tuple[torch.nn.Module, ServerCheckpoints]:
+    """A parameter-server run's trainer: its DLRM pulls rows from the servers (no table
+    here), the dense arches go to ``dense_sync``; rank 0 writes the servers' plan."""
+    tables = build_tables(meta, cfg)
+    plan = ps_plan(cfg, tables, cfg.dist.num_ps)
+    remote = RemoteEmbeddingCollection(tables, plan, trainer=topo.rank, ledger=ledger, timeout_s=cfg.dist.timeout_s)
+    model = dense_sync.wrap(build_model(cfg, meta, sparse=remote))
+    if topo.rank == 0:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "plan.json").write_text(plan.to_json())
+    return model, ServerCheckpoints(topo, cfg.dist.num_ps, cfg.dist.timeout_s)
+
+
 def build_trainer(cfg: Config, *, meta: DatasetMeta | None = None, topo: Topology | None = None) -> Trainer:
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
@@ -271,7 +290,8 @@ def build_trainer(cfg: Config, *, meta: DatasetMeta | None = None, topo: Topolog
         raise ConfigError("train.run_dir is not set (hybridrec train picks a new runs/<time> itself)")
     meta = meta or load_dataset(cfg)
     topo = topo or build_topology(cfg)
-    check_memory(cfg, meta, topo)  # before the model is allocated
+    if not cfg.dist.num_ps:  # (a parameter-server run's trainers hold no table)
+        check_memory(cfg, meta, topo)  # before the model is allocated
     ledger = CommLedger()
     run_dir = Path(cfg.train.run_dir)
     # Metrics of steps after the checkpoint it resumes from are trained (and logged) again.
@@ -280,13 +300,18 @@ def build_trainer(cfg: Config, *, meta: DatasetMeta | None = None, topo: Topolog
     if not cfg.train.resume and topo.rank == 0:
         start_over(run_dir)
     dense_sync = build_dense_sync(cfg, topo, ledger)
-    if topo.world_size == 1:
+    servers = None
+    if cfg.dist.num_ps:
+        model, servers = build_ps_model(cfg, meta, topo, ledger, dense_sync, run_dir)
+    elif topo.world_size == 1:
         model = build_model(cfg, meta)
     else:
         model = build_parallel_model(cfg, meta, topo, ledger, dense_sync, run_dir)
     sync_runner = build_sync_runner(cfg, topo, dense_parameters(model), ledger)
     dense_opt = build_dense_optimizer(dense_parameters(model), cfg.optim)
-    sparse_opt = build_sparse_optimizers(cfg, model.sparse)
+    sparse_opt = (CombinedSparseOptimizer({"ps": PushOptimizer(model.sparse, name=cfg.optim.sparse,
+                                                                lr=cfg.optim.sparse_lr)})
+                  if servers else build_sparse_optimizers(cfg, model.sparse))
     train_loader, eval_loader = build_loaders(cfg, meta, rank=topo.rank, world_size=topo.world_size)
     pipeline = TrainPipeline(train_loader, model.sparse, enabled=cfg.dist.pipeline)
     total_steps = planned_steps(cfg, len(train_loader))
@@ -299,7 +324,7 @@ def build_trainer(cfg: Config, *, meta: DatasetMeta | None = None, topo: Topolog
     if sync_runner is not None:
         components.append(Component("sync", sync_runner))
     checkpointer = Checkpointer(run_dir, topo, model=model, dense_opt=dense_opt, sparse_opt=sparse_opt,
-                                components=components, keep=cfg.train.keep_checkpoints)
+                                components=components, keep=cfg.train.keep_checkpoints, servers=servers)
     run_dir.mkdir(parents=True, exist_ok=True)
     logger = (MetricLogger(run_dir, tensorboard=cfg.train.tensorboard, keep_until=keep_until)
               if topo.rank == 0 else None)

@@ -141,6 +141,20 @@ class DistConfig:
     all-reduce overlapped with backward, through ``compress.dense``), ``allreduce`` (one
     explicit step after backward, through ``compress.dense``, no DDP) or ``none`` (every rank
     keeps its own dense replica; for a synchronizer that averages replicas instead)."""
+    num_ps: int = 0
+    """Parameter-server mode: this many extra processes hold the embedding tables (0: DES,
+    the tables sharded over the trainers). Trainers pull a batch's rows and push their
+    gradients over RPC; ``hybridrec train dist.nproc=N dist.num_ps=P`` starts both."""
+    ps_sharding: str = "row_wise"
+    """How the tables are placed on the servers: ``row_wise`` (every table's rows split
+    evenly over all servers) or ``table_wise`` (whole tables, largest first, to the server
+    with the fewest rows so far)."""
+    ps_max_staleness: int = -1
+    """Parameter servers: how many steps a trainer may run ahead of the slowest trainer's
+    pushes (0: lockstep; -1: unbounded, fully asynchronous)."""
+    rpc_interface: str = ""
+    """Network interface the RPC agent of a parameter-server run listens on (empty: the
+    loopback interface when every process is on this machine, else TensorPipe's choice)."""
 
 
 @dataclass(kw_only=True)
@@ -351,6 +365,22 @@ def build_config(base: dict | None = None, files: list[str] = (), overrides: lis
     return cfg
 
 
+def _ps_checks(cfg: Config) -> list[tuple[bool, str]]:
+    d = cfg.dist
+    if d.num_ps == 0:
+        return []
+    return [
+        (d.num_ps > 0, f"dist.num_ps must be >= 0, got {d.num_ps}"),
+        (d.ps_sharding in ("row_wise", "table_wise"), f"dist.ps_sharding {d.ps_sharding!r}: row_wise or table_wise"),
+        (d.ps_max_staleness >= -1, f"dist.ps_max_staleness must be >= -1 (-1: unbounded), got {d.ps_max_staleness}"),
+        (cfg.model.arch == "dlrm", "dist.num_ps: parameter servers serve ordinary tables; model.arch=deepfm's "
+         "FM tables need DES (dist.num_ps=0)"),
+        (cfg.compress.embedding == "none", "dist.num_ps: compress.embedding compresses DES's pooled-embedding "
+         "hops, which a parameter-server run does not have"),
+        (not d.plan, "dist.plan is a DES sharding plan; parameter servers place tables by dist.ps_sharding"),
+    ]
+
+
 def _sync_checks(cfg: Config) -> list[tuple[bool, str]]:
     s = cfg.sync
     return [
@@ -403,6 +433,7 @@ def validate(cfg: Config) -> None:
         (cfg.dist.exchange in ("collective", "pairwise"), f"dist.exchange {cfg.dist.exchange!r}: collective or pairwise"),
         (cfg.dist.dense_sync in ("ddp", "allreduce", "none"),
          f"dist.dense_sync {cfg.dist.dense_sync!r}: ddp, allreduce or none"),
+        *_ps_checks(cfg),
         (c.dense != "powersgd" or cfg.dist.dense_sync == "ddp",
          "compress.dense=powersgd runs as a DDP comm hook: it needs dist.dense_sync=ddp"),
         (c.dense == "none" or cfg.dist.dense_sync != "none",
