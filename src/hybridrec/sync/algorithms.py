@@ -12,8 +12,16 @@ and returns the *target* ``t`` ``[n]`` the replica should become; the runner
   (the synchronous EASGD of Zhang et al. 2015 with ``beta = N alpha``, capped so the centre
   never overshoots the mean). ``alpha = 0``: independent training.
 - :class:`BlockMomentum` (BMUF, Chen & Huo 2016): with the global model ``g`` and the block
-  momentum ``delta``: ``d = mean_i s_i - g``, ``delta <- mu delta + zeta d``,
-  ``g <- g + delta``; ``t = g + mu delta`` (Nesterov) or ``t = g``. ``mu = 0, zeta = 1``: MA.
+  momentum ``delta``: the replicas started the block from ``b``, the previous round's target
+  (``b = g + mu delta`` with Nesterov, ``b = g`` without); ``d = mean_i s_i - b``,
+  ``delta <- mu delta + zeta d``, ``g <- g + delta``; ``t = g + mu delta`` (Nesterov) or
+  ``t = g``. ``mu = 0, zeta = 1``: MA. The block gradient ``d`` is measured from where the
+  replicas started (the paper's ``W_g(t-1)``), not from ``g``: measured from ``g``, the
+  look-ahead ``mu delta`` handed out last round comes back inside ``d`` and the recursion
+  becomes ``delta <- mu (1 + zeta) delta + zeta p`` (``p``: the replicas' mean progress),
+  momentum 1 at ``mu = 0.5, zeta = 1``: the block momentum never decays and the dense model
+  runs away (the divergence measured at 100 Mbit/s before this was fixed, docs/benchmarks.md).
+  In steady state BMUF multiplies the replicas' progress by ``zeta / (1 - mu)``.
 
 The centre and the global model start as the replica at :meth:`Synchronizer.init` (every
 rank holds the same initial dense model: same seed, or the same checkpoint) and are kept
@@ -110,7 +118,8 @@ class BlockMomentum:
             self.delta = torch.zeros_like(self.global_model)
 
     def round(self, snapshot, group):
-        d = mean_over(snapshot, group) - self.global_model
+        start = self.global_model + self.mu * self.delta if self.nesterov else self.global_model
+        d = mean_over(snapshot, group) - start  # the block's progress from where it started
         self.delta = self.mu * self.delta + self.zeta * d
         self.global_model = self.global_model + self.delta
         return self.global_model + self.mu * self.delta if self.nesterov else self.global_model.clone()

@@ -2,10 +2,27 @@
 
 - :class:`ForegroundRunner`: a round every ``every`` training steps, inside the loop (the
   A/B counterpart of the background runner: synchronization on the critical path).
-- :class:`BackgroundRunner`: ShadowSync's shadow thread: rounds back to back while training
-  runs, on a process group of its own (so its all-reduces never interleave with the step's
+- :class:`BackgroundRunner`: ShadowSync's shadow thread: rounds while training runs, on a
+  process group of its own (so its all-reduces never interleave with the step's
   all-to-alls). Before every round the ranks all-reduce a stop flag, so every rank runs the
   same number of rounds and all leave together when one asks to stop.
+
+Throttle (background only). Back to back, the rounds' all-reduces fill a link that the
+step's all-to-alls need, and every step slows down to the pace of the rounds
+(docs/benchmarks.md). Before each round the shadow thread waits (in the thread, woken at once
+by :meth:`BackgroundRunner.stop`) until all of these hold:
+
+- ``every``: at least that many training steps since the previous round started;
+- ``interval_s``: at least that many seconds since the previous round started;
+- ``duty``: the thread spends at most that share of the time in rounds: after a round that
+  took ``T`` seconds (stop flag + all-reduce + the synchronizer's arithmetic) it rests
+  ``T (1/duty - 1)``. Unlike the other two this adapts to the link and to the model: a round
+  that takes long (a slow link, a large dense part, a link shared with the all-to-alls) is
+  followed by a long rest, a quick one by a short rest.
+
+``every=1, interval_s=0, duty=1`` runs the rounds back to back. Each rank waits on its own
+clock and steps; the stop-flag all-reduce after the wait lines the ranks up again, so they
+still run the same rounds.
 
 Write-back while training goes on (background only; in the foreground nothing trains during
 a round and the target is copied): the training thread applies a round's target at its next
@@ -14,9 +31,9 @@ step boundary (autograd forbids in-place writes between a step's forward and bac
 since the snapshot; ``overwrite`` sets the parameters to ``target``, dropping them.
 ShadowSync's paper has the shadow thread *copy* the synchronized model into the trainer's
 replica (overwrite); the delta form is the elastic-averaging reading that loses no local
-progress, chosen as the default here (not yet measured against overwrite). The snapshot is
-read without a lock while the optimizer writes (Hogwild style, as in the paper): it may mix
-two steps' values of a parameter.
+progress, chosen as the default (measured against overwrite in docs/benchmarks.md). The
+snapshot is read without a lock while the optimizer writes (Hogwild style, as in the paper):
+it may mix two steps' values of a parameter.
 
 The runner counts what it moves in the ledger (category ``sync``, direction ``sync``: one
 ring all-reduce of the replica per round, plus the 4-byte stop flag in the background) and
@@ -26,6 +43,7 @@ keeps the *sync gap*: training steps between two rounds of this rank.
 from __future__ import annotations
 
 import threading
+import time
 
 import torch
 import torch.distributed as dist
@@ -137,43 +155,83 @@ class ForegroundRunner(SyncRunner):
 
 
 class BackgroundRunner(SyncRunner):
-    """ShadowSync's shadow thread: rounds back to back while training runs.
+    """ShadowSync's shadow thread: rounds while training runs, throttled by ``every``,
+    ``interval_s`` and ``duty`` (module docstring; the defaults run them back to back).
 
     The thread reads the live replica (the snapshot) and runs the round's all-reduce beside
     training; it never writes the parameters itself: autograd saves them for backward, so an
     in-place write between a step's forward and backward would corrupt (and here stop) that
     step. It hands the target to the training thread, which writes it back at its next step
     boundary (:meth:`after_step`: a vector add, the only sync work on the critical path),
-    then the thread starts the next round."""
+    then the thread waits for its next turn. The training thread never waits for a round:
+    the synchronizer's state has a lock of its own, held by the round and by
+    :meth:`state_dict` (a checkpoint waits for a round in flight), never by the write-back."""
 
     mode = "background"
 
-    def __init__(self, *args, **kwargs) -> None:
+    def __init__(self, *args, every: int = 1, interval_s: float = 0.0, duty: float = 1.0, **kwargs) -> None:
         super().__init__(*args, **kwargs)
+        if every < 1:
+            raise ValueError(f"every must be >= 1, got {every}")
+        if interval_s < 0:
+            raise ValueError(f"interval_s must be >= 0, got {interval_s}")
+        if not 0 < duty <= 1:
+            raise ValueError(f"duty must be in (0, 1], got {duty}")
+        self.every, self.interval_s, self.duty = every, interval_s, duty
         self._stop = threading.Event()
-        self._cond = threading.Condition()  # guards _pending and the synchronizer's state
-        self._pending: tuple[torch.Tensor, torch.Tensor, int] | None = None  # snapshot, target, round
+        self._cond = threading.Condition()  # guards step, _pending and the waits on them
+        self._state_lock = threading.Lock()  # the synchronizer's state: a round or state_dict()
+        self._pending: tuple[torch.Tensor, torch.Tensor] | None = None  # snapshot, target
         self._thread: threading.Thread | None = None
         self.error: BaseException | None = None
+        # Each round's start (monotonic seconds), the training step then, and its seconds.
+        self.round_starts: list[tuple[float, int, float]] = []
+        self.busy_s = 0.0  # seconds this rank's thread spent in rounds
+        self._span: list[float] = []  # monotonic start and end of the thread
 
     def start(self) -> None:
         super().start()
+        self._span = [time.monotonic()]
         self._thread = threading.Thread(target=self._loop, name="hybridrec-shadow-sync", daemon=True)
         self._thread.start()
 
     def _loop(self) -> None:
         try:
-            while self._agree_to_go_on():
-                snapshot = self.flat()  # unlocked reads: may mix two steps' values (Hogwild)
+            last: tuple[float, int, float] | None = None  # start, step at start, seconds taken
+            while True:
+                self._wait_for_turn(last)
+                t0 = time.monotonic()
                 with self._cond:
+                    step0 = self.step
+                if not self._agree_to_go_on():
+                    break
+                snapshot = self.flat()  # unlocked reads: may mix two steps' values (Hogwild)
+                with self._state_lock:
                     target = self.sync.round(snapshot, self.group)
-                    self._pending = (snapshot, target, self.rounds)
+                took = time.monotonic() - t0
+                self.busy_s += took
+                self.round_starts.append((t0, step0, took))
+                last = (t0, step0, took)
                 self._count(snapshot)
-                with self._cond:  # the training thread writes it back, then the next round
+                with self._cond:  # the training thread writes it back, then the next turn
+                    self._pending = (snapshot, target)
                     while self._pending is not None and not self._stop.is_set():
                         self._cond.wait()
         except BaseException as e:  # noqa: BLE001 - reported to the training thread in stop()
             self.error = e
+
+    def _wait_for_turn(self, last: tuple[float, int, float] | None) -> None:
+        """Wait until the throttle lets the next round start, or stop() was called."""
+        if last is None:
+            return
+        t0, step0, took = last
+        ready_at = t0 + max(self.interval_s, took / self.duty)  # rest took (1/duty - 1) after it
+        with self._cond:
+            while not self._stop.is_set():
+                wait_s = ready_at - time.monotonic()
+                if wait_s <= 0 and self.step >= step0 + self.every:
+                    return
+                self._cond.wait(timeout=wait_s if wait_s > 0 else None)  # after_step notifies
 
     def _agree_to_go_on(self) -> bool:
         """Collective on the sync group: False on every rank once any rank asked to stop."""
@@ -185,14 +243,16 @@ class BackgroundRunner(SyncRunner):
         return flag.item() == 0.0  # host read: the loop's decision
 
     def after_step(self, step: int) -> None:
-        self.step = step
-        self._apply_pending()
+        with self._cond:
+            self.step = step
+            self._apply_pending()
+            self._cond.notify_all()  # a thread waiting for its turn counts steps
 
     def _apply_pending(self) -> None:
         with self._cond:
             if self._pending is None:
                 return
-            snapshot, target, _ = self._pending
+            snapshot, target = self._pending
             with torch.no_grad():
                 self._write(target, snapshot if self.write_back == "delta" else None)
             self._pending = None
@@ -200,8 +260,12 @@ class BackgroundRunner(SyncRunner):
             self._cond.notify_all()
 
     def state_dict(self) -> dict:
-        with self._cond:
+        with self._state_lock:
             return super().state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        with self._state_lock:
+            super().load_state_dict(state)
 
     def stop(self) -> None:
         """Ask for the last round, wait for the thread (every rank's thread leaves after
@@ -212,6 +276,7 @@ class BackgroundRunner(SyncRunner):
         if self._thread is not None:
             self._thread.join()
             self._thread = None
+            self._span.append(time.monotonic())
         self._apply_pending()
         if self.error is not None:
             raise RuntimeError(f"background synchronization failed: {self.error}") from self.error
@@ -219,3 +284,11 @@ class BackgroundRunner(SyncRunner):
     def finish(self) -> None:
         self.stop()
         super().finish()
+
+    def summary(self) -> dict:
+        """The base summary, the throttle, and the share of the thread's time in rounds."""
+        span = self._span[1] - self._span[0] if len(self._span) == 2 else None
+        n = len(self.round_starts)
+        return {**super().summary(), "every": self.every, "interval_s": self.interval_s, "duty": self.duty,
+                "round_seconds_mean": self.busy_s / n if n else None,
+                "busy_fraction": self.busy_s / span if span else None}
