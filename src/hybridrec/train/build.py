@@ -249,7 +249,8 @@ def build_sync_runner(cfg: Config, topo: Topology, params: list, ledger: CommLed
     group = topo.parallel_groups(1)[0]  # collective: every rank, same order
     if s.mode == "foreground":
         return ForegroundRunner(sync, params, group, ledger=ledger, every=s.every)
-    return BackgroundRunner(sync, params, group, ledger=ledger, write_back=s.write_back)
+    return BackgroundRunner(sync, params, group, ledger=ledger, write_back=s.write_back, every=s.every,
+                            interval_s=s.interval_s, duty=s.duty)
 
 
 def build_parallel_model(cfg: Config, meta: DatasetMeta, topo: Topology, ledger: CommLedger,

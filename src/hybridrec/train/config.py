@@ -195,10 +195,19 @@ class SyncConfig:
     momentum). With one, every rank keeps its own dense replica (no DDP all-reduce); the
     embeddings stay sharded and synchronous."""
     mode: str = "background"
-    """``background``: a shadow thread per rank synchronizes as often as it can while training
-    runs; ``foreground``: a round every ``sync.every`` steps inside the loop."""
+    """``background``: a shadow thread per rank synchronizes while training runs, as often as
+    ``sync.every``, ``sync.interval_s`` and ``sync.duty`` let it; ``foreground``: a round every
+    ``sync.every`` steps inside the loop."""
     every: int = 1
-    """``foreground``: training steps between two rounds."""
+    """``foreground``: training steps between two rounds; ``background``: at least this many
+    training steps between the starts of two rounds."""
+    interval_s: float = 0.0
+    """``background``: at least this many seconds between the starts of two rounds (0: no
+    minimum)."""
+    duty: float = 1.0
+    """``background``: the largest share of the time the shadow thread spends in rounds:
+    after a round of T seconds it rests T (1/duty - 1), so slow rounds (a slow link, a large
+    dense part) are spaced out and quick ones are not (1: back to back)."""
     alpha: float = 0.25
     """``easgd``: moving rate: each replica moves ``alpha`` of the way to the centre per round,
     the centre ``min(1, N alpha)`` of the way to the replicas' mean (N ranks)."""
@@ -387,6 +396,8 @@ def _sync_checks(cfg: Config) -> list[tuple[bool, str]]:
         (s.algorithm in ("none", "ma", "easgd", "bmuf"), f"sync.algorithm {s.algorithm!r}: none, ma, easgd or bmuf"),
         (s.mode in ("background", "foreground"), f"sync.mode {s.mode!r}: background or foreground"),
         (s.every >= 1, "sync.every must be >= 1"),
+        (s.interval_s >= 0, f"sync.interval_s must be >= 0, got {s.interval_s}"),
+        (0 < s.duty <= 1, f"sync.duty must be in (0, 1], got {s.duty}"),
         (0 <= s.alpha <= 1, f"sync.alpha must be in [0, 1], got {s.alpha}"),
         (0 <= s.block_momentum < 1, f"sync.block_momentum must be in [0, 1), got {s.block_momentum}"),
         (s.block_lr > 0, "sync.block_lr must be positive"),
