@@ -4,10 +4,13 @@ ends quietly."""
 
 from __future__ import annotations
 
+import errno
 import io
+import json
 import os
 import pickle
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -46,11 +49,11 @@ def train_args(data: Path, run: Path) -> list[str]:
             "data.batch_size=64", "train.max_steps=2"]
 
 
-def error_of(capsys, code: int) -> str:
+def error_of(capsys, code: int, err: str | None = None) -> str:
     """The one error line (without the prefix) after checking the status and that nothing
-    else looks like an error or a traceback."""
+    else looks like an error or a traceback (in ``err``, else what capsys holds)."""
     assert code == 2, code
-    err = capsys.readouterr().err
+    err = capsys.readouterr().err if err is None else err
     assert "Traceback" not in err, err
     lines = [line for line in err.splitlines() if line.startswith("hybridrec: error: ")]
     assert len(lines) == 1, err
@@ -128,6 +131,94 @@ def test_full_disk_while_saving_a_checkpoint(data, tmp_path, capsys):
         assert not [p for p in (small / "run" / "checkpoints").iterdir()]  # no partial checkpoint
     assert re.fullmatch(rf"{re.escape(str(small / 'run'))}/checkpoints/step-\d+: saving the checkpoint "
                         r"failed: No space left on device", line), line
+
+
+def _fill(directory: Path) -> None:
+    """Fill the file system of ``directory`` to the last byte."""
+    with open(directory / "filler", "wb", buffering=0) as f:
+        with pytest.raises(OSError) as full:
+            while True:
+                f.write(b"\0" * 4096)
+    assert full.value.errno == errno.ENOSPC
+
+
+def _records(path: Path) -> list[dict]:
+    """Every line of a JSONL file, each a whole record (json.loads fails on a cut line)."""
+    text = path.read_text()
+    assert text == "" or text.endswith("\n"), text[-200:]
+    return [json.loads(line) for line in text.splitlines()]
+
+
+def test_metrics_on_a_full_disk_keep_whole_records(tmp_path):
+    from hybridrec.cli.main import error_line
+    from hybridrec.metrics import MetricLogger
+
+    with _Tmpfs(tmp_path / "small", "size=4k") as small:  # one page
+        log = MetricLogger(small / "run")
+        with pytest.raises(OSError) as full:
+            for step in range(1000):
+                log.log(step, {"loss": 0.5, "samples_per_sec": 12345.678})
+        assert error_line(full.value) == f"{small / 'run' / 'metrics.jsonl'}: No space left on device"
+        log.close()  # nothing left to write: no second error
+        records = _records(small / "run" / "metrics.jsonl")
+        assert step > 10 and [r["step"] for r in records] == list(range(step))  # all but the failed one
+
+
+def test_metrics_on_a_full_device(tmp_path):
+    """The same without root: metrics.jsonl is /dev/full, where every write fails."""
+    from hybridrec.cli.main import error_line
+    from hybridrec.metrics import MetricLogger
+
+    (tmp_path / "metrics.jsonl").symlink_to("/dev/full")
+    log = MetricLogger(tmp_path, flush_every=3)
+    log.log(1, {"loss": 0.5})
+    log.log(2, {"loss": 0.5})
+    with pytest.raises(OSError) as full:
+        log.log(3, {"loss": 0.5})
+    assert error_line(full.value) == f"{tmp_path / 'metrics.jsonl'}: No space left on device"
+    log.log(4, {"loss": 0.5})
+    with pytest.raises(OSError, match="No space left on device"):
+        log.close()  # the last record cannot be written either, and the file is closed
+    log.close()
+
+
+def test_training_on_a_disk_that_fills_up(data, tmp_path, capsys):
+    # Room for config.json and one page of metrics.jsonl (about 25 records).
+    with _Tmpfs(tmp_path / "small", "size=8k") as small:
+        run = small / "run"
+        code = main([*train_args(data, run), "data.batch_size=8", "train.epochs=100",
+                     "train.max_steps=1000", "train.log_every=1", "train.progress=false"])
+        assert error_of(capsys, code) == f"{run / 'metrics.jsonl'}: No space left on device"
+        assert len(_records(run / "metrics.jsonl")) > 10  # whole records, the last one too
+        assert json.loads((run / "config.json").read_text())["train"]["run_dir"] == str(run)
+        assert sorted(p.name for p in run.iterdir()) == ["config.json", "metrics.jsonl"]
+
+
+def test_eval_and_report_on_a_full_disk(trained, tmp_path, capsys):
+    with _Tmpfs(tmp_path / "small", "size=2m") as small:
+        run = copy_run(trained, small / "run")
+        shutil.rmtree(run / "report", ignore_errors=True)
+        _fill(small)
+        code = main(["eval", str(run)])
+        out, err = capsys.readouterr()  # the metrics, computed before the write failed
+        assert re.search(r"^AUC +\d\.\d{4}$", out, re.MULTILINE), out
+        assert error_of(capsys, code, err) == f"{run / 'eval.json'}: No space left on device"
+        code = main(["report", str(run)])
+        assert re.fullmatch(rf"{re.escape(str(run / 'report'))}/\w+\.svg: No space left on device",
+                            error_of(capsys, code))
+        # Nothing half-written: no eval.json, no temporary file, no empty chart.
+        assert not [p for p in run.rglob("*") if p.name.endswith(".tmp") or p.name == "eval.json"
+                    or (p.is_file() and p.stat().st_size == 0)]
+
+
+def test_eval_on_a_read_only_run_directory(trained, tmp_path, capsys):
+    with _Tmpfs(tmp_path / "ro", "size=2m") as ro:
+        run = copy_run(trained, ro / "run")
+        subprocess.run(["mount", "-o", "remount,ro", str(ro)], check=True)
+        code = main(["eval", str(run)])
+        out, err = capsys.readouterr()
+        assert re.search(r"^AUC +\d\.\d{4}$", out, re.MULTILINE), out
+        assert error_of(capsys, code, err) == f"{run / 'eval.json'}: Read-only file system"
 
 
 # -- checkpoints that cannot be loaded --------------------------------------------------------
@@ -270,9 +361,48 @@ def test_two_torchrun_ranks_with_the_same_error_print_it_once(data, tmp_path):
     (tmp_path / "f").write_text("x")
     proc = subprocess.run([sys.executable, "-m", "hybridrec", *train_args(data, tmp_path / "f"), "dist.nproc=2"],
                           capture_output=True, text=True, check=False, timeout=170)
-    assert proc.returncode != 0
+    assert proc.returncode == 2
+    # The ranks' error once, then the launcher's line; no traceback.
     lines = [line for line in proc.stderr.splitlines() if "hybridrec: error:" in line]
-    assert lines == [f"hybridrec: error: {tmp_path / 'f'}: is a file, not a directory"], proc.stderr
+    assert lines[0] == f"hybridrec: error: {tmp_path / 'f'}: is a file, not a directory", proc.stderr
+    assert re.fullmatch(r"hybridrec: error: (rank [01]|ranks 0 and 1) exited with code 2 \(see above\)", lines[1]), proc.stderr
+    assert len(lines) == 2 and "Traceback" not in proc.stderr, proc.stderr
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(180)
+def test_a_full_disk_on_rank_0_ends_in_its_line_and_the_launchers(data, tmp_path):
+    """Rank 0 alone writes metrics.jsonl: its error stops it mid-training, and rank 1,
+    whose collective loses its peer, says nothing (neither does the agent)."""
+    with _Tmpfs(tmp_path / "small", "size=20k") as small:  # config, plan and a page of metrics
+        run = small / "run"
+        proc = subprocess.run([sys.executable, "-m", "hybridrec", *train_args(data, run), "dist.nproc=2",
+                               "data.batch_size=4", "train.epochs=100", "train.max_steps=1000",
+                               "train.log_every=1", "train.progress=false", "dist.timeout_s=60"],
+                              capture_output=True, text=True, check=False, timeout=170)
+        assert len(_records(run / "metrics.jsonl")) > 10
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.splitlines()[1:] == [
+        f"hybridrec: error: {run / 'metrics.jsonl'}: No space left on device",
+        "hybridrec: error: rank 0 exited with code 2 (see above)"], proc.stderr
+
+
+def test_the_launchers_line_names_the_rank_that_failed_not_those_it_stopped():
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    from hybridrec.cli.launch import PEER_LOST, failure_line
+
+    def failures(*codes):
+        return {rank: ProcessFailure(rank, 1000 + rank, code, "<N/A>") for rank, code in enumerate(codes)}
+
+    # Rank 2's error (status 2) ended the run; rank 0 lost its peer, rank 1 was stopped.
+    assert failure_line(failures(PEER_LOST, -15, 2)) == ("rank 2 exited with code 2 (see above)", 2)
+    assert failure_line(failures(2, 2)) == ("ranks 0 and 1 exited with code 2 (see above)", 2)
+    assert failure_line(failures(-15, 1)) == ("rank 1 exited with code 1 (see above)", 1)
+    line, status = failure_line(failures(-15, -9))
+    assert line.startswith("rank 1 (pid 1001) was killed by SIGKILL") and status == 1
+    # Nothing but stopped ranks (someone sent them SIGTERM): said as it is.
+    assert failure_line(failures(-15, -15)) == ("rank 0 (pid 1000) was killed by SIGTERM", 1)
 
 
 def test_error_classes_mark_what_every_rank_raises():

@@ -175,7 +175,7 @@ def test_write_report_never_raises_and_says_why(runs, tmp_path, caplog):
     (run / "report").write_text("a file where the report directory goes")
     with caplog.at_level(logging.WARNING, logger="hybridrec.bench.report"):
         assert report.write_report(run) is None
-    assert f"report for {run} not written: cannot write the report" in caplog.text
+    assert f"report for {run} not written: {run / 'report'}: is a file, not a directory" in caplog.text
     (run / "report").unlink()
     assert report.write_report(run) == run / "report" / "index.html"
 

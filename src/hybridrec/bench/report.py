@@ -28,7 +28,7 @@ from xml.sax.saxutils import escape
 
 from hybridrec.bench.compression_report import byte_ratio, fmt_bytes
 from hybridrec.bench.svg import Bar, BarGroup, Series, bar_svg, color, line_svg
-from hybridrec.errors import HybridrecError
+from hybridrec.errors import HybridrecError, os_error_message
 from hybridrec.metrics.logger import METRICS_FILE, write_text_atomic
 
 REPORT_DIR = "report"
@@ -496,23 +496,22 @@ def html_page(runs: list[Run], figures: dict[str, str]) -> str:
 def build_report(run_dirs: list[Path], out: Path | None = None) -> tuple[Path, list[Run]]:
     """Reads the runs, writes ``out`` (default: :func:`default_out`): the SVGs, then
     index.html; returns index.html's path and the runs (their ``notes`` say what is
-    missing). HybridrecError for a directory that is no run or a report that cannot be
-    written."""
+    missing). HybridrecError for a directory that is no run, OSError (naming the file) for
+    a report that cannot be written."""
     paths = [Path(p) for p in run_dirs]
     if not paths:
         raise HybridrecError("report: no run directory given")
     runs = [load_run(p, label) for p, label in zip(paths, labels(paths))]
     out = Path(out) if out is not None else default_out(paths)
     figures = charts(runs)
-    try:
-        for name, svg in figures.items():
-            write_text_atomic(out / f"{name}.svg", svg)
-        for name in CHARTS:  # a chart an earlier report had and this one has not
-            if name not in figures:
-                (out / f"{name}.svg").unlink(missing_ok=True)
-        write_text_atomic(out / "index.html", html_page(runs, figures))
-    except OSError as e:
-        raise HybridrecError(f"cannot write the report to {out}: {e.strerror or e}") from None
+    # A file that cannot be written raises OSError naming it (RUN/report/loss.svg: No
+    # space left on device); each file is written whole or not at all.
+    for name, svg in figures.items():
+        write_text_atomic(out / f"{name}.svg", svg)
+    for name in CHARTS:  # a chart an earlier report had and this one has not
+        if name not in figures:
+            (out / f"{name}.svg").unlink(missing_ok=True)
+    write_text_atomic(out / "index.html", html_page(runs, figures))
     return out / "index.html", runs
 
 
@@ -524,7 +523,8 @@ def write_report(run_dir: Path, *, on_error: Callable[[str], None] | None = None
     try:
         return build_report([Path(run_dir)])[0]
     except Exception as e:  # noqa: BLE001 (a plot must never fail the training run)
-        reason = f"report for {run_dir} not written: {e}"
+        why = os_error_message(e) if isinstance(e, OSError) else str(e)
+        reason = f"report for {run_dir} not written: {why}"
         if on_error is not None:
             on_error(reason)
         else:

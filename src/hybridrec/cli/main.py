@@ -3,7 +3,10 @@
 Every error a user can cause (a bad config or input, a file system error, a checkpoint
 that cannot be saved or loaded) ends the command with one line on stderr,
 ``hybridrec: error: PATH: what happened``, and exit status 2. ``hybridrec --debug ...``
-or ``HYBRIDREC_DEBUG=1`` shows the traceback instead. Output cut short by a closed pipe
+or ``HYBRIDREC_DEBUG=1`` shows the traceback instead. With several ranks each message
+shows once per machine, and a rank whose collective failed because another rank went away
+says so in one line, or nothing where that rank's error or the launcher's line shows (see
+:mod:`hybridrec.cli.launch`). Output cut short by a closed pipe
 (``hybridrec train --list-keys | head``) ends quietly with status 141, as a command
 stopped by SIGPIPE does.
 """
@@ -20,6 +23,7 @@ import warnings
 from pathlib import Path
 
 from hybridrec import __version__
+from hybridrec.cli.launch import LAUNCHED_ENV, PEER_LOST, peer_failure
 from hybridrec.errors import HybridrecError, HybridrecWarning, os_error_message
 
 DEBUG_ENV = "HYBRIDREC_DEBUG"
@@ -69,7 +73,8 @@ def _main(argv: list[str] | None) -> int:
         sys.stdout.flush()  # a closed pipe shows here, not at interpreter exit
         return status
     except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
+        if not os.environ.get(LAUNCHED_ENV):  # a rank of `hybridrec train`: its launcher says it
+            print("interrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:
         _silence_stdout()
@@ -79,6 +84,11 @@ def _main(argv: list[str] | None) -> int:
             raise
         report(e)
         return USER_ERROR
+    except Exception as e:
+        why = peer_failure(e) if _several_ranks() and not debug_enabled() else None
+        if why is None:
+            raise
+        return _peer_failed(why)
 
 
 def debug_enabled() -> bool:
@@ -139,6 +149,41 @@ def _first_to_say(line: str, same_on_every_rank: bool) -> bool:
             return True  # cannot tell: better twice than never
         return True
     return os.environ.get("RANK", "0") == "0" or not same_on_every_rank
+
+
+def _several_ranks() -> bool:
+    world = os.environ.get("WORLD_SIZE", "1")
+    return world.isdigit() and int(world) > 1
+
+
+def _peer_failed(why: str) -> int:
+    """A rank whose collective failed because of another rank. Its peer went away
+    (``why == "lost"``): the rank that failed says why (its error, or the launcher's line
+    for a killed rank), so this one says nothing where that shows: under `hybridrec
+    train`'s launcher, or once a rank of this machine has reported an error; otherwise one
+    line per machine. A peer that stopped taking part (a timeout) is this rank's error to
+    report, once per machine."""
+    if why != "lost":
+        report(HybridrecError(f"a collective of the ranks failed: {why} (dist.timeout_s bounds "
+                              "it): another rank stopped taking part (hung, or far slower)"))
+        return USER_ERROR
+    if os.environ.get(LAUNCHED_ENV) or _reported_on_this_machine():
+        return PEER_LOST
+    report(HybridrecError("lost the connection to another rank: it exited or was killed (its own "
+                          "error, or its launcher's report, says why)"))
+    return PEER_LOST
+
+
+def _reported_on_this_machine() -> bool:
+    """Whether a local rank of this torchrun attempt has printed an error (its marker,
+    see :func:`_first_to_say`)."""
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not error_file:
+        return False
+    try:
+        return any(p.name.startswith("hybridrec-error-") for p in Path(error_file).parent.parent.iterdir())
+    except OSError:
+        return False
 
 
 def _silence_stdout() -> None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import subprocess
 import sys
 
 from hybridrec.train import recipes
@@ -70,7 +69,7 @@ def _train(args) -> int:
 
         print(json.dumps(cfg.to_dict(), indent=2))
         return 0
-    if cfg.dist.nproc > 1 and "RANK" not in os.environ:
+    if cfg.dist.nproc + cfg.dist.num_ps > 1 and "RANK" not in os.environ:
         return _launch(cfg, args)
     from hybridrec.train.run import train
 
@@ -96,11 +95,13 @@ def _report(summary: dict) -> None:
 
 
 def _launch(cfg, args) -> int:
-    """Start ``dist.nproc`` local ranks of this same command through torch's elastic
-    launcher (torchrun): it sets RANK/WORLD_SIZE/MASTER_*, and if one rank fails it stops
-    the others and exits non-zero, so a dead rank never leaves the rest hanging. The run
-    directory is checked here first (a refusal is one line, no rank starts), and a new
-    one chosen here is handed to every rank."""
+    """Start the local processes of this same command through torch's elastic agent
+    (what torchrun runs, here in this process): it sets RANK/WORLD_SIZE/MASTER_*, and if
+    one process fails it stops the others, so a dead rank never leaves the rest hanging;
+    the failure ends in the failing rank's own error and one line naming it (see
+    :mod:`hybridrec.cli.launch`). The run directory is checked here first (a refusal is
+    one line, nothing starts), and a new one chosen here is handed to every process."""
+    from hybridrec.cli.launch import run_local_ranks
     from hybridrec.train.run import preflight
 
     named = bool(cfg.train.run_dir)
@@ -108,25 +109,28 @@ def _launch(cfg, args) -> int:
     if finished is not None:
         print(finished["already_finished"])
         return 0
-    nproc = cfg.dist.nproc
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc-per-node={nproc}", "-m", "hybridrec", "train"]
+    servers = getattr(cfg.dist, "num_ps", 0)  # parameter servers: more processes of this command
+    nproc = cfg.dist.nproc + servers
+    argv = ["train"]
     if args.recipe:
-        cmd += ["--recipe", args.recipe]
+        argv += ["--recipe", args.recipe]
     for f in args.config:
-        cmd += ["--config", f]
-    cmd += list(args.overrides)
-    if not named:  # the new directory preflight made, the same for every rank
-        cmd.append(f"train.run_dir={run_dir}")
-    print(f"launching {nproc} ranks: {' '.join(cmd[2:])}", file=sys.stderr, flush=True)
-    return subprocess.call(cmd)
+        argv += ["--config", f]
+    argv += list(args.overrides)
+    if not named:  # the new directory preflight made, the same for every process
+        argv.append(f"train.run_dir={run_dir}")
+    what = f"{cfg.dist.nproc} ranks" + (f" and {servers} parameter servers" if servers else "")
+    print(f"launching {what}: hybridrec {' '.join(argv)}", file=sys.stderr, flush=True)
+    return run_local_ranks(nproc, argv)
 
 
 def _eval(args) -> int:
     from hybridrec.train.run import evaluate_run
 
-    result = evaluate_run(args.run_dir, checkpoint=args.checkpoint, data_path=args.data)
-    print(format_table([("checkpoint", result["checkpoint"])] + _metric_rows(result)))
+    def show(result: dict) -> None:  # before eval.json is written: seen even if that fails
+        print(format_table([("checkpoint", result["checkpoint"])] + _metric_rows(result)), flush=True)
+
+    evaluate_run(args.run_dir, checkpoint=args.checkpoint, data_path=args.data, show=show)
     return 0
 
 

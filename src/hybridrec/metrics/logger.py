@@ -11,6 +11,7 @@ benchmarks read numbers, never log text.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import numbers
@@ -26,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from hybridrec.errors import HybridrecError
+from hybridrec.errors import HybridrecError, naming
 
 if TYPE_CHECKING:
     from typing_extensions import Self  # typing.Self needs Python 3.11
@@ -94,19 +95,26 @@ def write_json_atomic(path: str | os.PathLike[str], obj: Any, *, indent: int | N
 
 def write_text_atomic(path: str | Path, text: str) -> None:
     """Readers see the old file or the new one, never half of it: a temporary file in the
-    destination directory, fsynced, renamed over ``path``, removed on error."""
+    destination directory, fsynced, renamed over ``path``, removed on error. A file system
+    error names ``path`` (not the temporary file), e.g. ``RUN/summary.json: No space left
+    on device``."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    tmp = None
     try:
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
         os.fchmod(fd, file_mode())  # mkstemp's 0600 -> what open() would give (0644)
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+    except BaseException as e:
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+        if isinstance(e, OSError) and e.errno is not None:
+            raise type(e)(e.errno, e.strerror, os.fspath(path)) from e
         raise
     _fsync_dir(path.parent)
 
@@ -193,8 +201,8 @@ class MetricLogger:
         if keep_until is not None:
             drop_records(self.path, lambda r: r["step"] > keep_until)
         self._writer = _summary_writer(self.run_dir / TENSORBOARD_DIR) if tensorboard else None
-        self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 (closed in close())
-        self._pending = 0
+        self._file = _open_append(self.path)
+        self._lines: list[str] = []  # records not yet written (see flush_every)
 
     def drop(self, predicate: Callable[[dict], bool]) -> int:
         """Removes the records for which ``predicate(record)`` is true from the file
@@ -206,7 +214,7 @@ class MetricLogger:
         try:
             return drop_records(self.path, predicate)
         finally:
-            self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115
+            self._file = _open_append(self.path)
 
     def log(self, step: int, metrics: dict[str, Any], *, split: str = "train") -> None:
         """Appends one record ``{"step", "split", "time", **metrics}``.
@@ -224,39 +232,64 @@ class MetricLogger:
             if key in _RESERVED:
                 raise ValueError(f"metric name {key!r} is reserved in metrics.jsonl")
             record[key] = _number(key, value)
-        self._file.write(json.dumps(record, allow_nan=False) + "\n")
+        self._lines.append(json.dumps(record, allow_nan=False) + "\n")
         if self._writer is not None:
             for key, value in record.items():
                 if key not in _RESERVED and value is not None:
                     self._writer.add_scalar(f"{split}/{key}", value, int(step))
-        self._pending += 1
-        if self._pending >= self.flush_every:
+        if len(self._lines) >= self.flush_every:
             self.flush()
 
     def flush(self) -> None:
-        """Flushes buffered lines (and TensorBoard events) to disk."""
-        if self._file is not None:
-            self._file.flush()
+        """Writes the records not yet written (and flushes TensorBoard's events). Whole
+        records only: when the write fails (e.g. ``OSError`` ``RUN/metrics.jsonl: No space
+        left on device``) the file is cut back to where it was, and those records are gone."""
+        if self._file is not None and self._lines:
+            data, self._lines = "".join(self._lines).encode("utf-8"), []
+            with naming(self.path):
+                _append_whole(self._file, data)
         if self._writer is not None:
             self._writer.flush()
-        self._pending = 0
 
     def close(self) -> None:
-        """Flushes and closes; safe to call twice."""
+        """Flushes and closes (the file is closed even when the last write fails); safe to
+        call twice."""
         if self._file is None:
             return
-        self.flush()
-        self._file.close()
-        self._file = None
-        if self._writer is not None:
-            self._writer.close()
-            self._writer = None
+        try:
+            self.flush()
+        finally:
+            self._file.close()
+            self._file = None
+            if self._writer is not None:
+                self._writer.close()
+                self._writer = None
 
     def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+def _open_append(path: Path):
+    """``path`` opened for appending bytes, unbuffered: :class:`MetricLogger` keeps its own
+    buffer, so that a failed write can be taken back whole."""
+    return open(path, "ab", buffering=0)  # noqa: SIM115 (closed in MetricLogger.close())
+
+
+def _append_whole(f, data: bytes) -> None:
+    """Appends ``data`` to the unbuffered file ``f``, or, when a write fails part way
+    (a full disk), cuts the file back to its size before and re-raises."""
+    start = os.fstat(f.fileno()).st_size
+    view = memoryview(data)
+    try:
+        while view:
+            view = view[f.write(view):]
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.ftruncate(f.fileno(), start)
+        raise
 
 
 def drop_records(path: str | Path, predicate: Callable[[dict], bool]) -> int:

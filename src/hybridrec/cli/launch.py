@@ -1,0 +1,178 @@
+"""Local ranks of one command through torch's elastic agent (what ``torchrun --standalone``
+runs), started in this process so that a failure ends in one line instead of torchrun's
+report.
+
+Each rank prints its own error once per machine (see ``cli.main``); a rank that only lost
+its peers (their sockets closed under a collective) exits with :data:`PEER_LOST` and says
+nothing, since the rank that failed first says why. When a rank fails, the agent stops the
+others (SIGTERM) and :func:`run_local_ranks` prints one line naming the rank that failed
+and how: ``hybridrec: error: rank 1 exited with code 2 (see above)``. The agent's own log
+and tracebacks show only with ``--debug`` / ``HYBRIDREC_DEBUG=1``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import re
+import signal
+import sys
+import tempfile
+import uuid
+from collections.abc import Iterator, Sequence
+
+LAUNCHED_ENV = "HYBRIDREC_LAUNCHED"
+"""Set in the ranks' environment: the launcher reports how the run ended, so a rank that
+only lost its peers, or was interrupted, stays quiet."""
+
+PEER_LOST = 3
+"""The exit status of a rank that stopped because another rank went away."""
+
+_PEER_GONE = ("Connection reset by peer", "Connection closed by peer", "Broken pipe",
+              "Socket closed", "Connection refused")
+_TIMED_OUT = re.compile(r"Timed out waiting \d+ ?ms[^.\n]*|timed out after [^.\n]*|Socket Timeout",
+                        re.IGNORECASE)
+_COMM_MARKS = ("gloo", "c10d", "ProcessGroup", "TCPStore", "nccl", "NCCL")
+
+
+def run_local_ranks(nproc: int, argv: Sequence[str]) -> int:
+    """Run ``python -m hybridrec ARGV`` as ``nproc`` local ranks (a standalone c10d
+    rendezvous, as ``torchrun --standalone --nproc-per-node=NPROC``); returns the exit
+    status: 0, or the failing rank's (1 when it was killed by a signal) after printing
+    one line that names it. The agent stops every rank when one fails."""
+    import torch.distributed.run as torchrun
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import elastic_launch
+
+    from hybridrec.cli.main import debug_enabled
+
+    with tempfile.TemporaryDirectory(prefix="hybridrec-ranks-") as logs:
+        args = torchrun.parse_args([f"--nproc-per-node={nproc}", f"--log-dir={logs}",
+                                    "-m", "hybridrec", *argv])
+        # --standalone, as torchrun.run sets it: a rendezvous on a free local port.
+        args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
+        env = {LAUNCHED_ENV: "1"}
+        if "OMP_NUM_THREADS" not in os.environ:  # torchrun's default for several ranks, silently
+            env["OMP_NUM_THREADS"] = "1"
+        with _environ(env), _signal_handlers_kept(), _agent_quiet(not debug_enabled()):
+            config, entrypoint, entry_args = torchrun.config_from_args(args)
+            try:
+                elastic_launch(config=config, entrypoint=entrypoint)(*entry_args)
+            except ChildFailedError as e:
+                if debug_enabled():
+                    print(e, file=sys.stderr)
+                line, status = failure_line(e.failures)
+                _say(f"hybridrec: error: {line}")
+                return status
+            except SignalException as e:  # the agent was signalled; it stopped the ranks
+                if e.sigval == signal.SIGINT:
+                    _say("interrupted")
+                else:
+                    _say(f"hybridrec: error: stopped by {signal.Signals(e.sigval).name}")
+                return 128 + int(e.sigval)
+    return 0
+
+
+def failure_line(failures: dict) -> tuple[str, int]:
+    """The line that says which rank ended the run and how, and the exit status to return,
+    from the agent's ``{rank: ProcessFailure}``. The ranks it stopped (SIGTERM) and those
+    that only lost their peers (:data:`PEER_LOST`) are not the cause unless nothing else
+    failed."""
+    def stopped(f) -> bool:
+        return f.exitcode == PEER_LOST or f.exitcode == -signal.SIGTERM
+
+    ranked = sorted(failures.items(), key=lambda kv: (kv[1].timestamp, kv[0]))
+    causes = [(r, f) for r, f in ranked if not stopped(f)] or ranked
+    rank, first = causes[0]
+    if first.exitcode < 0:
+        try:
+            name = signal.Signals(-first.exitcode).name
+        except ValueError:
+            name = f"signal {-first.exitcode}"
+        line = f"rank {rank} (pid {first.pid}) was killed by {name}"
+        if first.exitcode == -signal.SIGKILL:
+            line += " (the kernel's out-of-memory killer sends it, among others)"
+        return line, 1
+    same = [r for r, f in causes if f.exitcode == first.exitcode]
+    names = [str(r) for r in sorted(same)]
+    who = f"rank {names[0]}" if len(names) == 1 else f"ranks {', '.join(names[:-1])} and {names[-1]}"
+    return f"{who} exited with code {first.exitcode} (see above)", first.exitcode
+
+
+def peer_failure(e: BaseException) -> str | None:
+    """For an error of a rank's collective (or a store operation) whose cause is another
+    rank: ``"lost"`` when the peer's connection closed (it exited or was killed), the
+    timeout's text when the peer stopped taking part, else None (any other error)."""
+    seen: set[int] = set()
+    x: BaseException | None = e
+    while x is not None and id(x) not in seen:
+        seen.add(id(x))
+        if isinstance(x, RuntimeError) and not isinstance(x, NotImplementedError):
+            msg = str(x)
+            if _is_distributed_error(x) or any(m in msg for m in _COMM_MARKS):
+                timed_out = _TIMED_OUT.search(msg)
+                if timed_out:
+                    return timed_out.group(0).strip()
+                if any(p in msg for p in _PEER_GONE):
+                    return "lost"
+        x = x.__cause__ or x.__context__
+    return None
+
+
+def _is_distributed_error(e: BaseException) -> bool:
+    dist = sys.modules.get("torch.distributed")
+    cls = getattr(dist, "DistError", None) if dist is not None else None
+    return cls is not None and isinstance(e, cls)
+
+
+def _say(line: str) -> None:
+    with contextlib.suppress(OSError):
+        print(line, file=sys.stderr, flush=True)
+
+
+@contextlib.contextmanager
+def _environ(values: dict[str, str]) -> Iterator[None]:
+    """``values`` in os.environ (the agent passes its environment to the ranks), put back after."""
+    before = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+@contextlib.contextmanager
+def _signal_handlers_kept() -> Iterator[None]:
+    """The agent installs its own handlers for SIGTERM/SIGINT/SIGHUP/SIGQUIT; this
+    process's are put back afterwards."""
+    names = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
+    sigs = [getattr(signal, n) for n in names if hasattr(signal, n)]
+    before = {s: signal.getsignal(s) for s in sigs}
+    try:
+        yield
+    finally:
+        for s, handler in before.items():
+            if handler is not None:
+                with contextlib.suppress(ValueError, OSError):
+                    signal.signal(s, handler)
+
+
+@contextlib.contextmanager
+def _agent_quiet(quiet: bool) -> Iterator[None]:
+    """Without --debug, the agent's log lines (workers started, SIGTERM sent, failed
+    with exit code ...) are not shown: the line :func:`run_local_ranks` prints says it."""
+    if not quiet:
+        yield
+        return
+    before = logging.root.manager.disable
+    logging.disable(logging.ERROR)
+    try:
+        yield
+    finally:
+        logging.disable(before)
