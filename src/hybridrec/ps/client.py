@@ -68,12 +68,13 @@ class RemoteEmbeddingCollection(nn.Module):
     remote = True  # no table is held here (checkpoints: the servers save them)
 
     def __init__(self, tables: list[TableConfig], plan: ShardingPlan, *, trainer: int,
-                 ledger: CommLedger | None = None, timeout_s: float = 300.0) -> None:
+                 num_trainers: int = 1, ledger: CommLedger | None = None, timeout_s: float = 300.0) -> None:
         super().__init__()
         if any(t.fm_cols is not None for t in tables):
             raise ValueError("FM tables are not served by parameter servers (use model.arch=dlrm)")
         self.tables = {t.name: t for t in tables}
         self.plan, self.trainer, self.ledger, self.timeout_s = plan, trainer, ledger, timeout_s
+        self.grad_scale = 1.0 / num_trainers  # see push()
         out = output_features(tables)
         self.feature_names = [f for f, _ in out]
         self.feature_dims = [d for _, d in out]
@@ -168,13 +169,18 @@ class RemoteEmbeddingCollection(nn.Module):
     def push(self, grads: list[tuple[str, torch.Tensor, torch.Tensor]], lr: float) -> None:
         """Send every server its rows of ``grads`` (every server, every step: the servers
         count each trainer's steps for the staleness bound). Asynchronous: the next pull,
-        or :meth:`flush_pushes`, waits for it."""
+        or :meth:`flush_pushes`, waits for it.
+
+        The rows are scaled by ``1 / trainers``, as DDP averages the dense gradients: in
+        lockstep the servers then apply, per step, the gradient of the mean loss over every
+        trainer's batch (plain SGD: exactly synchronous training's update, split in one
+        push per trainer), and the sparse learning rate means the same as with DES."""
         self.pushed_steps += 1
         step = self.pushed_steps
         asks: dict[int, dict] = {j: {} for j in range(self.plan.world_size)}
         for t, ids, rows in grads:
             for server, (pos, sub) in self._route(t, ids).items():
-                asks[server][t] = (sub, rows.index_select(0, pos))
+                asks[server][t] = (sub, rows.index_select(0, pos).mul_(self.grad_scale))
         self.pushes = [(j, rpc.rpc_async(server_name(j), srv.rpc_push,
                                          args=(self.trainer, step, lr, a, self.versions.get(j, 0)),
                                          timeout=self.timeout_s)) for j, a in asks.items()]

@@ -276,7 +276,8 @@ def build_ps_model(cfg: Config, meta: DatasetMeta, topo: Topology, ledger: CommL
     here), the dense arches go to ``dense_sync``; rank 0 writes the servers' plan."""
     tables = build_tables(meta, cfg)
     plan = ps_plan(cfg, tables, cfg.dist.num_ps)
-    remote = RemoteEmbeddingCollection(tables, plan, trainer=topo.rank, ledger=ledger, timeout_s=cfg.dist.timeout_s)
+    remote = RemoteEmbeddingCollection(tables, plan, trainer=topo.rank, num_trainers=topo.world_size,
+                                       ledger=ledger, timeout_s=cfg.dist.timeout_s)
     model = dense_sync.wrap(build_model(cfg, meta, sparse=remote))
     if topo.rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)

@@ -13,6 +13,8 @@ component       scope       what it holds
 ``sync``        global      a synchronizer's centre / global model / block momentum
 ``dense_sync``  per rank    a compressor's residuals, thresholds, step counts
 ``rng``         per rank    torch's CPU random generator
+``ps``          servers     a parameter-server run's tables and their optimizer state:
+                            the servers' own sharded checkpoint ``step-N/ps/``
 ==============  ==========  =====================================================
 
 Everything goes through torch.distributed.checkpoint (:mod:`hybridrec.parallel.checkpoint`),

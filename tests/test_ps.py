@@ -1,0 +1,158 @@
+"""Parameter-server mode, end to end: real trainer and server processes started by the
+command (torch's elastic agent), RPC over TensorPipe on the loopback interface."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from hybridrec.cli.main import main
+from hybridrec.train.run import load_run_model
+from synth_data import synth_dataset
+
+SMALL = ["model.bottom_mlp=[32,16]", "model.top_mlp=[32,1]", "data.batch_size=256", "data.prefetch=0",
+         "train.progress=false"]
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> Path:
+    return synth_dataset(tmp_path_factory.mktemp("ps"), days=2, rows=4000)
+
+
+def _summary(run: Path) -> dict:
+    return json.loads((run / "summary.json").read_text())
+
+
+def test_one_trainer_equals_one_process(data, tmp_path):
+    """One trainer, one server: every pull waits for the trainer's previous push, so this is
+    one-process training up to the order of a row's gradient sums."""
+    common = [f"data.path={data}", "train.max_steps=12", "optim.sparse=rowwise_adagrad", *SMALL]
+    assert main(["train", *common, f"train.run_dir={tmp_path / 'one'}"]) == 0
+    assert main(["train", *common, "dist.num_ps=1", f"train.run_dir={tmp_path / 'ps'}"]) == 0
+    _, _, one, _, _ = load_run_model(tmp_path / "one")
+    _, _, ps, path, extra = load_run_model(tmp_path / "ps")
+    assert (path / "ps" / "manifest.json").is_file() and extra["step"] == 12
+    a, b = one.state_dict(), ps.state_dict()
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], rtol=1e-4, atol=1e-6, msg=k)
+    s1, s2 = _summary(tmp_path / "one"), _summary(tmp_path / "ps")
+    assert s2["eval"]["auc"] == pytest.approx(s1["eval"]["auc"], abs=1e-4)
+    assert s2["ps"] == {"servers": 1, "steps_pushed": 12, "staleness_mean": 0.0, "staleness_max": 0.0}
+    cats = s2["comm"]["by_category"]
+    assert cats["ps_pull"]["sent"] > 0 and cats["ps_pull"]["received"] > cats["ps_pull"]["sent"]
+    assert cats["ps_push"]["sent"] > cats["ps_pull"]["sent"]  # ids and their gradient rows
+
+
+def test_two_trainers_lockstep_resume_and_eval(data, tmp_path):
+    run = tmp_path / "run"
+    common = [f"data.path={data}", "dist.nproc=2", "dist.num_ps=2", "dist.ps_max_staleness=0",
+              "train.checkpoint_every=3", f"train.run_dir={run}", *SMALL]
+    assert main(["train", *common, "train.max_steps=5"]) == 0
+    assert main(["train", *common, "train.max_steps=7"]) == 0
+    s = _summary(run)
+    assert s["step"] == 7 and s["resumed_from"] == 5
+    # Lockstep: between a trainer's pull and push the other trainer pushes at most once.
+    assert s["ps"]["steps_pushed"] == 7 and 0 <= s["ps"]["staleness_max"] <= 1
+    assert json.loads((run / "plan.json").read_text())["world_size"] == 2  # the servers' placement
+    assert main(["eval", str(run)]) == 0
+    assert json.loads((run / "eval.json").read_text())["auc"] == pytest.approx(s["eval"]["auc"], abs=1e-6)
+
+
+def _launch(data: Path, run: Path, *extra: str) -> subprocess.Popen:
+    args = [sys.executable, "-m", "hybridrec", "train", f"data.path={data}", f"train.run_dir={run}",
+            "train.epochs=1000", "train.save_checkpoints=false", "dist.timeout_s=20", *SMALL, *extra]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+
+
+def _process_of_rank(parent: int, rank: int) -> int:
+    """The pid of the launched process with RANK=rank (a child of ``parent``)."""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                ppid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+                env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            except (OSError, IndexError, ValueError):
+                continue
+            if ppid == parent and f"RANK={rank}".encode() in env:
+                return int(pid)
+        time.sleep(0.2)
+    raise AssertionError(f"no process of rank {rank}")
+
+
+def _wait_for_training(proc: subprocess.Popen, run: Path) -> list[str]:
+    lines = []
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline:  # training has begun once a step is logged
+        if (run / "metrics.jsonl").is_file() and (run / "metrics.jsonl").read_text().strip():
+            return lines
+        time.sleep(0.2)
+    proc.kill()
+    raise AssertionError(proc.communicate()[0])
+
+
+@pytest.mark.parametrize("victim", ["server", "trainer"])
+def test_a_dead_process_ends_the_run(data, tmp_path, victim):
+    """A server or a trainer killed mid-run: the others stop with an error, no hang."""
+    run = tmp_path / "run"
+    proc = _launch(data, run, "dist.nproc=2", "dist.num_ps=1", "train.log_every=1")
+    try:
+        _wait_for_training(proc, run)
+        os.kill(_process_of_rank(proc.pid, 2 if victim == "server" else 1), signal.SIGKILL)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode not in (0, None)
+    assert "hybridrec: error:" in out, out
+    assert "Traceback" not in out, out
+
+
+def _server(num_trainers: int, max_staleness: int, timeout_s: float = 30.0):
+    from hybridrec.model.embedding import TableConfig
+    from hybridrec.parallel.topology import Topology
+    from hybridrec.ps.server import EmbeddingServer
+    from hybridrec.train.build import uniform_plan
+
+    tables = [TableConfig(name="t", num_embeddings=10, embedding_dim=2)]
+    return EmbeddingServer(tables, uniform_plan("row_wise", tables, 1, 1), Topology.single(), optimizer="sgd",
+                           lr=1.0, num_trainers=num_trainers, max_staleness=max_staleness, timeout_s=timeout_s)
+
+
+def test_server_applies_pushes_and_counts_staleness():
+    s = _server(2, -1)
+    ids = torch.tensor([1, 3])
+    v0, rows = s.pull(0, 1, {"t": ids})
+    s.pull(1, 1, {"t": ids})
+    assert s.push(1, 1, 0.5, {"t": (ids, torch.ones(2, 2))}, v0) == 0  # nothing in between
+    assert s.push(0, 1, 0.5, {"t": (ids, torch.ones(2, 2))}, v0) == 1  # trainer 1's push in between
+    _, after = s.pull(0, 2, {"t": ids})
+    torch.testing.assert_close(after["t"], rows["t"] - 1.0)  # two pushes of lr 0.5 x 1
+
+
+def test_server_staleness_bound_holds_a_trainer_back():
+    import threading
+
+    s = _server(2, 0)
+    ids = torch.tensor([0])
+    s.push(0, 1, 1.0, {"t": (ids, torch.zeros(1, 2))}, 0)  # trainer 0 finished step 1
+    got = []
+    t = threading.Thread(target=lambda: got.append(s.pull(0, 2, {"t": ids})))
+    t.start()
+    t.join(0.5)
+    assert t.is_alive() and not got  # lockstep: step 2 waits for trainer 1's step 1
+    s.push(1, 1, 1.0, {"t": (ids, torch.zeros(1, 2))}, 0)
+    t.join(10)
+    assert got and got[0][0] == 2
+    late = _server(2, 0, timeout_s=0.3)
+    with pytest.raises(TimeoutError, match="trainer\\(s\\) \\[0, 1\\] did not push step 2"):
+        late.pull(0, 3, {"t": ids})
