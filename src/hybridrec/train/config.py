@@ -204,10 +204,13 @@ class SyncConfig:
     interval_s: float = 0.0
     """``background``: at least this many seconds between the starts of two rounds (0: no
     minimum)."""
-    duty: float = 1.0
+    duty: float = 0.5
     """``background``: the largest share of the time the shadow thread spends in rounds:
     after a round of T seconds it rests T (1/duty - 1), so slow rounds (a slow link, a large
-    dense part) are spaced out and quick ones are not (1: back to back)."""
+    dense part) are spaced out and quick ones are not (1: back to back). 0.5, measured
+    (docs/benchmarks.md): back to back, the rounds' all-reduces took the link from the
+    all-to-alls (100 Mbit/s, MLPerf-sized MLPs: 1.24x DDP's throughput; 0.5: 1.66x), while a
+    quick round (1 Gbit/s, the bench model) still runs after every step."""
     alpha: float = 0.25
     """``easgd``: moving rate: each replica moves ``alpha`` of the way to the centre per round,
     the centre ``min(1, N alpha)`` of the way to the replicas' mean (N ranks)."""
