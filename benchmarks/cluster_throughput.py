@@ -54,6 +54,9 @@ def parse_args(argv=None):
     p.add_argument("--world", type=int, default=2, help="ranks = namespaces")
     p.add_argument("--rounds", type=int, default=3, help="alternating rounds")
     p.add_argument("--steps", type=int, default=60, help="timed steps per run")
+    p.add_argument("--one-pass", action="store_true",
+                   help="hybridrec runs train one pass over the training split instead: "
+                        "rows // (world x batch) steps, --warmup of them untimed")
     p.add_argument("--warmup", type=int, default=5, help="untimed steps first")
     p.add_argument("--batch-size", type=int, default=2048, help="per rank")
     p.add_argument("--sharding", default="table_wise", help="hybridrec's dist.sharding")
@@ -64,14 +67,29 @@ def parse_args(argv=None):
                    help="also run TorchRec (needs benchmarks/peers/setup_torchrec.sh)")
     p.add_argument("--peer-batches", type=int, default=16, help="batches handed to TorchRec")
     p.add_argument("--out", default=str(ROOT / "benchmarks/out/cluster"), help="work directory")
+    p.add_argument("--no-base", action="store_true",
+                   help="run only the --variant configurations, not the positional overrides alone")
+    p.add_argument("--baseline", action="append", default=[], metavar="NAME",
+                   help="also report every run's throughput as a multiple of this run's "
+                        "(a variant name or hybridrec; repeatable)")
     p.add_argument("--timeout", type=float, default=900, help="seconds per run")
     return p.parse_args(argv)
+
+
+def total_steps(args, data: Path) -> int:
+    """Steps of a hybridrec run: --warmup + --steps, or with --one-pass one pass over the
+    training split."""
+    if not args.one_pass:
+        return args.warmup + args.steps
+    from hybridrec.data.schema import DatasetMeta
+
+    return DatasetMeta.load(data).split_rows("train") // (args.world * args.batch_size)
 
 
 def hybridrec_script(args, data: Path, run_dir: Path, overrides: list[str]) -> list[str]:
     return ["-m", "hybridrec", "train", "--recipe", "bench", f"data.path={data}",
             f"data.batch_size={args.batch_size}", f"dist.sharding={args.sharding}",
-            f"train.max_steps={args.warmup + args.steps}", f"train.run_dir={run_dir}",
+            f"train.max_steps={total_steps(args, data)}", f"train.run_dir={run_dir}",
             "train.resume=false", "train.progress=false", "train.save_checkpoints=false",
             *overrides]
 
@@ -80,7 +98,7 @@ def variants(args) -> dict[str, list[str]]:
     """hybridrec configurations per round: "hybridrec" (the positional overrides), then
     every --variant NAME=KEY=VALUE,KEY=VALUE (the positional overrides first, then its own:
     the positional ones set the model every variant trains)."""
-    out = {"hybridrec": list(args.overrides)}
+    out = {} if getattr(args, "no_base", False) else {"hybridrec": list(args.overrides)}
     for v in args.variant:
         name, _, rest = v.partition("=")
         if not name or not rest or name in out or name == "torchrec":
@@ -120,13 +138,20 @@ def hybridrec_result(run_dir: Path) -> dict:
             "auc": s["eval"].get("auc"), "log_loss": s["eval"].get("log_loss"),
             "eval_rows": s["eval"].get("count"),
             "peak_rss_bytes": sum(s["peak_memory_bytes_per_rank"]),
-            "sent_bytes_per_step_rank0": _sent_per_step(s)}
+            "sent_bytes_per_step_rank0": _sent_per_step(s),
+            "sent_bytes_per_step_by_category_rank0": _sent_per_step_by_category(s),
+            "steps": s.get("step"), "sync": s.get("sync")}
 
 
 def _sent_per_step(summary: dict) -> float | None:
     """Bytes rank 0 put on the wire per training step (its ledger)."""
     mean = ((summary.get("comm") or {}).get("per_step") or {}).get("mean") or {}
     return mean.get("sent")
+
+
+def _sent_per_step_by_category(summary: dict) -> dict:
+    by = ((summary.get("comm") or {}).get("per_step") or {}).get("mean_by_category") or {}
+    return {k: v.get("sent") for k, v in by.items()}
 
 
 def peer_result(res) -> dict:
@@ -204,16 +229,18 @@ def summarize(runs, args, data, rate_bps, threads, commands, setup) -> dict:
         aucs = [r["auc"] for r in rs if r.get("auc") is not None]
         if aucs:
             rows[name]["auc"] = statistics.median(aucs)
-    if "torchrec" in rows:
-        base = rows["torchrec"]["median_samples_per_sec"]
-        for v in rows.values():
-            v["vs_torchrec"] = v["median_samples_per_sec"] / base
+    for base_name in ("torchrec", *args.baseline):
+        if base_name in rows:
+            base = rows[base_name]["median_samples_per_sec"]
+            for v in rows.values():
+                v[f"vs_{base_name}"] = v["median_samples_per_sec"] / base
     return {"date": time.strftime("%Y-%m-%d"), "machine": throughput.machine(),
             "rate": args.rate, "rate_bps": rate_bps, "world": args.world,
             "threads_per_rank": threads, "data": str(data), "overrides": args.overrides,
             "variants": variants(args),
             "settings": {k: getattr(args, k) for k in ("steps", "warmup", "rounds", "batch_size",
-                                                       "sharding", "peer_batches")},
+                                                       "sharding", "peer_batches", "one_pass")},
+            "baselines": args.baseline,
             "command": shlex.join([Path(sys.executable).name, *sys.argv]),
             "rank0_commands": commands, "cluster_setup": setup, "results": rows}
 
@@ -223,18 +250,34 @@ def format_report(rep: dict) -> str:
              f"direction, {rep['world']} ranks, {rep['threads_per_rank']} thread(s) per rank",
              *[f"{k} overrides: {' '.join(v) or '(none)'}" for k, v in rep["variants"].items()], "",
              "| run | samples/s (median) | runs | held-out AUC | peak RSS (all ranks) "
-             "| vs TorchRec |",
-             "|---|---|---|---|---|---|"]
+             "| vs TorchRec | " + "".join(f"vs {b} | " for b in rep.get("baselines", []))
+             + "sync rounds (gap mean / max; busy share) | sent per step, rank 0 |",
+             "|---|---|---|---|---|---|" + "---|" * len(rep.get("baselines", [])) + "---|---|"]
     for name, v in rep["results"].items():
         ratio = f"{v['vs_torchrec']:.2f}x" if "vs_torchrec" in v else "-"
+        others = "".join(f"{v[f'vs_{b}']:.2f}x | " if f"vs_{b}" in v else "- | "
+                         for b in rep.get("baselines", []))
         runs = ", ".join(f"{r['samples_per_sec']:,.0f}" for r in v["runs"])
         auc = f"{v['auc']:.4f}" if "auc" in v else "-"
+        sent = f"{v['sent_bytes_per_step_rank0']:,.0f}" if v.get("sent_bytes_per_step_rank0") else "-"
         lines.append(f"| {name} | {v['median_samples_per_sec']:,.0f} | {runs} | {auc} | "
-                     f"{v['peak_rss_mib']:,.0f} MiB | {ratio} |")
+                     f"{v['peak_rss_mib']:,.0f} MiB | {ratio} | {others}{_sync_cell(v['runs'])} | {sent} |")
     lines += ["", "rank 0 commands (rank i: its namespace and --node-rank=i):"]
     lines += [f"  {k}: {cmd}" for k, cmd in rep["rank0_commands"].items()]
     return "\n".join(lines)
 
+
+def _sync_cell(runs: list[dict]) -> str:
+    """Rounds, sync gap (mean / max) and the shadow thread's busy share of every run."""
+    cells = []
+    for r in runs:
+        s = r.get("sync")
+        if not s:
+            continue
+        gap = (f"{s['gap_mean']:.2f} / {s['gap_max']}" if s.get("gap_mean") is not None else "- / -")
+        busy = f"; {s['busy_fraction']:.2f}" if s.get("busy_fraction") is not None else ""
+        cells.append(f"{s['rounds']} ({gap}{busy})")
+    return ", ".join(cells) or "-"
 
 
 def _pythonpath(src: str) -> str:
