@@ -114,6 +114,16 @@ def test_bad_keys_and_values_stop_the_sweep_before_any_run(dataset, tmp_path):
 # ---------------------------------------------------------------- Pareto front and plot
 
 
+def test_a_failed_runs_error_is_the_ranks_own_line(tmp_path):
+    from hybridrec.bench.compression import _last_error
+
+    log = tmp_path / "train.log"
+    log.write_text("$ python -m hybridrec train ...\nlaunching 2 ranks: hybridrec train ...\n"
+                   "hybridrec: error: /data: dataset directory does not exist\n"
+                   "hybridrec: error: rank 1 exited with code 2 (see above)\n")
+    assert _last_error(log, 2) == "hybridrec: error: /data: dataset directory does not exist"
+
+
 def test_pareto_front():
     pts = [(10.0, 0.70), (20.0, 0.75), (30.0, 0.74), (5.0, 0.60), (20.0, 0.75), (40.0, 0.76)]
     assert report.pareto_front(pts) == [True, True, False, True, True, True]

@@ -405,6 +405,39 @@ def test_the_launchers_line_names_the_rank_that_failed_not_those_it_stopped():
     assert failure_line(failures(-15, -15)) == ("rank 0 (pid 1000) was killed by SIGTERM", 1)
 
 
+def _a_collective_without_its_peer(topo):
+    """Rank 0 all-reduces while rank 1 sleeps past the timeout: the error rank 0 gets."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from hybridrec.cli.launch import peer_failure
+
+    if topo.rank == 1:
+        time.sleep(2)
+        return None
+    try:
+        dist.all_reduce(torch.ones(1), group=topo.group)
+    except RuntimeError as e:
+        return peer_failure(e), str(e)
+    return None
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(120)
+def test_a_collective_that_times_out_is_told_apart_from_other_errors():
+    from distributed import run_ranks
+
+    from hybridrec.cli.launch import peer_failure
+
+    (why, message), _ = run_ranks(_a_collective_without_its_peer, 2, timeout_s=1.0)
+    assert why is not None and why.startswith("Timed out waiting 1000ms"), message
+    # Errors that are not about the ranks' connections keep their traceback.
+    assert peer_failure(RuntimeError("shape mismatch")) is None
+    assert peer_failure(ValueError("Connection reset by peer")) is None
+
+
 def test_error_classes_mark_what_every_rank_raises():
     assert ConfigError("x").same_on_every_rank and not DataError("x").same_on_every_rank
 

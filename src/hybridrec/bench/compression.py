@@ -312,12 +312,16 @@ def train_one(spec: SweepSpec, setting: Setting, seed: int, expected: dict, *,
 
 
 def _last_error(log: Path, rc: int) -> str:
-    """The most telling line of a failed run's log: hybridrec's own one-line error, else
-    the last exception line (not the launcher's report that a rank failed), else the exit
-    code."""
+    """The most telling line of a failed run's log: hybridrec's own one-line error (the
+    first: with several ranks the launcher's line that names the failed rank follows it),
+    else the last exception line (not the launcher's report that a rank failed), else the
+    exit code."""
     lines = [ln.strip() for ln in log.read_text(errors="replace").splitlines()
              if ln.strip() and "ChildFailedError" not in ln]
-    for pattern in ("hybridrec: error:", "Error:", "Error"):
+    ours = [ln for ln in lines if "hybridrec: error:" in ln]
+    if ours:
+        return ours[0][:300]
+    for pattern in ("Error:", "Error"):
         hits = [ln for ln in lines if pattern in ln]
         if hits:
             return hits[-1][:300]
