@@ -401,6 +401,7 @@ def test_the_launchers_line_names_the_rank_that_failed_not_those_it_stopped():
     assert failure_line(failures(-15, 1)) == ("rank 1 exited with code 1 (see above)", 1)
     line, status = failure_line(failures(-15, -9))
     assert line.startswith("rank 1 (pid 1001) was killed by SIGKILL") and status == 1
+    assert failure_line(failures(-15, 130)) == ("rank 1 interrupted", 130)
     # Nothing but stopped ranks (someone sent them SIGTERM): said as it is.
     assert failure_line(failures(-15, -15)) == ("rank 0 (pid 1000) was killed by SIGTERM", 1)
 

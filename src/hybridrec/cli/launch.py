@@ -29,6 +29,9 @@ only lost its peers, or was interrupted, stays quiet."""
 PEER_LOST = 3
 """The exit status of a rank that stopped because another rank went away."""
 
+BROKEN_PIPE = 128 + 13  # as cli.main: output cut short by a closed pipe
+INTERRUPTED = 130
+
 _PEER_GONE = ("Connection reset by peer", "Connection closed by peer", "Broken pipe",
               "Socket closed", "Connection refused")
 _TIMED_OUT = re.compile(r"Timed out waiting \d+ ?ms[^.\n]*|timed out after [^.\n]*|Socket Timeout",
@@ -64,7 +67,8 @@ def run_local_ranks(nproc: int, argv: Sequence[str]) -> int:
                 if debug_enabled():
                     print(e, file=sys.stderr)
                 line, status = failure_line(e.failures)
-                _say(f"hybridrec: error: {line}")
+                if status != BROKEN_PIPE:  # output cut short (`| head`): ends quietly, as one process does
+                    _say(f"hybridrec: error: {line}")
                 return status
             except SignalException as e:  # the agent was signalled; it stopped the ranks
                 if e.sigval == signal.SIGINT:
@@ -98,6 +102,8 @@ def failure_line(failures: dict) -> tuple[str, int]:
     same = [r for r, f in causes if f.exitcode == first.exitcode]
     names = [str(r) for r in sorted(same)]
     who = f"rank {names[0]}" if len(names) == 1 else f"ranks {', '.join(names[:-1])} and {names[-1]}"
+    if first.exitcode == INTERRUPTED:
+        return f"{who} interrupted", INTERRUPTED
     return f"{who} exited with code {first.exitcode} (see above)", first.exitcode
 
 

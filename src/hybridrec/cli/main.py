@@ -28,7 +28,7 @@ from hybridrec.errors import HybridrecError, HybridrecWarning, os_error_message
 
 DEBUG_ENV = "HYBRIDREC_DEBUG"
 USER_ERROR = 2
-BROKEN_PIPE = 128 + 13  # the shell's status for a command killed by SIGPIPE
+BROKEN_PIPE = 128 + 13  # the shell's status for a command killed by SIGPIPE (cli.launch too)
 
 
 def build_parser() -> argparse.ArgumentParser:
