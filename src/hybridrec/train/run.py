@@ -419,7 +419,7 @@ def load_run_model(run_dir: str | Path, *, checkpoint: str | None = None,
     if path is None:
         raise ConfigError(f"{run_dir} has no checkpoint to evaluate")
     model = build_model(cfg, meta)
-    if "ps" not in read_manifest(path).get("components", {}):
+    if not (path / PS_DIR).is_dir():
         extra = load_sharded(path, model=model, dense_opt=None, sparse_opts=None, topo=Topology.single())
         return cfg, meta, model, path, extra
     # A parameter-server run: the dense arches here, the tables in the servers' part.
