@@ -27,7 +27,7 @@ from hybridrec.comm.ledger import CommLedger
 from hybridrec.data.loader import ShardedLoader
 from hybridrec.data.schema import DatasetMeta
 from hybridrec.errors import ConfigError
-from hybridrec.metrics.logger import MetricLogger
+from hybridrec.metrics.logger import MetricLogger, write_text_atomic
 from hybridrec.metrics.throughput import RunTotals
 from hybridrec.model.deepfm import DeepFM
 from hybridrec.model.dlrm import DLRM
@@ -266,7 +266,7 @@ def build_parallel_model(cfg: Config, meta: DatasetMeta, topo: Topology, ledger:
                              plan, topo, ledger=ledger, dense_sync=dense_sync)
     if topo.rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "plan.json").write_text(plan.to_json())
+        write_text_atomic(run_dir / "plan.json", plan.to_json())
     return model
 
 
@@ -281,7 +281,7 @@ def build_ps_model(cfg: Config, meta: DatasetMeta, topo: Topology, ledger: CommL
     model = dense_sync.wrap(build_model(cfg, meta, sparse=remote))
     if topo.rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "plan.json").write_text(plan.to_json())
+        write_text_atomic(run_dir / "plan.json", plan.to_json())
     return model, ServerCheckpoints(topo, cfg.dist.num_ps, cfg.dist.timeout_s)
 
 
