@@ -157,3 +157,17 @@ def test_server_staleness_bound_holds_a_trainer_back():
     late = _server(2, 0, timeout_s=0.3)
     with pytest.raises(TimeoutError, match="trainer\\(s\\) \\[0, 1\\] did not push step 2"):
         late.pull(0, 3, {"t": ids})
+
+
+def test_a_taken_rendezvous_port_is_one_line(data, tmp_path, capsys):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        code = main(["train", f"data.path={data}", "dist.num_ps=1", f"dist.port={port}",
+                     f"train.run_dir={tmp_path / 'run'}", *SMALL])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and err[-1] == f"hybridrec: error: localhost:{port}: address already in use (dist.port; 0 picks a free port)"
+    assert not (tmp_path / "run" / "checkpoints").exists()

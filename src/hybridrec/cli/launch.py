@@ -39,11 +39,16 @@ _TIMED_OUT = re.compile(r"Timed out waiting \d+ ?ms[^.\n]*|timed out after [^.\n
 _COMM_MARKS = ("gloo", "c10d", "ProcessGroup", "TCPStore", "nccl", "NCCL")
 
 
-def run_local_ranks(nproc: int, argv: Sequence[str]) -> int:
+def run_local_ranks(nproc: int, argv: Sequence[str], *, servers: int = 0, port: int = 0) -> int:
     """Run ``python -m hybridrec ARGV`` as ``nproc`` local ranks (a standalone c10d
     rendezvous, as ``torchrun --standalone --nproc-per-node=NPROC``); returns the exit
     status: 0, or the failing rank's (1 when it was killed by a signal) after printing
-    one line that names it. The agent stops every rank when one fails."""
+    one line that names it. The agent stops every rank when one fails.
+
+    ``servers``: the last ranks are parameter servers (named so in that line; the RPC
+    agent's own C++ warnings about closed connections stay quiet without --debug).
+    ``port``: the rendezvous port on this machine (0: a free one); a port in use is a
+    :class:`~hybridrec.errors.ConfigError` before anything starts."""
     import torch.distributed.run as torchrun
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -55,8 +60,12 @@ def run_local_ranks(nproc: int, argv: Sequence[str]) -> int:
         args = torchrun.parse_args([f"--nproc-per-node={nproc}", f"--log-dir={logs}",
                                     "-m", "hybridrec", *argv])
         # --standalone, as torchrun.run sets it: a rendezvous on a free local port.
-        args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
+        if port:
+            check_port_free(port)
+        args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", f"localhost:{port}", str(uuid.uuid4())
         env = {LAUNCHED_ENV: "1"}
+        if servers and not debug_enabled() and "TORCH_CPP_LOG_LEVEL" not in os.environ:
+            env["TORCH_CPP_LOG_LEVEL"] = "ERROR"
         if "OMP_NUM_THREADS" not in os.environ:  # torchrun's default for several ranks, silently
             env["OMP_NUM_THREADS"] = "1"
         with _environ(env), _signal_handlers_kept(), _agent_quiet(not debug_enabled()):
@@ -66,7 +75,7 @@ def run_local_ranks(nproc: int, argv: Sequence[str]) -> int:
             except ChildFailedError as e:
                 if debug_enabled():
                     print(e, file=sys.stderr)
-                line, status = failure_line(e.failures)
+                line, status = failure_line(e.failures, servers_from=nproc - servers if servers else None)
                 if status != BROKEN_PIPE:  # output cut short (`| head`): ends quietly, as one process does
                     _say(f"hybridrec: error: {line}")
                 return status
@@ -79,11 +88,30 @@ def run_local_ranks(nproc: int, argv: Sequence[str]) -> int:
     return 0
 
 
-def failure_line(failures: dict) -> tuple[str, int]:
+def check_port_free(port: int) -> None:
+    """Refuse a rendezvous port another process holds (``dist.port``), in one line."""
+    import errno
+    import socket
+
+    from hybridrec.errors import ConfigError
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind(("localhost", port))
+        except OSError as e:
+            why = "address already in use" if e.errno == errno.EADDRINUSE else (e.strerror or str(e))
+            raise ConfigError(f"localhost:{port}: {why} (dist.port; 0 picks a free port)") from None
+
+
+def failure_line(failures: dict, servers_from: int | None = None) -> tuple[str, int]:
     """The line that says which rank ended the run and how, and the exit status to return,
     from the agent's ``{rank: ProcessFailure}``. The ranks it stopped (SIGTERM) and those
     that only lost their peers (:data:`PEER_LOST`) are not the cause unless nothing else
-    failed."""
+    failed. ``servers_from``: the first rank that is a parameter server."""
+    def label(r: int) -> str:
+        return f"parameter server ps{r - servers_from} (rank {r})" if servers_from is not None and r >= servers_from \
+            else f"rank {r}"
+
     def stopped(f) -> bool:
         return f.exitcode == PEER_LOST or f.exitcode == -signal.SIGTERM
 
@@ -95,13 +123,13 @@ def failure_line(failures: dict) -> tuple[str, int]:
             name = signal.Signals(-first.exitcode).name
         except ValueError:
             name = f"signal {-first.exitcode}"
-        line = f"rank {rank} (pid {first.pid}) was killed by {name}"
+        line = f"{label(rank)} (pid {first.pid}) was killed by {name}"
         if first.exitcode == -signal.SIGKILL:
             line += " (the kernel's out-of-memory killer sends it, among others)"
         return line, 1
     same = [r for r, f in causes if f.exitcode == first.exitcode]
     names = [str(r) for r in sorted(same)]
-    who = f"rank {names[0]}" if len(names) == 1 else f"ranks {', '.join(names[:-1])} and {names[-1]}"
+    who = label(same[0]) if len(names) == 1 else f"ranks {', '.join(names[:-1])} and {names[-1]}"
     if first.exitcode == INTERRUPTED:
         return f"{who} interrupted", INTERRUPTED
     return f"{who} exited with code {first.exitcode} (see above)", first.exitcode

@@ -109,7 +109,7 @@ def _launch(cfg, args) -> int:
     if finished is not None:
         print(finished["already_finished"])
         return 0
-    servers = getattr(cfg.dist, "num_ps", 0)  # parameter servers: more processes of this command
+    servers = cfg.dist.num_ps  # parameter servers: more processes of this command
     nproc = cfg.dist.nproc + servers
     argv = ["train"]
     if args.recipe:
@@ -121,7 +121,7 @@ def _launch(cfg, args) -> int:
         argv.append(f"train.run_dir={run_dir}")
     what = f"{cfg.dist.nproc} ranks" + (f" and {servers} parameter servers" if servers else "")
     print(f"launching {what}: hybridrec {' '.join(argv)}", file=sys.stderr, flush=True)
-    return run_local_ranks(nproc, argv)
+    return run_local_ranks(nproc, argv, servers=servers, port=cfg.dist.port)
 
 
 def _eval(args) -> int:

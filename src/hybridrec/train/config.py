@@ -120,6 +120,9 @@ class TrainConfig:
 class DistConfig:
     nproc: int = 1
     """Local ranks; > 1 starts them through torch's elastic launcher (torchrun)."""
+    port: int = 0
+    """The rendezvous port of a local launch (``dist.nproc`` > 1 or ``dist.num_ps`` > 0),
+    where every process of the run meets on this machine (0: a free one)."""
     sharding: str = "auto"
     """Embedding sharding when several ranks train: ``auto`` (the planner), or one type for
     every table: table_wise, row_wise, column_wise, table_row_wise, data_parallel."""
@@ -440,6 +443,7 @@ def validate(cfg: Config) -> None:
         (t.memory_limit_gb >= 0,
          f"train.memory_limit_gb must be >= 0 (0 = the machine's), got {t.memory_limit_gb}"),
         (cfg.dist.nproc >= 1, "dist.nproc must be >= 1"),
+        (0 <= cfg.dist.port < 65536, f"dist.port must be a port number (0: a free one), got {cfg.dist.port}"),
         (cfg.dist.sharding in ("auto", "table_wise", "row_wise", "column_wise", "table_row_wise",
                                "data_parallel"), f"dist.sharding {cfg.dist.sharding!r}: auto or a sharding type"),
         (cfg.dist.backend in ("auto", "gloo", "nccl"), f"dist.backend {cfg.dist.backend!r}: auto, gloo or nccl"),
