@@ -6,13 +6,15 @@ servers' process group (the same storage, initial values and sharded checkpoints
 ranks; it never runs a forward), and one of the project's sparse optimizers over them.
 
 - ``pull(trainer, step, ids)``: the rows of global ids per table, and the server's version
-  (pushes applied so far). With a staleness bound ``B`` a pull for step ``s`` waits until
-  every trainer has pushed step ``s - 1 - B`` (``B = 0``: lockstep, every step sees every
-  trainer's previous step; unbounded (``B < 0``): never waits).
-- ``push(trainer, step, lr, grads, pulled_version)``: row gradients per table, applied at
-  once under a lock (asynchronous across trainers: pushes apply in arrival order); returns
-  the staleness of the update, the other trainers' pushes applied between its pull and
-  its push.
+  (updates applied so far). With a staleness bound ``B`` a pull for step ``s`` waits until
+  every trainer has pushed step ``s - 1 - B`` (unbounded (``B < 0``): never waits).
+- ``push(trainer, step, lr, grads, pulled_version)``: row gradients per table. ``B != 0``:
+  applied at once under a lock (asynchronous across trainers: pushes apply in arrival
+  order); returns the staleness of the update, the other trainers' updates applied
+  between its pull and its push. ``B = 0`` (synchronous): a step's pushes wait in a buffer
+  until every trainer has pushed that step, then their sum is applied as one update (the
+  update of one process with the global batch, for every optimizer, row-wise Adagrad and
+  lazy Adam included); staleness 0.
 - ``save(path)`` / ``load(path)``: a sharded checkpoint of the servers (DCP, collective
   over the servers, the checkpoint module's format).
 
@@ -34,7 +36,7 @@ from hybridrec.parallel.checkpoint import load_state, save_sharded
 from hybridrec.parallel.plan import ShardingPlan
 from hybridrec.parallel.sharded_embedding import ShardedEmbeddingBagCollection
 from hybridrec.parallel.topology import Topology
-from hybridrec.train.sparse_optim import combined_sparse_optimizer
+from hybridrec.train.sparse_optim import aggregate_rows, combined_sparse_optimizer
 
 
 class _Tables(nn.Module):
@@ -60,8 +62,9 @@ class EmbeddingServer:
             group, start, _ = local.table_slice(name)
             self._shards[name.partition("@")[0]] = (group, start, shard.rows[0])
         self._cond = threading.Condition()
-        self.version = 0  # pushes applied
+        self.version = 0  # updates applied
         self.pushed = [0] * num_trainers  # steps each trainer has pushed
+        self._waiting: dict[int, list[dict]] = {}  # synchronous: step -> the pushes so far
 
     def _rows(self, table: str, ids: torch.Tensor) -> tuple[int, torch.Tensor]:
         try:
@@ -93,14 +96,23 @@ class EmbeddingServer:
     def push(self, trainer: int, step: int, lr: float, grads: dict, pulled_version: int) -> int:
         with self._cond:
             staleness = self.version - pulled_version
-            rows = [(g, fused, r, True) for table, (ids, r) in grads.items()
-                    for g, fused in [self._rows(table, ids)]]
-            self.opt.lr = lr
-            self.opt.step({"shards": rows})
-            self.version += 1
+            if self.max_staleness == 0 and self.num_trainers > 1:
+                waiting = self._waiting.setdefault(step, [])
+                waiting.append(grads)
+                if len(waiting) == self.num_trainers:  # the step's last push: one update
+                    self._apply(lr, _summed(self._waiting.pop(step)))
+                staleness = 0
+            else:
+                self._apply(lr, grads)
             self.pushed[trainer] = max(self.pushed[trainer], step)
             self._cond.notify_all()
             return staleness
+
+    def _apply(self, lr: float, grads: dict) -> None:
+        rows = [(g, fused, r, True) for table, (ids, r) in grads.items() for g, fused in [self._rows(table, ids)]]
+        self.opt.lr = lr
+        self.opt.step({"shards": rows})
+        self.version += 1
 
     def save(self, path: str, extra: dict) -> None:
         with self._cond:
@@ -114,6 +126,18 @@ class EmbeddingServer:
             self.version, self.pushed = int(extra["version"]), [int(s) for s in extra["pushed"]]
             self._cond.notify_all()
             return extra
+
+
+def _summed(pushes: list[dict]) -> dict:
+    """Several pushes' ``{table: (ids, rows)}`` as one, each id's rows added up."""
+    out = {}
+    for table in sorted({t for p in pushes for t in p}):
+        parts = [p[table] for p in pushes if table in p]
+        if len(parts) == 1:
+            out[table] = parts[0]
+        else:
+            out[table] = aggregate_rows(torch.cat([i for i, _ in parts]), torch.cat([r for _, r in parts]))
+    return out
 
 
 _SERVER: EmbeddingServer | None = None

@@ -154,7 +154,9 @@ class DistConfig:
     with the fewest rows so far)."""
     ps_max_staleness: int = -1
     """Parameter servers: how many steps a trainer may run ahead of the slowest trainer's
-    pushes (0: lockstep; -1: unbounded, fully asynchronous)."""
+    pushes; -1: unbounded, fully asynchronous (each push is an update of its own); 0:
+    synchronous (every trainer's push of a step is summed and applied as one update, as one
+    process with the global batch would)."""
     rpc_interface: str = ""
     """Network interface the RPC agent of a parameter-server run listens on (empty: the
     loopback interface when every process is on this machine, else TensorPipe's choice)."""
