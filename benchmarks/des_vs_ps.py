@@ -20,25 +20,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+from throughput import machine  # this folder's: the CPU model and cores
+
 EMBEDDING = ("input_dist", "input_dist_counts", "output_dist", "dp_table_allreduce", "ps_pull", "ps_push")
 MODEL = ["model.bottom_mlp=[64,16]", "model.top_mlp=[64,1]", "train.progress=false",
          "train.save_checkpoints=false", "optim.sparse=rowwise_adagrad", "train.log_every=0"]
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def hybridrec(*args: str) -> None:
@@ -108,7 +99,7 @@ def main() -> None:
                 print(f"multi-hot {mh:>2}  batch {batch:>5}  {r['mode']:>14}: "
                       f"{r['embedding_bytes_per_sample']:,.0f} embedding B/sample  "
                       f"{r['samples_per_sec'] or float('nan'):,.0f} samples/s  AUC {r['auc']:.4f}", flush=True)
-    report = {"cpu": cpu_model(), "date": time.strftime("%Y-%m-%d"), "command": sys.argv,
+    report = {"cpu": machine(), "date": time.strftime("%Y-%m-%d"), "command": sys.argv,
               "results": results}
     if a.out:
         a.out.write_text(json.dumps(report, indent=1))
