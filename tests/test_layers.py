@@ -14,7 +14,7 @@ import pytest
 
 import hybridrec
 
-LAYERS = ("cli", "bench", "train", "sync", "parallel", "comm", "model", "data", "sparse", "metrics")
+LAYERS = ("cli", "bench", "train", "sync", "ps", "parallel", "comm", "model", "data", "sparse", "metrics")
 """Top to bottom. ``errors.py`` and ``__init__.py`` at the package root are below every
 layer (all may import them, they import no layer); ``__main__.py`` is above every layer."""
 

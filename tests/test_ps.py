@@ -132,8 +132,11 @@ def _server(num_trainers: int, max_staleness: int, timeout_s: float = 30.0):
     from hybridrec.train.build import uniform_plan
 
     tables = [TableConfig(name="t", num_embeddings=10, embedding_dim=2)]
-    return EmbeddingServer(tables, uniform_plan("row_wise", tables, 1, 1), Topology.single(), optimizer="sgd",
-                           lr=1.0, num_trainers=num_trainers, max_staleness=max_staleness, timeout_s=timeout_s)
+    from hybridrec.train.sparse_optim import combined_sparse_optimizer
+
+    return EmbeddingServer(tables, uniform_plan("row_wise", tables, 1, 1), Topology.single(),
+                           optimizer=lambda ebc: combined_sparse_optimizer("sgd", ebc, lr=1.0),
+                           num_trainers=num_trainers, max_staleness=max_staleness, timeout_s=timeout_s)
 
 
 def test_server_applies_pushes_and_counts_staleness():

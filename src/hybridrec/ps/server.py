@@ -29,14 +29,14 @@ import time
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from hybridrec.model.embedding import TableConfig
+from hybridrec.model.embedding import TableConfig, group_ids
 from hybridrec.parallel.checkpoint import load_state, save_sharded
 from hybridrec.parallel.plan import ShardingPlan
 from hybridrec.parallel.sharded_embedding import ShardedEmbeddingBagCollection
 from hybridrec.parallel.topology import Topology
-from hybridrec.train.sparse_optim import aggregate_rows, combined_sparse_optimizer
 
 
 class _Tables(nn.Module):
@@ -49,13 +49,14 @@ class _Tables(nn.Module):
 
 
 class EmbeddingServer:
-    def __init__(self, tables: list[TableConfig], plan: ShardingPlan, topo: Topology, *, optimizer: str,
-                 lr: float, num_trainers: int, max_staleness: int = -1, timeout_s: float = 300.0,
-                 seed: int = 0, **opt_kwargs) -> None:
+    def __init__(self, tables: list[TableConfig], plan: ShardingPlan, topo: Topology, *, optimizer,
+                 num_trainers: int, max_staleness: int = -1, timeout_s: float = 300.0, seed: int = 0) -> None:
+        """``optimizer(collection)``: the sparse optimizer over the shards (a
+        ``CombinedSparseOptimizer``, e.g. ``train.sparse_optim.combined_sparse_optimizer``)."""
         self.topo, self.num_trainers = topo, num_trainers
         self.max_staleness, self.timeout_s = max_staleness, timeout_s
         self.model = _Tables(ShardedEmbeddingBagCollection(tables, plan, topo, seed=seed))
-        self.opt = combined_sparse_optimizer(optimizer, self.model.sparse, lr=lr, **opt_kwargs)
+        self.opt = optimizer(self.model.sparse)
         self._shards: dict[str, tuple[int, int, int]] = {}  # table -> (group, fused start, first row)
         local = self.model.sparse.local
         for name, (shard, _) in self.model.sparse.local_shards().items():
@@ -136,7 +137,9 @@ def _summed(pushes: list[dict]) -> dict:
         if len(parts) == 1:
             out[table] = parts[0]
         else:
-            out[table] = aggregate_rows(torch.cat([i for i, _ in parts]), torch.cat([r for _, r in parts]))
+            ids, rows = torch.cat([i for i, _ in parts]), torch.cat([r for _, r in parts])
+            unique, offsets, perm = group_ids(ids)  # each id's rows added up, in push order
+            out[table] = unique, F.embedding_bag(perm, rows, offsets, mode="sum", include_last_offset=True)
     return out
 
 

@@ -50,7 +50,7 @@ from hybridrec.parallel.planner import plan_sharding
 from hybridrec.parallel.sharded_embedding import ShardedEmbeddingBagCollection
 from hybridrec.parallel.topology import Topology
 from hybridrec.ps.client import PushOptimizer, RemoteEmbeddingCollection
-from hybridrec.ps.setup import ServerCheckpoints, ps_plan
+from hybridrec.train.ps_run import ServerCheckpoints, ps_plan
 from hybridrec.train.sparse_optim import CombinedSparseOptimizer, combined_sparse_optimizer
 from hybridrec.train import checkpoint as ckpt
 from hybridrec.sync import BackgroundRunner, ForegroundRunner, SyncRunner, make_synchronizer

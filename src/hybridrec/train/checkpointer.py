@@ -80,7 +80,7 @@ class Checkpointer:
     def __init__(self, run_dir: str | Path, topo: Topology, *, model: nn.Module,
                  dense_opt: torch.optim.Optimizer, sparse_opt, components: list[Component],
                  keep: int = 2, servers=None) -> None:
-        """``servers``: a parameter-server run's :class:`~hybridrec.ps.setup.ServerCheckpoints`
+        """``servers``: a parameter-server run's :class:`~hybridrec.train.ps_run.ServerCheckpoints`
         (the tables and their optimizer state live there; saved into ``step-N/ps/``)."""
         names = [c.name for c in components]
         clash = {"model", "dense_opt", "sparse_opt", "step"} & set(names)

@@ -30,7 +30,7 @@ from hybridrec.parallel.checkpoint_io import SafeFileSystemReader, gather
 from hybridrec.parallel.checkpoint_layout import table_key
 from hybridrec.parallel.topology import Topology
 from hybridrec.ps import world as ps_world
-from hybridrec.ps.setup import PS_DIR, run_server
+from hybridrec.train.ps_run import PS_DIR, run_server
 from hybridrec.train import checkpoint as ckpt
 from hybridrec.train.build import (
     build_loaders,

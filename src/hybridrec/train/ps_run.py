@@ -17,6 +17,7 @@ from hybridrec.ps import server as srv
 from hybridrec.ps.client import ServerError, _wait
 from hybridrec.ps.world import Roles, init_world, join_rpc, server_name, shutdown
 from hybridrec.train.config import Config
+from hybridrec.train.sparse_optim import combined_sparse_optimizer
 
 PS_DIR = "ps"
 """The servers' part of a checkpoint: ``step-N/ps/``, a sharded checkpoint of its own."""
@@ -37,10 +38,12 @@ def run_server(cfg: Config, meta: DatasetMeta, r: Roles) -> dict:
     topo = init_world(r, timeout_s=cfg.dist.timeout_s)
     tables = build_tables(meta, cfg)
     kwargs = {} if cfg.optim.sparse == "sgd" else {"eps": cfg.optim.eps}
-    server = srv.EmbeddingServer(tables, ps_plan(cfg, tables, r.num_ps), topo, optimizer=cfg.optim.sparse,
-                                 lr=cfg.optim.sparse_lr, num_trainers=r.num_trainers,
+    server = srv.EmbeddingServer(tables, ps_plan(cfg, tables, r.num_ps), topo,
+                                 optimizer=lambda ebc: combined_sparse_optimizer(
+                                     cfg.optim.sparse, ebc, lr=cfg.optim.sparse_lr, **kwargs),
+                                 num_trainers=r.num_trainers,
                                  max_staleness=cfg.dist.ps_max_staleness, timeout_s=cfg.dist.timeout_s,
-                                 seed=cfg.train.seed, **kwargs)
+                                 seed=cfg.train.seed)
     srv.serve(server)  # before joining RPC: no pull can arrive at a server without its shards
     join_rpc(r, timeout_s=cfg.dist.timeout_s, interface=cfg.dist.rpc_interface)
     rows = sum(w.shape[0] for _, w in server.model.sparse.local_shards().values())
