@@ -14,6 +14,7 @@ optimizer, which updates only the touched rows (hybridrec.train.sparse_optim).
 from __future__ import annotations
 
 import math
+import threading
 import zlib
 from dataclasses import dataclass, field
 
@@ -187,7 +188,9 @@ class EmbeddingBagCollection(nn.Module):
     :meth:`pop_sparse_grads` is their one consumer: it turns them into row gradients
     and clears them, so call it once per step after ``backward`` (a forward whose
     lookups are never popped keeps them, and their tensors, until the next pop).
-    Evaluation (``eval()`` or ``torch.no_grad()``) parks nothing.
+    Evaluation (``eval()`` or ``torch.no_grad()``) parks nothing. The parked lookups are
+    the calling thread's: training threads sharing the collection (``train.workers``,
+    :mod:`hybridrec.train.hogwild`) each pop their own forward's.
     """
 
     def __init__(
@@ -205,7 +208,7 @@ class EmbeddingBagCollection(nn.Module):
             raise ValueError("duplicate table names")
         self._groups: list[_Group] = []
         self._table_rows: dict[str, tuple[int, int]] = {}  # name -> (group, first row)
-        self._pending: list[_Lookup] = []  # the lookups of forwards not popped yet, see the class
+        self._pending_by_thread: dict[int, list[_Lookup]] = {}  # lookups not popped yet, see the class
         self._build_groups(tables, device)
 
     def _build_groups(self, tables: list[TableConfig], device) -> None:
@@ -300,7 +303,7 @@ class EmbeddingBagCollection(nn.Module):
             if sq is not None:
                 sq.requires_grad_()
             starts = torch.tensor([0] + [len(g.features) for g in self._groups]).cumsum(0).tolist()
-            self._pending += [_Lookup(gi, ids, ln, out, b, sq, starts[gi]) for gi, ids, ln in lookups]
+            self._pending.extend(_Lookup(gi, ids, ln, out, b, sq, starts[gi]) for gi, ids, ln in lookups)
         return KeyedTensor(self.feature_names, self.feature_dims, out, square_sums=sq)
 
     def _group_ids(self, g: _Group, kjt: KeyedJagged):
@@ -335,8 +338,13 @@ class EmbeddingBagCollection(nn.Module):
         return ids_km.index_select(0, src), lengths, offsets
 
     # -- gradients -----------------------------------------------------------
+    @property
+    def _pending(self) -> list[_Lookup]:
+        """The calling thread's lookups not popped yet."""
+        return self._pending_by_thread.setdefault(threading.get_ident(), [])
+
     def pop_sparse_grads(self) -> list[tuple[int, torch.Tensor, torch.Tensor, bool]]:
-        """Row gradients of the lookups since the last call.
+        """Row gradients of the calling thread's lookups since its last call.
 
         Returns ``[(group, ids [n], grad_rows [n, dim], unique)]``. With one id per
         bag (``unique=False``) these are the bags' gradients, one row per occurrence,
@@ -346,11 +354,10 @@ class EmbeddingBagCollection(nn.Module):
         the pooled output's gradient buffer: the caller owns it and may overwrite it.
         """
         out = []
-        for lk in self._pending:
+        for lk in self._pending_by_thread.pop(threading.get_ident(), []):
             if lk.pooled.grad is None:
                 continue  # forward without backward (e.g. a skipped step)
             out.append((lk.group, *self._row_grads(lk)))
-        self._pending = []
         return out
 
     def _row_grads(self, lk: _Lookup) -> tuple[torch.Tensor, torch.Tensor, bool]:

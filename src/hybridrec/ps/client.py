@@ -16,6 +16,15 @@ how far ahead a trainer may run). With one trainer this is exactly one-process t
 up to floating-point summation order (the server adds a row's gradient summed over its
 occurrences; one process adds the occurrences one by one).
 
+Training threads (``train.workers``, :mod:`hybridrec.train.hogwild`) pull and push on their
+own, as the paper's trainers do: lookups, the last push and the versions seen at the pull
+are per thread, so a pull waits for its own thread's previous push only (a thread reads its
+own updates; its sibling threads' land when they land). A pull's step is the trainer's
+pushed steps plus one, so steps of sibling threads in flight share a number: with ``N``
+threads a trainer may run up to ``N - 1`` steps further ahead than the bound says.
+:meth:`flush_pushes` from the trainer's main thread (checkpoints, the end) waits for every
+thread's push.
+
 Counted bytes (ledger categories ``ps_pull`` and ``ps_push``): the tensors handed to RPC
 (ids as int64, rows as float32) and the rows received; RPC's own framing is not counted.
 Evaluation pulls are outside the training step and not counted.
@@ -26,7 +35,8 @@ Simplification: FM tables (DeepFM's first-order column and square sums) are not 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import threading
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed.rpc as rpc
@@ -61,6 +71,15 @@ class _Lookup:
     rows: torch.Tensor  # [len(ids), dim] pulled rows, an autograd leaf
 
 
+@dataclass
+class _ThreadState:
+    """A training thread's part of a trainer's traffic (see the module docstring)."""
+
+    pending: list[_Lookup] = field(default_factory=list)  # lookups not popped yet
+    pushes: list = field(default_factory=list)  # (server, future) of its last push
+    versions: dict[int, int] = field(default_factory=dict)  # per server: version at its step's pull
+
+
 class RemoteEmbeddingCollection(nn.Module):
     """Pooled embeddings from tables held by parameter servers (same output as
     :class:`~hybridrec.model.embedding.EmbeddingBagCollection`)."""
@@ -86,9 +105,15 @@ class RemoteEmbeddingCollection(nn.Module):
             self._owners[name] = (torch.tensor([s.rows[0] for s in shards]), [s.rank for s in shards])
         self.pushed_steps = 0  # training steps pushed (the next pull is for the step after)
         self.staleness: list[float] = []  # per push: mean over servers of its staleness
-        self.versions: dict[int, int] = {}  # per server: version at this step's pull
-        self._pending: list[_Lookup] = []
-        self.pushes: list = []  # (server, future) of the last push, see PushOptimizer
+        # Per training thread (train.workers; one thread: one entry): its lookups not popped
+        # yet, the (server, future) pairs of its last push, and per server the version at its
+        # step's pull.
+        self._threads: dict[int, _ThreadState] = {}
+        self._lock = threading.Lock()  # pushed_steps, from several threads
+
+    @property
+    def _mine(self) -> _ThreadState:
+        return self._threads.setdefault(threading.get_ident(), _ThreadState())
 
     # -- pulls ------------------------------------------------------------------
     def _route(self, table: str, ids: torch.Tensor) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
@@ -113,6 +138,7 @@ class RemoteEmbeddingCollection(nn.Module):
         futs = {j: rpc.rpc_async(server_name(j), srv.rpc_pull, args=(self.trainer, step, a),
                                  timeout=self.timeout_s) for j, a in asks.items()}
         got = {j: _wait(f, "pull", server_name(j)) for j, f in futs.items()}
+        mine = self._mine
         out = {}
         for t, ids in ids_by_table.items():
             rows = torch.empty(ids.numel(), self.tables[t].embedding_dim)
@@ -120,7 +146,7 @@ class RemoteEmbeddingCollection(nn.Module):
                 rows[pos] = got[server][1][t]
             out[t] = rows
         if step is not None:
-            self.versions = {j: v for j, (v, _) in got.items()}
+            mine.versions = {j: v for j, (v, _) in got.items()}
             if self.ledger is not None:
                 sent = sum(x.numel() * 8 for a in asks.values() for x in a.values())
                 received = sum(r.numel() * 4 for r in out.values())
@@ -146,7 +172,7 @@ class RemoteEmbeddingCollection(nn.Module):
         for t, feats in by_table.items():
             leaf = rows[t].requires_grad_(train)
             if train:
-                self._pending.append(_Lookup(t, unique[t], leaf))
+                self._mine.pending.append(_Lookup(t, unique[t], leaf))
             at = 0
             for f in feats:
                 vals, lengths = parts[f]
@@ -160,9 +186,11 @@ class RemoteEmbeddingCollection(nn.Module):
         return KeyedTensor(self.feature_names, self.feature_dims, values)
 
     def pop_sparse_grads(self) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
-        """``[(table, distinct ids, summed gradient rows)]`` of the lookups since the last call."""
-        out = [(lk.table, lk.ids, lk.rows.grad) for lk in self._pending if lk.rows.grad is not None]
-        self._pending = []
+        """``[(table, distinct ids, summed gradient rows)]`` of the calling thread's lookups
+        since its last call."""
+        mine = self._mine
+        out = [(lk.table, lk.ids, lk.rows.grad) for lk in mine.pending if lk.rows.grad is not None]
+        mine.pending = []
         return out
 
     # -- pushes -----------------------------------------------------------------
@@ -175,25 +203,31 @@ class RemoteEmbeddingCollection(nn.Module):
         lockstep the servers then apply, per step, the gradient of the mean loss over every
         trainer's batch (plain SGD: exactly synchronous training's update, split in one
         push per trainer), and the sparse learning rate means the same as with DES."""
-        self.pushed_steps += 1
-        step = self.pushed_steps
+        with self._lock:
+            self.pushed_steps += 1
+            step = self.pushed_steps
+        mine = self._mine
         asks: dict[int, dict] = {j: {} for j in range(self.plan.world_size)}
         for t, ids, rows in grads:
             for server, (pos, sub) in self._route(t, ids).items():
                 asks[server][t] = (sub, rows.index_select(0, pos).mul_(self.grad_scale))
-        self.pushes = [(j, rpc.rpc_async(server_name(j), srv.rpc_push,
-                                         args=(self.trainer, step, lr, a, self.versions.get(j, 0)),
+        mine.pushes = [(j, rpc.rpc_async(server_name(j), srv.rpc_push,
+                                         args=(self.trainer, step, lr, a, mine.versions.get(j, 0)),
                                          timeout=self.timeout_s)) for j, a in asks.items()]
         if self.ledger is not None:
             sent = sum(ids.numel() * 8 + r.numel() * 4 for a in asks.values() for ids, r in a.values())
             self.ledger.record("ps_push", sent=sent, received=0, direction="bwd")
 
-    def flush_pushes(self) -> None:
-        """Wait for the last push (and note its staleness)."""
-        pushes, self.pushes = self.pushes, []
-        stale = [_wait(f, "push", server_name(j)) for j, f in pushes]
-        if stale:
-            self.staleness.append(sum(stale) / len(stale))
+    def flush_pushes(self, *, every_thread: bool = False) -> None:
+        """Wait for the calling thread's last push, or with ``every_thread`` for every
+        training thread's (and note their staleness)."""
+        for state in list(self._threads.values()) if every_thread else [self._mine]:
+            pushes, state.pushes = state.pushes, []
+            stale = [_wait(f, "push", server_name(j)) for j, f in pushes]
+            if stale:
+                self.staleness.append(sum(stale) / len(stale))
+        if every_thread:  # (no thread trains now) threads that ended leave nothing behind
+            self._threads = {k: v for k, v in self._threads.items() if v.pending}
 
     def summary(self) -> dict:
         s = self.staleness
@@ -214,8 +248,9 @@ class PushOptimizer:
         self.remote.push(grads, self.lr)
 
     def flush(self) -> None:
-        """Wait for the pushes in flight (before a checkpoint, at the end)."""
-        self.remote.flush_pushes()
+        """Wait for the pushes in flight, every training thread's (before a checkpoint, at
+        the end)."""
+        self.remote.flush_pushes(every_thread=True)
 
     def state_dict(self) -> dict:
         return {"name": self.name, "lr": self.lr, "step": self.step_count, "tables": {}}

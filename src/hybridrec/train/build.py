@@ -33,7 +33,7 @@ from hybridrec.model.deepfm import DeepFM
 from hybridrec.model.dlrm import DLRM
 from hybridrec.model.embedding import EmbeddingBagCollection, TableConfig
 from hybridrec.model.interaction import make_interaction
-from hybridrec.train.config import CompressConfig, Config
+from hybridrec.train.config import CompressConfig, Config, workers_problem
 from hybridrec.train.optim import (
     LRSchedule,
     LRScheduler,
@@ -292,6 +292,8 @@ def build_trainer(cfg: Config, *, meta: DatasetMeta | None = None, topo: Topolog
         raise ConfigError("train.run_dir is not set (hybridrec train picks a new runs/<time> itself)")
     meta = meta or load_dataset(cfg)
     topo = topo or build_topology(cfg)
+    if problem := workers_problem(cfg, topo.world_size):  # (launched by torchrun: dist.nproc is 1)
+        raise ConfigError(problem)
     if not cfg.dist.num_ps:  # (a parameter-server run's trainers hold no table)
         check_memory(cfg, meta, topo)  # before the model is allocated
     ledger = CommLedger()

@@ -114,6 +114,16 @@ class TrainConfig:
     before anything is allocated."""
     threads: int = 0
     """torch intra-op threads (0 = torch's default)."""
+    workers: int = 1
+    """Training threads in this trainer process (Hogwild). N > 1: N threads each take the
+    next batch from the shared loader and train the one model without locks (their own
+    gradients, updates applied to the shared weights and optimizer state as they come;
+    colliding updates are accepted, so runs are not reproducible bit for bit); evaluation
+    and checkpoints wait until every thread has paused. One rank, or parameter-server
+    trainers (dist.num_ps) without a per-step dense all-reduce. Default 1, from the
+    measurement (docs/benchmarks.md): on 2 cores, 2 workers with train.threads=1 train
+    1.2-1.4x the samples/s of one worker, at a small AUC cost (demo: -0.002 on average),
+    which does not pay for losing reproducible, bit-exact runs and resumes."""
 
 
 @dataclass(kw_only=True)
@@ -398,6 +408,24 @@ def _ps_checks(cfg: Config) -> list[tuple[bool, str]]:
     ]
 
 
+def workers_problem(cfg: Config, world_size: int) -> str | None:
+    """Why ``train.workers`` cannot run with ``world_size`` trainer ranks, or None."""
+    n, d = cfg.train.workers, cfg.dist
+    if n < 1:
+        return f"train.workers must be >= 1, got {n}"
+    if n == 1 or world_size == 1:
+        return None
+    if not d.num_ps:
+        return (f"train.workers={n} with {world_size} ranks: the embedding all-to-alls (DES) are collectives "
+                f"on one process group that several threads cannot each run; use one rank, or dist.num_ps")
+    if d.dense_sync != "none" and cfg.sync.algorithm == "none":
+        why = ("DDP does not support concurrent backward passes" if d.dense_sync == "ddp" else
+               "its all-reduce is one collective per step, which several threads cannot each run")
+        return (f"train.workers={n} with dist.dense_sync={d.dense_sync}: {why}; use dist.dense_sync=none "
+                f"or a synchronizer (sync.algorithm)")
+    return None
+
+
 def _sync_checks(cfg: Config) -> list[tuple[bool, str]]:
     s = cfg.sync
     return [
@@ -464,6 +492,7 @@ def validate(cfg: Config) -> None:
         (c.dense_refresh_every >= 1, "compress.dense_refresh_every must be >= 1"),
         (c.dense_warmup_steps >= 0, "compress.dense_warmup_steps must be >= 0"),
         *_sync_checks(cfg),
+        (not (problem := workers_problem(cfg, cfg.dist.nproc)), problem),
         (c.powersgd_rank >= 1, "compress.powersgd_rank must be >= 1"),
         (c.embedding in ("none", "dct", "fp16", "bf16", "int8"),
          f"compress.embedding {c.embedding!r}: none, dct, fp16, bf16 or int8"),

@@ -6,6 +6,7 @@ import json
 import math
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -192,25 +193,20 @@ class Trainer:
         if self.sync_runner is not None:
             self.sync_runner.start()
         meter.start()
-        while self.step < self.total_steps:
-            for batch, pending in self.pipeline.batches(self.total_steps - self.step):
-                loss = self.train_step(batch, pending)
-                running.update(loss)
-                samples = batch.batch_size * self.topo.world_size  # global samples
-                meter.step(samples)
-                bar.update(1)
-                if lines is not None:
-                    lines.step(self.step, loss, samples)
-                if t.log_every and self.step % t.log_every == 0:
-                    last_loss = self._log_train(running, meter, bar)
-                if t.eval_every and self.step % t.eval_every == 0 and self.step < self.total_steps:
-                    history.append(self._eval_and_log())
-                    meter.start()  # evaluation time is not training time
-                if t.save_checkpoints and t.checkpoint_every and self.step % t.checkpoint_every == 0:
-                    self.save_checkpoint()
-                    meter.start()
-                if self.step >= self.total_steps:
-                    break
+        for loss, samples in self._train_steps():
+            running.update(loss)
+            meter.step(samples)
+            bar.update(1)
+            if lines is not None:
+                lines.step(self.step, loss, samples)
+            if t.log_every and self.step % t.log_every == 0:
+                last_loss = self._log_train(running, meter, bar)
+            if t.eval_every and self.step % t.eval_every == 0 and self.step < self.total_steps:
+                history.append(self._eval_and_log())
+                meter.start()  # evaluation time is not training time
+            if t.save_checkpoints and t.checkpoint_every and self.step % t.checkpoint_every == 0:
+                self.save_checkpoint()
+                meter.start()
         bar.close()
         self.sparse_opt.flush()  # parameter servers: this rank's last push applied
         if self.sync_runner is not None:  # last round, then one averaged dense model
@@ -233,6 +229,21 @@ class Trainer:
         if self.logger:
             self.logger.flush()
         return FitResult(self.step, final, last_loss, meter.summary(), resumed, history)
+
+    def _train_steps(self) -> Iterator[tuple[torch.Tensor, int]]:
+        """Trains the remaining steps; yields each one's loss and global samples after it
+        (the loop's logging, evaluation and checkpoints run between two yields). With
+        ``train.workers > 1`` the steps of the Hogwild threads, as they finish; they are
+        all paused whenever the loop may evaluate or save (:mod:`hybridrec.train.hogwild`)."""
+        if self.cfg.train.workers > 1:
+            from hybridrec.train.hogwild import HogwildWorkers  # (it imports this module)
+
+            yield from HogwildWorkers(self).steps()
+            return
+        while self.step < self.total_steps:
+            for batch, pending in self.pipeline.batches(self.total_steps - self.step):
+                loss = self.train_step(batch, pending)
+                yield loss, batch.batch_size * self.topo.world_size  # global samples
 
     def _log_train(self, running: RunningLoss, meter: Throughput, bar) -> float:
         values = running.compute()
