@@ -4,13 +4,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hybridrec.model.embedding import EmbeddingBagCollection, TableConfig
+from hybridrec.model.embedding import EmbeddingBagCollection, TableConfig, aggregate_rows
 from hybridrec.sparse.keyed_jagged import KeyedJagged
 from hybridrec.train.sparse_optim import (
     LazyAdam,
     RowWiseAdagrad,
     SparseSGD,
-    aggregate_rows,
     build_sparse_optimizer,
 )
 

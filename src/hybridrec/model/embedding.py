@@ -124,6 +124,18 @@ def group_ids(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
     return unique.to(torch.int64), offsets, perm
 
 
+def aggregate_rows(ids: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sum the rows of repeated ids.
+
+    ``ids`` ``[n]``, ``rows`` ``[n, d]`` -> ``(unique_ids [u], summed [u, d])``,
+    unique ids ascending. Deterministic: a stable sort keeps occurrence order
+    and ``embedding_bag`` adds each bag's rows in that order.
+    """
+    unique, offsets, perm = group_ids(ids)
+    summed = F.embedding_bag(perm, rows, offsets, mode="sum", include_last_offset=True)
+    return unique, summed
+
+
 @dataclass
 class KeyedTensor:
     """Pooled embeddings: ``values`` ``[B, sum(dims)]``, one column block per key.

@@ -56,7 +56,8 @@ class ServerError(HybridrecError):
     """A parameter server could not be reached or failed a request."""
 
 
-def _wait(fut, what: str, to: str):
+def wait_reply(fut, what: str, to: str):
+    """The value of an RPC future, or a :class:`ServerError` naming the server and the request."""
     try:
         return fut.wait()
     except RuntimeError as e:
@@ -137,7 +138,7 @@ class RemoteEmbeddingCollection(nn.Module):
         step = self.pushed_steps + 1 if self.training and torch.is_grad_enabled() else None
         futs = {j: rpc.rpc_async(server_name(j), srv.rpc_pull, args=(self.trainer, step, a),
                                  timeout=self.timeout_s) for j, a in asks.items()}
-        got = {j: _wait(f, "pull", server_name(j)) for j, f in futs.items()}
+        got = {j: wait_reply(f, "pull", server_name(j)) for j, f in futs.items()}
         mine = self._mine
         out = {}
         for t, ids in ids_by_table.items():
@@ -167,6 +168,8 @@ class RemoteEmbeddingCollection(nn.Module):
             values = torch.cat([parts[f][0] for f in feats])
             unique[t], inverse[t] = torch.unique(values, sorted=True, return_inverse=True)
         rows = self._pull(unique)
+        all_offsets, b = kjt.offsets(), kjt.batch_size
+        key_at = {f: k for k, f in enumerate(kjt.keys)}
         train = self.training and torch.is_grad_enabled()
         blocks = {}
         for t, feats in by_table.items():
@@ -175,10 +178,9 @@ class RemoteEmbeddingCollection(nn.Module):
                 self._mine.pending.append(_Lookup(t, unique[t], leaf))
             at = 0
             for f in feats:
-                vals, lengths = parts[f]
-                n = vals.numel()
-                offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64)
-                torch.cumsum(lengths, 0, out=offsets[1:])
+                n = parts[f][0].numel()
+                k = key_at[f]  # this feature's bags in the batch's offsets, counted from 0
+                offsets = all_offsets[k * b : (k + 1) * b + 1] - all_offsets[k * b]
                 blocks[f] = F.embedding_bag(inverse[t][at : at + n], leaf, offsets,
                                             mode=self.tables[t].pooling, include_last_offset=True)
                 at += n
@@ -223,7 +225,7 @@ class RemoteEmbeddingCollection(nn.Module):
         training thread's (and note their staleness)."""
         for state in list(self._threads.values()) if every_thread else [self._mine]:
             pushes, state.pushes = state.pushes, []
-            stale = [_wait(f, "push", server_name(j)) for j, f in pushes]
+            stale = [wait_reply(f, "push", server_name(j)) for j, f in pushes]
             if stale:
                 self.staleness.append(sum(stale) / len(stale))
         if every_thread:  # (no thread trains now) threads that ended leave nothing behind

@@ -29,10 +29,9 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from hybridrec.model.embedding import TableConfig, group_ids
+from hybridrec.model.embedding import TableConfig, aggregate_rows
 from hybridrec.parallel.checkpoint import load_state, save_sharded
 from hybridrec.parallel.plan import ShardingPlan
 from hybridrec.parallel.sharded_embedding import ShardedEmbeddingBagCollection
@@ -130,16 +129,12 @@ class EmbeddingServer:
 
 
 def _summed(pushes: list[dict]) -> dict:
-    """Several pushes' ``{table: (ids, rows)}`` as one, each id's rows added up."""
+    """Several pushes' ``{table: (ids, rows)}`` as one, each id's rows added up in push order."""
     out = {}
     for table in sorted({t for p in pushes for t in p}):
         parts = [p[table] for p in pushes if table in p]
-        if len(parts) == 1:
-            out[table] = parts[0]
-        else:
-            ids, rows = torch.cat([i for i, _ in parts]), torch.cat([r for _, r in parts])
-            unique, offsets, perm = group_ids(ids)  # each id's rows added up, in push order
-            out[table] = unique, F.embedding_bag(perm, rows, offsets, mode="sum", include_last_offset=True)
+        out[table] = parts[0] if len(parts) == 1 else aggregate_rows(
+            torch.cat([i for i, _ in parts]), torch.cat([r for _, r in parts]))
     return out
 
 
@@ -172,8 +167,3 @@ def rpc_save(path: str, extra: dict) -> None:
 
 def rpc_load(path: str) -> dict:
     return _server().load(path)
-
-
-def rpc_stats() -> dict:
-    s = _server()
-    return {"version": s.version, "pushed": list(s.pushed)}

@@ -14,7 +14,7 @@ from hybridrec.parallel.checkpoint_io import agree
 from hybridrec.parallel.plan import ShardingPlan
 from hybridrec.parallel.topology import Topology
 from hybridrec.ps import server as srv
-from hybridrec.ps.client import ServerError, _wait
+from hybridrec.ps.client import ServerError, wait_reply
 from hybridrec.ps.world import Roles, init_world, join_rpc, server_name, shutdown
 from hybridrec.train.config import Config
 from hybridrec.train.sparse_optim import combined_sparse_optimizer
@@ -68,7 +68,7 @@ class ServerCheckpoints:
                 futs = [(server_name(j), rpc.rpc_async(server_name(j), fn, args=args, timeout=self.timeout_s))
                         for j in range(self.num_ps)]
                 for name, f in futs:
-                    _wait(f, what, name)
+                    wait_reply(f, what, name)
             except ServerError as e:
                 err = e
         agree(self.topo, err, path, what)

@@ -21,21 +21,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import torch
-import torch.nn.functional as F
 
-from hybridrec.model.embedding import group_ids
-
-
-def aggregate_rows(ids: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sum the gradient rows of repeated ids.
-
-    ``ids`` ``[n]``, ``rows`` ``[n, d]`` -> ``(unique_ids [u], summed [u, d])``,
-    unique ids ascending. Deterministic: a stable sort keeps occurrence order
-    and ``embedding_bag`` adds each bag's rows in that order.
-    """
-    unique, offsets, perm = group_ids(ids)
-    summed = F.embedding_bag(perm, rows, offsets, mode="sum", include_last_offset=True)
-    return unique, summed
+from hybridrec.model.embedding import aggregate_rows
 
 
 def _scatter_rows_add_(weight: torch.Tensor, ids: torch.Tensor, delta: torch.Tensor) -> None:
