@@ -53,7 +53,7 @@ def parse_args(argv=None):
                    help="also run TorchRec (needs benchmarks/peers/setup_torchrec.sh)")
     p.add_argument("--peer-batches", type=int, default=16, help="batches handed to TorchRec")
     p.add_argument("--ablation", action=argparse.BooleanOptionalAction, default=True,
-                   help="also run hybridrec with torch's default linear (MKL) kernels")
+                   help="also run hybridrec with torch's F.linear in every layer (train.kernels=torch)")
     p.add_argument("--variant", action="append", default=[], metavar="NAME=KEY=VALUE,...",
                    help="another hybridrec configuration in every round, e.g. "
                         "nopipe=dist.pipeline=false (repeatable)")
@@ -114,7 +114,6 @@ def worker_hybridrec(args) -> dict:
     """Train the benchmark model from the shards; print one JSON line."""
     import torch
 
-    from hybridrec.model.kernels import onednn_linear_enabled
     from hybridrec.train import recipes
     from hybridrec.train.build import build_trainer
     from hybridrec.train.config import build_config
@@ -145,7 +144,7 @@ def worker_hybridrec(args) -> dict:
         t = torch.tensor([rss, secs], dtype=torch.float64)
         dist.all_reduce(t, op=dist.ReduceOp.SUM)
         rss, secs = int(t[0]), float(t[1]) / world
-    return {"framework": "hybridrec", "onednn_linear": onednn_linear_enabled(), "world_size": world,
+    return {"framework": "hybridrec", "kernels": trainer.kernels, "world_size": world,
             "samples_per_sec": args.steps * args.batch_size * world / secs, "steps": args.steps,
             "batch_size": args.batch_size, "threads": torch.get_num_threads(),
             "peak_rss_bytes": rss, "rank": trainer.topo.rank}
@@ -206,7 +205,7 @@ def main(argv=None) -> int:
             runs[baseline[0]].append(run_json(baseline[1], env=baseline[2]))
         if args.ablation:
             runs["hybridrec (torch F.linear)"].append(
-                run_json(me, env={**os.environ, "HYBRIDREC_ONEDNN_LINEAR": "0"}))
+                run_json([*me, "--override", "train.kernels=torch"]))
         if peer:
             runs["torchrec"].append(run_json(peer))
         print(f"round {r + 1}/{args.rounds}: " + ", ".join(

@@ -4,35 +4,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hybridrec.model import kernels
 from hybridrec.model.dlrm import DLRM
 from hybridrec.model.embedding import EmbeddingBagCollection, TableConfig
 from hybridrec.model.interaction import CatInteraction, DotInteraction
 from hybridrec.sparse.keyed_jagged import Batch, KeyedJagged
-
-
-@pytest.mark.parametrize("relu", [False, True])
-def test_linear_matches_f_linear(relu):
-    torch.manual_seed(0)
-    x = torch.randn(37, 19, requires_grad=True)
-    w = torch.randn(11, 19, requires_grad=True)
-    b = torch.randn(11, requires_grad=True)
-    y = kernels.linear(x, w, b, relu=relu)
-    ref_y = F.linear(x, w, b)
-    ref_y = F.relu(ref_y) if relu else ref_y
-    go = torch.randn_like(y)
-    grads = torch.autograd.grad((y * go).sum(), (x, w, b))
-    ref = torch.autograd.grad((ref_y * go).sum(), (x, w, b))
-    torch.testing.assert_close(y, ref_y, rtol=1e-5, atol=1e-5)
-    for g, r in zip(grads, ref):
-        torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-5)
-
-
-def test_linear_fallback_switch(monkeypatch):
-    monkeypatch.setenv("HYBRIDREC_ONEDNN_LINEAR", "0")
-    assert not kernels.onednn_linear_enabled()
-    x, w = torch.randn(4, 3), torch.randn(2, 3)
-    torch.testing.assert_close(kernels.linear(x, w, None), x @ w.t())
 
 
 def test_dot_interaction_matches_bmm_reference():

@@ -110,8 +110,9 @@ def _add_preprocess(sub) -> None:
     p.add_argument(
         "--schema",
         metavar="FILE",
-        help="JSON schema of CSV/Parquet inputs (label, dense, categorical, multihot, "
-        "table_size, min_count, dense_transform, list_delimiter)",
+        help="JSON schema of CSV/Parquet inputs (label, label_positive + label_negative or "
+        "label_threshold, dense, categorical, multihot, table_size, min_count, dense_transform, "
+        "list_delimiter; docs/data-format.md)",
     )
     p.add_argument(
         "--table-size",
@@ -237,12 +238,23 @@ def _inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def _label_map_text(label_map) -> str:
+    """How raw labels became 0/1 (the schema's label_positive/negative, label_threshold)."""
+    if not isinstance(label_map, dict):
+        return ""
+    if "threshold" in label_map:
+        return f" (>= {label_map['threshold']} is 1, below is 0)"
+    return (f" ({', '.join(map(str, label_map.get('positive', [])))} is 1; "
+            f"{', '.join(map(str, label_map.get('negative', [])))} is 0)")
+
+
 def describe(meta) -> list[str]:
     """Human-readable summary lines of a dataset."""
     s = meta.schema
     out = [
         f"dataset {meta.path} (format_version {meta.format_version}, {meta.created_by})",
-        f"label: {s.label}; dense ({len(s.dense)}): {', '.join(s.dense)}",
+        f"label: {s.label}{_label_map_text(meta.preprocessing.get('label_map'))}; "
+        f"dense ({len(s.dense)}): {', '.join(s.dense)}",
         f"features: {len(s.onehot)} one-hot, {len(s.multihot)} multi-hot",
         "splits: "
         + "; ".join(

@@ -40,10 +40,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_train)
 
     e = sub.add_parser("eval", help="evaluate a run's checkpoint on the held-out split",
-                       description="Evaluate the newest checkpoint of a run directory (or --checkpoint) "
-                       "on the held-out split of its dataset (or --data); writes RUN/eval.json.")
+                       description="Evaluate a checkpoint of a run directory on the held-out split of "
+                       "its dataset (or --data); writes RUN/eval.json. By default the run's best "
+                       "checkpoint when it was trained with train.early_stop (the best held-out AUC), "
+                       "else its newest.")
     e.add_argument("run_dir", metavar="RUN_DIR")
-    e.add_argument("--checkpoint", help="a checkpoint directory (default: the run's newest)")
+    e.add_argument("--checkpoint", metavar="best|latest|DIR",
+                   help="best (train.early_stop's best evaluation), latest (the newest) or a checkpoint "
+                   "directory (default: best when the run recorded one, else latest)")
     e.add_argument("--data", help="another preprocessed dataset to evaluate on")
     e.set_defaults(func=_eval)
 
@@ -128,7 +132,8 @@ def _eval(args) -> int:
     from hybridrec.train.run import evaluate_run
 
     def show(result: dict) -> None:  # before eval.json is written: seen even if that fails
-        print(format_table([("checkpoint", result["checkpoint"])] + _metric_rows(result)), flush=True)
+        which = f" ({result['which']}, step {result['step']:,})" if isinstance(result.get("step"), int) else ""
+        print(format_table([("checkpoint", result["checkpoint"] + which)] + _metric_rows(result)), flush=True)
 
     evaluate_run(args.run_dir, checkpoint=args.checkpoint, data_path=args.data, show=show)
     return 0
@@ -159,8 +164,11 @@ def format_results(summary: dict) -> str:
     if "teacher" in summary:
         rows.insert(1, ("teacher AUC (ceiling)", f"{summary['teacher']['auc']:.4f}"))
     tp = summary["throughput"].get("samples_per_sec_overall", float("nan"))
+    es = summary.get("early_stop")
+    if es and es.get("best_step") is not None:
+        rows.insert(1, (f"best AUC (step {es['best_step']:,})", f"{es['best_auc']:.4f}"))
     rows += [("train samples/s", "n/a" if tp != tp else f"{tp:,.0f}"),
-             ("steps", f"{summary['step']:,}"),
+             ("steps", f"{summary['step']:,}" + (" (stopped early)" if es and es.get("stopped_early") else "")),
              ("peak memory", f"{summary['peak_memory_bytes'] / 2**20:,.0f} MiB"),
              ("run directory", summary["run_dir"])]
     return format_table(rows)

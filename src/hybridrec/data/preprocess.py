@@ -116,6 +116,7 @@ def preprocess_tabular(
         out=Path(out),
         reader=reader,
         label=spec.label,
+        label_map=spec.label_map,
         dense=list(spec.dense),
         features=features,
         table_size=table_size if table_size is not None else spec.table_size,
@@ -179,6 +180,9 @@ class _Job:
     eval_parts: Any
     overwrite: bool
     progress: bool | None
+    label_map: dict[str, Any] | None = None
+    """How raw label values became 0/1 (the schema file's label_positive/negative or
+    label_threshold); None: they were 0/1."""
 
     def run(self) -> DatasetMeta:
         start = time.perf_counter()
@@ -263,6 +267,7 @@ class _Job:
                 "min_count": self.min_count if mode == "vocabulary" else None,
                 "table_size": self._sizes,
                 "stats_split": "train",
+                "label_map": self.label_map,
             },
         )
 

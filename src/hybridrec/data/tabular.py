@@ -3,7 +3,10 @@
 Schema file (all keys but ``label`` optional)::
 
     {
-      "label": "clicked",                  0/1 (CSV also: true/false, 0.0/1.0)
+      "label": "clicked",                  0/1 (CSV also: true/false, 0.0/1.0), unless mapped:
+      "label_positive": [">50K"],          the label's values that are 1 ...
+      "label_negative": ["<=50K"],         ... and those that are 0 (both lists, disjoint)
+      "label_threshold": 4,                or: a number >= 4 is 1, below is 0 (e.g. ratings)
       "dense": ["price", "age"],           numbers; empty/null/NaN = missing -> 0
       "categorical": ["city", "device"],   one id per row; empty/null = missing -> id 0
       "multihot": ["tags"],                a list of ids per row
@@ -20,6 +23,14 @@ BLAKE2b-64, which is stable across runs and machines (Python's ``hash()`` is
 salted per process). In CSV a multi-hot cell is a ``list_delimiter``-separated
 string (``"a|b|c"``; empty cell = empty bag); in Parquet a ``list<int>`` or
 ``list<string>`` column (null list = empty bag, null elements dropped).
+
+Label mapping: with ``label_positive`` and ``label_negative`` the label column holds
+classes, matched as text without surrounding whitespace (a number in the lists is its text:
+``4`` matches the CSV cell ``4`` and the Parquet value ``4`` or ``4.0``); with
+``label_threshold`` it holds numbers (Parquet: a numeric column, or strings of numbers). A value
+that maps to neither (a class in no list, an empty/null/NaN label, a non-number under a
+threshold) is a bad row: ``FILE:LINE`` (CSV) or ``FILE: row N`` (Parquet), the column and
+the value, like any other bad field.
 """
 
 from __future__ import annotations
@@ -28,6 +39,7 @@ import csv
 import hashlib
 import io
 import itertools
+import math
 import os
 import zlib
 from collections.abc import Callable, Iterator
@@ -59,7 +71,14 @@ class TabularSpec:
     """The declared schema of a CSV / Parquet input (see the module docstring)."""
 
     label: str
-    """Label column (0/1)."""
+    """Label column (0/1, unless mapped by the three keys below)."""
+    label_positive: Any = None
+    """Label values that mean 1 (a string or number, or a list of them), e.g. ``">50K"``;
+    with ``label_negative``, which must be given too."""
+    label_negative: Any = None
+    """Label values that mean 0; every label must be in one of the two lists."""
+    label_threshold: Any = None
+    """A numeric label: ``value >= label_threshold`` is 1, below is 0 (e.g. a 1-5 rating and 4)."""
     dense: list[str] = field(default_factory=list)
     """Numeric columns, in output order."""
     categorical: list[str] = field(default_factory=list)
@@ -87,6 +106,39 @@ class TabularSpec:
             )
         if len(self.list_delimiter) != 1 or len(self.csv_delimiter) != 1:
             raise DataError(f"{self.source}: list_delimiter and csv_delimiter must be 1 character")
+        self._check_label_map()
+
+    def _check_label_map(self) -> None:
+        src, pos, neg, thr = self.source, self.label_positive, self.label_negative, self.label_threshold
+        if thr is not None:
+            if pos is not None or neg is not None:
+                raise DataError(f"{src}: label_threshold and label_positive/label_negative are two "
+                                "ways to map the label; give one")
+            if isinstance(thr, bool) or not isinstance(thr, (int, float)) or not math.isfinite(thr):
+                raise DataError(f"{src}: label_threshold must be a finite number, got {thr!r}")
+            return
+        if pos is None and neg is None:
+            return
+        if pos is None or neg is None:
+            given, missing = ("label_positive", "label_negative") if neg is None else \
+                ("label_negative", "label_positive")
+            raise DataError(f"{src}: {given} needs {missing} as well (every label value must be "
+                            "listed as 1 or 0, so a typo is an error, not a silent 0)")
+        self._positive = _class_texts(pos, "label_positive", src)
+        self._negative = _class_texts(neg, "label_negative", src)
+        both = sorted(set(self._positive) & set(self._negative))
+        if both:
+            raise DataError(f"{src}: {', '.join(map(repr, both))} is in both label_positive and "
+                            "label_negative")
+
+    @property
+    def label_map(self) -> dict[str, Any] | None:
+        """How raw label values become 0/1 (None: they are 0/1 already); for meta.json."""
+        if self.label_threshold is not None:
+            return {"threshold": self.label_threshold}
+        if self.label_positive is not None:
+            return {"positive": list(self._positive), "negative": list(self._negative)}
+        return None
 
     @property
     def feature_names(self) -> list[str]:
@@ -111,6 +163,28 @@ class TabularSpec:
         if "label" not in d:
             raise DataError(f"{path}: the schema must name the 'label' column")
         return TabularSpec(**d, source=str(path))
+
+
+def _class_texts(values: Any, key: str, source: str) -> tuple[str, ...]:
+    """A ``label_positive`` / ``label_negative`` value as the texts it matches (numbers as
+    their shortest text: ``4`` and ``4.0`` match ``"4"``)."""
+    items = values if isinstance(values, list) else [values]
+    out = []
+    for v in items:
+        if isinstance(v, bool):
+            out.append(str(v).lower())
+        elif isinstance(v, int):
+            out.append(str(v))
+        elif isinstance(v, float) and math.isfinite(v):
+            out.append(str(int(v)) if v.is_integer() else repr(v))
+        elif isinstance(v, str) and v.strip():
+            out.append(v.strip())
+        else:
+            raise DataError(f"{source}: {key} must be a non-empty string or a number, or a list of "
+                            f"them; got {v!r}")
+    if not out:
+        raise DataError(f"{source}: {key} is an empty list")
+    return tuple(dict.fromkeys(out))
 
 
 def hash_strings(values: np.ndarray) -> np.ndarray:
@@ -185,12 +259,62 @@ def _finish(
     )
 
 
-# ---------------------------------------------------------------- CSV
+# ---------------------------------------------------------------- the label
+
+LabelColumn = tuple[np.ndarray, np.ndarray, Callable[[int], str]]
+"""0/1 labels (uint8), the mask of bad rows, and the reason a bad row is bad."""
 
 
-def _csv_label(col: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def _map_classes(spec: TabularSpec, texts: np.ndarray, missing: np.ndarray) -> LabelColumn:
+    """Label texts (object array, stripped; ``missing``: empty or null) through
+    ``label_positive`` / ``label_negative``."""
+    one = np.isin(texts, spec._positive) & ~missing
+    zero = np.isin(texts, spec._negative) & ~missing
+
+    def reason(r: int) -> str:
+        if missing[r]:
+            return "missing label (label_positive/label_negative need one of their values)"
+        return (f"label {show(texts[r])} is neither a positive class (label_positive: "
+                f"{', '.join(spec._positive)}) nor a negative one (label_negative: "
+                f"{', '.join(spec._negative)})")
+
+    return one.astype(np.uint8), ~(one | zero), reason
+
+
+def _map_threshold(spec: TabularSpec, values: np.ndarray, bad: np.ndarray,
+                   reason_of: Callable[[int], str]) -> LabelColumn:
+    """Numeric labels (float64; ``bad``: not a finite number, ``reason_of`` says why)
+    against ``label_threshold``."""
+    bad = bad | ~np.isfinite(values)
+    with np.errstate(invalid="ignore"):
+        one = (values >= spec.label_threshold) & ~bad
+    return one.astype(np.uint8), bad, reason_of
+
+
+def _csv_label(col: np.ndarray, spec: TabularSpec) -> LabelColumn:
+    if spec.label_threshold is not None:
+        text = np.char.strip(col)
+        values = np.full(col.size, np.nan)
+        for i, t in enumerate(text.tolist()):
+            try:
+                values[i] = float(t) if t else np.nan
+            except ValueError:
+                pass
+
+        def why(r: int) -> str:
+            if not text[r]:
+                return f"missing label (label_threshold={spec.label_threshold} needs a number)"
+            return f"label {show(col[r])} is not a finite number (label_threshold={spec.label_threshold})"
+
+        return _map_threshold(spec, values, np.zeros(col.size, bool), why)
+    if spec.label_positive is not None:
+        text = np.char.strip(col).astype(object)
+        return _map_classes(spec, text, text == "")
     one, zero = np.isin(col, _TRUE), np.isin(col, _FALSE)
-    return one.astype(np.uint8), ~(one | zero)
+    return one.astype(np.uint8), ~(one | zero), lambda r: f"label must be 0 or 1, got {show(col[r])}"
+
+
+# ---------------------------------------------------------------- CSV
 
 
 def _csv_dense(col: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -291,8 +415,7 @@ class CsvReader:
         def text(a: np.ndarray) -> Callable[[int], str]:
             return lambda r: show(a[r])
 
-        label = arr[0]
-        cols.add(*_csv_label(label), lambda r: f"label must be 0 or 1, got {show(label[r])}")
+        cols.add(*_csv_label(arr[0], spec))
         for a in arr[1 : 1 + len(spec.dense)]:
             cols.add(*_csv_dense(a), lambda r, a=a: f"not a finite number: {show(a[r])}")
         for a in arr[1 + len(spec.dense) : 1 + len(spec.dense) + len(spec.categorical)]:
@@ -387,6 +510,48 @@ def _pa_numbers(arr, name: str, path: Path) -> tuple[np.ndarray, np.ndarray]:
     return np.array(values, dtype=np.float64), null
 
 
+def _pa_label(arr, spec: TabularSpec, path: Path) -> LabelColumn:
+    pa, pc, _ = _pyarrow()
+    name = spec.label
+    if pa.types.is_dictionary(arr.type):
+        arr = arr.cast(arr.type.value_type)
+    is_text = pa.types.is_string(arr.type) or pa.types.is_large_string(arr.type)
+    if spec.label_positive is not None:
+        if not (is_text or pa.types.is_integer(arr.type) or pa.types.is_floating(arr.type)
+                or pa.types.is_boolean(arr.type)):
+            raise DataError(f"{path}: label column {name!r} has type {arr.type}; label_positive/"
+                            "label_negative match strings, numbers or booleans")
+        texts = pc.utf8_trim_whitespace(arr if is_text else pc.cast(arr, pa.string()))
+        texts = np.array(texts.to_pylist(), dtype=object)
+        return _map_classes(spec, texts, np.array([t is None or t == "" for t in texts], dtype=bool))
+    if spec.label_threshold is not None:
+        thr = spec.label_threshold
+        if is_text:
+            raw = arr.to_pylist()
+            values = np.full(len(raw), np.nan)
+            for i, t in enumerate(raw):
+                try:
+                    values[i] = float(t) if t is not None and t.strip() else np.nan
+                except ValueError:
+                    pass
+        else:
+            values, null = _pa_numbers(arr, name, path)
+            values[null] = np.nan
+            raw = [None if n else v for n, v in zip(null.tolist(), values.tolist())]
+
+        def why(r: int) -> str:
+            v = raw[r]
+            if v is None or (isinstance(v, str) and not v.strip()):
+                return f"missing label ({'null' if v is None else 'empty'}; label_threshold={thr} needs a number)"
+            return f"label {show(v) if isinstance(v, str) else repr(v)} is not a finite number (label_threshold={thr})"
+
+        return _map_threshold(spec, values, np.zeros(len(values), bool), why)
+    label, null = _pa_numbers(arr, name, path)
+    bad = null | ((label != 0) & (label != 1))
+    return (label.astype(np.uint8), bad,
+            lambda r: f"label must be 0 or 1, got {'null' if null[r] else label[r]!r}")
+
+
 @dataclass(kw_only=True)
 class ParquetReader:
     """Parquet files via pyarrow, read in record batches."""
@@ -426,13 +591,7 @@ class ParquetReader:
         report.lines_read += n
         col = {name: batch.column(i) for i, name in enumerate(batch.schema.names)}
         cols = _Columns(n, len(spec.columns))
-        label, null = _pa_numbers(col[spec.label], spec.label, path)
-        bad = null | ((label != 0) & (label != 1))
-        cols.add(
-            label.astype(np.uint8),
-            bad,
-            lambda r: f"label must be 0 or 1, got {'null' if null[r] else label[r]!r}",
-        )
+        cols.add(*_pa_label(col[spec.label], spec, path))
         for name in spec.dense:
             values, _ = _pa_numbers(col[name], name, path)
             bad = np.isinf(values)

@@ -43,6 +43,7 @@ from torch import nn
 
 from hybridrec.model.embedding import KeyedTensor
 from hybridrec.model.interaction import make_interaction
+from hybridrec.model.kernels import PRECISIONS, precision_scope
 from hybridrec.model.mlp import MLP
 from hybridrec.sparse.keyed_jagged import Batch
 
@@ -71,13 +72,15 @@ class DeepFM(nn.Module):
         bottom_mlp: bottom MLP widths, ending in ``k``.
         top_mlp: top MLP widths, ending in 1.
         interaction: ``dot`` or ``cat``.
+        precision: ``fp32`` or ``bf16``, as for :class:`~hybridrec.model.dlrm.DLRM`
+            (the FM terms stay fp32).
 
     ``forward(batch, *, sparse_input=None)`` returns logits ``[B]``: deep + first-order
     + FM (``sparse_input``: as in :meth:`hybridrec.model.dlrm.DLRM.forward`).
     """
 
     def __init__(self, *, num_dense: int, sparse, bottom_mlp: list[int], top_mlp: list[int],
-                 interaction: str = "dot") -> None:
+                 interaction: str = "dot", precision: str = "fp32") -> None:
         super().__init__()
         self.dim = bottom_mlp[-1]
         if top_mlp[-1] != 1:
@@ -86,11 +89,15 @@ class DeepFM(nn.Module):
         self.sparse = sparse
         self.bottom = MLP([num_dense, *bottom_mlp], final_relu=True)
         self.top = MLP([top_in, *top_mlp], final_relu=False)
+        if precision not in PRECISIONS:
+            raise ValueError(f"precision {precision!r}: one of {', '.join(PRECISIONS)}")
+        self.precision = precision
 
     def forward(self, batch: Batch, *, sparse_input=None) -> torch.Tensor:
         sparse = batch.sparse
         pooled = self.sparse(sparse) if sparse_input is None else self.sparse(sparse, sparse_input)
         fields, z, q, s = fm_terms(pooled, self.dim)
-        x = self.bottom(batch.dense)
-        deep = self.top(self.interaction(x, fields)).squeeze(1)
+        with precision_scope(self.precision, batch.dense.device):
+            x = self.bottom(batch.dense)
+            deep = self.top(self.interaction(x, fields)).squeeze(1).float()
         return deep + z + 0.5 * (s.pow(2).sum(1) - q)

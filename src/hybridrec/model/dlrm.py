@@ -11,6 +11,7 @@ from torch import nn
 
 from hybridrec.model.embedding import EmbeddingBagCollection
 from hybridrec.model.interaction import make_interaction
+from hybridrec.model.kernels import PRECISIONS, precision_scope
 from hybridrec.model.mlp import MLP
 from hybridrec.sparse.keyed_jagged import Batch
 
@@ -26,6 +27,9 @@ class DLRM(nn.Module):
             ``num_dense``), e.g. ``[512, 256, 64]``.
         top_mlp: widths of the top MLP, ending in 1 (the logit), e.g. ``[512, 256, 1]``.
         interaction: ``dot`` (DLRM) or ``cat``.
+        precision: ``fp32`` or ``bf16``: the compute dtype of the MLPs and the
+            interaction (:func:`~hybridrec.model.kernels.precision_scope`); the
+            parameters, the embeddings and the logits stay fp32.
 
     ``forward(batch, *, sparse_input=None)`` returns logits ``[B]``.
     """
@@ -38,6 +42,7 @@ class DLRM(nn.Module):
         bottom_mlp: list[int],
         top_mlp: list[int],
         interaction: str = "dot",
+        precision: str = "fp32",
     ) -> None:
         super().__init__()
         dim = bottom_mlp[-1]
@@ -53,6 +58,9 @@ class DLRM(nn.Module):
         self.sparse = sparse
         self.bottom = MLP([num_dense, *bottom_mlp], final_relu=True)
         self.top = MLP([top_in, *top_mlp], final_relu=False)
+        if precision not in PRECISIONS:
+            raise ValueError(f"precision {precision!r}: one of {', '.join(PRECISIONS)}")
+        self.precision = precision
 
     def forward(self, batch: Batch, *, sparse_input=None) -> torch.Tensor:
         """Logits ``[B]``. ``sparse_input``: a handle the embedding collection takes
@@ -60,6 +68,8 @@ class DLRM(nn.Module):
         a single-device collection."""
         sparse = batch.sparse
         pooled = self.sparse(sparse) if sparse_input is None else self.sparse(sparse, sparse_input)
-        x = self.bottom(batch.dense)
-        z = self.interaction(x, pooled.as_3d())
-        return self.top(z).squeeze(1)
+        with precision_scope(self.precision, batch.dense.device):
+            x = self.bottom(batch.dense)
+            z = self.interaction(x, pooled.as_3d())
+            logits = self.top(z).squeeze(1)
+        return logits.float()

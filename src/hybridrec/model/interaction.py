@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from hybridrec.model.kernels import compute_dtype
+
 
 class _PairwiseDot(torch.autograd.Function):
     """Strictly-lower-triangular Gram entries of each sample's ``[F, D]`` matrix.
@@ -50,7 +52,11 @@ class DotInteraction(nn.Module):
 
     def forward(self, dense: torch.Tensor, sparse: torch.Tensor) -> torch.Tensor:
         z = torch.cat([dense.unsqueeze(1), sparse], dim=1)
-        return torch.cat([dense, _PairwiseDot.apply(z, self.rows, self.cols)], dim=1)
+        low = compute_dtype(z.device)  # bf16 precision: the Gram matrix in bf16 too
+        if low is not None:
+            z, dense = z.to(low), dense.to(low)
+        with torch.autocast(z.device.type, enabled=False):
+            return torch.cat([dense, _PairwiseDot.apply(z, self.rows, self.cols)], dim=1)
 
 
 class CatInteraction(nn.Module):

@@ -1,24 +1,48 @@
-"""Dense kernels for the MLPs, with a plain-PyTorch fallback.
+"""Dense kernels for the MLPs, chosen per layer by measurement on the machine that trains.
 
-Why this exists: on CPU, ``torch.nn.functional.linear`` runs on MKL's sgemm,
-which on non-Intel x86 processors picks AVX2 code paths. PyTorch also ships
-oneDNN, whose fp32 matmul uses AVX-512 where the processor has it; on the AMD
-EPYC machines we benchmark on it runs the DLRM layer shapes about 2x faster at
-the same fp32 precision (see docs/benchmarks.md). We call it through
-``torch.ops.mkldnn._linear_pointwise`` (the op PyTorch's own compiler emits for
-CPU linears), and compute the backward with the same op on transposed
-operands. Anything else (GPU, other dtypes, a build without the op) takes
-``F.linear``. Both paths compute the same fp32 math; only summation order differs.
+Why this exists: on CPU, ``torch.nn.functional.linear`` runs on MKL's sgemm (fp32) or
+oneDNN (bf16), and PyTorch also ships oneDNN's own linear,
+``torch.ops.mkldnn._linear_pointwise`` (the op its compiler emits for CPU linears). Which
+is faster depends on the processor and the shape: on an AMD EPYC, oneDNN's fp32 runs the
+DLRM layer shapes about 2x faster than MKL (which picks AVX2 code on non-Intel
+processors); on an Intel Xeon with AMX, MKL is faster; in bf16 oneDNN is fast on wide
+layers and two orders of magnitude slower than ``F.linear`` on a 13-wide input. So
+nothing is chosen by vendor: :func:`tune_mlps` times every candidate on each layer's
+actual shape (forward and backward, the batch the run trains with) and each layer keeps
+the fastest. Choices are cached per machine, torch version, thread count, dtype and shape
+(``~/.cache/hybridrec/kernels.json``, ``HYBRIDREC_CACHE_DIR`` moves it), so a run pays
+for the measurement once. ``train.kernels`` overrides it (``torch`` or ``onednn``
+everywhere; ``measure`` measures again and refreshes the cache).
+
+Precision: inside ``torch.autocast`` (``train.precision=bf16``) :func:`linear` computes in
+the autocast dtype with either candidate; the weights stay fp32 (the cast is part of the
+graph, so their gradients arrive in fp32).
+
+Candidates: ``torch`` (``F.linear``; any device and dtype) and ``onednn`` (CPU, fp32 or
+bf16, 2-D input; the backward runs the same op on transposed operands). Both compute the
+same math; only the summation order differs.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import platform
+import threading
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-_ENV_SWITCH = "HYBRIDREC_ONEDNN_LINEAR"
+IMPLS = ("torch", "onednn")
+"""The linear candidates, in order of preference when timings tie."""
+
+CHOICES = ("auto", "measure", *IMPLS)
+"""``train.kernels``: measure once and cache (auto), measure again (measure), or one
+candidate everywhere."""
 
 
 def _find_linear_pointwise():
@@ -31,27 +55,24 @@ def _find_linear_pointwise():
 _LINEAR_POINTWISE = _find_linear_pointwise()
 
 
-def onednn_linear_enabled() -> bool:
-    """Whether CPU fp32 linears use oneDNN (env ``HYBRIDREC_ONEDNN_LINEAR=0`` turns it off)."""
-    return (
-        _LINEAR_POINTWISE is not None
-        and torch.backends.mkldnn.is_available()
-        and os.environ.get(_ENV_SWITCH, "1") != "0"
-    )
+def onednn_available() -> bool:
+    return _LINEAR_POINTWISE is not None and torch.backends.mkldnn.is_available()
 
 
-def _use_onednn(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    return (
-        x.device.type == "cpu"
-        and x.dtype == torch.float32
-        and weight.dtype == torch.float32
-        and x.dim() == 2
-        and onednn_linear_enabled()
-    )
+def compute_dtype(device: torch.device | str) -> torch.dtype | None:
+    """The autocast dtype in force on ``device``'s type, or None outside autocast."""
+    kind = torch.device(device).type
+    return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else None
+
+
+def _onednn_fits(x: torch.Tensor, dtype: torch.dtype) -> bool:
+    return (x.device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
+            and x.dim() == 2 and onednn_available())
 
 
 class _OneDNNLinear(torch.autograd.Function):
-    """y = act(x @ w.T + b) with act in {identity, relu}; fp32 on CPU via oneDNN."""
+    """y = act(x @ w.T + b) with act in {identity, relu}, through oneDNN on CPU; every
+    operand already in one dtype (fp32 or bf16)."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, relu: bool):
@@ -66,7 +87,7 @@ class _OneDNNLinear(torch.autograd.Function):
         x, weight, y = ctx.saved_tensors
         if ctx.relu:
             grad_y = torch.ops.aten.threshold_backward(grad_y, y, 0)
-        grad_y = grad_y.contiguous()
+        grad_y = grad_y.contiguous().to(x.dtype)
         grad_x = grad_w = grad_b = None
         if ctx.needs_input_grad[0]:
             # dX = dY @ W, i.e. a linear with weight W.T
@@ -79,11 +100,198 @@ class _OneDNNLinear(torch.autograd.Function):
         return grad_x, grad_w, grad_b, None
 
 
-def linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *, relu: bool = False
-) -> torch.Tensor:
-    """``act(x @ weight.T + bias)``; x ``[B, in]``, weight ``[out, in]``, returns ``[B, out]``."""
-    if _use_onednn(x, weight) and (bias is None or bias.dtype == torch.float32):
-        return _OneDNNLinear.apply(x, weight, bias, relu)
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *,
+           relu: bool = False, impl: str = "torch") -> torch.Tensor:
+    """``act(x @ weight.T + bias)``; x ``[B, in]``, weight ``[out, in]``, returns ``[B, out]``.
+
+    ``impl``: ``torch`` or ``onednn`` (taken where it fits: CPU, fp32/bf16, 2-D; else
+    ``torch``). Inside autocast the operands are cast to its dtype first."""
+    dtype = compute_dtype(x.device) or x.dtype
+    if impl == "onednn" and _onednn_fits(x, dtype):
+        x, weight = x.to(dtype), weight.to(dtype)
+        bias = None if bias is None else bias.to(dtype)
+        with torch.autocast(x.device.type, enabled=False):
+            return _OneDNNLinear.apply(x, weight, bias, relu)
     y = F.linear(x, weight, bias)
     return F.relu(y) if relu else y
+
+
+# -- choosing by measurement ----------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LinearShape:
+    """One layer as it runs: ``batch x fan_in -> fan_out``, its activation, whether its
+    input needs a gradient (the first layer of the bottom MLP's does not), the device
+    and the compute dtype."""
+
+    batch: int
+    fan_in: int
+    fan_out: int
+    relu: bool
+    input_grad: bool
+    device: str = "cpu"
+    dtype: str = "float32"
+
+    def key(self) -> str:
+        return (f"{self.device} {self.dtype} {self.batch}x{self.fan_in}->{self.fan_out}"
+                f"{' relu' if self.relu else ''}{' dx' if self.input_grad else ''}")
+
+
+def candidates(shape: LinearShape) -> list[str]:
+    probe = torch.empty(1, 1, device=shape.device)
+    fits = _onednn_fits(probe, getattr(torch, shape.dtype))
+    return [i for i in IMPLS if i == "torch" or fits]
+
+
+def machine_id() -> str:
+    """The processor (model name, family, model, stepping), torch version and threads: what
+    a cached choice holds for."""
+    info = {}
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            k, _, v = line.partition(":")
+            k = k.strip()
+            if k in ("model name", "cpu family", "model", "stepping") and k not in info:
+                info[k] = v.strip()
+    except OSError:
+        pass
+    cpu = " ".join(info.get(k, "?") for k in ("model name", "cpu family", "model", "stepping")) \
+        if info else (platform.processor() or platform.machine())
+    return f"{cpu} | torch {torch.__version__} | {torch.get_num_threads()} threads"
+
+
+def cache_path() -> Path:
+    base = os.environ.get("HYBRIDREC_CACHE_DIR")
+    if base:
+        return Path(base) / "kernels.json"
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return Path(xdg or Path.home() / ".cache") / "hybridrec" / "kernels.json"
+
+
+_CACHE_LOCK = threading.Lock()
+
+
+def _read_cache(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+        return data if isinstance(data, dict) else {}
+    except (OSError, ValueError):
+        return {}  # missing, unreadable or damaged: measure again
+
+
+def _write_cache(path: Path, new: dict) -> None:
+    """Merge ``new`` into the cache file, atomically; a cache that cannot be written is
+    only a cost (the next run measures again)."""
+    with _CACHE_LOCK:
+        try:
+            data = {**_read_cache(path), **new}
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
+            os.replace(tmp, path)
+        except OSError:
+            pass
+
+
+def time_linear(shape: LinearShape, impl: str, *, reps: int = 3, budget_s: float = 0.1) -> float:
+    """Seconds of one forward and backward of ``impl`` on ``shape`` (the fastest of up to
+    ``reps`` after one warm-up; fewer when they would exceed ``budget_s``)."""
+    dev, dtype = torch.device(shape.device), getattr(torch, shape.dtype)
+    gen = torch.Generator(device=dev).manual_seed(0)
+    x = torch.randn(shape.batch, shape.fan_in, device=dev, generator=gen).requires_grad_(shape.input_grad)
+    w = torch.randn(shape.fan_out, shape.fan_in, device=dev, generator=gen).requires_grad_()
+    b = torch.randn(shape.fan_out, device=dev, generator=gen).requires_grad_()
+    grad = torch.randn(shape.batch, shape.fan_out, device=dev, generator=gen, dtype=dtype)
+    low = dtype if dtype != torch.float32 else None
+
+    def once() -> float:
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        start = time.perf_counter()
+        with torch.autocast(dev.type, dtype=low or torch.bfloat16, enabled=low is not None):
+            y = linear(x, w, b, relu=shape.relu, impl=impl)
+        y.backward(grad)
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        return time.perf_counter() - start
+
+    first = once()
+    best, spent = float("inf"), first
+    for _ in range(reps):
+        if best < float("inf") and spent + best > budget_s:
+            break
+        t = once()
+        best, spent = min(best, t), spent + t
+    return min(best, first) if best == float("inf") else best
+
+
+@dataclass
+class Choice:
+    shape: LinearShape
+    impl: str
+    source: str  # measured | cached | override | only
+    seconds: dict[str, float]
+
+    def to_dict(self) -> dict:
+        return {"shape": self.shape.key(), "impl": self.impl, "source": self.source,
+                "ms": {k: round(v * 1e3, 4) for k, v in self.seconds.items()}}
+
+
+def choose_linears(shapes: Iterable[LinearShape], *, mode: str = "auto",
+                   budget_s: float = 0.5) -> dict[LinearShape, Choice]:
+    """The implementation of each distinct shape: from the cache, by measurement, or
+    ``mode`` (``torch``/``onednn``) where it fits. ``budget_s`` is shared by the shapes
+    to measure (each candidate is timed at least once)."""
+    if mode not in CHOICES:
+        raise ValueError(f"kernels {mode!r}: one of {', '.join(CHOICES)}")
+    shapes = list(dict.fromkeys(shapes))
+    out: dict[LinearShape, Choice] = {}
+    path, mid = cache_path(), machine_id()
+    cached = _read_cache(path) if mode == "auto" else {}
+    todo = []
+    for s in shapes:
+        cands = candidates(s)
+        if mode in IMPLS:
+            out[s] = Choice(s, mode if mode in cands else "torch", "override", {})
+        elif len(cands) == 1:
+            out[s] = Choice(s, cands[0], "only", {})
+        elif (hit := cached.get(f"{mid} | {s.key()}")) and hit.get("impl") in cands:
+            out[s] = Choice(s, hit["impl"], "cached", {k: v / 1e3 for k, v in hit.get("ms", {}).items()})
+        else:
+            todo.append((s, cands))
+    new = {}
+    for s, cands in todo:
+        share = budget_s / max(1, len(todo)) / len(cands)
+        secs = {impl: time_linear(s, impl, budget_s=share) for impl in cands}
+        best = min(cands, key=lambda i: (secs[i], cands.index(i)))
+        out[s] = Choice(s, best, "measured", secs)
+        new[f"{mid} | {s.key()}"] = {"impl": best, "ms": {k: v * 1e3 for k, v in secs.items()}}
+    if new:
+        _write_cache(path, new)
+    return out
+
+
+def mlp_shapes(mlp, batch: int, *, device: str, dtype: str, input_grad: bool) -> list[LinearShape]:
+    """The layer shapes of ``mlp`` (a :class:`~hybridrec.model.mlp.MLP`) at ``batch``."""
+    last = len(mlp.layers) - 1
+    return [LinearShape(batch, layer.in_features, layer.out_features,
+                        relu=(i < last or mlp.final_relu), input_grad=(input_grad or i > 0),
+                        device=device, dtype=dtype)
+            for i, layer in enumerate(mlp.layers)]
+
+
+# -- precision ------------------------------------------------------------------
+
+PRECISIONS = {"fp32": None, "bf16": torch.bfloat16}
+"""``train.precision``: the compute dtype of the dense arches (None: fp32 throughout)."""
+
+
+def precision_scope(precision: str, device: torch.device | str):
+    """Autocast to ``precision``'s dtype on ``device`` (a no-op scope for fp32): MLPs and
+    interactions compute in it, parameters and their gradients stay fp32."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision {precision!r}: one of {', '.join(PRECISIONS)}")
+    dtype = PRECISIONS[precision]
+    kind = torch.device(device).type
+    return torch.autocast(kind, dtype=dtype or torch.bfloat16, enabled=dtype is not None)

@@ -7,7 +7,7 @@ import math
 import torch
 from torch import nn
 
-from hybridrec.model.kernels import linear
+from hybridrec.model.kernels import Choice, choose_linears, linear, mlp_shapes
 
 
 class MLP(nn.Module):
@@ -27,6 +27,9 @@ class MLP(nn.Module):
             raise ValueError(f"MLP needs at least an input and an output width, got {sizes}")
         self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in zip(sizes[:-1], sizes[1:]))
         self.final_relu = final_relu
+        self.impls = ["torch"] * len(self.layers)
+        """Each layer's linear implementation (:mod:`hybridrec.model.kernels`); set by
+        :func:`tune_mlps` from measurements."""
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -39,5 +42,24 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
-            x = linear(x, layer.weight, layer.bias, relu=(i < last or self.final_relu))
+            x = linear(x, layer.weight, layer.bias, relu=(i < last or self.final_relu), impl=self.impls[i])
         return x
+
+
+def tune_mlps(model: nn.Module, batch: int, *, mode: str = "auto", device: str = "cpu",
+              dtype: str = "float32", agree=None) -> list[Choice]:
+    """Choose every layer's linear implementation of every :class:`MLP` in ``model`` by
+    measurement at ``batch`` rows (see :func:`~hybridrec.model.kernels.choose_linears`).
+    A module named ``bottom`` takes raw features (its first layer needs no input
+    gradient). ``agree``: a function that makes every rank hold the same choices (rank
+    0's), so that ranks never train with different kernels. Returns the choices made."""
+    mlps = [(name, m) for name, m in model.named_modules() if isinstance(m, MLP)]
+    shapes = {name: mlp_shapes(m, batch, device=device, dtype=dtype,
+                               input_grad=name.rsplit(".", 1)[-1] != "bottom") for name, m in mlps}
+    chosen = choose_linears([s for ss in shapes.values() for s in ss], mode=mode)
+    picks = {name: [chosen[s].impl for s in ss] for name, ss in shapes.items()}
+    if agree is not None:
+        picks = agree(picks)
+    for name, m in mlps:
+        m.impls = list(picks[name])
+    return [chosen[s] for s in dict.fromkeys(s for ss in shapes.values() for s in ss)]

@@ -75,6 +75,14 @@ class PendingInput:
                    batch_sizes=[0] * world, sizes=[0] * world, recv=torch.empty(0, dtype=torch.int64),
                    work=None, sent_ids={}, sent_bytes={}, count_bytes=0)
 
+    def discard(self) -> None:
+        """Let the ids arrive without using them (a pipeline stopped before this batch,
+        e.g. by early stopping): every rank started this all-to-all, so every rank
+        finishes it before its next collective. Nothing is recorded."""
+        if not self.consumed and self.work is not None:
+            self.work.wait()
+        self.consumed = True
+
     def wait(self) -> OwnerInput:
         if self.consumed:
             raise RuntimeError("this input_dist was already consumed by a forward")

@@ -33,6 +33,8 @@ from hybridrec.model.deepfm import DeepFM
 from hybridrec.model.dlrm import DLRM
 from hybridrec.model.embedding import EmbeddingBagCollection, TableConfig
 from hybridrec.model.interaction import make_interaction
+from hybridrec.model.kernels import cache_path, machine_id
+from hybridrec.model.mlp import tune_mlps
 from hybridrec.train.config import CompressConfig, Config, workers_problem
 from hybridrec.train.optim import (
     LRSchedule,
@@ -55,6 +57,7 @@ from hybridrec.train.sparse_optim import CombinedSparseOptimizer, combined_spars
 from hybridrec.train import checkpoint as ckpt
 from hybridrec.sync import BackgroundRunner, ForegroundRunner, SyncRunner, make_synchronizer
 from hybridrec.train.checkpointer import Checkpointer, Component, TorchRNG
+from hybridrec.train.early_stop import COMPONENT as EARLY_STOP, EarlyStopping
 from hybridrec.train.pipeline import TrainPipeline
 from hybridrec.train.trainer import Trainer
 
@@ -93,7 +96,8 @@ def build_model(cfg: Config, meta: DatasetMeta, *, plan: ShardingPlan | None = N
     arch = DeepFM if cfg.model.arch == "deepfm" else DLRM
     try:
         return arch(num_dense=len(meta.schema.dense), sparse=ebc, bottom_mlp=cfg.model.bottom_mlp,
-                    top_mlp=cfg.model.top_mlp, interaction=cfg.model.interaction)
+                    top_mlp=cfg.model.top_mlp, interaction=cfg.model.interaction,
+                    precision=cfg.train.precision)
     except ValueError as e:
         raise ConfigError(str(e)) from None
 
@@ -311,6 +315,7 @@ def build_trainer(cfg: Config, *, meta: DatasetMeta | None = None, topo: Topolog
         model = build_model(cfg, meta)
     else:
         model = build_parallel_model(cfg, meta, topo, ledger, dense_sync, run_dir)
+    kernels = tune_kernels(cfg, model, topo)
     sync_runner = build_sync_runner(cfg, topo, dense_parameters(model), ledger)
     dense_opt = build_dense_optimizer(dense_parameters(model), cfg.optim)
     sparse_opt = (CombinedSparseOptimizer({"ps": PushOptimizer(model.sparse, name=cfg.optim.sparse,
@@ -327,15 +332,39 @@ def build_trainer(cfg: Config, *, meta: DatasetMeta | None = None, topo: Topolog
                   Component("dense_sync", dense_sync, per_rank=True), Component("rng", TorchRNG(), per_rank=True)]
     if sync_runner is not None:
         components.append(Component("sync", sync_runner))
+    early_stop = (EarlyStopping(cfg.train.early_stop, cfg.train.early_stop_min_delta)
+                  if cfg.train.early_stop else None)
+    if early_stop is not None:  # its state (the best step) in every checkpoint
+        components.append(Component(EARLY_STOP, early_stop))
     checkpointer = Checkpointer(run_dir, topo, model=model, dense_opt=dense_opt, sparse_opt=sparse_opt,
-                                components=components, keep=cfg.train.keep_checkpoints, servers=servers)
+                                components=components, keep=cfg.train.keep_checkpoints, servers=servers,
+                                keep_also=early_stop.kept_steps if early_stop is not None else None)
     run_dir.mkdir(parents=True, exist_ok=True)
     logger = (MetricLogger(run_dir, tensorboard=cfg.train.tensorboard, keep_until=keep_until)
               if topo.rank == 0 else None)
     return Trainer(cfg=cfg, model=model, dense_opt=dense_opt, sparse_opt=sparse_opt, dense_sync=dense_sync,
                    scheduler=scheduler, pipeline=pipeline, eval_loader=eval_loader,
                    checkpointer=checkpointer, logger=logger, ledger=ledger, run_dir=run_dir,
-                   total_steps=total_steps, topo=topo, sync_runner=sync_runner, totals=totals)
+                   total_steps=total_steps, topo=topo, sync_runner=sync_runner, totals=totals, early_stop=early_stop,
+                   kernels=kernels)
+
+
+def tune_kernels(cfg: Config, model: torch.nn.Module, topo: Topology) -> dict:
+    """Every MLP layer's linear implementation, timed on this machine at the training batch
+    (``train.kernels``); with several ranks, rank 0's choices (timed while every rank
+    times, as they will train). What ``summary.json`` records under ``kernels``."""
+    device = next(p.device for p in dense_parameters(model)).type
+    dtype = "bfloat16" if cfg.train.precision == "bf16" else "float32"
+
+    def agree(picks: dict) -> dict:
+        box = [picks]
+        torch.distributed.broadcast_object_list(box, group=topo.group, group_src=0)
+        return box[0]
+
+    choices = tune_mlps(model, cfg.data.batch_size, mode=cfg.train.kernels, device=device, dtype=dtype,
+                        agree=agree if topo.world_size > 1 else None)
+    return {"mode": cfg.train.kernels, "machine": machine_id(), "cache": str(cache_path()),
+            "linear": [c.to_dict() for c in choices]}
 
 
 RUN_FILES = ("summary.json", "eval.json", "plan.json", "metrics.jsonl")

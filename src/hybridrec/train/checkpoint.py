@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 import shutil
+from collections.abc import Iterable
 from pathlib import Path
 
 from hybridrec.parallel.checkpoint_io import is_complete
@@ -19,6 +20,11 @@ _NAME = re.compile(r"^step-(\d{8})$")
 
 def checkpoint_dir(run_dir: str | Path) -> Path:
     return Path(run_dir) / "checkpoints"
+
+
+def step_dir(run_dir: str | Path, step: int) -> Path:
+    """Where the checkpoint of ``step`` goes: ``RUN/checkpoints/step-00001234``."""
+    return checkpoint_dir(run_dir) / f"step-{step:08d}"
 
 
 def list_checkpoints(run_dir: str | Path) -> list[tuple[int, Path]]:
@@ -34,10 +40,13 @@ def list_checkpoints(run_dir: str | Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
-def prune(run_dir: str | Path, *, keep: int) -> None:
-    """Delete all but the newest ``keep`` checkpoints."""
-    for _, old in list_checkpoints(run_dir)[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
+def prune(run_dir: str | Path, *, keep: int, keep_also: Iterable[int] = ()) -> None:
+    """Delete all but the newest ``keep`` checkpoints and those of the steps in
+    ``keep_also`` (e.g. the best one of early stopping)."""
+    pinned = set(keep_also)
+    for step, old in list_checkpoints(run_dir)[:-keep]:
+        if step not in pinned:
+            shutil.rmtree(old, ignore_errors=True)
 
 
 def latest_checkpoint(run_dir: str | Path) -> Path | None:

@@ -13,6 +13,8 @@ component       scope       what it holds
 ``sync``        global      a synchronizer's centre / global model / block momentum
 ``dense_sync``  per rank    a compressor's residuals, thresholds, step counts
 ``rng``         per rank    torch's CPU random generator
+``early_stop``  global      ``train.early_stop``: the best step and AUC so far, the
+                            evaluations since; its best checkpoint is kept from pruning
 ``ps``          servers     a parameter-server run's tables and their optimizer state:
                             the servers' own sharded checkpoint ``step-N/ps/``
 ==============  ==========  =====================================================
@@ -31,6 +33,7 @@ cast), so there is nothing of theirs to save.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -79,9 +82,11 @@ class Checkpointer:
 
     def __init__(self, run_dir: str | Path, topo: Topology, *, model: nn.Module,
                  dense_opt: torch.optim.Optimizer, sparse_opt, components: list[Component],
-                 keep: int = 2, servers=None) -> None:
+                 keep: int = 2, servers=None, keep_also: Callable[[], Iterable[int]] | None = None) -> None:
         """``servers``: a parameter-server run's :class:`~hybridrec.train.ps_run.ServerCheckpoints`
-        (the tables and their optimizer state live there; saved into ``step-N/ps/``)."""
+        (the tables and their optimizer state live there; saved into ``step-N/ps/``).
+        ``keep_also``: the steps whose checkpoints pruning keeps besides the newest ``keep``
+        (early stopping's best one), asked at every save."""
         names = [c.name for c in components]
         clash = {"model", "dense_opt", "sparse_opt", "step"} & set(names)
         if clash or len(set(names)) != len(names):
@@ -90,12 +95,13 @@ class Checkpointer:
         self.model, self.dense_opt, self.sparse_opt = model, dense_opt, sparse_opt
         self.components = components
         self.servers = servers
+        self.keep_also = keep_also
 
     def _sparse_opts(self) -> list:
         return list(self.sparse_opt.optimizers.values())
 
     def save(self, step: int) -> Path:
-        path = ckpt.checkpoint_dir(self.run_dir) / f"step-{step:08d}"
+        path = ckpt.step_dir(self.run_dir, step)
         self.sparse_opt.flush()  # pushes in flight land before the servers save
         extra = {"step": step, **{c.name: c.obj.state_dict() for c in self.components if not c.per_rank}}
         per_rank = {c.name: c.obj.state_dict() for c in self.components if c.per_rank}
@@ -107,7 +113,7 @@ class Checkpointer:
         save_sharded(path, model=self.model, dense_opt=self.dense_opt, sparse_opts=self._sparse_opts(),
                      extra=extra, per_rank=per_rank, manifest=manifest, topo=self.topo, attach=attach)
         if self.topo.rank == 0:
-            ckpt.prune(self.run_dir, keep=self.keep)
+            ckpt.prune(self.run_dir, keep=self.keep, keep_also=self.keep_also() if self.keep_also else ())
         return path
 
     def latest(self) -> Path | None:

@@ -81,6 +81,14 @@ class TrainConfig:
     """Stop after this many steps (0 = no limit)."""
     eval_every: int = 0
     """Evaluate every N steps (0 = only at the end)."""
+    early_stop: int = 0
+    """Early stopping (patience, as Keras'): stop after this many evaluations in a row
+    (every ``train.eval_every`` steps) without an improvement of the held-out AUC; every
+    improvement saves a checkpoint, kept as the run's best (``hybridrec eval RUN`` loads
+    it). 0 = off."""
+    early_stop_min_delta: float = 0.0
+    """``train.early_stop``: an AUC must beat the best one by more than this to count as an
+    improvement."""
     log_every: int = 50
     """Write train metrics to metrics.jsonl every N steps."""
     checkpoint_every: int = 0
@@ -114,6 +122,15 @@ class TrainConfig:
     before anything is allocated."""
     threads: int = 0
     """torch intra-op threads (0 = torch's default)."""
+    precision: str = "fp32"
+    """Compute dtype of the dense arches (MLPs, interaction): ``fp32`` or ``bf16``
+    (autocast: parameters, optimizer state, embeddings, the loss and everything on the
+    wire stay fp32)."""
+    kernels: str = "auto"
+    """Linear kernels of the MLPs: ``auto`` times the candidates (torch's F.linear, oneDNN)
+    on each layer's shape at start-up and keeps the fastest, cached per machine in
+    ~/.cache/hybridrec/kernels.json; ``measure`` times them again; ``torch`` or
+    ``onednn`` everywhere. The choices are in summary.json (``kernels``)."""
     workers: int = 1
     """Training threads in this trainer process (Hogwild). N > 1: N threads each take the
     next batch from the shared loader and train the one model without locks (their own
@@ -426,6 +443,17 @@ def workers_problem(cfg: Config, world_size: int) -> str | None:
     return None
 
 
+def _early_stop_checks(t: TrainConfig) -> list[tuple[bool, str]]:
+    """``train.early_stop`` (held-out rows are checked with the dataset, in train.run)."""
+    return [
+        (t.early_stop >= 0, f"train.early_stop must be >= 0 (evaluations without an AUC "
+         f"improvement before stopping; 0 = off), got {t.early_stop}"),
+        (t.early_stop_min_delta >= 0, f"train.early_stop_min_delta must be >= 0, got {t.early_stop_min_delta}"),
+        (t.early_stop <= 0 or t.eval_every > 0, f"train.early_stop={t.early_stop} counts the evaluations of "
+         "train.eval_every, which is 0 (only at the end): set train.eval_every=N"),
+    ]
+
+
 def _sync_checks(cfg: Config) -> list[tuple[bool, str]]:
     s = cfg.sync
     return [
@@ -468,8 +496,12 @@ def validate(cfg: Config) -> None:
         (t.epochs > 0, "train.epochs must be positive"),
         (t.max_steps >= 0 and t.eval_every >= 0 and t.checkpoint_every >= 0 and t.log_every >= 0,
          "step counts must be >= 0"),
+        *_early_stop_checks(t),
         (t.keep_checkpoints >= 1, "train.keep_checkpoints must be >= 1"),
         (t.log_interval_s >= 0, f"train.log_interval_s must be >= 0, got {t.log_interval_s}"),
+        (t.precision in ("fp32", "bf16"), f"train.precision {t.precision!r}: fp32 or bf16"),
+        (t.kernels in ("auto", "measure", "torch", "onednn"),
+         f"train.kernels {t.kernels!r}: auto, measure, torch or onednn"),
         (t.memory_limit_gb >= 0,
          f"train.memory_limit_gb must be >= 0 (0 = the machine's), got {t.memory_limit_gb}"),
         (cfg.dist.nproc >= 1, "dist.nproc must be >= 1"),

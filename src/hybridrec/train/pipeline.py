@@ -41,6 +41,7 @@ class TrainPipeline:
         self.sparse = sparse
         self.enabled = enabled and hasattr(sparse, "start_input_dist")
         self._state: dict | None = None  # loader position after the batch being trained
+        self._ahead = None  # the input_dist handle of the batch taken ahead (None: none)
 
     def state_dict(self) -> dict:
         return self._state if self._state is not None else self.loader.state_dict()
@@ -63,7 +64,17 @@ class TrainPipeline:
             # never read past the last batch the caller will train.
             nxt = self._take(it) if yielded < limit else None
             nxt_state = self.loader.state_dict()
+            self._ahead = nxt[1] if nxt is not None else None
             yield cur
+        self._ahead = None
+
+    def discard_ahead(self) -> None:
+        """The caller stopped before the last batch (early stopping): the input_dist of the
+        batch taken ahead finishes unused (every rank started it, so every rank completes
+        it before the next collective, e.g. the evaluation's)."""
+        if self._ahead is not None:
+            self._ahead.discard()
+            self._ahead = None
 
     def _take(self, it) -> tuple[Batch, object | None] | None:
         batch = next(it, None)

@@ -42,6 +42,7 @@ from hybridrec.train.build import (
     versions,
 )
 from hybridrec.train.config import Config, apply_dict, validate
+from hybridrec.train.early_stop import early_stop_problem, resolve_checkpoint
 from hybridrec.train.trainer import evaluate_model
 
 RUNS_ROOT = "runs"
@@ -59,6 +60,8 @@ def train(cfg: Config, *, extra_summary: dict | None = None) -> dict:
     shown = cfg.train.run_dir  # the run directory as the user wrote it, for messages
     make_paths_absolute(cfg)
     meta = load_dataset(cfg)
+    if problem := early_stop_problem(cfg, meta):  # every process alike, before anything starts
+        raise ConfigError(problem)
     if not cfg.dist.num_ps:
         return _train(cfg, meta, None, shown, started_at, clock, extra_summary)
     # Parameter-server run: servers serve until the trainers leave; trainers train.
@@ -121,6 +124,7 @@ def _train(cfg: Config, meta, topo, shown: str, started_at: str, clock: float, e
 
 def run_summary(trainer, result, meta, cfg: Config, *, shown: str, started_at: str, clock: float) -> dict:
     """What summary.json holds after :meth:`Trainer.fit` (collective: memory per rank)."""
+    es = trainer.early_stop
     return {
         "run_dir": shown,
         "step": result.step,
@@ -137,6 +141,8 @@ def run_summary(trainer, result, meta, cfg: Config, *, shown: str, started_at: s
                     "eval_rows": meta.split_rows("eval")},
         "config": cfg.to_dict(),
         "versions": {**versions(), **code_version()},
+        # Each MLP layer's linear implementation, measured or cached, with its timings.
+        "kernels": trainer.kernels,
         "command": list(sys.argv),
         "started_at": started_at,
         "ended_at": now_iso(),
@@ -147,6 +153,10 @@ def run_summary(trainer, result, meta, cfg: Config, *, shown: str, started_at: s
         "sync": trainer.sync_runner.summary() if trainer.sync_runner is not None else None,
         # A parameter-server run: this trainer's pushes and their staleness (rank 0's).
         "ps": trainer.model.sparse.summary() if getattr(trainer.model.sparse, "remote", False) else None,
+        # Why training ended, and with train.early_stop the best evaluation and its checkpoint.
+        "stop_reason": "early_stop" if es is not None and es.stopped else "planned_steps",
+        "early_stop": (es.summary(result.step, trainer.total_steps, trainer.run_dir,
+                                  saved=cfg.train.save_checkpoints) if es is not None else None),
     }
 
 
@@ -191,6 +201,8 @@ def preflight(cfg: Config, *, world_size: int) -> tuple[dict | None, str]:
     shown = cfg.train.run_dir
     make_paths_absolute(cfg)
     meta = load_dataset(cfg)
+    if problem := early_stop_problem(cfg, meta):
+        raise ConfigError(problem)
     if cfg.train.run_dir:
         finished = inspect_run_dir(cfg, meta, world_size=world_size, shown=shown)
         if finished is not None and not cfg.train.reevaluate:
@@ -257,10 +269,16 @@ def inspect_run_dir(cfg: Config, meta: DatasetMeta, *, world_size: int,
     planned = planned_steps(cfg, per_epoch)
     if summary is None or manifest is None or summary.get("step") != manifest.get("step"):
         return None
-    if summary["step"] < planned:
+    es = summary.get("early_stop") or {}
+    # Stopped early, and the patience asked for now would have stopped it too (a larger
+    # one resumes it: its evaluations since the best are in the checkpoint).
+    stopped = 0 < cfg.train.early_stop <= int(es.get("evaluations_since_best") or 0)
+    if summary["step"] < planned and not stopped:
         return None
     auc = (summary.get("eval") or {}).get("auc")
     auc_text = f", AUC {auc:.4f}" if isinstance(auc, (int, float)) else ""
+    if stopped and isinstance(es.get("best_auc"), (int, float)):
+        auc_text = f", stopped early; best AUC {es['best_auc']:.4f} at step {es['best_step']:,}"
     return {**summary, "already_finished": (
         f"{shown} is finished (step {summary['step']:,} of {planned:,}{auc_text}); nothing to do: "
         f"train.reevaluate=true evaluates it again, `hybridrec eval {shown}` evaluates its "
@@ -408,14 +426,16 @@ def load_run_config(run_dir: str | Path) -> Config:
 
 def load_run_model(run_dir: str | Path, *, checkpoint: str | None = None,
                    data_path: str | None = None):
-    """A run's single-process model with the weights of its newest (or a given)
-    checkpoint, whatever world size saved it. Returns ``(cfg, meta, model, path, extra)``
-    (``extra``: the checkpoint's global state: step, loader position)."""
+    """A run's single-process model with the weights of one of its checkpoints, whatever
+    world size saved it: ``checkpoint`` is ``"best"`` (the best evaluation's, kept by
+    ``train.early_stop``), ``"latest"`` (the newest), a checkpoint directory, or None: the
+    best one when the run recorded one, else the newest. Returns ``(cfg, meta, model,
+    path, extra)`` (``extra``: the checkpoint's global state: step, loader position)."""
     cfg = load_run_config(run_dir)
     if data_path:
         cfg.data.path = data_path
     meta = load_dataset(cfg)
-    path = Path(checkpoint) if checkpoint else ckpt.latest_checkpoint(run_dir)
+    path, _ = resolve_checkpoint(run_dir, checkpoint)
     if path is None:
         raise ConfigError(f"{run_dir} has no checkpoint to evaluate")
     model = build_model(cfg, meta)
@@ -432,12 +452,15 @@ def load_run_model(run_dir: str | Path, *, checkpoint: str | None = None,
 
 def evaluate_run(run_dir: str | Path, *, checkpoint: str | None = None,
                  data_path: str | None = None, show=None) -> dict:
-    """Evaluate a run's newest (or a given) checkpoint on the held-out split; the result
-    goes to ``show`` (when given) before it is written to RUN/eval.json, so metrics a
-    read-only or full run directory cannot take are still seen."""
-    cfg, meta, model, path, _ = load_run_model(run_dir, checkpoint=checkpoint, data_path=data_path)
+    """Evaluate one of a run's checkpoints (``checkpoint`` as :func:`load_run_model`: by
+    default the best one when ``train.early_stop`` recorded one, else the newest) on the
+    held-out split; the result goes to ``show`` (when given) before it is written to
+    RUN/eval.json, so metrics a read-only or full run directory cannot take are still seen."""
+    _, which = resolve_checkpoint(run_dir, checkpoint)
+    cfg, meta, model, path, extra = load_run_model(run_dir, checkpoint=checkpoint, data_path=data_path)
     _, eval_loader = build_loaders(cfg, meta)
-    result = {"checkpoint": str(path), "data": str(meta.path), **evaluate_model(model, eval_loader)}
+    result = {"checkpoint": str(path), "which": which, "step": extra.get("step"), "data": str(meta.path),
+              **evaluate_model(model, eval_loader)}
     if show is not None:
         show(result)
     write_json_atomic(Path(run_dir) / "eval.json", result)

@@ -26,6 +26,7 @@ from hybridrec.sparse.keyed_jagged import Batch
 from hybridrec.sync.runners import SyncRunner
 from hybridrec.train.checkpointer import Checkpointer
 from hybridrec.train.config import Config
+from hybridrec.train.early_stop import EarlyStopping
 from hybridrec.train.optim import LRScheduler
 from hybridrec.train.pipeline import TrainPipeline
 from hybridrec.train.sparse_optim import CombinedSparseOptimizer
@@ -119,6 +120,8 @@ class Trainer:
         topo: Topology,
         sync_runner: SyncRunner | None = None,
         totals: RunTotals | None = None,
+        early_stop: EarlyStopping | None = None,
+        kernels: dict | None = None,
     ) -> None:
         self.cfg = cfg
         self.model = model
@@ -138,6 +141,10 @@ class Trainer:
         # Samples and training seconds over every invocation of the run (a checkpointed
         # component; None: not kept). The run's start is set by whoever starts it (run.train).
         self.totals = totals
+        # train.early_stop: counts evaluations without an AUC improvement (a checkpointed
+        # component; None: off).
+        self.early_stop = early_stop
+        self.kernels = kernels  # the MLPs' linear implementations and why (summary.json)
         self.step = 0
         self._saved_step: int | None = None  # step of the newest checkpoint on disk
 
@@ -190,6 +197,7 @@ class Trainer:
         lines = (ProgressLines(self.total_steps, self.step, t.log_interval_s)
                  if t.progress and not tty and lead and t.log_interval_s > 0 else None)
         last_loss = float("nan")
+        stopped_early = False  # this invocation stopped at an evaluation (train.early_stop)
         if self.sync_runner is not None:
             self.sync_runner.start()
         meter.start()
@@ -203,11 +211,19 @@ class Trainer:
                 last_loss = self._log_train(running, meter, bar)
             if t.eval_every and self.step % t.eval_every == 0 and self.step < self.total_steps:
                 history.append(self._eval_and_log())
+                if self._early_stop(history[-1]):  # every rank: the same gathered AUC
+                    stopped_early = True
+                    break
                 meter.start()  # evaluation time is not training time
-            if t.save_checkpoints and t.checkpoint_every and self.step % t.checkpoint_every == 0:
+            if (t.save_checkpoints and t.checkpoint_every and self.step % t.checkpoint_every == 0
+                    and self._saved_step != self.step
+                    # early stopping: the last step's is saved after its evaluation (below)
+                    and (self.early_stop is None or self.step < self.total_steps)):
                 self.save_checkpoint()
                 meter.start()
         bar.close()
+        if stopped_early:
+            self.pipeline.discard_ahead()  # (dist.pipeline: the next batch's ids are under way)
         self.sparse_opt.flush()  # parameter servers: this rank's last push applied
         if self.sync_runner is not None:  # last round, then one averaged dense model
             self.sync_runner.finish()
@@ -218,14 +234,26 @@ class Trainer:
             last_loss = self._log_train(running, meter, None)  # the steps since the last log
         if lines is not None and trained:
             lines.emit(self.step)
-        if t.save_checkpoints and self.step > 0 and self._saved_step != self.step:
-            self.save_checkpoint()
         if not trained and self.logger:
             # Nothing trained (a finished run evaluated again): its evaluation of this
             # step replaces the earlier one, and the loss is the last one logged.
             self.logger.drop(lambda r: r["split"] == "eval" and r["step"] == self.step)
             last_loss = _last_train_loss(self.logger.path)
-        final = self._eval_and_log()
+        final = None
+        if stopped_early:  # the evaluation that stopped training is the final one ...
+            final = history.pop()
+            if self.sync_runner is not None or getattr(self.model.sparse, "remote", False):
+                # ... unless the replicas were averaged or the pushes landed since: again
+                if self.logger:
+                    self.logger.drop(lambda r: r["split"] == "eval" and r["step"] == self.step)
+                final = None
+        elif self.early_stop is not None:  # evaluated first: the final checkpoint knows if it is the best
+            final = self._eval_and_log()
+            self.early_stop.update(self.step, final)
+        if t.save_checkpoints and self.step > 0 and self._saved_step != self.step:
+            self.save_checkpoint()
+        if final is None:
+            final = self._eval_and_log()
         if self.logger:
             self.logger.flush()
         return FitResult(self.step, final, last_loss, meter.summary(), resumed, history)
@@ -234,7 +262,10 @@ class Trainer:
         """Trains the remaining steps; yields each one's loss and global samples after it
         (the loop's logging, evaluation and checkpoints run between two yields). With
         ``train.workers > 1`` the steps of the Hogwild threads, as they finish; they are
-        all paused whenever the loop may evaluate or save (:mod:`hybridrec.train.hogwild`)."""
+        all paused whenever the loop may evaluate or save (:mod:`hybridrec.train.hogwild`).
+        Nothing when the run resumed has stopped early already (``train.early_stop``)."""
+        if self.early_stop is not None and self.early_stop.stopped:
+            return
         if self.cfg.train.workers > 1:
             from hybridrec.train.hogwild import HogwildWorkers  # (it imports this module)
 
@@ -244,6 +275,24 @@ class Trainer:
             for batch, pending in self.pipeline.batches(self.total_steps - self.step):
                 loss = self.train_step(batch, pending)
                 yield loss, batch.batch_size * self.topo.world_size  # global samples
+
+    def _early_stop(self, metrics: dict) -> bool:
+        """Count an evaluation for ``train.early_stop``: a new best AUC is saved at once (the
+        checkpoint kept as the run's best); True when training stops here. Every rank
+        decides alike: ``metrics`` come from every rank's gathered predictions, and rank 0's
+        AUC is broadcast (one float64), so that even machines whose floating point differs
+        apply the same number and stop at the same step."""
+        es = self.early_stop
+        if es is None:
+            return False
+        if self.topo.world_size > 1:
+            auc = metrics.get("auc")
+            box = torch.tensor([float("nan") if auc is None else float(auc)], dtype=torch.float64)
+            dist.broadcast(box, group=self.topo.group, group_src=0)
+            metrics = {**metrics, "auc": box.item()}
+        if es.update(self.step, metrics) and self.cfg.train.save_checkpoints:
+            self.save_checkpoint()
+        return es.stopped
 
     def _log_train(self, running: RunningLoss, meter: Throughput, bar) -> float:
         values = running.compute()
