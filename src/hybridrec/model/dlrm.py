@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.profiler import record_function
 
 from hybridrec.model.embedding import EmbeddingBagCollection
 from hybridrec.model.interaction import make_interaction
@@ -67,9 +68,13 @@ class DLRM(nn.Module):
         beside the ids (a sharded collection's input_dist already under way); None for
         a single-device collection."""
         sparse = batch.sparse
-        pooled = self.sparse(sparse) if sparse_input is None else self.sparse(sparse, sparse_input)
+        with record_function("embeddings"):
+            pooled = self.sparse(sparse) if sparse_input is None else self.sparse(sparse, sparse_input)
         with precision_scope(self.precision, batch.dense.device):
-            x = self.bottom(batch.dense)
-            z = self.interaction(x, pooled.as_3d())
-            logits = self.top(z).squeeze(1)
+            with record_function("bottom_mlp"):
+                x = self.bottom(batch.dense)
+            with record_function("interaction"):
+                z = self.interaction(x, pooled.as_3d())
+            with record_function("top_mlp"):
+                logits = self.top(z).squeeze(1)
         return logits.float()

@@ -194,9 +194,12 @@ def _write_cache(path: Path, new: dict) -> None:
             pass
 
 
-def time_linear(shape: LinearShape, impl: str, *, reps: int = 3, budget_s: float = 0.1) -> float:
-    """Seconds of one forward and backward of ``impl`` on ``shape`` (the fastest of up to
-    ``reps`` after one warm-up; fewer when they would exceed ``budget_s``)."""
+def time_linears(shape: LinearShape, impls: list[str], *, reps: int = 3,
+                 budget_s: float = 0.2) -> dict[str, float]:
+    """Seconds of one forward and backward of each of ``impls`` on ``shape``: the fastest
+    of up to ``reps`` rounds after a warm-up round (fewer when they would exceed
+    ``budget_s``). Rounds alternate the candidates, so that a load that comes and goes
+    weighs on all of them alike."""
     dev, dtype = torch.device(shape.device), getattr(torch, shape.dtype)
     gen = torch.Generator(device=dev).manual_seed(0)
     x = torch.randn(shape.batch, shape.fan_in, device=dev, generator=gen).requires_grad_(shape.input_grad)
@@ -205,7 +208,7 @@ def time_linear(shape: LinearShape, impl: str, *, reps: int = 3, budget_s: float
     grad = torch.randn(shape.batch, shape.fan_out, device=dev, generator=gen, dtype=dtype)
     low = dtype if dtype != torch.float32 else None
 
-    def once() -> float:
+    def once(impl: str) -> float:
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
         start = time.perf_counter()
@@ -216,14 +219,16 @@ def time_linear(shape: LinearShape, impl: str, *, reps: int = 3, budget_s: float
             torch.cuda.synchronize(dev)
         return time.perf_counter() - start
 
-    first = once()
-    best, spent = float("inf"), first
+    first = {i: once(i) for i in impls}  # warm-up: oneDNN creates its primitives here
+    best = {i: float("inf") for i in impls}
+    spent = sum(first.values())
     for _ in range(reps):
-        if best < float("inf") and spent + best > budget_s:
+        for i in impls:
+            t = once(i)
+            best[i], spent = min(best[i], t), spent + t
+        if spent > budget_s:
             break
-        t = once()
-        best, spent = min(best, t), spent + t
-    return min(best, first) if best == float("inf") else best
+    return best
 
 
 @dataclass
@@ -242,7 +247,7 @@ def choose_linears(shapes: Iterable[LinearShape], *, mode: str = "auto",
                    budget_s: float = 0.5) -> dict[LinearShape, Choice]:
     """The implementation of each distinct shape: from the cache, by measurement, or
     ``mode`` (``torch``/``onednn``) where it fits. ``budget_s`` is shared by the shapes
-    to measure (each candidate is timed at least once)."""
+    to measure (each candidate is timed at least twice)."""
     if mode not in CHOICES:
         raise ValueError(f"kernels {mode!r}: one of {', '.join(CHOICES)}")
     shapes = list(dict.fromkeys(shapes))
@@ -262,8 +267,7 @@ def choose_linears(shapes: Iterable[LinearShape], *, mode: str = "auto",
             todo.append((s, cands))
     new = {}
     for s, cands in todo:
-        share = budget_s / max(1, len(todo)) / len(cands)
-        secs = {impl: time_linear(s, impl, budget_s=share) for impl in cands}
+        secs = time_linears(s, cands, budget_s=budget_s / len(todo))
         best = min(cands, key=lambda i: (secs[i], cands.index(i)))
         out[s] = Choice(s, best, "measured", secs)
         new[f"{mid} | {s.key()}"] = {"impl": best, "ms": {k: v * 1e3 for k, v in secs.items()}}

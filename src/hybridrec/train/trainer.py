@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.profiler import record_function
 from tqdm import tqdm
 
 from hybridrec.comm.ledger import CommLedger
@@ -76,15 +77,21 @@ def training_step(model: torch.nn.Module, batch: Batch, *, dense_opt: torch.opti
     """One training step, in order; returns the detached loss. ``pending``: the batch's
     input_dist already under way (the pipeline's handle), or None."""
     model.train()
-    # Forward: input_dist (or its pending handle), lookup, output_dist, the dense arches.
-    logits = model(batch) if pending is None else model(batch, sparse_input=pending)
-    loss = F.binary_cross_entropy_with_logits(logits, batch.labels)
+    # (Each phase is a torch.profiler range: benchmarks/profile_step.py reads them.)
+    with record_function("forward"):
+        # input_dist (or its pending handle), lookup, output_dist, the dense arches.
+        logits = model(batch) if pending is None else model(batch, sparse_input=pending)
+        loss = F.binary_cross_entropy_with_logits(logits, batch.labels)
     dense_opt.zero_grad(set_to_none=True)
-    loss.backward()  # dense grads, the lookups' row grads, the output_dist backward
-    dense_sync.synchronize()  # dense synchronization (DDP's ran inside backward)
-    grads = sparse_grads(model.sparse)
-    dense_opt.step()
-    sparse_opt.step(grads)
+    with record_function("backward"):
+        loss.backward()  # dense grads, the lookups' row grads, the output_dist backward
+    with record_function("grad_sync"):
+        dense_sync.synchronize()  # dense synchronization (DDP's ran inside backward)
+        grads = sparse_grads(model.sparse)
+    with record_function("dense_update"):
+        dense_opt.step()
+    with record_function("sparse_update"):
+        sparse_opt.step(grads)
     return loss.detach()
 
 

@@ -1,0 +1,151 @@
+#!/usr/bin/env python3
+"""Where a training step's time goes: torch.profiler over steps of the benchmark DLRM.
+
+The model and data are benchmarks/throughput.py's (26 tables x 100,000 rows x dim 64,
+bottom MLP 13-512-256-64, top MLP 512-256-1, batch 2048 per rank). After --warmup
+steps, --steps steps run under torch.profiler; the report gives, per step:
+
+- the phases the training step marks (forward: embeddings, bottom_mlp, interaction,
+  top_mlp; backward; grad_sync; dense_update; sparse_update) and the time outside them
+  (the loader and the pipeline),
+- the operators with the most self time (the backward's autograd nodes included).
+
+    .venv/bin/python benchmarks/profile_step.py                      # fp32 and bf16, 1 process
+    .venv/bin/python benchmarks/profile_step.py --precision bf16 --nproc 2
+
+Several ranks run under torchrun; rank 0 profiles (its all-to-all waits show in the
+phases that hold them). Writes benchmarks/out/profile/profile-*.json and prints tables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from throughput import machine, prepare_data  # this folder's: data and the CPU model
+
+ROOT = Path(__file__).resolve().parents[1]
+PHASES = ("forward", "embeddings", "bottom_mlp", "interaction", "top_mlp", "backward", "grad_sync",
+          "dense_update", "sparse_update")
+NESTED = {"embeddings", "bottom_mlp", "interaction", "top_mlp"}  # inside forward
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    p.add_argument("--out", default=str(ROOT / "benchmarks/out/profile"), help="work directory")
+    p.add_argument("--rows", type=int, default=200_000, help="training rows to synthesize")
+    p.add_argument("--multi-hot", type=int, default=0, help="ids per feature (0 = one-hot)")
+    p.add_argument("--batch-size", type=int, default=2048, help="per rank")
+    p.add_argument("--nproc", type=int, default=1, help="local ranks (torchrun)")
+    p.add_argument("--precision", action="append", choices=["fp32", "bf16"],
+                   help="train.precision (repeatable; default: fp32 and bf16)")
+    p.add_argument("--steps", type=int, default=20, help="profiled steps")
+    p.add_argument("--warmup", type=int, default=10, help="steps before profiling")
+    p.add_argument("--top", type=int, default=15, help="operators listed")
+    p.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
+                   help="another config override (repeatable)")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--data", help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def worker(args) -> dict | None:
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from hybridrec.train import recipes
+    from hybridrec.train.build import build_trainer
+    from hybridrec.train.config import build_config
+
+    precision = args.precision[0]
+    cfg = build_config(recipes.recipe("bench"), overrides=[
+        f"data.path={args.data}", f"data.batch_size={args.batch_size}",
+        f"train.run_dir={Path(args.out) / f'run-{precision}'}", "train.resume=false",
+        "train.progress=false", f"train.precision={precision}", *args.override])
+    trainer = build_trainer(cfg)
+    it = trainer.pipeline.batches(args.warmup + args.steps)
+    for _ in range(args.warmup):
+        trainer.train_step(*next(it))
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        start = time.perf_counter()
+        for _ in range(args.steps):
+            trainer.train_step(*next(it))
+        wall = time.perf_counter() - start
+    if trainer.topo.rank != 0:
+        return None
+    n = args.steps
+    avg = prof.key_averages()
+    by_name = {e.key: e for e in avg}
+    phases = {k: by_name[k].cpu_time_total / 1e3 / n for k in PHASES if k in by_name}
+    step_ms = wall * 1e3 / n
+    top_level = sum(v for k, v in phases.items() if k not in NESTED)
+    ops = sorted((e for e in avg if e.key not in PHASES and not e.key.startswith("ProfilerStep")),
+                 key=lambda e: e.self_cpu_time_total, reverse=True)[: args.top]
+    return {
+        "precision": precision, "world_size": trainer.topo.world_size, "batch_size": args.batch_size,
+        "threads": torch.get_num_threads(), "step_ms": step_ms,
+        "samples_per_sec": args.batch_size * trainer.topo.world_size / (wall / n),
+        "phases_ms": phases, "outside_phases_ms": step_ms - top_level,
+        "ops": [{"op": e.key, "self_ms": e.self_cpu_time_total / 1e3 / n, "calls": e.count / n} for e in ops],
+        "kernels": trainer.kernels,
+    }
+
+
+def fmt(rep: dict) -> str:
+    step = rep["step_ms"]
+    lines = [f"### {rep['precision']}, {rep['world_size']} rank(s), batch {rep['batch_size']}/rank, "
+             f"{rep['threads']} threads: {step:.1f} ms/step, {rep['samples_per_sec']:,.0f} samples/s", "",
+             "| phase | ms/step | share |", "|---|---|---|"]
+    for k in PHASES:
+        if k in rep["phases_ms"]:
+            v = rep["phases_ms"][k]
+            name = f"  {k} (in forward)" if k in NESTED else k
+            lines.append(f"| {name} | {v:.2f} | {v / step:.0%} |")
+    lines.append(f"| outside the step (loader, pipeline) | {rep['outside_phases_ms']:.2f} | "
+                 f"{rep['outside_phases_ms'] / step:.0%} |")
+    lines += ["", "| operator (self time) | ms/step | calls/step |", "|---|---|---|"]
+    lines += [f"| {o['op']} | {o['self_ms']:.2f} | {o['calls']:.0f} |" for o in rep["ops"]]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    args.precision = args.precision or ["fp32", "bf16"]
+    if args.worker:
+        rep = worker(args)
+        if rep is not None:
+            print(json.dumps(rep))
+        return 0
+    data = prepare_data(args)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    launcher = [sys.executable]
+    if args.nproc > 1:
+        launcher += ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}"]
+    print(f"machine: {machine()}   date: {datetime.date.today()}\n")
+    for precision in args.precision:
+        cmd = [*launcher, __file__, "--worker", "--data", str(data), "--out", str(out),
+               "--batch-size", str(args.batch_size), "--steps", str(args.steps), "--warmup",
+               str(args.warmup), "--top", str(args.top), "--precision", precision,
+               *[a for o in args.override for a in ("--override", o)]]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            print(proc.stderr[-3000:], file=sys.stderr)
+            return 1
+        rep = json.loads([ln for ln in proc.stdout.splitlines() if ln.startswith("{")][-1])
+        rep.update(machine=machine(), date=str(datetime.date.today()), command=" ".join(sys.argv))
+        path = out / f"profile-{precision}-nproc{args.nproc}-mh{args.multi_hot}.json"
+        path.write_text(json.dumps(rep, indent=2))
+        print(fmt(rep) + f"\n\nwritten: {path}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
