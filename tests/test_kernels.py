@@ -126,10 +126,10 @@ def test_tune_mlps_sets_every_layer_and_knows_the_bottom_input_needs_no_gradient
     model = _tiny_dlrm()
     choices = tune_mlps(model, 16, mode="torch")
     assert model.bottom.impls == ["torch", "torch"] and model.top.impls == ["torch", "torch"]
-    keys = [c.shape for c in choices]
-    assert keys[0].input_grad is False and all(s.input_grad for s in keys[1:])
+    keys = [c.key for c in choices]
+    assert " dx" not in keys[0] and all(k.endswith(" dx") for k in keys[1:])
     # the top MLP's input: the bottom output (4) and the 3 dot products of 3 vectors
-    assert [(s.fan_in, s.fan_out) for s in keys] == [(3, 8), (8, 4), (4 + 3, 8), (8, 1)]
+    assert [k.split()[2] for k in keys] == ["16x3->8", "16x8->4", "16x7->8", "16x8->1"]
     model(_batch())  # still runs
 
 
@@ -167,3 +167,21 @@ def test_ranks_train_with_rank_0s_choices():
     (r0, mode0), (r1, mode1) = run_ranks(_agree_on_kernels, 2)
     assert (mode0, mode1) == ("torch", "onednn")
     assert r0 == r1 == ["torch"] * 4
+
+
+def test_the_row_update_is_timed_on_the_table_without_changing_it():
+    w = torch.randn(1000, 8)
+    before = w.clone()
+    got = kernels.choose_rows_add([(w, 300), (w, 0)])
+    assert got[0].impl in kernels.ROW_ADDS and got[0].source == "measured"
+    assert set(got[0].seconds) == set(kernels.ROW_ADDS)
+    assert got[1].source == "only"  # nothing added per step: nothing to time
+    torch.testing.assert_close(w, before, rtol=0, atol=0)
+    assert kernels.choose_rows_add([(w, 300)])[0].source == "cached"
+    # both candidates add repeated ids alike
+    ids, delta = torch.tensor([3, 1, 3, 3]), torch.randn(4, 8)
+    a, b = w.clone(), w.clone()
+    kernels.rows_add_(a, ids, delta, "scatter_add")
+    kernels.rows_add_(b, ids, delta, "index_add")
+    torch.testing.assert_close(a, b)
+    torch.testing.assert_close(a[3], before[3] + delta[[0, 2, 3]].sum(0))

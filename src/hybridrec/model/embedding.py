@@ -260,6 +260,10 @@ class EmbeddingBagCollection(nn.Module):
     def num_groups(self) -> int:
         return len(self._groups)
 
+    def group_features(self, group: int) -> list[str]:
+        """The features looked up in fused weight ``group``."""
+        return list(self._groups[group].features)
+
     def table_slice(self, name: str) -> tuple[int, int, int]:
         """``(group, first_row, rows)`` of a table inside its fused weight."""
         g, start = self._table_rows[name]

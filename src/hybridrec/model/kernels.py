@@ -41,8 +41,8 @@ IMPLS = ("torch", "onednn")
 """The linear candidates, in order of preference when timings tie."""
 
 CHOICES = ("auto", "measure", *IMPLS)
-"""``train.kernels``: measure once and cache (auto), measure again (measure), or one
-candidate everywhere."""
+"""``train.kernels``: measure once and cache (auto), measure again (measure), or one linear
+candidate everywhere (the embedding update is still chosen as in auto)."""
 
 
 def _find_linear_pointwise():
@@ -233,47 +233,123 @@ def time_linears(shape: LinearShape, impls: list[str], *, reps: int = 3,
 
 @dataclass
 class Choice:
-    shape: LinearShape
+    key: str  # what was timed: op, device, dtype, shape
     impl: str
     source: str  # measured | cached | override | only
     seconds: dict[str, float]
 
     def to_dict(self) -> dict:
-        return {"shape": self.shape.key(), "impl": self.impl, "source": self.source,
+        return {"shape": self.key, "impl": self.impl, "source": self.source,
                 "ms": {k: round(v * 1e3, 4) for k, v in self.seconds.items()}}
+
+
+def choose(items: list[tuple[str, list[str], str | None]], timer, *, mode: str = "auto",
+           budget_s: float = 0.5) -> dict[str, Choice]:
+    """The implementation of each ``(key, candidates, forced)``: ``forced`` where given (an
+    override that fits), else the only candidate, else the cached choice (``mode`` auto),
+    else the fastest by ``timer(key, candidates, budget_s) -> {impl: seconds}``, cached.
+    ``budget_s`` is shared by the keys to measure."""
+    if mode not in CHOICES:
+        raise ValueError(f"kernels {mode!r}: one of {', '.join(CHOICES)}")
+    out: dict[str, Choice] = {}
+    path, mid = cache_path(), machine_id()
+    cached = _read_cache(path) if mode == "auto" else {}
+    todo = []
+    for key, cands, forced in dict.fromkeys((k, tuple(c), f) for k, c, f in items):
+        cands = list(cands)
+        if forced is not None:
+            out[key] = Choice(key, forced, "override", {})
+        elif len(cands) == 1:
+            out[key] = Choice(key, cands[0], "only", {})
+        elif (hit := cached.get(f"{mid} | {key}")) and hit.get("impl") in cands:
+            out[key] = Choice(key, hit["impl"], "cached", {k: v / 1e3 for k, v in hit.get("ms", {}).items()})
+        else:
+            todo.append((key, cands))
+    new = {}
+    for key, cands in todo:
+        secs = timer(key, cands, budget_s / len(todo))
+        best = min(cands, key=lambda i: (secs[i], cands.index(i)))
+        out[key] = Choice(key, best, "measured", secs)
+        new[f"{mid} | {key}"] = {"impl": best, "ms": {k: v * 1e3 for k, v in secs.items()}}
+    if new:
+        _write_cache(path, new)
+    return out
 
 
 def choose_linears(shapes: Iterable[LinearShape], *, mode: str = "auto",
                    budget_s: float = 0.5) -> dict[LinearShape, Choice]:
-    """The implementation of each distinct shape: from the cache, by measurement, or
-    ``mode`` (``torch``/``onednn``) where it fits. ``budget_s`` is shared by the shapes
-    to measure (each candidate is timed at least twice)."""
-    if mode not in CHOICES:
-        raise ValueError(f"kernels {mode!r}: one of {', '.join(CHOICES)}")
+    """Each distinct shape's linear: ``mode`` ``torch``/``onednn`` where it fits, else by
+    :func:`choose` (cached, or timed by :func:`time_linears`)."""
     shapes = list(dict.fromkeys(shapes))
-    out: dict[LinearShape, Choice] = {}
-    path, mid = cache_path(), machine_id()
-    cached = _read_cache(path) if mode == "auto" else {}
-    todo = []
+    by_key = {s.key(): s for s in shapes}
+    items = []
     for s in shapes:
         cands = candidates(s)
-        if mode in IMPLS:
-            out[s] = Choice(s, mode if mode in cands else "torch", "override", {})
-        elif len(cands) == 1:
-            out[s] = Choice(s, cands[0], "only", {})
-        elif (hit := cached.get(f"{mid} | {s.key()}")) and hit.get("impl") in cands:
-            out[s] = Choice(s, hit["impl"], "cached", {k: v / 1e3 for k, v in hit.get("ms", {}).items()})
-        else:
-            todo.append((s, cands))
-    new = {}
-    for s, cands in todo:
-        secs = time_linears(s, cands, budget_s=budget_s / len(todo))
-        best = min(cands, key=lambda i: (secs[i], cands.index(i)))
-        out[s] = Choice(s, best, "measured", secs)
-        new[f"{mid} | {s.key()}"] = {"impl": best, "ms": {k: v * 1e3 for k, v in secs.items()}}
-    if new:
-        _write_cache(path, new)
-    return out
+        forced = (mode if mode in cands else "torch") if mode in IMPLS else None
+        items.append((s.key(), cands, forced))
+    got = choose(items, lambda key, cands, budget: time_linears(by_key[key], cands, budget_s=budget),
+                 mode=mode, budget_s=budget_s)
+    return {s: got[s.key()] for s in shapes}
+
+
+# -- the embedding update: rows added into a table ---------------------------------
+
+ROW_ADDS = ("scatter_add", "index_add")
+"""``weight[ids] += delta`` with repeated ids: ``scatter_add_`` along dim 0 (splits the work
+over columns) or ``index_add_``. Both are deterministic on CPU; which is faster depends on
+the processor, the table and the rows per step."""
+
+
+def rows_add_(weight: torch.Tensor, ids: torch.Tensor, delta: torch.Tensor, impl: str = "scatter_add") -> None:
+    """``weight[ids[i]] += delta[i]`` for every i, repeated ids summed."""
+    if impl == "index_add":
+        weight.index_add_(0, ids, delta)
+    else:
+        weight.scatter_add_(0, ids.unsqueeze(1).expand(-1, weight.shape[1]), delta)
+
+
+def rows_add_key(weight: torch.Tensor, nnz: int) -> str:
+    rows, dim = weight.shape
+    return f"rows_add {weight.device.type} {str(weight.dtype).removeprefix('torch.')} {rows}x{dim} +{nnz}"
+
+
+def time_rows_add(weight: torch.Tensor, nnz: int, impls: list[str], *, reps: int = 3,
+                  budget_s: float = 0.1) -> dict[str, float]:
+    """Seconds of adding ``nnz`` rows at random ids into ``weight`` with each of ``impls``
+    (alternating, best of up to ``reps`` after a warm-up). Adds zeros: the table keeps its
+    values (a -0.0 may become +0.0)."""
+    gen = torch.Generator(device=weight.device).manual_seed(0)
+    ids = torch.randint(0, weight.shape[0], (nnz,), generator=gen, device=weight.device)
+    delta = torch.zeros(nnz, weight.shape[1], dtype=weight.dtype, device=weight.device)
+
+    def once(impl: str) -> float:
+        start = time.perf_counter()
+        with torch.no_grad():
+            rows_add_(weight, ids, delta, impl)
+        if weight.device.type == "cuda":
+            torch.cuda.synchronize(weight.device)
+        return time.perf_counter() - start
+
+    spent = sum(once(i) for i in impls)
+    best = {i: float("inf") for i in impls}
+    for _ in range(reps):
+        for i in impls:
+            t = once(i)
+            best[i], spent = min(best[i], t), spent + t
+        if spent > budget_s:
+            break
+    return best
+
+
+def choose_rows_add(weights: list[tuple[torch.Tensor, int]], *, mode: str = "auto",
+                    budget_s: float = 0.3) -> list[Choice]:
+    """The row update of each ``(table weight, rows added per step)``, by :func:`choose`."""
+    keys = {rows_add_key(w, n): (w, n) for w, n in weights if w.numel() and n}
+    got = choose([(k, list(ROW_ADDS), None) for k in keys],
+                 lambda key, cands, budget: time_rows_add(*keys[key], cands, budget_s=budget),
+                 mode="measure" if mode == "measure" else "auto", budget_s=budget_s)
+    return [got[rows_add_key(w, n)] if w.numel() and n else Choice("", "scatter_add", "only", {})
+            for w, n in weights]
 
 
 def mlp_shapes(mlp, batch: int, *, device: str, dtype: str, input_grad: bool) -> list[LinearShape]:

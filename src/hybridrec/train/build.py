@@ -315,12 +315,12 @@ def build_trainer(cfg: Config, *, meta: DatasetMeta | None = None, topo: Topolog
         model = build_model(cfg, meta)
     else:
         model = build_parallel_model(cfg, meta, topo, ledger, dense_sync, run_dir)
-    kernels = tune_kernels(cfg, model, topo)
     sync_runner = build_sync_runner(cfg, topo, dense_parameters(model), ledger)
     dense_opt = build_dense_optimizer(dense_parameters(model), cfg.optim)
     sparse_opt = (CombinedSparseOptimizer({"ps": PushOptimizer(model.sparse, name=cfg.optim.sparse,
                                                                 lr=cfg.optim.sparse_lr)})
                   if servers else build_sparse_optimizers(cfg, model.sparse))
+    kernels = tune_kernels(cfg, model, topo, sparse_opt)
     train_loader, eval_loader = build_loaders(cfg, meta, rank=topo.rank, world_size=topo.world_size)
     pipeline = TrainPipeline(train_loader, model.sparse, enabled=cfg.dist.pipeline)
     total_steps = planned_steps(cfg, len(train_loader))
@@ -349,10 +349,13 @@ def build_trainer(cfg: Config, *, meta: DatasetMeta | None = None, topo: Topolog
                    kernels=kernels)
 
 
-def tune_kernels(cfg: Config, model: torch.nn.Module, topo: Topology) -> dict:
+def tune_kernels(cfg: Config, model: torch.nn.Module, topo: Topology,
+                 sparse_opt: CombinedSparseOptimizer | None = None) -> dict:
     """Every MLP layer's linear implementation, timed on this machine at the training batch
     (``train.kernels``); with several ranks, rank 0's choices (timed while every rank
-    times, as they will train). What ``summary.json`` records under ``kernels``."""
+    times, as they will train). With ``sparse_opt``, each local fused table's row update
+    too (timed at the ids of a one-hot global batch per feature, each rank for its own
+    tables). What ``summary.json`` records under ``kernels``."""
     device = next(p.device for p in dense_parameters(model)).type
     dtype = "bfloat16" if cfg.train.precision == "bf16" else "float32"
 
@@ -363,8 +366,10 @@ def tune_kernels(cfg: Config, model: torch.nn.Module, topo: Topology) -> dict:
 
     choices = tune_mlps(model, cfg.data.batch_size, mode=cfg.train.kernels, device=device, dtype=dtype,
                         agree=agree if topo.world_size > 1 else None)
+    rows = (sparse_opt.tune_kernels(cfg.data.batch_size * topo.world_size, mode=cfg.train.kernels)
+            if sparse_opt is not None else [])
     return {"mode": cfg.train.kernels, "machine": machine_id(), "cache": str(cache_path()),
-            "linear": [c.to_dict() for c in choices]}
+            "linear": [c.to_dict() for c in choices], "embedding_update": [c.to_dict() for c in rows]}
 
 
 RUN_FILES = ("summary.json", "eval.json", "plan.json", "metrics.jsonl")

@@ -23,12 +23,7 @@ from collections.abc import Mapping
 import torch
 
 from hybridrec.model.embedding import aggregate_rows
-
-
-def _scatter_rows_add_(weight: torch.Tensor, ids: torch.Tensor, delta: torch.Tensor) -> None:
-    # scatter_add_ along dim 0 splits the work over columns, so repeated ids are
-    # safe and the result is deterministic; index_add_ is several times slower here.
-    weight.scatter_add_(0, ids.unsqueeze(1).expand(-1, weight.shape[1]), delta)
+from hybridrec.model.kernels import Choice, choose_rows_add, rows_add_
 
 
 class SparseOptimizer:
@@ -42,6 +37,20 @@ class SparseOptimizer:
         self.collection = collection
         self.lr = lr
         self.step_count = 0
+        # Each fused group's row update (kernels.ROW_ADDS), chosen by :meth:`tune_kernels`.
+        self.row_adds = ["scatter_add"] * collection.num_groups
+
+    def tune_kernels(self, rows_per_feature: int, *, mode: str = "auto") -> list[Choice]:
+        """Time the row updates on each fused table with ``rows_per_feature`` rows added per
+        feature and step (an estimate: the ids of a one-hot batch) and keep the faster."""
+        c = self.collection
+        got = choose_rows_add([(c.group_weight(g), rows_per_feature * len(c.group_features(g)))
+                               for g in range(c.num_groups)], mode=mode)
+        self.row_adds = [ch.impl for ch in got]
+        return got
+
+    def _add_rows(self, group: int, weight: torch.Tensor, ids: torch.Tensor, delta: torch.Tensor) -> None:
+        rows_add_(weight, ids, delta, self.row_adds[group])
 
     def step(self, grads: list[tuple[int, torch.Tensor, torch.Tensor, bool]]) -> None:
         """Apply ``grads`` (``(group, ids [n], rows [n, dim], unique)`` per fused group of
@@ -81,7 +90,7 @@ class SparseSGD(SparseOptimizer):
     name = "sgd"
 
     def _update(self, group, weight, ids, rows, unique):
-        _scatter_rows_add_(weight, ids, rows.mul_(-self.lr))  # rows is ours to overwrite
+        self._add_rows(group, weight, ids, rows.mul_(-self.lr))  # rows is ours to overwrite
 
 
 class RowWiseAdagrad(SparseOptimizer):
@@ -105,7 +114,7 @@ class RowWiseAdagrad(SparseOptimizer):
         new_acc = acc.index_select(0, unique) + grad.pow(2).mean(1)
         acc.index_copy_(0, unique, new_acc)
         delta = grad.div_(new_acc.sqrt_().add_(self.eps).unsqueeze(1)).mul_(-self.lr)
-        _scatter_rows_add_(weight, unique, delta)
+        self._add_rows(group, weight, unique, delta)
 
 
 class LazyAdam(SparseOptimizer):
@@ -130,7 +139,7 @@ class LazyAdam(SparseOptimizer):
         t = self.step_count
         step_size = self.lr / (1 - self.beta1**t)
         denom = v.div_(1 - self.beta2**t).sqrt_().add_(self.eps)
-        _scatter_rows_add_(weight, unique, m.div_(denom).mul_(-step_size))
+        self._add_rows(group, weight, unique, m.div_(denom).mul_(-step_size))
 
 
 SPARSE_OPTIMIZERS = {c.name: c for c in (SparseSGD, RowWiseAdagrad, LazyAdam)}
@@ -170,6 +179,11 @@ class CombinedSparseOptimizer:
         count is global), with no rows when ``grads`` has none for it."""
         for k, o in self.optimizers.items():
             o.step(grads.get(k, []))
+
+    def tune_kernels(self, rows_per_feature: int, *, mode: str = "auto") -> list[Choice]:
+        """Every part's row updates by measurement (parts without tables: none)."""
+        return [ch for o in self.optimizers.values() if hasattr(o, "tune_kernels")
+                for ch in o.tune_kernels(rows_per_feature, mode=mode)]
 
     def flush(self) -> None:
         """Wait for updates still in flight (a parameter-server run's pushes)."""
