@@ -47,10 +47,24 @@ def worker(topo, kind, dct):
     return dense, ledger.summary(), sync.state_dict()
 
 
+@pytest.fixture(scope="module")
+def trained():
+    """``trained(kind, dct)``: the 2 ranks' results of ``worker``, run once per arguments
+    (the plain ddp and allreduce runs serve two tests each)."""
+    runs = {}
+
+    def get(kind, dct):
+        if (kind, dct) not in runs:
+            runs[kind, dct] = run_ranks(worker, 2, kind, dct)
+        return runs[kind, dct]
+
+    return get
+
+
 @pytest.mark.parametrize("dct", [False, True])
-def test_ddp_and_explicit_allreduce_train_the_same_model(dct):
-    ddp = run_ranks(worker, 2, "ddp", dct)
-    explicit = run_ranks(worker, 2, "allreduce", dct)
+def test_ddp_and_explicit_allreduce_train_the_same_model(trained, dct):
+    ddp = trained("ddp", dct)
+    explicit = trained("allreduce", dct)
     for (a, _, sa), (b, _, sb) in zip(ddp, explicit):
         assert a.keys() == b.keys()
         for k in a:
@@ -64,8 +78,8 @@ def test_ddp_and_explicit_allreduce_train_the_same_model(dct):
 
 
 @pytest.mark.parametrize("kind", ["ddp", "allreduce"])
-def test_plain_dense_bytes_are_predicted_exactly(kind):
-    for _, summary, _ in run_ranks(worker, 2, kind, False):
+def test_plain_dense_bytes_are_predicted_exactly(trained, kind):
+    for _, summary, _ in trained(kind, False):
         entry = summary["predicted_vs_counted"]["dense_allreduce"]
         counted = summary["by_category"]["dense_allreduce"]
         assert entry["match"] and entry["mismatched_steps"] == 0
@@ -73,7 +87,7 @@ def test_plain_dense_bytes_are_predicted_exactly(kind):
         assert entry["predicted"]["received"] == counted["received"]
 
 
-def test_none_keeps_replicas_apart_and_sends_no_dense_bytes():
-    (a, sa, _), (b, sb, _) = run_ranks(worker, 2, "none", False)
+def test_none_keeps_replicas_apart_and_sends_no_dense_bytes(trained):
+    (a, sa, _), (b, sb, _) = trained("none", False)
     assert any(not torch.equal(a[k], b[k]) for k in a)  # each rank trained its own replica
     assert "dense_allreduce" not in sa["by_category"] and "dense_allreduce" not in sb["by_category"]

@@ -32,14 +32,25 @@ def _cmd(dataset, run, *extra):
             f"train.run_dir={run}", "dist.nproc=2", *SMALL, *extra]
 
 
-def test_two_ranks_train_end_to_end(dataset, tmp_path):
-    run = tmp_path / "run"
-    proc = subprocess.run(_cmd(dataset, run, "dist.sharding=row_wise", "train.max_steps=10"),
+RESUME = ["dist.sharding=row_wise", "train.checkpoint_every=4", "optim.sparse=rowwise_adagrad"]
+
+
+@pytest.fixture(scope="module")
+def two_rank_run(dataset, tmp_path_factory):
+    """An uninterrupted 2-rank run, launched once for two tests: the end-to-end test checks
+    what it wrote, the resume test compares the interrupted runs with it."""
+    run = tmp_path_factory.mktemp("launch_full") / "full"
+    proc = subprocess.run(_cmd(dataset, run, *RESUME, "train.max_steps=12", "dist.pipeline=false"),
                           capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "AUC" in proc.stdout
+    return run, proc.stdout
+
+
+def test_two_ranks_train_end_to_end(two_rank_run):
+    run, stdout = two_rank_run
+    assert "AUC" in stdout
     summary = json.loads((run / "summary.json").read_text())
-    assert summary["world_size"] == 2 and summary["step"] == 10
+    assert summary["world_size"] == 2 and summary["step"] == 12
     assert summary["eval"]["count"] == 2000  # both ranks' eval rows, gathered
     plan = json.loads((run / "plan.json").read_text())
     assert {t["sharding_type"] for t in plan["tables"].values()} == {"row_wise"}
@@ -140,13 +151,12 @@ def _records(run, split):
             if r["split"] == split]
 
 
-def test_two_rank_resume_equals_uninterrupted_and_reshards_to_one(dataset, tmp_path):
-    """The uninterrupted run has the input pipeline off, the interrupted one on:
-    stopping, resuming and pipelining must all leave the result unchanged."""
-    common = ["dist.sharding=row_wise", "train.checkpoint_every=4", "optim.sparse=rowwise_adagrad"]
-    full, cut = tmp_path / "full", tmp_path / "cut"
-    for run, steps, pipe in ((full, 12, "false"), (cut, 8, "true"), (cut, 12, "true")):
-        proc = subprocess.run(_cmd(dataset, run, *common, f"train.max_steps={steps}", f"dist.pipeline={pipe}"),
+def test_two_rank_resume_equals_uninterrupted_and_reshards_to_one(dataset, two_rank_run, tmp_path):
+    """The uninterrupted run (12 steps, the fixture's) has the input pipeline off, the
+    interrupted one on: stopping, resuming and pipelining must all leave the result unchanged."""
+    full, cut = two_rank_run[0], tmp_path / "cut"
+    for steps in (8, 12):
+        proc = subprocess.run(_cmd(dataset, cut, *RESUME, f"train.max_steps={steps}", "dist.pipeline=true"),
                               capture_output=True, text=True, timeout=240)
         assert proc.returncode == 0, proc.stderr[-3000:]
     (sa, a), (sb, b) = _load_single(dataset, full), _load_single(dataset, cut)

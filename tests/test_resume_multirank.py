@@ -3,6 +3,7 @@ stopped at a checkpoint and resumed, ends exactly where the uninterrupted run en
 resumed on another world size, the per-rank compressor state is reset with a warning."""
 
 import json
+import shutil
 import subprocess
 import sys
 
@@ -32,11 +33,29 @@ def _train(dataset, run, nproc, *extra):
     return proc, json.loads((run / "summary.json").read_text())
 
 
+@pytest.fixture(scope="module")
+def stopped(dataset, tmp_path_factory):
+    """``stopped(dense_sync, dest)``: a copy at ``dest`` of a 2-rank run stopped at step 15
+    (checkpoints at 10 and 15). Each run is trained once and each test resumes its own copy:
+    the ddp one serves both the same-world-size and the other-world-size resume."""
+    made = {}
+
+    def copy(dense_sync, dest):
+        if dense_sync not in made:
+            run = tmp_path_factory.mktemp(f"stopped_{dense_sync}") / "run"
+            _train(dataset, run, 2, "train.max_steps=15", f"dist.dense_sync={dense_sync}")
+            made[dense_sync] = run
+        shutil.copytree(made[dense_sync], dest)
+        return dest
+
+    return copy
+
+
 @pytest.mark.parametrize("dense_sync", ["ddp", "allreduce"])
-def test_compressed_two_rank_resume_equals_uninterrupted(dataset, tmp_path, dense_sync):
-    full, cut = tmp_path / "full", tmp_path / "cut"
+def test_compressed_two_rank_resume_equals_uninterrupted(dataset, stopped, tmp_path, dense_sync):
+    full = tmp_path / "full"
     _, a = _train(dataset, full, 2, "train.max_steps=30", f"dist.dense_sync={dense_sync}")
-    _train(dataset, cut, 2, "train.max_steps=15", f"dist.dense_sync={dense_sync}")  # saves 10, 15
+    cut = stopped(dense_sync, tmp_path / "cut")  # saved 10, 15
     _, b = _train(dataset, cut, 2, "train.max_steps=30", f"dist.dense_sync={dense_sync}")
     assert b["resumed_from"] == 15 and b["step"] == a["step"] == 30
     for k in ("log_loss", "auc", "calibration"):
@@ -45,10 +64,9 @@ def test_compressed_two_rank_resume_equals_uninterrupted(dataset, tmp_path, dens
     assert a["comm"]["by_category"]["dense_allreduce"]["ratio"] > 5
 
 
-def test_resume_on_another_world_size_resets_compressor_state_with_a_warning(dataset, tmp_path):
-    run = tmp_path / "run"
-    _train(dataset, run, 2, "train.max_steps=10")
-    proc, summary = _train(dataset, run, 1, "train.max_steps=12", "data.batch_size=128")  # same global batch
-    assert summary["resumed_from"] == 10 and summary["step"] == 12
+def test_resume_on_another_world_size_resets_compressor_state_with_a_warning(dataset, stopped, tmp_path):
+    run = stopped("ddp", tmp_path / "run")  # 2 ranks, dist.dense_sync's default
+    proc, summary = _train(dataset, run, 1, "train.max_steps=17", "data.batch_size=128")  # same global batch
+    assert summary["resumed_from"] == 15 and summary["step"] == 17
     assert "dense_sync: saved by 2 ranks, this run has 1" in proc.stderr
     assert "rng: saved by 2 ranks" in proc.stderr

@@ -58,12 +58,28 @@ def worker(topo, algo, mode="foreground", steps=3, finish=False, kw=None, runner
     return replica, final, stats, ledger.totals(category="sync").sent, starts, elapsed
 
 
+@pytest.fixture(scope="module")
+def ranks():
+    """``ranks(*args)``: ``run_ranks(worker, 2, *args)``, run once per arguments in this
+    module (MA's 3 foreground steps serve two tests, the independent replicas of the
+    background test all three of its algorithms: the same deterministic run each time)."""
+    runs = {}
+
+    def get(*args):
+        key = repr(args)
+        if key not in runs:
+            runs[key] = run_ranks(worker, 2, *args)
+        return runs[key]
+
+    return get
+
+
 def _close(a, b):
     torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
-def test_foreground_ma_every_step_equals_synchronous_data_parallelism():
-    ma, ddp = run_ranks(worker, 2, "ma"), run_ranks(worker, 2, "ddp")
+def test_foreground_ma_every_step_equals_synchronous_data_parallelism(ranks):
+    ma, ddp = ranks("ma"), run_ranks(worker, 2, "ddp")
     for (a, *_), (d, *_) in zip(ma, ddp):
         _close(a, d)
     assert torch.equal(ma[0][0], ma[1][0])  # every round leaves the replicas identical
@@ -71,9 +87,9 @@ def test_foreground_ma_every_step_equals_synchronous_data_parallelism():
     assert ma[0][2]["rounds"] == 3 and ma[0][3] == 3 * ring_allreduce_bytes(4 * n, 2)
 
 
-def test_bmuf_without_momentum_and_unit_block_lr_equals_ma():
+def test_bmuf_without_momentum_and_unit_block_lr_equals_ma(ranks):
     bmuf = run_ranks(worker, 2, "bmuf", "foreground", 3, False, {"block_momentum": 0.0, "block_lr": 1.0})
-    ma = run_ranks(worker, 2, "ma")
+    ma = ranks("ma")
     for (b, *_), (m, *_) in zip(bmuf, ma):
         _close(b, m)
 
@@ -86,9 +102,9 @@ def test_easgd_with_alpha_zero_is_independent_training():
 
 
 @pytest.mark.parametrize("algo, kw", [("ma", {}), ("easgd", {"alpha": 0.4}), ("bmuf", {})])
-def test_background_sync_drives_the_replicas_together(algo, kw):
+def test_background_sync_drives_the_replicas_together(ranks, algo, kw):
     synced = run_ranks(worker, 2, algo, "background", 40, True, kw)
-    alone = run_ranks(worker, 2, None, "background", 40)
+    alone = ranks(None, "background", 40)
     gap_synced = (synced[0][0] - synced[1][0]).norm()
     gap_alone = (alone[0][0] - alone[1][0]).norm()
     stats = synced[0][2]
