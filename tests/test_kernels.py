@@ -185,3 +185,33 @@ def test_the_row_update_is_timed_on_the_table_without_changing_it():
     kernels.rows_add_(b, ids, delta, "index_add")
     torch.testing.assert_close(a, b)
     torch.testing.assert_close(a[3], before[3] + delta[[0, 2, 3]].sum(0))
+
+
+@pytest.mark.parametrize("dtype", [None, torch.bfloat16])
+def test_both_interaction_implementations_compute_the_same(dtype):
+    from hybridrec.model.interaction import INTERACTION_IMPLS, DotInteraction
+
+    torch.manual_seed(0)
+    dense, sparse = torch.randn(6, 4, requires_grad=True), torch.randn(6, 5, 4, requires_grad=True)
+    mod, outs = DotInteraction(5, 4), []
+    for impl in INTERACTION_IMPLS:
+        mod.impl = impl
+        with torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None):
+            out = mod(dense, sparse)
+        go = torch.linspace(-1, 1, out.numel()).view(out.shape)
+        outs.append((out, torch.autograd.grad((out.float() * go).sum(), (dense, sparse))))
+    (a, ga), (b, gb) = outs
+    assert a.dtype == (dtype or torch.float32)
+    torch.testing.assert_close(a, b, rtol=0, atol=0)  # the same products, only picked differently
+    for x, y in zip(ga, gb):
+        torch.testing.assert_close(x, y)
+
+
+def test_the_interaction_is_timed_and_the_choice_set():
+    from hybridrec.model.interaction import INTERACTION_IMPLS, tune_interactions
+
+    model = _tiny_dlrm()
+    got = tune_interactions(model, 16)
+    assert len(got) == 1 and got[0].source == "measured" and set(got[0].seconds) == set(INTERACTION_IMPLS)
+    assert model.interaction.impl == got[0].impl
+    assert tune_interactions(model, 16)[0].source == "cached"

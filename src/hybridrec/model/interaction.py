@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import time
+
 import torch
 from torch import nn
 
-from hybridrec.model.kernels import compute_dtype
+from hybridrec.model.kernels import Choice, choose, compute_dtype
 
 
 class _PairwiseDot(torch.autograd.Function):
@@ -14,21 +16,44 @@ class _PairwiseDot(torch.autograd.Function):
     Forward is one batched matmul; backward is one batched matmul too (autograd
     of ``bmm(z, z.T)`` would run two), because with ``S`` the symmetric matrix
     holding the output gradient on both triangles, ``dz = S @ z``.
+
+    Two ways to pick the entries out and put their gradient back (``impl``), timed
+    against each other at start-up (which is faster depends on the processor and the
+    dtype, see :func:`tune_interactions`):
+
+    - ``index``: advanced indexing ``gram[:, rows, cols]``; backward writes the lower
+      triangle and adds the transpose.
+    - ``gather``: ``gather`` on the flattened Gram matrix; backward scatters the gradient
+      into both triangles at once (no transpose added).
     """
 
     @staticmethod
-    def forward(ctx, z, rows, cols):
+    def forward(ctx, z, rows, cols, impl: str):
+        b, n = z.shape[0], z.shape[1]
         ctx.save_for_backward(z, rows, cols)
-        return torch.bmm(z, z.transpose(1, 2))[:, rows, cols]
+        ctx.impl = impl
+        gram = torch.bmm(z, z.transpose(1, 2))
+        if impl == "gather":
+            return torch.gather(gram.view(b, n * n), 1, (rows * n + cols).expand(b, -1))
+        return gram[:, rows, cols]
 
     @staticmethod
     def backward(ctx, grad_out):
         z, rows, cols = ctx.saved_tensors
-        n = z.shape[1]
-        sym = grad_out.new_zeros(z.shape[0], n, n)
-        sym[:, rows, cols] = grad_out
-        sym = sym + sym.transpose(1, 2)
-        return torch.bmm(sym, z), None, None
+        b, n = z.shape[0], z.shape[1]
+        if ctx.impl == "gather":
+            both = torch.cat([rows * n + cols, cols * n + rows])  # disjoint: off the diagonal
+            sym = grad_out.new_zeros(b, n * n)
+            sym.scatter_(1, both.expand(b, -1), torch.cat([grad_out, grad_out], dim=1))
+            sym = sym.view(b, n, n)
+        else:
+            sym = grad_out.new_zeros(b, n, n)
+            sym[:, rows, cols] = grad_out
+            sym = sym + sym.transpose(1, 2)
+        return torch.bmm(sym, z), None, None, None
+
+
+INTERACTION_IMPLS = ("index", "gather")
 
 
 class DotInteraction(nn.Module):
@@ -36,27 +61,87 @@ class DotInteraction(nn.Module):
 
     Inputs: ``dense`` ``[B, D]`` (bottom-MLP output) and ``sparse`` ``[B, F, D]``
     (pooled embeddings). Output ``[B, D + (F+1)F/2]``: the dense vector followed
-    by the dot products of every distinct pair among the F+1 vectors.
+    by the dot products of every distinct pair among the F+1 vectors. Under bf16
+    autocast both are cast before they are stacked and the Gram matrix is bf16.
     """
 
-    def __init__(self, num_features: int) -> None:
+    def __init__(self, num_features: int, dim: int | None = None) -> None:
         super().__init__()
+        self.num_features, self.dim = num_features, dim  # (dim: for timing; None: unknown)
         n = num_features + 1
         rows, cols = torch.tril_indices(n, n, offset=-1)
         self.register_buffer("rows", rows, persistent=False)
         self.register_buffer("cols", cols, persistent=False)
+        self.impl = "index"
+        """How the entries are picked (``INTERACTION_IMPLS``); set by :func:`tune_interactions`."""
 
     @staticmethod
     def output_dim(num_features: int, dim: int) -> int:
         return dim + (num_features + 1) * num_features // 2
 
     def forward(self, dense: torch.Tensor, sparse: torch.Tensor) -> torch.Tensor:
-        z = torch.cat([dense.unsqueeze(1), sparse], dim=1)
-        low = compute_dtype(z.device)  # bf16 precision: the Gram matrix in bf16 too
+        low = compute_dtype(dense.device)  # bf16 precision: cast first, stack in bf16
         if low is not None:
-            z, dense = z.to(low), dense.to(low)
+            dense, sparse = dense.to(low), sparse.to(low)
+        z = torch.cat([dense.unsqueeze(1), sparse.to(dense.dtype)], dim=1)
         with torch.autocast(z.device.type, enabled=False):
-            return torch.cat([dense, _PairwiseDot.apply(z, self.rows, self.cols)], dim=1)
+            return torch.cat([dense.to(z.dtype), _PairwiseDot.apply(z, self.rows, self.cols, self.impl)], dim=1)
+
+
+def time_dot_interaction(batch: int, num_features: int, dim: int, impls: list[str], *,
+                         device: str = "cpu", dtype: str = "float32", reps: int = 3,
+                         budget_s: float = 0.2) -> dict[str, float]:
+    """Seconds of one forward and backward of :class:`DotInteraction` with each of
+    ``impls`` (alternating, best of up to ``reps`` after a warm-up)."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    low = getattr(torch, dtype)
+    dense = torch.randn(batch, dim, device=device, generator=gen).requires_grad_()
+    sparse = torch.randn(batch, num_features, dim, device=device, generator=gen).requires_grad_()
+    mod = DotInteraction(num_features).to(device)
+
+    def once(impl: str) -> float:
+        mod.impl = impl
+        start = time.perf_counter()
+        with torch.autocast(torch.device(device).type, dtype=low if low != torch.float32 else torch.bfloat16,
+                            enabled=low != torch.float32):
+            out = mod(dense, sparse)
+        out.sum().backward()
+        if torch.device(device).type == "cuda":
+            torch.cuda.synchronize(device)
+        return time.perf_counter() - start
+
+    spent = sum(once(i) for i in impls)
+    best = {i: float("inf") for i in impls}
+    for _ in range(reps):
+        for i in impls:
+            t = once(i)
+            best[i], spent = min(best[i], t), spent + t
+        if spent > budget_s:
+            break
+    return best
+
+
+def tune_interactions(model: nn.Module, batch: int, *, mode: str = "auto", device: str = "cpu",
+                      dtype: str = "float32", agree=None) -> list[Choice]:
+    """Choose every :class:`DotInteraction` of ``model``'s implementation by measurement
+    at ``batch`` rows (``mode`` and ``agree`` as for :func:`~hybridrec.model.mlp.tune_mlps`;
+    the ``torch``/``onednn`` overrides concern the linears and leave this measured)."""
+    mods = [(name, m) for name, m in model.named_modules()
+            if isinstance(m, DotInteraction) and m.dim is not None]
+    if not mods:
+        return []
+    keys = {name: f"dot_interaction {device} {dtype} {batch}x{m.num_features + 1}x{m.dim}" for name, m in mods}
+    shape = {keys[name]: (m.num_features, m.dim) for name, m in mods}
+    got = choose([(k, list(INTERACTION_IMPLS), None) for k in dict.fromkeys(keys.values())],
+                 lambda key, cands, budget: time_dot_interaction(batch, *shape[key], cands, device=device,
+                                                                 dtype=dtype, budget_s=budget),
+                 mode="measure" if mode == "measure" else "auto")
+    picks = {name: got[keys[name]].impl for name, _ in mods}
+    if agree is not None:
+        picks = agree(picks)
+    for name, m in mods:
+        m.impl = picks[name]
+    return [got[k] for k in dict.fromkeys(keys.values())]
 
 
 class CatInteraction(nn.Module):
@@ -74,7 +159,7 @@ def make_interaction(kind: str, num_features: int, dim: int) -> tuple[nn.Module,
     """``(module, output width)`` of interaction ``kind`` (``dot`` or ``cat``) over the
     bottom-MLP output and ``num_features`` pooled vectors of width ``dim``."""
     if kind == "dot":
-        return DotInteraction(num_features), DotInteraction.output_dim(num_features, dim)
+        return DotInteraction(num_features, dim), DotInteraction.output_dim(num_features, dim)
     if kind == "cat":
         return CatInteraction(), CatInteraction.output_dim(num_features, dim)
     raise ValueError(f"unknown interaction {kind!r} (dot or cat)")

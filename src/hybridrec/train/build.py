@@ -32,7 +32,7 @@ from hybridrec.metrics.throughput import RunTotals
 from hybridrec.model.deepfm import DeepFM
 from hybridrec.model.dlrm import DLRM
 from hybridrec.model.embedding import EmbeddingBagCollection, TableConfig
-from hybridrec.model.interaction import make_interaction
+from hybridrec.model.interaction import make_interaction, tune_interactions
 from hybridrec.model.kernels import cache_path, machine_id
 from hybridrec.model.mlp import tune_mlps
 from hybridrec.train.config import CompressConfig, Config, workers_problem
@@ -366,10 +366,13 @@ def tune_kernels(cfg: Config, model: torch.nn.Module, topo: Topology,
 
     choices = tune_mlps(model, cfg.data.batch_size, mode=cfg.train.kernels, device=device, dtype=dtype,
                         agree=agree if topo.world_size > 1 else None)
+    dots = tune_interactions(model, cfg.data.batch_size, mode=cfg.train.kernels, device=device, dtype=dtype,
+                             agree=agree if topo.world_size > 1 else None)
     rows = (sparse_opt.tune_kernels(cfg.data.batch_size * topo.world_size, mode=cfg.train.kernels)
             if sparse_opt is not None else [])
     return {"mode": cfg.train.kernels, "machine": machine_id(), "cache": str(cache_path()),
-            "linear": [c.to_dict() for c in choices], "embedding_update": [c.to_dict() for c in rows]}
+            "linear": [c.to_dict() for c in choices], "interaction": [c.to_dict() for c in dots],
+            "embedding_update": [c.to_dict() for c in rows]}
 
 
 RUN_FILES = ("summary.json", "eval.json", "plan.json", "metrics.jsonl")
