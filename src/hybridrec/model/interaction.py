@@ -7,7 +7,7 @@ import time
 import torch
 from torch import nn
 
-from hybridrec.model.kernels import Choice, choose, compute_dtype
+from hybridrec.model.kernels import Choice, choose, compute_dtype, race
 
 
 class _PairwiseDot(torch.autograd.Function):
@@ -89,10 +89,10 @@ class DotInteraction(nn.Module):
 
 
 def time_dot_interaction(batch: int, num_features: int, dim: int, impls: list[str], *,
-                         device: str = "cpu", dtype: str = "float32", reps: int = 3,
+                         device: str = "cpu", dtype: str = "float32", reps: int = 5,
                          budget_s: float = 0.2) -> dict[str, float]:
     """Seconds of one forward and backward of :class:`DotInteraction` with each of
-    ``impls`` (alternating, best of up to ``reps`` after a warm-up)."""
+    ``impls`` (:func:`~hybridrec.model.kernels.race`)."""
     gen = torch.Generator(device=device).manual_seed(0)
     low = getattr(torch, dtype)
     dense = torch.randn(batch, dim, device=device, generator=gen).requires_grad_()
@@ -110,15 +110,7 @@ def time_dot_interaction(batch: int, num_features: int, dim: int, impls: list[st
             torch.cuda.synchronize(device)
         return time.perf_counter() - start
 
-    spent = sum(once(i) for i in impls)
-    best = {i: float("inf") for i in impls}
-    for _ in range(reps):
-        for i in impls:
-            t = once(i)
-            best[i], spent = min(best[i], t), spent + t
-        if spent > budget_s:
-            break
-    return best
+    return race(impls, once, reps=reps, budget_s=budget_s)
 
 
 def tune_interactions(model: nn.Module, batch: int, *, mode: str = "auto", device: str = "cpu",
@@ -135,7 +127,7 @@ def tune_interactions(model: nn.Module, batch: int, *, mode: str = "auto", devic
     got = choose([(k, list(INTERACTION_IMPLS), None) for k in dict.fromkeys(keys.values())],
                  lambda key, cands, budget: time_dot_interaction(batch, *shape[key], cands, device=device,
                                                                  dtype=dtype, budget_s=budget),
-                 mode="measure" if mode == "measure" else "auto")
+                 mode="measure" if mode == "measure" else "auto", budget_s=0.3)
     picks = {name: got[keys[name]].impl for name, _ in mods}
     if agree is not None:
         picks = agree(picks)

@@ -194,12 +194,26 @@ def _write_cache(path: Path, new: dict) -> None:
             pass
 
 
-def time_linears(shape: LinearShape, impls: list[str], *, reps: int = 3,
+def race(impls: list[str], once, *, reps: int = 5, budget_s: float = 0.2, warmups: int = 1) -> dict[str, float]:
+    """``{impl: seconds}``: the fastest of up to ``reps`` rounds of ``once(impl)`` (which
+    times one call and returns seconds) after ``warmups`` untimed rounds (first calls
+    create oneDNN primitives, fault pages in, grow allocator pools); fewer rounds when they
+    would exceed ``budget_s``, at least one. Rounds alternate the candidates, so that a
+    load that comes and goes weighs on all of them alike."""
+    spent = sum(once(i) for _ in range(warmups) for i in impls)
+    best = {i: float("inf") for i in impls}
+    for _ in range(reps):
+        for i in impls:
+            t = once(i)
+            best[i], spent = min(best[i], t), spent + t
+        if spent > budget_s:
+            break
+    return best
+
+
+def time_linears(shape: LinearShape, impls: list[str], *, reps: int = 5,
                  budget_s: float = 0.2) -> dict[str, float]:
-    """Seconds of one forward and backward of each of ``impls`` on ``shape``: the fastest
-    of up to ``reps`` rounds after a warm-up round (fewer when they would exceed
-    ``budget_s``). Rounds alternate the candidates, so that a load that comes and goes
-    weighs on all of them alike."""
+    """Seconds of one forward and backward of each of ``impls`` on ``shape`` (:func:`race`)."""
     dev, dtype = torch.device(shape.device), getattr(torch, shape.dtype)
     gen = torch.Generator(device=dev).manual_seed(0)
     x = torch.randn(shape.batch, shape.fan_in, device=dev, generator=gen).requires_grad_(shape.input_grad)
@@ -219,16 +233,7 @@ def time_linears(shape: LinearShape, impls: list[str], *, reps: int = 3,
             torch.cuda.synchronize(dev)
         return time.perf_counter() - start
 
-    first = {i: once(i) for i in impls}  # warm-up: oneDNN creates its primitives here
-    best = {i: float("inf") for i in impls}
-    spent = sum(first.values())
-    for _ in range(reps):
-        for i in impls:
-            t = once(i)
-            best[i], spent = min(best[i], t), spent + t
-        if spent > budget_s:
-            break
-    return best
+    return race(impls, once, reps=reps, budget_s=budget_s)
 
 
 @dataclass
@@ -277,7 +282,7 @@ def choose(items: list[tuple[str, list[str], str | None]], timer, *, mode: str =
 
 
 def choose_linears(shapes: Iterable[LinearShape], *, mode: str = "auto",
-                   budget_s: float = 0.5) -> dict[LinearShape, Choice]:
+                   budget_s: float = 0.6) -> dict[LinearShape, Choice]:
     """Each distinct shape's linear: ``mode`` ``torch``/``onednn`` where it fits, else by
     :func:`choose` (cached, or timed by :func:`time_linears`)."""
     shapes = list(dict.fromkeys(shapes))
@@ -313,11 +318,10 @@ def rows_add_key(weight: torch.Tensor, nnz: int) -> str:
     return f"rows_add {weight.device.type} {str(weight.dtype).removeprefix('torch.')} {rows}x{dim} +{nnz}"
 
 
-def time_rows_add(weight: torch.Tensor, nnz: int, impls: list[str], *, reps: int = 3,
+def time_rows_add(weight: torch.Tensor, nnz: int, impls: list[str], *, reps: int = 5,
                   budget_s: float = 0.1) -> dict[str, float]:
     """Seconds of adding ``nnz`` rows at random ids into ``weight`` with each of ``impls``
-    (alternating, best of up to ``reps`` after a warm-up). Adds zeros: the table keeps its
-    values (a -0.0 may become +0.0)."""
+    (:func:`race`). Adds zeros: the table keeps its values (a -0.0 may become +0.0)."""
     gen = torch.Generator(device=weight.device).manual_seed(0)
     ids = torch.randint(0, weight.shape[0], (nnz,), generator=gen, device=weight.device)
     delta = torch.zeros(nnz, weight.shape[1], dtype=weight.dtype, device=weight.device)
@@ -330,19 +334,11 @@ def time_rows_add(weight: torch.Tensor, nnz: int, impls: list[str], *, reps: int
             torch.cuda.synchronize(weight.device)
         return time.perf_counter() - start
 
-    spent = sum(once(i) for i in impls)
-    best = {i: float("inf") for i in impls}
-    for _ in range(reps):
-        for i in impls:
-            t = once(i)
-            best[i], spent = min(best[i], t), spent + t
-        if spent > budget_s:
-            break
-    return best
+    return race(impls, once, reps=reps, budget_s=budget_s)
 
 
 def choose_rows_add(weights: list[tuple[torch.Tensor, int]], *, mode: str = "auto",
-                    budget_s: float = 0.3) -> list[Choice]:
+                    budget_s: float = 0.2) -> list[Choice]:
     """The row update of each ``(table weight, rows added per step)``, by :func:`choose`."""
     keys = {rows_add_key(w, n): (w, n) for w, n in weights if w.numel() and n}
     got = choose([(k, list(ROW_ADDS), None) for k in keys],
