@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from throughput import machine, prepare_data  # this folder's: data and the CPU model
+from throughput import bench_parser, machine, prepare_data  # this folder's: arguments, data, CPU model
 
 ROOT = Path(__file__).resolve().parents[1]
 PHASES = ("forward", "embeddings", "bottom_mlp", "interaction", "top_mlp", "backward", "grad_sync",
@@ -37,13 +37,7 @@ NESTED = {"embeddings", "bottom_mlp", "interaction", "top_mlp"}  # inside forwar
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    p.add_argument("--out", default=str(ROOT / "benchmarks/out/profile"), help="work directory")
-    p.add_argument("--rows", type=int, default=200_000, help="training rows to synthesize")
-    p.add_argument("--multi-hot", type=int, default=0, help="ids per feature (0 = one-hot)")
-    p.add_argument("--batch-size", type=int, default=2048, help="per rank")
-    p.add_argument("--nproc", type=int, default=1, help="local ranks (torchrun)")
+    p = bench_parser(__doc__, "benchmarks/out/profile", 200_000)
     p.add_argument("--precision", action="append", choices=["fp32", "bf16"],
                    help="train.precision (repeatable; default: fp32 and bf16)")
     p.add_argument("--steps", type=int, default=20, help="profiled steps")

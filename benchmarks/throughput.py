@@ -37,14 +37,21 @@ PEER_SCRIPT = ROOT / "benchmarks/peers/torchrec_dlrm.py"
 TABLE_ROWS = 100_000
 
 
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    p.add_argument("--out", default=str(ROOT / "benchmarks/out/throughput"), help="work directory")
-    p.add_argument("--rows", type=int, default=400_000, help="training rows to synthesize")
+def bench_parser(doc: str, out: str, rows: int) -> argparse.ArgumentParser:
+    """The arguments every script on the benchmark model takes: work directory, data, batch
+    and ranks (``doc``: the script's docstring)."""
+    p = argparse.ArgumentParser(description=doc.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=doc)
+    p.add_argument("--out", default=str(ROOT / out), help="work directory")
+    p.add_argument("--rows", type=int, default=rows, help="training rows to synthesize")
     p.add_argument("--multi-hot", type=int, default=0, help="ids per feature (0 = one-hot)")
     p.add_argument("--batch-size", type=int, default=2048, help="per rank")
     p.add_argument("--nproc", type=int, default=1, help="local ranks (torchrun; TorchRec: DMP)")
+    return p
+
+
+def parse_args(argv=None):
+    p = bench_parser(__doc__, "benchmarks/out/throughput", 400_000)
     p.add_argument("--sharding", default="table_wise", help="hybridrec's dist.sharding with --nproc > 1")
     p.add_argument("--steps", type=int, default=60, help="timed steps per run")
     p.add_argument("--warmup", type=int, default=10, help="untimed steps first")

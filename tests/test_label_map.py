@@ -72,12 +72,15 @@ def test_numbers_listed_as_classes_match_a_numeric_parquet_column(tmp_path):
     ([">50K", None], "parquet", "a.parquet: row 2: field y (column 3)", "missing label"),
 ])
 def test_a_value_in_no_class_names_file_row_and_value(tmp_path, labels, fmt, where, why):
-    spec = TabularSpec.load(schema(tmp_path, **CLASSES))
+    _expect_error(tmp_path, TabularSpec.load(schema(tmp_path, **CLASSES)), labels, fmt, f"{where}: {why}")
+
+
+def _expect_error(tmp_path, spec, labels, fmt, message):
     path, reader = ((csv_file(tmp_path, labels), CsvReader(spec=spec)) if fmt == "csv"
                     else (parquet_file(tmp_path, labels), ParquetReader(spec=spec)))
     with pytest.raises(DataError) as e:
         labels_of(reader, path)
-    assert str(e.value).startswith(f"{tmp_path}/{where}: {why}"), str(e.value)
+    assert str(e.value).startswith(f"{tmp_path}/{message}"), str(e.value)
 
 
 # -- threshold ----------------------------------------------------------------------------
@@ -100,12 +103,7 @@ def test_a_threshold_maps_numbers(tmp_path):
     (["5", "x"], "parquet", "a.parquet: row 2: field y (column 3)", "label 'x' is not a finite number"),
 ])
 def test_a_value_that_is_no_number_names_file_row_and_value(tmp_path, labels, fmt, where, why):
-    spec = TabularSpec.load(schema(tmp_path, label_threshold=4))
-    path, reader = ((csv_file(tmp_path, labels), CsvReader(spec=spec)) if fmt == "csv"
-                    else (parquet_file(tmp_path, labels), ParquetReader(spec=spec)))
-    with pytest.raises(DataError) as e:
-        labels_of(reader, path)
-    assert str(e.value).startswith(f"{tmp_path}/{where}: {why}"), str(e.value)
+    _expect_error(tmp_path, TabularSpec.load(schema(tmp_path, label_threshold=4)), labels, fmt, f"{where}: {why}")
 
 
 def test_bad_rows_can_be_skipped_and_counted(tmp_path):
