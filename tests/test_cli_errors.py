@@ -133,6 +133,25 @@ def test_full_disk_while_saving_a_checkpoint(data, tmp_path, capsys):
                         r"failed: No space left on device", line), line
 
 
+def test_a_summary_that_cannot_be_written_still_shows_the_results(data, tmp_path, capsys, monkeypatch):
+    from hybridrec.train import run
+
+    real = run.write_json_atomic
+
+    def full(path, obj, **kw):
+        if Path(path).name == "summary.json":
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        return real(path, obj, **kw)
+
+    monkeypatch.setattr(run, "write_json_atomic", full)
+    code = main(train_args(data, tmp_path / "run"))
+    out = capsys.readouterr()
+    assert code == 2
+    assert out.err.strip().splitlines()[-1] == f"hybridrec: error: {tmp_path / 'run' / 'summary.json'}: No space left on device"
+    assert re.search(r"^AUC\s+0\.\d{4}", out.out, re.M), out.out  # the table was printed first
+    assert not (tmp_path / "run" / "summary.json").exists()
+
+
 def _fill(directory: Path) -> None:
     """Fill the file system of ``directory`` to the last byte."""
     with open(directory / "filler", "wb", buffering=0) as f:

@@ -77,7 +77,12 @@ def _train(args) -> int:
         return _launch(cfg, args)
     from hybridrec.train.run import train
 
-    summary = train(cfg)
+    try:
+        summary = train(cfg)
+    except OSError as e:
+        if getattr(e, "summary", None) is not None:  # trained, but summary.json failed: the numbers
+            print(format_results(e.summary))
+        raise
     if int(os.environ.get("RANK", "0")) == 0:
         if "already_finished" in summary:
             print(summary["already_finished"])

@@ -377,7 +377,7 @@ def apply_dict(cfg: Config, data: dict, *, source: str) -> None:
 def load_file(path: str | Path) -> dict:
     p = Path(path)
     if not p.is_file():
-        raise ConfigError(f"config file {p} does not exist")
+        raise ConfigError(f"{p}: config file does not exist")
     try:
         if p.suffix == ".json":
             return json.loads(p.read_text())

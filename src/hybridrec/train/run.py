@@ -118,7 +118,11 @@ def _train(cfg: Config, meta, topo, shown: str, started_at: str, clock: float, e
     summary = {**run_summary(trainer, result, meta, cfg, shown=shown, started_at=started_at,
                              clock=clock), **(extra_summary or {})}
     if topo.rank == 0:
-        write_json_atomic(run_dir / "summary.json", summary)
+        try:
+            write_json_atomic(run_dir / "summary.json", summary)
+        except OSError as e:
+            e.summary = summary  # the run's numbers, for the caller to show before the error
+            raise
     return summary
 
 
