@@ -181,3 +181,37 @@ def test_a_taken_rendezvous_port_is_one_line(data, tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and err[-1] == f"hybridrec: error: localhost:{port}: address already in use (dist.port; 0 picks a free port)"
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_servers_that_cannot_hold_their_shards_refuse_before_allocating(data, tmp_path, capsys):
+    code = main(["train", f"data.path={data}", "dist.num_ps=1", "train.memory_limit_gb=0.0001",
+                 f"train.run_dir={tmp_path / 'run'}", *SMALL])
+    err = capsys.readouterr().err
+    assert code != 0
+    assert ("not enough memory: the 1 parameter server(s) on this machine need " in err
+            and "train.memory_limit_gb=0.0001 is 100.0 kB; add servers" in err), err
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_a_server_counts_only_the_servers_of_its_machine(data):
+    """torchrun over machines: each server checks its own machine's servers."""
+    from hybridrec.data.schema import DatasetMeta
+    from hybridrec.parallel.topology import Topology
+    from hybridrec.train.build import build_tables
+    from hybridrec.train.config import build_config
+    from hybridrec.train.ps_run import ps_plan, server_memory_problem
+
+    cfg = build_config(None, [], [f"data.path={data}", "dist.num_ps=2", "dist.ps_sharding=row_wise"])
+    plan = ps_plan(cfg, build_tables(DatasetMeta.load(data), cfg), 2)
+
+    def need(rank, local):
+        topo = Topology(rank, 2, rank % local, local, torch.device("cpu"), "none", None, None)
+        text = server_memory_problem(cfg, plan, topo)
+        return text.split(" need ")[1].split(" (")[0], text.split(" on this machine")[0]
+
+    cfg.train.memory_limit_gb = 1e-6
+    (alone, who1), (both, who2) = need(1, 1), need(0, 2)
+    assert who1.endswith("the 1 parameter server(s)") and who2.endswith("the 2 parameter server(s)")
+    assert float(both.split()[0]) > 1.9 * float(alone.split()[0])  # two halves of every table
+    cfg.train.memory_limit_gb = 100.0
+    assert server_memory_problem(cfg, plan, Topology(0, 2, 0, 2, torch.device("cpu"), "none", None, None)) is None

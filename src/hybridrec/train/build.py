@@ -433,14 +433,14 @@ def memory_problem(cfg: Config, meta: DatasetMeta, *, world_size: int = 1, local
     if limit is None or need <= limit:
         return None
     if world_size == 1:
-        what = (f"this run needs {_size(need)} (embedding tables with their {cfg.optim.sparse} state "
-                f"{_size(sparse[0])}, dense model {_size(dense)})")
+        what = (f"this run needs {size_text(need)} (embedding tables with their {cfg.optim.sparse} state "
+                f"{size_text(sparse[0])}, dense model {size_text(dense)})")
     else:
         big = max(ranks, key=lambda r: sparse[r])
-        what = (f"the {len(ranks)} ranks on this machine need {_size(need)} (the largest, rank {big}: "
-                f"embedding shards with their {cfg.optim.sparse} state {_size(sparse[big])}, "
-                f"dense model {_size(dense)})")
-    return (f"not enough memory: {what}, {source} is {_size(limit)}; train on more ranks "
+        what = (f"the {len(ranks)} ranks on this machine need {size_text(need)} (the largest, rank {big}: "
+                f"embedding shards with their {cfg.optim.sparse} state {size_text(sparse[big])}, "
+                f"dense model {size_text(dense)})")
+    return (f"not enough memory: {what}, {source} is {size_text(limit)}; train on more ranks "
             f"(dist.nproc=N, or torchrun over more machines), split the tables' rows over them "
             f"(dist.sharding=row_wise), or make the tables smaller "
             f"(hybridrec data preprocess --table-size N)")
@@ -504,7 +504,7 @@ def _cgroup_memory_left() -> int | None:
     return None
 
 
-def _size(n: float) -> str:
+def size_text(n: float) -> str:
     for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
         if n >= scale:
             return f"{n / scale:,.1f} {unit}"

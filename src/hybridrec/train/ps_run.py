@@ -10,7 +10,9 @@ import torch.distributed.rpc as rpc
 
 from hybridrec.data.schema import DatasetMeta
 from hybridrec.model.embedding import TableConfig
-from hybridrec.parallel.checkpoint_io import agree
+from hybridrec.errors import ConfigError
+from hybridrec.parallel.checkpoint_io import agree, gather
+from hybridrec.parallel.cost_model import memory_by_rank
 from hybridrec.parallel.plan import ShardingPlan
 from hybridrec.parallel.topology import Topology
 from hybridrec.ps import server as srv
@@ -37,8 +39,14 @@ def run_server(cfg: Config, meta: DatasetMeta, r: Roles) -> dict:
 
     topo = init_world(r, timeout_s=cfg.dist.timeout_s)
     tables = build_tables(meta, cfg)
+    plan = ps_plan(cfg, tables, r.num_ps)
+    # Before the shards are allocated; every server raises the same error (trainers then
+    # see a server gone and end with one line).
+    problems = sorted({p for p in gather(topo, server_memory_problem(cfg, plan, topo)) if p})
+    if problems:
+        raise ConfigError("; ".join(problems))
     kwargs = {} if cfg.optim.sparse == "sgd" else {"eps": cfg.optim.eps}
-    server = srv.EmbeddingServer(tables, ps_plan(cfg, tables, r.num_ps), topo,
+    server = srv.EmbeddingServer(tables, plan, topo,
                                  optimizer=lambda ebc: combined_sparse_optimizer(
                                      cfg.optim.sparse, ebc, lr=cfg.optim.sparse_lr, **kwargs),
                                  num_trainers=r.num_trainers,
@@ -50,6 +58,36 @@ def run_server(cfg: Config, meta: DatasetMeta, r: Roles) -> dict:
     print(f"parameter server {r.name}: {rows:,} rows of {len(tables)} tables", file=sys.stderr, flush=True)
     shutdown()
     return {"server": r.name, "pushes": server.version}
+
+
+def server_memory_problem(cfg: Config, plan: ShardingPlan, topo: Topology) -> str | None:
+    """Why the parameter servers on this server's machine cannot hold their shards with
+    their sparse optimizer state (the planner's estimate against ``train.memory_limit_gb``
+    or else the memory available now), or None when they fit."""
+    from hybridrec.train.build import memory_limit, size_text
+
+    need_by = memory_by_rank(plan, cfg.optim.sparse)
+    host = topo.rank // topo.local_world_size
+    ranks = range(host * topo.local_world_size, min(topo.world_size, (host + 1) * topo.local_world_size))
+    need = sum(need_by[r] for r in ranks)
+    limit, source = memory_limit(cfg)
+    if limit is None or need <= limit:
+        return None
+    return (f"not enough memory: the {len(ranks)} parameter server(s) on this machine need {size_text(need)} "
+            f"(embedding shards with their {cfg.optim.sparse} state), {source} is {size_text(limit)}; "
+            f"add servers (dist.num_ps=P, or servers on more machines) or make the tables smaller "
+            f"(hybridrec data preprocess --table-size N)")
+
+
+def local_servers_memory_problem(cfg: Config, meta: DatasetMeta) -> str | None:
+    """:func:`server_memory_problem` of a local launch: every server on this machine."""
+    import torch
+
+    from hybridrec.train.build import build_tables
+
+    n = cfg.dist.num_ps
+    shape = Topology(0, n, 0, n, torch.device("cpu"), "none", None, None)
+    return server_memory_problem(cfg, ps_plan(cfg, build_tables(meta, cfg), n), shape)
 
 
 class ServerCheckpoints:

@@ -211,7 +211,12 @@ def preflight(cfg: Config, *, world_size: int) -> tuple[dict | None, str]:
         finished = inspect_run_dir(cfg, meta, world_size=world_size, shown=shown)
         if finished is not None and not cfg.train.reevaluate:
             return finished, shown
-    problem = memory_problem(cfg, meta, world_size=world_size, local_world_size=world_size)
+    if cfg.dist.num_ps:  # the tables live on the servers
+        from hybridrec.train.ps_run import local_servers_memory_problem
+
+        problem = local_servers_memory_problem(cfg, meta)
+    else:
+        problem = memory_problem(cfg, meta, world_size=world_size, local_world_size=world_size)
     if problem:
         raise ConfigError(problem)
     if not cfg.train.run_dir:
