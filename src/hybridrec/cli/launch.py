@@ -39,7 +39,8 @@ _TIMED_OUT = re.compile(r"Timed out waiting \d+ ?ms[^.\n]*|timed out after [^.\n
 _COMM_MARKS = ("gloo", "c10d", "ProcessGroup", "TCPStore", "nccl", "NCCL")
 
 
-def run_local_ranks(nproc: int, argv: Sequence[str], *, servers: int = 0, port: int = 0) -> int:
+def run_local_ranks(nproc: int, argv: Sequence[str], *, servers: int = 0, port: int = 0,
+                    max_restarts: int = 0, injection_marker: str | None = None) -> int:
     """Run ``python -m hybridrec ARGV`` as ``nproc`` local ranks (a standalone c10d
     rendezvous, as ``torchrun --standalone --nproc-per-node=NPROC``); returns the exit
     status: 0, or the failing rank's (1 when it was killed by a signal) after printing
@@ -48,7 +49,11 @@ def run_local_ranks(nproc: int, argv: Sequence[str], *, servers: int = 0, port: 
     ``servers``: the last ranks are parameter servers (named so in that line; the RPC
     agent's own C++ warnings about closed connections stay quiet without --debug).
     ``port``: the rendezvous port on this machine (0: a free one); a port in use is a
-    :class:`~hybridrec.errors.ConfigError` before anything starts."""
+    :class:`~hybridrec.errors.ConfigError` before anything starts.
+    ``max_restarts``: after a failure the agent stops every rank and starts them all again,
+    this many times at most (the ranks resume from the run's newest checkpoint).
+    ``injection_marker``: where ``train.inject_failure`` records the pid it killed, so that
+    the line says the kill was injected."""
     import torch.distributed.run as torchrun
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -58,7 +63,7 @@ def run_local_ranks(nproc: int, argv: Sequence[str], *, servers: int = 0, port: 
 
     with tempfile.TemporaryDirectory(prefix="hybridrec-ranks-") as logs:
         args = torchrun.parse_args([f"--nproc-per-node={nproc}", f"--log-dir={logs}",
-                                    "-m", "hybridrec", *argv])
+                                    f"--max-restarts={max_restarts}", "-m", "hybridrec", *argv])
         # --standalone, as torchrun.run sets it: a rendezvous on a free local port.
         if port:
             check_port_free(port)
@@ -68,6 +73,11 @@ def run_local_ranks(nproc: int, argv: Sequence[str], *, servers: int = 0, port: 
             env["TORCH_CPP_LOG_LEVEL"] = "ERROR"
         if "OMP_NUM_THREADS" not in os.environ:  # torchrun's default for several ranks, silently
             env["OMP_NUM_THREADS"] = "1"
+        if max_restarts and "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in os.environ:
+            # The agent's shared store keeps the previous attempt's keys, under which the
+            # restarted ranks find dead peers' addresses (pytorch/pytorch#135712): rank 0
+            # of every attempt hosts a new store instead.
+            env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
         with _environ(env), _signal_handlers_kept(), _agent_quiet(not debug_enabled()):
             config, entrypoint, entry_args = torchrun.config_from_args(args)
             try:
@@ -75,7 +85,8 @@ def run_local_ranks(nproc: int, argv: Sequence[str], *, servers: int = 0, port: 
             except ChildFailedError as e:
                 if debug_enabled():
                     print(e, file=sys.stderr)
-                line, status = failure_line(e.failures, servers_from=nproc - servers if servers else None)
+                line, status = failure_line(e.failures, servers_from=nproc - servers if servers else None,
+                                            injected_pid=_injected_pid(injection_marker))
                 if status != BROKEN_PIPE:  # output cut short (`| head`): ends quietly, as one process does
                     _say(f"hybridrec: error: {line}")
                 return status
@@ -103,11 +114,23 @@ def check_port_free(port: int) -> None:
             raise ConfigError(f"localhost:{port}: {why} (dist.port; 0 picks a free port)") from None
 
 
-def failure_line(failures: dict, servers_from: int | None = None) -> tuple[str, int]:
+def _injected_pid(marker: str | None) -> int | None:
+    """The pid ``train.inject_failure`` killed, from its marker file (None: none)."""
+    if not marker:
+        return None
+    from hybridrec.train.faults import read_marker
+
+    pid = (read_marker(os.path.dirname(marker)) or {}).get("pid")
+    return pid if isinstance(pid, int) else None
+
+
+def failure_line(failures: dict, servers_from: int | None = None,
+                 injected_pid: int | None = None) -> tuple[str, int]:
     """The line that says which rank ended the run and how, and the exit status to return,
     from the agent's ``{rank: ProcessFailure}``. The ranks it stopped (SIGTERM) and those
     that only lost their peers (:data:`PEER_LOST`) are not the cause unless nothing else
-    failed. ``servers_from``: the first rank that is a parameter server."""
+    failed. ``servers_from``: the first rank that is a parameter server. ``injected_pid``:
+    the process ``train.inject_failure`` killed (its SIGKILL is named as injected)."""
     def label(r: int) -> str:
         return f"parameter server ps{r - servers_from} (rank {r})" if servers_from is not None and r >= servers_from \
             else f"rank {r}"
@@ -124,7 +147,9 @@ def failure_line(failures: dict, servers_from: int | None = None) -> tuple[str, 
         except ValueError:
             name = f"signal {-first.exitcode}"
         line = f"{label(rank)} (pid {first.pid}) was killed by {name}"
-        if first.exitcode == -signal.SIGKILL:
+        if first.exitcode == -signal.SIGKILL and injected_pid is not None and first.pid == injected_pid:
+            line += " (injected: train.inject_failure)"
+        elif first.exitcode == -signal.SIGKILL:
             line += " (the kernel's out-of-memory killer sends it, among others)"
         return line, 1
     same = [r for r, f in causes if f.exitcode == first.exitcode]

@@ -73,7 +73,7 @@ def _train(args) -> int:
 
         print(json.dumps(cfg.to_dict(), indent=2))
         return 0
-    if cfg.dist.nproc + cfg.dist.num_ps > 1 and "RANK" not in os.environ:
+    if (cfg.dist.nproc + cfg.dist.num_ps > 1 or cfg.dist.max_restarts) and "RANK" not in os.environ:
         return _launch(cfg, args)
     from hybridrec.train.run import train
 
@@ -128,9 +128,14 @@ def _launch(cfg, args) -> int:
     argv += list(args.overrides)
     if not named:  # the new directory preflight made, the same for every process
         argv.append(f"train.run_dir={run_dir}")
-    what = f"{cfg.dist.nproc} ranks" + (f" and {servers} parameter servers" if servers else "")
+    what = f"{cfg.dist.nproc} rank{'s' if cfg.dist.nproc > 1 else ''}" + (
+        f" and {servers} parameter servers" if servers else "") + (
+        f", restarted up to {cfg.dist.max_restarts} times" if cfg.dist.max_restarts else "")
     print(f"launching {what}: hybridrec {' '.join(argv)}", file=sys.stderr, flush=True)
-    return run_local_ranks(nproc, argv, servers=servers, port=cfg.dist.port)
+    from hybridrec.train.faults import MARKER
+
+    return run_local_ranks(nproc, argv, servers=servers, port=cfg.dist.port, max_restarts=cfg.dist.max_restarts,
+                           injection_marker=os.path.join(cfg.train.run_dir, MARKER))
 
 
 def _eval(args) -> int:

@@ -375,7 +375,7 @@ def tune_kernels(cfg: Config, model: torch.nn.Module, topo: Topology,
             "embedding_update": [c.to_dict() for c in rows]}
 
 
-RUN_FILES = ("summary.json", "eval.json", "plan.json", "metrics.jsonl")
+RUN_FILES = ("summary.json", "eval.json", "plan.json", "metrics.jsonl", "failure_injected.json")
 """What a run writes besides config.json and its directories (checkpoints/, tensorboard/)."""
 
 

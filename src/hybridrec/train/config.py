@@ -10,6 +10,7 @@ import dataclasses
 import difflib
 import json
 import tomllib
+import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -91,8 +92,18 @@ class TrainConfig:
     improvement."""
     log_every: int = 50
     """Write train metrics to metrics.jsonl every N steps."""
-    checkpoint_every: int = 0
-    """Save a checkpoint every N steps (0 = only at the end)."""
+    checkpoint_every: int | str = 0
+    """Save a checkpoint every N steps (0 = only at the end), or ``auto``: after a measured
+    first checkpoint, every N steps with N from the Young/Daly optimum
+    ``sqrt(2 * save seconds * train.mtbf_hours)`` over the measured step time, clamped to
+    [1, total steps] (printed, and in summary.json ``checkpoint_interval``)."""
+    mtbf_hours: float = 24.0
+    """``train.checkpoint_every=auto``: the mean time between failures of the whole job, in
+    hours (a job of many machines fails more often than one machine)."""
+    inject_failure: str = ""
+    """Fault injection for testing recovery: ``RANK:STEP`` makes rank RANK kill itself
+    (SIGKILL) right after step STEP, once per run directory (``failure_injected.json``
+    there records it, so a run started again resumes without dying). Empty = off."""
     keep_checkpoints: int = 2
     """How many recent checkpoints to keep."""
     save_checkpoints: bool = True
@@ -150,6 +161,11 @@ class DistConfig:
     port: int = 0
     """The rendezvous port of a local launch (``dist.nproc`` > 1 or ``dist.num_ps`` > 0),
     where every process of the run meets on this machine (0: a free one)."""
+    max_restarts: int = 0
+    """Local launch: when a process fails, torch's elastic agent stops the others and starts
+    them all again, up to this many times; they resume from the newest checkpoint of the
+    run directory (0: a failure ends the run). > 0 launches through the agent even with
+    one process."""
     sharding: str = "auto"
     """Embedding sharding when several ranks train: ``auto`` (the planner), or one type for
     every table: table_wise, row_wise, column_wise, table_row_wise, data_parallel."""
@@ -334,6 +350,13 @@ def _coerce(key: str, value, typ):
             if not isinstance(value, str):
                 raise ValueError
             return value
+        if origin in (typing.Union, types.UnionType):  # e.g. int | str: the first that fits
+            for inner in typing.get_args(typ):
+                try:
+                    return _coerce(key, value, inner)
+                except ConfigError:
+                    continue
+            raise ValueError
         if origin is list:
             (inner,) = typing.get_args(typ)
             if isinstance(value, str):
@@ -350,6 +373,8 @@ def _coerce(key: str, value, typ):
 
 
 def _type_name(typ) -> str:
+    if typing.get_origin(typ) in (typing.Union, types.UnionType):
+        return " or ".join(_type_name(t) for t in typing.get_args(typ))
     if typing.get_origin(typ) is list:
         (inner,) = typing.get_args(typ)
         return f"list of {inner.__name__} (e.g. {'C1,C2' if inner is str else '512,256,64'})"
@@ -454,6 +479,22 @@ def _early_stop_checks(t: TrainConfig) -> list[tuple[bool, str]]:
     ]
 
 
+def _checkpoint_checks(t: TrainConfig) -> list[tuple[bool, str]]:
+    """``train.checkpoint_every`` (a number or ``auto``), ``train.mtbf_hours``,
+    ``train.inject_failure`` (its rank against the world size: in train.run, where that is known)."""
+    from hybridrec.train.faults import parse_inject_failure
+
+    every = t.checkpoint_every
+    parse_inject_failure(t.inject_failure)  # a ConfigError that says what is wrong
+    return [
+        (every == "auto" or (isinstance(every, int) and every >= 0),
+         f"train.checkpoint_every {every!r}: a number of steps >= 0 (0 = only at the end) or auto"),
+        (t.mtbf_hours > 0, f"train.mtbf_hours must be positive, got {t.mtbf_hours}"),
+        (every != "auto" or t.save_checkpoints,
+         "train.checkpoint_every=auto chooses when to save, but train.save_checkpoints=false saves nothing"),
+    ]
+
+
 def _sync_checks(cfg: Config) -> list[tuple[bool, str]]:
     s = cfg.sync
     return [
@@ -475,6 +516,7 @@ def validate(cfg: Config) -> None:
     # The one list of sparse optimizer names (the cost model prices their state); imported
     # here, not at the top, so that reading a config does not import torch.
     from hybridrec.parallel.cost_model import OPTIMIZERS as SPARSE_OPTIMIZERS
+    from hybridrec.train.faults import injection_problem
 
     m, o, d, t, c = cfg.model, cfg.optim, cfg.data, cfg.train, cfg.compress
     checks = [
@@ -494,8 +536,8 @@ def validate(cfg: Config) -> None:
         (o.decay in ("none", "linear", "cosine", "poly2"), f"optim.decay {o.decay!r}: none, linear, cosine or poly2"),
         (o.warmup_steps >= 0, "optim.warmup_steps must be >= 0"),
         (t.epochs > 0, "train.epochs must be positive"),
-        (t.max_steps >= 0 and t.eval_every >= 0 and t.checkpoint_every >= 0 and t.log_every >= 0,
-         "step counts must be >= 0"),
+        (t.max_steps >= 0 and t.eval_every >= 0 and t.log_every >= 0, "step counts must be >= 0"),
+        *_checkpoint_checks(t),
         *_early_stop_checks(t),
         (t.keep_checkpoints >= 1, "train.keep_checkpoints must be >= 1"),
         (t.log_interval_s >= 0, f"train.log_interval_s must be >= 0, got {t.log_interval_s}"),
@@ -505,6 +547,7 @@ def validate(cfg: Config) -> None:
         (t.memory_limit_gb >= 0,
          f"train.memory_limit_gb must be >= 0 (0 = the machine's), got {t.memory_limit_gb}"),
         (cfg.dist.nproc >= 1, "dist.nproc must be >= 1"),
+        (cfg.dist.max_restarts >= 0, f"dist.max_restarts must be >= 0, got {cfg.dist.max_restarts}"),
         (0 <= cfg.dist.port < 65536, f"dist.port must be a port number (0: a free one), got {cfg.dist.port}"),
         (cfg.dist.sharding in ("auto", "table_wise", "row_wise", "column_wise", "table_row_wise",
                                "data_parallel"), f"dist.sharding {cfg.dist.sharding!r}: auto or a sharding type"),
@@ -525,6 +568,9 @@ def validate(cfg: Config) -> None:
         (c.dense_warmup_steps >= 0, "compress.dense_warmup_steps must be >= 0"),
         *_sync_checks(cfg),
         (not (problem := workers_problem(cfg, cfg.dist.nproc)), problem),
+        # (torchrun across machines: dist.nproc is 1, and train.run checks the real world size)
+        (not (injected := injection_problem(t.inject_failure, cfg.dist.nproc) if cfg.dist.nproc > 1 else None),
+         injected),
         (c.powersgd_rank >= 1, "compress.powersgd_rank must be >= 1"),
         (c.embedding in ("none", "dct", "fp16", "bf16", "int8"),
          f"compress.embedding {c.embedding!r}: none, dct, fp16, bf16 or int8"),

@@ -100,9 +100,11 @@ class HogwildWorkers:
         evaluation or checkpoint of the loop, else the last step."""
         tr, t = self.trainer, self.trainer.cfg.train
         stops = [tr.total_steps]
-        for every, on in ((t.eval_every, True), (t.checkpoint_every, t.save_checkpoints)):
+        for every, on in ((t.eval_every, True), (tr.checkpoint_every, t.save_checkpoints)):
             if every and on:
                 stops.append((step // every + 1) * every)
+        if tr.probe is not None and tr.probe.at > step:  # checkpoint_every=auto's measured save
+            stops.append(tr.probe.at)
         return min(stops)
 
     def steps(self) -> Iterator[tuple[torch.Tensor, int]]:

@@ -43,6 +43,7 @@ from hybridrec.train.build import (
 )
 from hybridrec.train.config import Config, apply_dict, validate
 from hybridrec.train.early_stop import early_stop_problem, resolve_checkpoint
+from hybridrec.train.faults import injection_problem
 from hybridrec.train.trainer import evaluate_model
 
 RUNS_ROOT = "runs"
@@ -85,6 +86,13 @@ def _train(cfg: Config, meta, topo, shown: str, started_at: str, clock: float, e
     """:func:`train` in this process (``topo``: a parameter-server run's trainers, else
     None: from torchrun's environment)."""
     world, rank = (topo.world_size, topo.rank) if topo is not None else _world_and_rank()
+    if problem := injection_problem(cfg.train.inject_failure, world):  # (torchrun: dist.nproc is 1)
+        raise ConfigError(problem)
+    restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    if restarts and rank == 0:  # dist.max_restarts: the agent started the ranks again
+        print(f"restarted the ranks after a failure ({restarts} of dist.max_restarts="
+              f"{os.environ.get('TORCHELASTIC_MAX_RESTARTS', '?')}); resuming {cfg.train.run_dir or 'the run'}",
+              file=sys.stderr, flush=True)
     created = None
     if not cfg.train.run_dir:
         if world > 1:  # launched by torchrun without a run directory: rank 0's choice
@@ -161,6 +169,9 @@ def run_summary(trainer, result, meta, cfg: Config, *, shown: str, started_at: s
         "stop_reason": "early_stop" if es is not None and es.stopped else "planned_steps",
         "early_stop": (es.summary(result.step, trainer.total_steps, trainer.run_dir,
                                   saved=cfg.train.save_checkpoints) if es is not None else None),
+        # Steps between checkpoints: the configured number, or train.checkpoint_every=auto's
+        # choice (mtbf_s, save_s, step_s, steps, reason); None: the run ended before choosing.
+        "checkpoint_interval": trainer.checkpoint_interval,
     }
 
 
@@ -205,7 +216,7 @@ def preflight(cfg: Config, *, world_size: int) -> tuple[dict | None, str]:
     shown = cfg.train.run_dir
     make_paths_absolute(cfg)
     meta = load_dataset(cfg)
-    if problem := early_stop_problem(cfg, meta):
+    if problem := early_stop_problem(cfg, meta) or injection_problem(cfg.train.inject_failure, world_size):
         raise ConfigError(problem)
     if cfg.train.run_dir:
         finished = inspect_run_dir(cfg, meta, world_size=world_size, shown=shown)

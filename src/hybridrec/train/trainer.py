@@ -25,9 +25,11 @@ from hybridrec.parallel.sharded_embedding import ShardedEmbeddingBagCollection
 from hybridrec.parallel.topology import Topology
 from hybridrec.sparse.keyed_jagged import Batch
 from hybridrec.sync.runners import SyncRunner
+from hybridrec.train.checkpoint_interval import IntervalProbe, young_daly_interval
 from hybridrec.train.checkpointer import Checkpointer
 from hybridrec.train.config import Config
 from hybridrec.train.early_stop import EarlyStopping
+from hybridrec.train.faults import FailureInjector
 from hybridrec.train.optim import LRScheduler
 from hybridrec.train.pipeline import TrainPipeline
 from hybridrec.train.sparse_optim import CombinedSparseOptimizer
@@ -154,6 +156,15 @@ class Trainer:
         self.kernels = kernels  # the MLPs' linear implementations and why (summary.json)
         self.step = 0
         self._saved_step: int | None = None  # step of the newest checkpoint on disk
+        every = cfg.train.checkpoint_every
+        # Steps between checkpoints (0: only at the end); train.checkpoint_every=auto: 0 until
+        # the probe step's measured save chooses it (every rank rank 0's choice).
+        self.checkpoint_every = every if isinstance(every, int) else 0
+        self.checkpoint_interval: dict | None = (
+            None if every == "auto" else {"mtbf_s": None, "save_s": None, "step_s": None,
+                                          "steps": every or None, "reason": f"train.checkpoint_every={every}"})
+        self.probe: IntervalProbe | None = None  # auto: times the first steps, until its checkpoint
+        self.last_save_s = 0.0  # seconds the newest save_checkpoint took
 
     # -- one step --------------------------------------------------------------
     def train_step(self, batch: Batch, pending=None) -> torch.Tensor:
@@ -173,8 +184,9 @@ class Trainer:
 
     # -- state -----------------------------------------------------------------
     def save_checkpoint(self) -> Path:
+        start = time.perf_counter()
         path = self.checkpointer.save(self.step)
-        self._saved_step = self.step
+        self._saved_step, self.last_save_s = self.step, time.perf_counter() - start
         return path
 
     def maybe_resume(self) -> int | None:
@@ -194,6 +206,9 @@ class Trainer:
         if resumed is not None and lead:
             print(f"resumed from step {resumed} ({self.resumed_path})", file=sys.stderr, flush=True)
         first_step = self.step
+        injector = FailureInjector(t.inject_failure, rank=self.topo.rank, run_dir=self.run_dir)
+        if t.checkpoint_every == "auto" and t.save_checkpoints and self.step < self.total_steps:
+            self.probe = IntervalProbe(first_step=self.step, total_steps=self.total_steps)
         running = RunningLoss()
         meter = Throughput(warmup=min(5, max(0, self.total_steps // 10)), totals=self.totals)
         history: list[dict] = []
@@ -208,7 +223,11 @@ class Trainer:
         if self.sync_runner is not None:
             self.sync_runner.start()
         meter.start()
+        idle_since = time.perf_counter()  # the end of the loop's own work after a step
         for loss, samples in self._train_steps():
+            injector.after_step(self.step)  # train.inject_failure: dies here, before this step's checkpoint
+            if self.probe is not None:
+                self.probe.record(self.step, time.perf_counter() - idle_since)
             running.update(loss)
             meter.step(samples)
             bar.update(1)
@@ -222,12 +241,17 @@ class Trainer:
                     stopped_early = True
                     break
                 meter.start()  # evaluation time is not training time
-            if (t.save_checkpoints and t.checkpoint_every and self.step % t.checkpoint_every == 0
+            if (t.save_checkpoints and self.checkpoint_every and self.step % self.checkpoint_every == 0
                     and self._saved_step != self.step
                     # early stopping: the last step's is saved after its evaluation (below)
                     and (self.early_stop is None or self.step < self.total_steps)):
                 self.save_checkpoint()
                 meter.start()
+            if (self.probe is not None and self.step == self.probe.at
+                    and (self.early_stop is None or self.step < self.total_steps)):
+                self._choose_checkpoint_interval()
+                meter.start()
+            idle_since = time.perf_counter()
         bar.close()
         if stopped_early:
             self.pipeline.discard_ahead()  # (dist.pipeline: the next batch's ids are under way)
@@ -282,6 +306,28 @@ class Trainer:
             for batch, pending in self.pipeline.batches(self.total_steps - self.step):
                 loss = self.train_step(batch, pending)
                 yield loss, batch.batch_size * self.topo.world_size  # global samples
+
+    def _choose_checkpoint_interval(self) -> None:
+        """``train.checkpoint_every=auto`` at the probe step: save a checkpoint (timed), then
+        the Young/Daly interval from its seconds, the probe's step time and
+        ``train.mtbf_hours`` (:mod:`hybridrec.train.checkpoint_interval`); with several
+        ranks every rank takes rank 0's measurements and interval (one broadcast)."""
+        if self._saved_step != self.step:  # (else an early-stopping best at this step: its time)
+            self.save_checkpoint()
+        save_s, step_s = self.last_save_s, self.probe.step_s()
+        choice = young_daly_interval(save_s=save_s, step_s=step_s, mtbf_s=self.cfg.train.mtbf_hours * 3600.0,
+                                     total_steps=self.total_steps)
+        if self.topo.world_size > 1:
+            box = torch.tensor([save_s, step_s, choice["steps"]], dtype=torch.float64)
+            dist.broadcast(box, group=self.topo.group, group_src=0)
+            save_s, step_s, steps = box.tolist()
+            choice = {**young_daly_interval(save_s=save_s, step_s=step_s, mtbf_s=choice["mtbf_s"],
+                                            total_steps=self.total_steps), "steps": int(steps)}
+        self.checkpoint_every, self.checkpoint_interval, self.probe = choice["steps"], choice, None
+        if self.topo.rank == 0:
+            print(f"checkpoint interval: every {choice['steps']:,} steps (train.checkpoint_every=auto, "
+                  f"train.mtbf_hours={self.cfg.train.mtbf_hours:g}: {choice['reason']})",
+                  file=sys.stderr, flush=True)
 
     def _early_stop(self, metrics: dict) -> bool:
         """Count an evaluation for ``train.early_stop``: a new best AUC is saved at once (the

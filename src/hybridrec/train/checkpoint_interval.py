@@ -1,0 +1,69 @@
+"""``train.checkpoint_every=auto``: the checkpoint interval from the failure rate.
+
+CPR (Maeng et al., "CPR: Understanding and Improving Failure Tolerant Training for Deep
+Learning Recommendation with Partial Recovery", MLSys 2021) chooses the checkpoint
+interval from the job's failure rate and the costs of saving and loading checkpoints.
+This module implements the classic first-order optimum of Young (1974) and Daly (2006),
+a simplification of CPR's model: it leaves out the load (recovery) cost and, for partial
+recovery, the accuracy lost by not reloading every part:
+
+    T = sqrt(2 * C * MTBF)            seconds of training between two checkpoints
+    N = clamp(round(T / t_step), 1, total_steps)   the same in steps
+
+with ``C`` the measured seconds of one checkpoint save, ``MTBF`` the mean time between
+failures of the whole job (``train.mtbf_hours``) and ``t_step`` the measured seconds of a
+training step. ``T`` minimises the expected time lost per unit of time, ``C / T`` (saving)
+plus ``T / (2 MTBF)`` (half an interval of work redone per failure), to first order in
+``C / MTBF``.
+
+The trainer measures both: the steps of the first :data:`PROBE_STEPS` of an invocation
+(between the first and the last of them; logging and evaluation excluded) and the save of
+a checkpoint at the last of them; rank 0 chooses and every rank takes its choice. A
+resumed run measures again.
+"""
+
+from __future__ import annotations
+
+import math
+
+PROBE_STEPS = 10
+"""Steps an invocation trains (and times) before its first, measured, checkpoint."""
+
+
+def young_daly_interval(*, save_s: float, step_s: float, mtbf_s: float, total_steps: int) -> dict:
+    """The interval in steps: ``clamp(round(sqrt(2 * save_s * mtbf_s) / step_s), 1,
+    total_steps)``, as summary.json's ``checkpoint_interval``: ``{"mtbf_s", "save_s",
+    "step_s", "steps", "reason"}`` (``reason``: the arithmetic in words)."""
+    if save_s < 0 or step_s < 0 or mtbf_s <= 0:
+        raise ValueError(f"save_s and step_s must be >= 0 and mtbf_s > 0, got {save_s}, {step_s}, {mtbf_s}")
+    upper = max(1, int(total_steps))
+    period = math.sqrt(2.0 * save_s * mtbf_s)
+    raw = period / step_s if step_s > 0 else math.inf
+    steps = min(upper, max(1, round(raw))) if math.isfinite(raw) else upper
+    why = (f"Young/Daly optimum sqrt(2 x save {save_s:.3g} s x MTBF {mtbf_s:.4g} s) = {period:.3g} s"
+           f" = {raw:,.1f} steps of {step_s:.3g} s")
+    if raw < 1:
+        why += ", clamped to 1 step"
+    elif raw >= upper + 0.5:
+        why += f", clamped to the run's {upper:,} steps"
+    return {"mtbf_s": float(mtbf_s), "save_s": float(save_s), "step_s": float(step_s), "steps": int(steps),
+            "reason": why}
+
+
+class IntervalProbe:
+    """Times the first steps of an invocation (``train.checkpoint_every=auto``): the probe
+    step is :data:`PROBE_STEPS` after the first one trained (or the last step); the step
+    time is the mean over the probe's steps without the first (warm-up) one."""
+
+    def __init__(self, *, first_step: int, total_steps: int) -> None:
+        self.at = min(first_step + PROBE_STEPS, total_steps)
+        self._seconds: list[float] = []
+
+    def record(self, step: int, seconds: float) -> None:
+        """``seconds``: how long step ``step`` took (the loop's work between steps excluded)."""
+        if step <= self.at:
+            self._seconds.append(seconds)
+
+    def step_s(self) -> float:
+        timed = self._seconds[1:] or self._seconds
+        return sum(timed) / len(timed) if timed else 0.0
