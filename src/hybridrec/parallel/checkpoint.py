@@ -53,8 +53,16 @@ accumulator.
 
 The manifest (JSON)::
 
-    {"format", "world_size", "plan", "dense_opt": skeleton, "sparse_opt": header,
-     "extra": skeleton, "per_rank": [skeleton of rank 0, rank 1, ...], **manifest_extra}
+    {"format", "world_size", "plan", "model": {"fingerprint", "tensors"},
+     "dense_opt": skeleton, "sparse_opt": header, "extra": skeleton,
+     "per_rank": [skeleton of rank 0, rank 1, ...], **manifest_extra}
+
+``model.fingerprint`` is a digest of the saved ``model.*`` keys and their global shapes
+(:func:`~hybridrec.parallel.checkpoint_layout.model_fingerprint`): a load checks it against
+DCP's index (a manifest and tensors of two different checkpoints are refused), and the
+index's shapes against the model being loaded (a checkpoint of another model, e.g.
+another embedding dim or MLP, is refused naming the tensors that differ, before any
+tensor is read). Checkpoints saved before the fingerprint load as before.
 
 where a skeleton is the JSON of a state dict with its tensors moved out to DCP keys
 (:func:`hybridrec.parallel.checkpoint_io.encode_skeleton`). Per-rank state is bound to
@@ -107,6 +115,7 @@ from hybridrec.parallel.checkpoint_layout import (
     load_dense_opt,
     local_weights,
     locate,
+    model_fingerprint,
     model_targets,
     save_object,
     sparse_targets,
@@ -153,7 +162,12 @@ def _save_state(model, dense_opt, sparse_opts, extra, per_rank, topo) -> tuple[d
     state = _tensor_state(model, sparse_opts, topo)
     ebc = model.sparse
     tensors: dict[str, torch.Tensor] = {}
+    # every rank alike: every table of the model (a rank holds shards of only some)
+    shapes = {k: tuple(v.shape) for k, v in dense_tensors(model).items()}
+    if not getattr(ebc, "remote", False):  # (a parameter-server run's tables: in ps/)
+        shapes.update({table_key(t): (tc.num_embeddings, tc.embedding_dim) for t, tc in ebc.tables.items()})
     meta = {"format": FORMAT, "world_size": topo.world_size,
+            "model": {"fingerprint": model_fingerprint(shapes), "tensors": len(shapes)},
             "plan": ebc.plan.to_dict() if isinstance(ebc, ShardedEmbeddingBagCollection) else None,
             "dense_opt": None if dense_opt is None else
             encode_skeleton(dense_opt_state(dense_opt, model), "dense_opt", tensors),
@@ -230,7 +244,11 @@ def read_manifest(path: str | Path) -> dict:
 def _plan_load(path: Path, model, dense_opt, sparse_opts, topo, parts: str = "all") -> tuple[dict, LoadPlan]:
     meta = read_manifest(path)
     stored = {k: tuple(m.size) for k, m in
-              SafeFileSystemReader(path).read_metadata().state_dict_metadata.items()}
+              SafeFileSystemReader(path).read_metadata().state_dict_metadata.items() if hasattr(m, "size")}
+    saved = (meta.get("model") or {}).get("fingerprint")  # (absent in checkpoints saved before it)
+    if saved is not None and saved != model_fingerprint(stored):
+        raise CheckpointError(f"{MANIFEST}: its model fingerprint {saved} is not that of the tensors "
+                              f"in .metadata ({model_fingerprint(stored)}): parts of two checkpoints")
     plan = LoadPlan({}, [], [])
     model_targets(plan, model, stored, topo, parts)
     if dense_opt is not None:

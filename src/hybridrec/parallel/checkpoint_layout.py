@@ -10,6 +10,7 @@ column-split tables (cell form).
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -221,8 +222,24 @@ def model_targets(plan: LoadPlan, model: nn.Module, stored: dict, topo: Topology
     if missing or unexpected:
         raise CheckpointError(f"the model does not match the checkpoint: missing {missing[:5]}, "
                               f"unexpected {unexpected[:5]}")
+    here = {**{k: tuple(x.size) for k, x in g.items()}, **{k: tuple(v.shape) for k, v in dense.items()}}
+    if differ := [k for k in sorted(here) if tuple(stored[k]) != here[k]]:
+        shown = ", ".join(f"{k} {_dims(stored[k])} (this model: {_dims(here[k])})" for k in differ[:3])
+        more = f" and {len(differ) - 3} more" if len(differ) > 3 else ""
+        raise CheckpointError(f"a checkpoint of another model: {shown}{more}")
     add_targets(plan, g, topo)
     plan.targets.update(dense)
+
+
+def _dims(shape) -> str:
+    return "x".join(map(str, shape)) or "scalar"
+
+
+def model_fingerprint(shapes: dict[str, tuple[int, ...]]) -> str:
+    """A digest of a model's structure: its checkpoint keys (``model.*``) and their global
+    shapes (table names, rows and dims, the MLPs' layers), whatever the sharding."""
+    text = "\n".join(f"{k}:{_dims(v)}" for k, v in sorted(shapes.items()) if k.startswith("model."))
+    return "sha256:" + hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def sparse_targets(plan: LoadPlan, ebc, sparse_opts: Sequence, stored: dict, topo) -> None:

@@ -24,7 +24,15 @@ in one process too, so a checkpoint of any run loads into any world size or plan
 components are rank 0's state. Per-rank components carry over only to the world size that
 saved them; into another world size they restart from their initial state, each with a
 warning that names it. The manifest (``manifest.json``) lists the step, the world size,
-the plan and every component with its scope.
+the plan, every component with its scope and the model's fingerprint (its tensors' names
+and global shapes).
+
+Resuming (:meth:`Checkpointer.restore_newest`) takes the newest checkpoint that passes its
+integrity checks and loads: files whole (:func:`hybridrec.train.checkpoint.problem`), the
+model's fingerprint and shapes those of the model being built, every tensor readable.
+Newer ones that fail are renamed aside to ``step-N.bad`` with one warning each, once a
+good one is loaded; when none loads, one error names why each failed and nothing is
+renamed.
 
 Codecs of the pooled-embedding hop hold no state across steps (a fixed top-k per row, or a
 cast), so there is nothing of theirs to save.
@@ -41,7 +49,9 @@ from typing import Protocol
 import torch
 from torch import nn
 
+from hybridrec.errors import os_error_message
 from hybridrec.parallel.checkpoint import load_state, save_sharded
+from hybridrec.parallel.checkpoint_io import gather
 from hybridrec.parallel.topology import Topology
 from hybridrec.train import checkpoint as ckpt
 
@@ -118,6 +128,28 @@ class Checkpointer:
 
     def latest(self) -> Path | None:
         return ckpt.latest_checkpoint(self.run_dir)
+
+    def restore_newest(self) -> tuple[int, Path] | None:
+        """Collective: restore the newest checkpoint that passes its checks and loads
+        (:func:`hybridrec.train.checkpoint.load_newest`, every rank the same one); returns
+        ``(step, path)``, or None when the run has no checkpoint. Each newer one that failed
+        is renamed aside (``step-N.bad``, by rank 0) with a warning naming it and why;
+        when none loads, :class:`CheckpointError` and nothing is renamed."""
+        found = [p for _, p in reversed(ckpt.list_checkpoints(self.run_dir))]
+        if self.topo.world_size == 1 and not found:
+            return None
+        if not gather(self.topo, bool(found))[0]:  # rank 0's listing decides
+            return None
+        path, step, skipped = ckpt.load_newest(found, self.restore, self.topo)
+        for bad, why in skipped:
+            if self.topo.rank != 0:
+                continue
+            try:
+                where = f"renamed to {ckpt.set_aside(bad).name}"
+            except OSError as e:
+                where = f"left in place ({os_error_message(e)})"
+            self._warn(f"skipped the checkpoint {bad} ({why}); {where}; resuming from {path.name}")
+        return step, path
 
     def restore(self, path: str | Path) -> int:
         """Load ``path`` into every component; returns the step it was saved at."""

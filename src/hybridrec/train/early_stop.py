@@ -123,7 +123,7 @@ def recorded_best(run_dir: str | Path) -> dict | None:
     """The early-stopping state of a run's newest checkpoint (None: it has none)."""
     from hybridrec.parallel.checkpoint import read_manifest
 
-    newest = ckpt.latest_checkpoint(run_dir)
+    newest = ckpt.latest_sound(run_dir)  # (one whose files fail its checks says nothing)
     if newest is None:
         return None
     state = (read_manifest(newest).get("extra") or {}).get(COMPONENT)

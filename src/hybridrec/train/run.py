@@ -16,6 +16,7 @@ import os
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -273,7 +274,7 @@ def inspect_run_dir(cfg: Config, meta: DatasetMeta, *, world_size: int,
     shown = shown or str(run_dir)
     if not cfg.train.resume or not run_dir.is_dir():
         return None
-    newest = ckpt.latest_checkpoint(run_dir)
+    newest = ckpt.latest_sound(run_dir)  # one whose files fail is skipped when resuming too
     try:
         old = load_run_config(run_dir) if (run_dir / "config.json").is_file() else None
         manifest = read_manifest(newest) if newest else None
@@ -449,8 +450,10 @@ def load_run_model(run_dir: str | Path, *, checkpoint: str | None = None,
     """A run's single-process model with the weights of one of its checkpoints, whatever
     world size saved it: ``checkpoint`` is ``"best"`` (the best evaluation's, kept by
     ``train.early_stop``), ``"latest"`` (the newest), a checkpoint directory, or None: the
-    best one when the run recorded one, else the newest. Returns ``(cfg, meta, model,
-    path, extra)`` (``extra``: the checkpoint's global state: step, loader position)."""
+    best one when the run recorded one, else the newest. With ``"latest"`` or None, one
+    that fails its checks (truncated, unreadable, another model) is skipped with a warning
+    and the next older one that loads is used (nothing is renamed); when none loads, one
+    error says why each failed. Returns ``(cfg, meta, model, path, extra)`` (``extra``: the checkpoint's global state: step, loader position)."""
     cfg = load_run_config(run_dir)
     if data_path:
         cfg.data.path = data_path
@@ -459,15 +462,25 @@ def load_run_model(run_dir: str | Path, *, checkpoint: str | None = None,
     if path is None:
         raise ConfigError(f"{run_dir} has no checkpoint to evaluate")
     model = build_model(cfg, meta)
+    candidates = [path]
+    if checkpoint in (None, "latest"):  # a named one (best, DIR) is that one or an error
+        candidates += [p for _, p in reversed(ckpt.list_checkpoints(run_dir)) if p != path]
+    path, extra, skipped = ckpt.load_newest(candidates, lambda p: _load_weights(p, model), Topology.single())
+    for bad, why in skipped:  # (left in place: evaluating changes no checkpoint)
+        warnings.warn(f"evaluating: skipped the checkpoint {bad} ({why}); using {path.name}", stacklevel=2)
+    return cfg, meta, model, path, extra
+
+
+def _load_weights(path: Path, model) -> dict:
+    """The weights of the checkpoint ``path`` into ``model`` (one process); its ``extra``."""
     if not (path / PS_DIR).is_dir():
-        extra = load_sharded(path, model=model, dense_opt=None, sparse_opts=None, topo=Topology.single())
-        return cfg, meta, model, path, extra
+        return load_sharded(path, model=model, dense_opt=None, sparse_opts=None, topo=Topology.single())
     # A parameter-server run: the dense arches here, the tables in the servers' part.
     extra = load_state(path, model=model, dense_opt=None, sparse_opts=None, topo=Topology.single(),
                        parts="dense").extra
     load_state(path / PS_DIR, model=model, dense_opt=None, sparse_opts=None, topo=Topology.single(),
                parts="tables")
-    return cfg, meta, model, path, extra
+    return extra
 
 
 def evaluate_run(run_dir: str | Path, *, checkpoint: str | None = None,
@@ -476,8 +489,10 @@ def evaluate_run(run_dir: str | Path, *, checkpoint: str | None = None,
     default the best one when ``train.early_stop`` recorded one, else the newest) on the
     held-out split; the result goes to ``show`` (when given) before it is written to
     RUN/eval.json, so metrics a read-only or full run directory cannot take are still seen."""
-    _, which = resolve_checkpoint(run_dir, checkpoint)
+    resolved, which = resolve_checkpoint(run_dir, checkpoint)
     cfg, meta, model, path, extra = load_run_model(run_dir, checkpoint=checkpoint, data_path=data_path)
+    if path != resolved:  # that one failed its checks; an older one was evaluated
+        which = "fallback"
     _, eval_loader = build_loaders(cfg, meta)
     result = {"checkpoint": str(path), "which": which, "step": extra.get("step"), "data": str(meta.path),
               **evaluate_model(model, eval_loader)}

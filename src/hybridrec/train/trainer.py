@@ -190,12 +190,16 @@ class Trainer:
         return path
 
     def maybe_resume(self) -> int | None:
-        path = self.checkpointer.latest() if self.cfg.train.resume else None
-        if path is None:
+        """Restore the newest checkpoint that passes its checks (newer ones that fail are
+        renamed aside, with a warning each); None: nothing to resume."""
+        found = self.checkpointer.restore_newest() if self.cfg.train.resume else None
+        if found is None:
             return None
-        self.step = self.checkpointer.restore(path)
+        self.step, path = found
         self._saved_step = self.step
         self.resumed_path = path
+        if self.logger:  # records of steps after it, if a newer checkpoint was skipped
+            self.logger.drop(lambda r: r["step"] > self.step)
         return self.step
 
     # -- the loop --------------------------------------------------------------
