@@ -219,3 +219,33 @@ def test_a_save_on_a_full_disk_leaves_the_previous_checkpoint_loadable(tmp_path,
     assert ckpt.problem(ckpt.step_dir(tmp_path, 1)) is None
     assert c.restore_newest() == (1, ckpt.step_dir(tmp_path, 1))
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(180)
+def test_two_ranks_skip_the_same_bad_checkpoint(data, tmp_path):
+    """Only rank 1's file of the newest checkpoint is damaged: both ranks must still skip it
+    together (a rank that loaded it while the other fell back would train apart or hang)."""
+    import subprocess
+    import sys
+
+    run = tmp_path / "run"
+
+    def train(epochs: int) -> subprocess.CompletedProcess:
+        # 400 training rows, 2 ranks x 64: an epoch is 3 steps (checkpoints at 2, 3, 4, 6)
+        return subprocess.run([sys.executable, "-m", "hybridrec", *_args(data, run, 0, "dist.nproc=2",
+                                                                         f"train.epochs={epochs}")],
+                              capture_output=True, text=True, timeout=170)
+
+    first = train(1)
+    assert first.returncode == 0, first.stderr[-2000:]
+    (run / "summary.json").unlink()
+    assert [s for s, _ in ckpt.list_checkpoints(run)] == [2, 3]
+    files = sorted(ckpt.step_dir(run, 3).glob("*.distcp"))
+    assert [f.name for f in files] == ["__0_0.distcp", "__1_0.distcp"]  # one file per rank
+    os.truncate(files[1], 1000)
+    again = train(2)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert "skipped the checkpoint" in again.stderr and "resumed from step 2" in again.stderr, again.stderr
+    assert json.loads((run / "summary.json").read_text())["step"] == 6
+    assert (ckpt.checkpoint_dir(run) / "step-00000003.bad").is_dir()
