@@ -43,7 +43,7 @@ from torch import nn
 
 from hybridrec.model.embedding import KeyedTensor
 from hybridrec.model.interaction import make_interaction
-from hybridrec.model.kernels import PRECISIONS, precision_scope
+from hybridrec.model.kernels import check_precision, precision_scope
 from hybridrec.model.mlp import MLP
 from hybridrec.sparse.keyed_jagged import Batch
 
@@ -89,9 +89,7 @@ class DeepFM(nn.Module):
         self.sparse = sparse
         self.bottom = MLP([num_dense, *bottom_mlp], final_relu=True)
         self.top = MLP([top_in, *top_mlp], final_relu=False)
-        if precision not in PRECISIONS:
-            raise ValueError(f"precision {precision!r}: one of {', '.join(PRECISIONS)}")
-        self.precision = precision
+        self.precision = check_precision(precision)
 
     def forward(self, batch: Batch, *, sparse_input=None) -> torch.Tensor:
         sparse = batch.sparse

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import time
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -28,29 +28,39 @@ class _PairwiseDot(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, z, rows, cols, impl: str):
+    def forward(ctx, z, pairs: "_Pairs", impl: str):
         b, n = z.shape[0], z.shape[1]
-        ctx.save_for_backward(z, rows, cols)
-        ctx.impl = impl
+        ctx.save_for_backward(z)
+        ctx.pairs, ctx.impl = pairs, impl
         gram = torch.bmm(z, z.transpose(1, 2))
         if impl == "gather":
-            return torch.gather(gram.view(b, n * n), 1, (rows * n + cols).expand(b, -1))
-        return gram[:, rows, cols]
+            return torch.gather(gram.view(b, n * n), 1, pairs.lower.expand(b, -1))
+        return gram[:, pairs.rows, pairs.cols]
 
     @staticmethod
     def backward(ctx, grad_out):
-        z, rows, cols = ctx.saved_tensors
-        b, n = z.shape[0], z.shape[1]
+        (z,) = ctx.saved_tensors
+        p, b, n = ctx.pairs, z.shape[0], z.shape[1]
         if ctx.impl == "gather":
-            both = torch.cat([rows * n + cols, cols * n + rows])  # disjoint: off the diagonal
             sym = grad_out.new_zeros(b, n * n)
-            sym.scatter_(1, both.expand(b, -1), torch.cat([grad_out, grad_out], dim=1))
+            sym.scatter_(1, p.both.expand(b, -1), torch.cat([grad_out, grad_out], dim=1))
             sym = sym.view(b, n, n)
         else:
             sym = grad_out.new_zeros(b, n, n)
-            sym[:, rows, cols] = grad_out
+            sym[:, p.rows, p.cols] = grad_out
             sym = sym + sym.transpose(1, 2)
-        return torch.bmm(sym, z), None, None, None
+        return torch.bmm(sym, z), None, None
+
+
+class _Pairs(NamedTuple):
+    """The strictly lower triangle of an ``n x n`` matrix: ``rows``, ``cols``, their flat
+    positions ``lower`` and, after them, the mirrored upper ones (``both``; disjoint from
+    ``lower``: nothing on the diagonal)."""
+
+    rows: torch.Tensor
+    cols: torch.Tensor
+    lower: torch.Tensor
+    both: torch.Tensor
 
 
 INTERACTION_IMPLS = ("index", "gather")
@@ -72,6 +82,8 @@ class DotInteraction(nn.Module):
         rows, cols = torch.tril_indices(n, n, offset=-1)
         self.register_buffer("rows", rows, persistent=False)
         self.register_buffer("cols", cols, persistent=False)
+        self.register_buffer("lower", rows * n + cols, persistent=False)
+        self.register_buffer("both", torch.cat([rows * n + cols, cols * n + rows]), persistent=False)
         self.impl = "index"
         """How the entries are picked (``INTERACTION_IMPLS``); set by :func:`tune_interactions`."""
 
@@ -83,9 +95,10 @@ class DotInteraction(nn.Module):
         low = compute_dtype(dense.device)  # bf16 precision: cast first, stack in bf16
         if low is not None:
             dense, sparse = dense.to(low), sparse.to(low)
-        z = torch.cat([dense.unsqueeze(1), sparse.to(dense.dtype)], dim=1)
+        z = torch.cat([dense.unsqueeze(1), sparse], dim=1)
+        pairs = _Pairs(self.rows, self.cols, self.lower, self.both)
         with torch.autocast(z.device.type, enabled=False):
-            return torch.cat([dense.to(z.dtype), _PairwiseDot.apply(z, self.rows, self.cols, self.impl)], dim=1)
+            return torch.cat([dense, _PairwiseDot.apply(z, pairs, self.impl)], dim=1)
 
 
 def time_dot_interaction(batch: int, num_features: int, dim: int, impls: list[str], *,
@@ -99,18 +112,14 @@ def time_dot_interaction(batch: int, num_features: int, dim: int, impls: list[st
     sparse = torch.randn(batch, num_features, dim, device=device, generator=gen).requires_grad_()
     mod = DotInteraction(num_features).to(device)
 
-    def once(impl: str) -> float:
+    def run(impl: str) -> None:
         mod.impl = impl
-        start = time.perf_counter()
         with torch.autocast(torch.device(device).type, dtype=low if low != torch.float32 else torch.bfloat16,
                             enabled=low != torch.float32):
             out = mod(dense, sparse)
         out.sum().backward()
-        if torch.device(device).type == "cuda":
-            torch.cuda.synchronize(device)
-        return time.perf_counter() - start
 
-    return race(impls, once, reps=reps, budget_s=budget_s)
+    return race(impls, run, device=device, reps=reps, budget_s=budget_s)
 
 
 def tune_interactions(model: nn.Module, batch: int, *, mode: str = "auto", device: str = "cpu",
@@ -127,7 +136,7 @@ def tune_interactions(model: nn.Module, batch: int, *, mode: str = "auto", devic
     got = choose([(k, list(INTERACTION_IMPLS), None) for k in dict.fromkeys(keys.values())],
                  lambda key, cands, budget: time_dot_interaction(batch, *shape[key], cands, device=device,
                                                                  dtype=dtype, budget_s=budget),
-                 mode="measure" if mode == "measure" else "auto", budget_s=0.3)
+                 mode=mode, budget_s=0.3)
     picks = {name: got[keys[name]].impl for name, _ in mods}
     if agree is not None:
         picks = agree(picks)

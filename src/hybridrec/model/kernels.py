@@ -65,9 +65,9 @@ def compute_dtype(device: torch.device | str) -> torch.dtype | None:
     return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else None
 
 
-def _onednn_fits(x: torch.Tensor, dtype: torch.dtype) -> bool:
-    return (x.device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
-            and x.dim() == 2 and onednn_available())
+def _onednn_fits(device_type: str, dtype: torch.dtype, ndim: int = 2) -> bool:
+    return (device_type == "cpu" and dtype in (torch.float32, torch.bfloat16)
+            and ndim == 2 and onednn_available())
 
 
 class _OneDNNLinear(torch.autograd.Function):
@@ -107,7 +107,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *,
     ``impl``: ``torch`` or ``onednn`` (taken where it fits: CPU, fp32/bf16, 2-D; else
     ``torch``). Inside autocast the operands are cast to its dtype first."""
     dtype = compute_dtype(x.device) or x.dtype
-    if impl == "onednn" and _onednn_fits(x, dtype):
+    if impl == "onednn" and _onednn_fits(x.device.type, dtype, x.dim()):
         x, weight = x.to(dtype), weight.to(dtype)
         bias = None if bias is None else bias.to(dtype)
         with torch.autocast(x.device.type, enabled=False):
@@ -139,8 +139,7 @@ class LinearShape:
 
 
 def candidates(shape: LinearShape) -> list[str]:
-    probe = torch.empty(1, 1, device=shape.device)
-    fits = _onednn_fits(probe, getattr(torch, shape.dtype))
+    fits = _onednn_fits(torch.device(shape.device).type, getattr(torch, shape.dtype))
     return [i for i in IMPLS if i == "torch" or fits]
 
 
@@ -194,12 +193,24 @@ def _write_cache(path: Path, new: dict) -> None:
             pass
 
 
-def race(impls: list[str], once, *, reps: int = 5, budget_s: float = 0.2, warmups: int = 1) -> dict[str, float]:
-    """``{impl: seconds}``: the fastest of up to ``reps`` rounds of ``once(impl)`` (which
-    times one call and returns seconds) after ``warmups`` untimed rounds (first calls
-    create oneDNN primitives, fault pages in, grow allocator pools); fewer rounds when they
-    would exceed ``budget_s``, at least one. Rounds alternate the candidates, so that a
-    load that comes and goes weighs on all of them alike."""
+def race(impls: list[str], run, *, device: torch.device | str = "cpu", reps: int = 5, budget_s: float = 0.2,
+         warmups: int = 1) -> dict[str, float]:
+    """``{impl: seconds}``: the fastest of up to ``reps`` timed rounds of ``run(impl)`` on
+    ``device`` (a GPU is synchronized around each call) after ``warmups`` untimed rounds
+    (first calls create oneDNN primitives, fault pages in, grow allocator pools); fewer
+    rounds when they would exceed ``budget_s``, at least one. Rounds alternate the
+    candidates, so that a load that comes and goes weighs on all of them alike."""
+    dev = torch.device(device)
+
+    def once(impl: str) -> float:
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        start = time.perf_counter()
+        run(impl)
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        return time.perf_counter() - start
+
     spent = sum(once(i) for _ in range(warmups) for i in impls)
     best = {i: float("inf") for i in impls}
     for _ in range(reps):
@@ -222,18 +233,12 @@ def time_linears(shape: LinearShape, impls: list[str], *, reps: int = 5,
     grad = torch.randn(shape.batch, shape.fan_out, device=dev, generator=gen, dtype=dtype)
     low = dtype if dtype != torch.float32 else None
 
-    def once(impl: str) -> float:
-        if dev.type == "cuda":
-            torch.cuda.synchronize(dev)
-        start = time.perf_counter()
+    def run(impl: str) -> None:
         with torch.autocast(dev.type, dtype=low or torch.bfloat16, enabled=low is not None):
             y = linear(x, w, b, relu=shape.relu, impl=impl)
         y.backward(grad)
-        if dev.type == "cuda":
-            torch.cuda.synchronize(dev)
-        return time.perf_counter() - start
 
-    return race(impls, once, reps=reps, budget_s=budget_s)
+    return race(impls, run, device=dev, reps=reps, budget_s=budget_s)
 
 
 @dataclass
@@ -251,14 +256,14 @@ class Choice:
 def choose(items: list[tuple[str, list[str], str | None]], timer, *, mode: str = "auto",
            budget_s: float = 0.5) -> dict[str, Choice]:
     """The implementation of each ``(key, candidates, forced)``: ``forced`` where given (an
-    override that fits), else the only candidate, else the cached choice (``mode`` auto),
-    else the fastest by ``timer(key, candidates, budget_s) -> {impl: seconds}``, cached.
+    override that fits), else the only candidate, else the cached choice (unless ``mode``
+    is ``measure``), else the fastest by ``timer(key, candidates, budget_s) -> {impl: seconds}``, cached.
     ``budget_s`` is shared by the keys to measure."""
     if mode not in CHOICES:
         raise ValueError(f"kernels {mode!r}: one of {', '.join(CHOICES)}")
     out: dict[str, Choice] = {}
     path, mid = cache_path(), machine_id()
-    cached = _read_cache(path) if mode == "auto" else {}
+    cached = {} if mode == "measure" else _read_cache(path)  # (an override reads it for the rest)
     todo = []
     for key, cands, forced in dict.fromkeys((k, tuple(c), f) for k, c, f in items):
         cands = list(cands)
@@ -326,15 +331,11 @@ def time_rows_add(weight: torch.Tensor, nnz: int, impls: list[str], *, reps: int
     ids = torch.randint(0, weight.shape[0], (nnz,), generator=gen, device=weight.device)
     delta = torch.zeros(nnz, weight.shape[1], dtype=weight.dtype, device=weight.device)
 
-    def once(impl: str) -> float:
-        start = time.perf_counter()
+    def run(impl: str) -> None:
         with torch.no_grad():
             rows_add_(weight, ids, delta, impl)
-        if weight.device.type == "cuda":
-            torch.cuda.synchronize(weight.device)
-        return time.perf_counter() - start
 
-    return race(impls, once, reps=reps, budget_s=budget_s)
+    return race(impls, run, device=weight.device, reps=reps, budget_s=budget_s)
 
 
 def choose_rows_add(weights: list[tuple[torch.Tensor, int]], *, mode: str = "auto",
@@ -343,7 +344,7 @@ def choose_rows_add(weights: list[tuple[torch.Tensor, int]], *, mode: str = "aut
     keys = {rows_add_key(w, n): (w, n) for w, n in weights if w.numel() and n}
     got = choose([(k, list(ROW_ADDS), None) for k in keys],
                  lambda key, cands, budget: time_rows_add(*keys[key], cands, budget_s=budget),
-                 mode="measure" if mode == "measure" else "auto", budget_s=budget_s)
+                 mode=mode, budget_s=budget_s)
     return [got[rows_add_key(w, n)] if w.numel() and n else Choice("", "scatter_add", "only", {})
             for w, n in weights]
 
@@ -363,11 +364,16 @@ PRECISIONS = {"fp32": None, "bf16": torch.bfloat16}
 """``train.precision``: the compute dtype of the dense arches (None: fp32 throughout)."""
 
 
+def check_precision(precision: str) -> str:
+    """``precision`` when it is one of :data:`PRECISIONS`, else a ValueError."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision {precision!r}: one of {', '.join(PRECISIONS)}")
+    return precision
+
+
 def precision_scope(precision: str, device: torch.device | str):
     """Autocast to ``precision``'s dtype on ``device`` (a no-op scope for fp32): MLPs and
     interactions compute in it, parameters and their gradients stay fp32."""
-    if precision not in PRECISIONS:
-        raise ValueError(f"precision {precision!r}: one of {', '.join(PRECISIONS)}")
-    dtype = PRECISIONS[precision]
+    dtype = PRECISIONS[check_precision(precision)]
     kind = torch.device(device).type
     return torch.autocast(kind, dtype=dtype or torch.bfloat16, enabled=dtype is not None)

@@ -359,15 +359,16 @@ def tune_kernels(cfg: Config, model: torch.nn.Module, topo: Topology,
     device = next(p.device for p in dense_parameters(model)).type
     dtype = "bfloat16" if cfg.train.precision == "bf16" else "float32"
 
-    def agree(picks: dict) -> dict:
+    def rank0s(picks: dict) -> dict:
         box = [picks]
         torch.distributed.broadcast_object_list(box, group=topo.group, group_src=0)
         return box[0]
 
+    agree = rank0s if topo.world_size > 1 else None
     choices = tune_mlps(model, cfg.data.batch_size, mode=cfg.train.kernels, device=device, dtype=dtype,
-                        agree=agree if topo.world_size > 1 else None)
+                        agree=agree)
     dots = tune_interactions(model, cfg.data.batch_size, mode=cfg.train.kernels, device=device, dtype=dtype,
-                             agree=agree if topo.world_size > 1 else None)
+                             agree=agree)
     rows = (sparse_opt.tune_kernels(cfg.data.batch_size * topo.world_size, mode=cfg.train.kernels)
             if sparse_opt is not None else [])
     return {"mode": cfg.train.kernels, "machine": machine_id(), "cache": str(cache_path()),

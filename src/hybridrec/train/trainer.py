@@ -245,14 +245,13 @@ class Trainer:
                     stopped_early = True
                     break
                 meter.start()  # evaluation time is not training time
-            if (t.save_checkpoints and self.checkpoint_every and self.step % self.checkpoint_every == 0
-                    and self._saved_step != self.step
-                    # early stopping: the last step's is saved after its evaluation (below)
-                    and (self.early_stop is None or self.step < self.total_steps)):
+            # early stopping: the last step's checkpoint is saved after its evaluation (below)
+            may_save = self.early_stop is None or self.step < self.total_steps
+            if (may_save and t.save_checkpoints and self.checkpoint_every
+                    and self.step % self.checkpoint_every == 0 and self._saved_step != self.step):
                 self.save_checkpoint()
                 meter.start()
-            if (self.probe is not None and self.step == self.probe.at
-                    and (self.early_stop is None or self.step < self.total_steps)):
+            if may_save and self.probe is not None and self.step == self.probe.at:
                 self._choose_checkpoint_interval()
                 meter.start()
             idle_since = time.perf_counter()
