@@ -83,26 +83,12 @@ def _main(argv: list[str] | None) -> int:
         if debug_enabled():
             raise
         report(e)
-        _leave_process_group()
         return USER_ERROR
     except Exception as e:
         why = peer_failure(e) if _several_ranks() and not debug_enabled() else None
         if why is None:
             raise
-        _leave_process_group()
         return _peer_failed(why)
-
-
-def _leave_process_group() -> None:
-    """A rank that ends on an error leaves its process group before the interpreter exits:
-    left to the interpreter's teardown, gloo's connection threads can be destroyed while the
-    peer closes its side, and the C++ runtime then aborts the rank (SIGABRT) instead of
-    letting it exit with its code. Local, no collective."""
-    dist = sys.modules.get("torch.distributed")
-    if dist is None or not dist.is_available() or not dist.is_initialized():
-        return
-    with contextlib.suppress(Exception):
-        dist.destroy_process_group()
 
 
 def debug_enabled() -> bool:
