@@ -15,6 +15,21 @@ link are capped with a token bucket filter: rank -> switch on the rank's ``eth0`
 rank's own link: N-1 senders into one rank share its downlink. There is no delay emulation
 (netem is not available on the kernels this runs on); the RTT is that of veth (~20 us).
 
+With ``group_size=M`` (hierarchical training: fast links inside a group, a slow one
+between groups) ranks ``[g*M, (g+1)*M)`` sit on group ``g``'s bridge ``br<g>``, and every
+group bridge has one more link, ``g<g> ==veth== c<g>``, to a core bridge ``core``; both
+ends of it are capped at ``cross_rate``. All bridges live in the switch namespace and the
+subnet stays one /24 (L2), so addresses and MASTER_ADDR do not change::
+
+    r0, r1 -- br0 -- g0 ==veth== c0 \
+                                      core      (all in netns <name>-sw; 2 groups of 2)
+    r2, r3 -- br1 -- g1 ==veth== c1 /
+
+Traffic inside a group never crosses a ``g``/``c`` link; every byte between groups leaves
+its group through ``g<src>`` and enters the other through ``c<dst>`` (each group's own
+link to the core is its bottleneck, as a machine's NIC would be).
+:meth:`Cluster.cross_link_bytes` reads those links' interface counters.
+
 The addresses exist only inside the cluster's namespaces, so clusters of different
 processes never collide; so do the ports (rank 0's torchrun store listens on 29500 inside
 ``<name>-r0``). Namespace names are ``<prefix><pid>-<seq>-r<i>`` / ``-sw``: the owner's pid
@@ -35,6 +50,7 @@ Needs root (CAP_SYS_ADMIN to mount namespaces, CAP_NET_ADMIN for links and qdisc
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import shlex
@@ -183,7 +199,8 @@ def probe_support(prefix: str = PREFIX) -> None:
 
 def _run_tool(*argv: str, check: bool = True) -> subprocess.CompletedProcess:
     # A session of its own: a Ctrl-C at the terminal must not kill `ip netns del` mid-teardown.
-    proc = subprocess.run(argv, capture_output=True, text=True, start_new_session=True)
+    proc = subprocess.run(argv, capture_output=True, text=True, start_new_session=True,
+                          check=False)
     if check and proc.returncode != 0:
         raise ClusterUnavailableError(
             f"`{' '.join(argv)}` failed (exit {proc.returncode}): {proc.stderr.strip()}. "
@@ -270,6 +287,35 @@ class Cluster:
     burst_bytes: int | None
     setup_commands: tuple[str, ...] = ()
     """The ``ip``/``tc`` commands that built it, in order (for reports)."""
+    group_size: int | None = None
+    """Ranks per group (one bridge each, joined by a core bridge); None: one bridge for all."""
+    cross_rate_bps: int | None = None
+    """Cap of each direction of each group's link to the core in bits/s (None: uncapped)."""
+
+    @property
+    def num_groups(self) -> int:
+        return self.world_size // self.group_size if self.group_size else 1
+
+    def group_of(self, rank: int) -> int:
+        return rank // self.group_size if self.group_size else 0
+
+    def cross_link_bytes(self) -> list[tuple[int, int]]:
+        """``[(out, in), ...]`` per group: bytes that left group g through its link to the
+        core (tx of ``g<g>``) and that entered it (rx of ``g<g>``), counted by the kernel
+        since the cluster was built, Ethernet headers included. ``[]`` without groups."""
+        if not self.group_size:
+            return []
+        out = _run_tool("ip", "-n", self.switch, "-j", "-s", "link", "show").stdout
+        stats = {link["ifname"]: link["stats64"] for link in json.loads(out)}
+        return [(stats[f"g{g}"]["tx"]["bytes"], stats[f"g{g}"]["rx"]["bytes"])
+                for g in range(self.num_groups)]
+
+    def cross_bytes(self) -> int:
+        """Bytes sent from one group to another (both directions) since the cluster was
+        built; the difference of two reads is what a step sent over the slow links. Each
+        byte is counted once, where it left its group (a frame flooded to several groups
+        is counted once too); with two groups this is both directions of their link."""
+        return sum(out for out, _ in self.cross_link_bytes())
 
     @property
     def world_size(self) -> int:
@@ -391,34 +437,64 @@ def _burst(rate_bps: int, burst_bytes: int | None) -> int:
 
 
 def build_cluster(names: Sequence[str], switch: str, rate_bps: int | None,
-                  burst_bytes: int | None = None) -> Cluster:
-    """Create the namespaces, bridge, veth links and qdiscs (see the module docstring)."""
+                  burst_bytes: int | None = None, *, group_size: int | None = None,
+                  cross_rate_bps: int | None = None) -> Cluster:
+    """Create the namespaces, bridges, veth links and qdiscs (see the module docstring).
+    ``group_size`` must divide ``len(names)`` (checked by :func:`netns_cluster`)."""
     done: list[str] = []
 
     def step(*argv: str) -> None:
         _run_tool(*argv)
         done.append(shlex.join(argv))
 
+    n_groups = len(names) // group_size if group_size else 1
     step("ip", "netns", "add", switch)
-    step("ip", "-n", switch, "link", "add", "br0", "type", "bridge")
-    step("ip", "-n", switch, "link", "set", "br0", "up")
+    for g in range(n_groups):
+        step("ip", "-n", switch, "link", "add", f"br{g}", "type", "bridge")
+        step("ip", "-n", switch, "link", "set", f"br{g}", "up")
+    if group_size:
+        _build_core(step, switch, n_groups, cross_rate_bps, burst_bytes)
     burst = _burst(rate_bps, burst_bytes) if rate_bps else None
     nodes = []
     for rank, name in enumerate(names):
         port, addr = f"p{rank}", f"{SUBNET}.{rank + 1}"
+        bridge = f"br{rank // group_size}" if group_size else "br0"
         step("ip", "netns", "add", name)
         step("ip", "-n", name, "link", "set", "lo", "up")
         step("ip", "-n", switch, "link", "add", port, "type", "veth", "peer", "name", IFNAME,
              "netns", name)
-        step("ip", "-n", switch, "link", "set", port, "master", "br0", "up")
+        step("ip", "-n", switch, "link", "set", port, "master", bridge, "up")
         step("ip", "-n", name, "addr", "add", f"{addr}/24", "dev", IFNAME)
         step("ip", "-n", name, "link", "set", IFNAME, "up")
         if rate_bps:
             for ns, dev in ((name, IFNAME), (switch, port)):  # up- and downlink
-                step("tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "tbf", "rate",
-                     f"{rate_bps}bit", "burst", str(burst), "latency", "50ms")
+                _add_tbf(step, ns, dev, rate_bps, burst)
         nodes.append(RankNode(rank, name, IFNAME, addr))
-    return Cluster(tuple(nodes), switch, rate_bps, burst, tuple(done))
+    return Cluster(tuple(nodes), switch, rate_bps, burst, tuple(done), group_size,
+                   cross_rate_bps)
+
+
+def _build_core(step: Callable[..., None], switch: str, n_groups: int,
+                cross_rate_bps: int | None, burst_bytes: int | None) -> None:
+    """The core bridge and one link ``g<g> ==veth== c<g>`` from each group bridge to it.
+    Both ends stay in the switch namespace; capping both (g: group -> core, c: core ->
+    group) puts every inter-group byte through a ``cross_rate`` cap, and no intra-group
+    byte ever reaches one (the group bridge forwards it port to port)."""
+    step("ip", "-n", switch, "link", "add", "core", "type", "bridge")
+    step("ip", "-n", switch, "link", "set", "core", "up")
+    burst = _burst(cross_rate_bps, burst_bytes) if cross_rate_bps else None
+    for g in range(n_groups):
+        step("ip", "-n", switch, "link", "add", f"g{g}", "type", "veth", "peer", "name", f"c{g}")
+        step("ip", "-n", switch, "link", "set", f"g{g}", "master", f"br{g}", "up")
+        step("ip", "-n", switch, "link", "set", f"c{g}", "master", "core", "up")
+        if cross_rate_bps:
+            for dev in (f"g{g}", f"c{g}"):
+                _add_tbf(step, switch, dev, cross_rate_bps, burst)
+
+
+def _add_tbf(step: Callable[..., None], ns: str, dev: str, rate_bps: int, burst: int) -> None:
+    step("tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "tbf", "rate", f"{rate_bps}bit",
+         "burst", str(burst), "latency", "50ms")
 
 
 class _Interrupts:
@@ -468,10 +544,31 @@ class _Interrupts:
                 self._raise(signum)
 
 
+def _check_groups(world_size: int, group_size: int | None,
+                  cross_rate: str | int | None) -> int | None:
+    """``cross_rate`` in bits/s, after refusing groups that do not tile the ranks and a
+    ``cross_rate`` without groups (it would cap nothing, silently)."""
+    if group_size is None:
+        if cross_rate is not None:
+            raise ValueError(f"cross_rate={cross_rate!r} needs group_size: without groups "
+                             "there is no link between groups to cap")
+        return None
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1 \
+            or world_size % group_size:
+        raise ValueError(f"group_size must be a positive divisor of world_size={world_size}, "
+                         f"got {group_size!r}")
+    return parse_rate(cross_rate)
+
+
 @contextlib.contextmanager
 def netns_cluster(world_size: int, rate: str | int | None = "1gbit", *,
+                  group_size: int | None = None, cross_rate: str | int | None = None,
                   prefix: str = PREFIX, burst_bytes: int | None = None) -> Iterator[Cluster]:
     """A cluster of ``world_size`` namespaces whose links carry ``rate`` each way.
+
+    ``group_size=M`` (must divide ``world_size``): ranks ``[g*M, (g+1)*M)`` share group
+    g's bridge through their ``rate`` links, and the groups are joined through links
+    capped at ``cross_rate`` each way (None: uncapped); see the module docstring.
 
     Checks the privileges first (:func:`require_support`), deletes the namespaces of killed
     earlier runs (reported on stderr), and always deletes everything it made: on normal
@@ -481,6 +578,7 @@ def netns_cluster(world_size: int, rate: str | int | None = "1gbit", *,
     if not 1 <= world_size <= MAX_RANKS:
         raise ValueError(f"world_size must be in [1, {MAX_RANKS}], got {world_size}")
     rate_bps = parse_rate(rate)
+    cross_rate_bps = _check_groups(world_size, group_size, cross_rate)
     require_support()
     stale = remove_stale(prefix)
     if stale:
@@ -494,7 +592,8 @@ def netns_cluster(world_size: int, rate: str | int | None = "1gbit", *,
     with guard.installed():
         try:
             with guard.critical():
-                cluster = build_cluster(names, switch, rate_bps, burst_bytes)
+                cluster = build_cluster(names, switch, rate_bps, burst_bytes,
+                                        group_size=group_size, cross_rate_bps=cross_rate_bps)
             yield cluster
         finally:
             with guard.critical():
