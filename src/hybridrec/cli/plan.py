@@ -7,18 +7,22 @@ import re
 from pathlib import Path
 
 from hybridrec.errors import ConfigError
-from hybridrec.train.config import DataConfig, OptimConfig
+from hybridrec.train.config import DataConfig, ModelConfig, OptimConfig
 
 _EPILOG = """\
 examples:
   hybridrec plan --nproc 8 --tables 26x100000x64 --memory-per-rank 4GiB
   hybridrec plan --nproc 4 --nnodes 2 --data data/criteo-pre --pin C3=row_wise --out plan.json
+  hybridrec plan --nproc 4 --tables 26x100000x16 --partition-dense top_mlp
   hybridrec train ... dist.plan=plan.json     # train with the plan
 
 --tables COUNTxROWSxDIM[,...] makes tables t0, t1, ...; --pin NAME=TYPE[,TYPE][@RANK,...]
 pins a table's sharding types and/or ranks (e.g. C1=table_wise@3, C2=@0,1).
 Sizes take B, KB, MB, GB (powers of 1000) or KiB, MiB, GiB (powers of 1024);
 bandwidth takes bit/s units (1Gbit, 100Mbit) or bytes/s (1.25GB).
+--partition-dense MODULE (bottom_mlp, top_mlp; repeatable) splits the module's widest linear
+layer by output columns over all ranks (as dist.partition_dense); the dense part shown is for
+the default MLP widths (model.bottom_mlp ending in the embedding dim, model.top_mlp).
 """
 
 
@@ -49,6 +53,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                         f"[{OptimConfig().sparse}]")
     p.add_argument("--pin", action="append", default=[], metavar="NAME=TYPE[@RANKS]",
                    help="constrain a table (repeatable)")
+    p.add_argument("--partition-dense", action="append", default=[], metavar="MODULE",
+                   help="split this dense module's widest layer over the ranks (repeatable)")
     p.add_argument("--out", metavar="FILE", help="write the plan as JSON (for dist.plan)")
     p.set_defaults(func=_plan)
 
@@ -63,7 +69,7 @@ def _plan(args: argparse.Namespace) -> int:
         raise ConfigError("--nproc and --nnodes must be >= 1")
     if args.batch_size < 1:
         raise ConfigError("--batch-size must be >= 1")
-    tables, stats = _load_tables(args)
+    tables, stats, num_dense = _load_tables(args)
     world = args.nproc * args.nnodes
     memory = None if args.memory_per_rank in (None, "none") else parse_size(args.memory_per_rank)
     bandwidth = parse_bandwidth(args.bandwidth)
@@ -74,6 +80,8 @@ def _plan(args: argparse.Namespace) -> int:
                              constraints=parse_pins(args.pin))
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    modules = default_dense_modules(num_dense, tables)
+    plan.dense = _plan_dense(modules, args.partition_dense, world)
     report = describe_plan(plan, tables, batch_sizes=[args.batch_size] * world,
                            ids_per_bag=ids_per_sample(tables, stats), optimizer=args.optimizer)
     cap = "none" if memory is None else fmt_bytes(memory)
@@ -81,9 +89,12 @@ def _plan(args: argparse.Namespace) -> int:
           f"batch {args.batch_size}/rank, optimizer {args.optimizer}, memory cap {cap}, "
           f"bandwidth {args.bandwidth} ({bandwidth:,.0f} B/s)")
     print("\n".join(format_ranks(report, bandwidth)))
-    print("(bytes per step exclude the dense all-reduce: 2(W-1)/W x the dense parameters' bytes)")
+    print("(bytes per step exclude the dense all-reduce: 2(W-1)/W x the replicated dense parameters' "
+          "bytes, and the partitioned layers' activations below)")
     print()
     print("\n".join(format_tables(report)))
+    print()
+    print("\n".join(format_dense(plan.dense, modules, args.batch_size, world)))
     if args.out:
         Path(args.out).write_text(plan.to_json() + "\n")
         print(f"\nplan written to {args.out}")
@@ -100,7 +111,7 @@ def _load_tables(args):
         if args.dim < 1:
             raise ConfigError("--dim must be >= 1")
         return ([TableConfig(name=f.name, num_embeddings=f.num_embeddings, embedding_dim=args.dim)
-                 for f in meta.schema.features], meta.stats)
+                 for f in meta.schema.features], meta.stats, len(meta.schema.dense))
     tables = []
     for spec in args.tables.split(","):
         m = re.fullmatch(r"\s*(?:(\d+)x)?(\d+)x(\d+)\s*", spec)
@@ -111,7 +122,32 @@ def _load_tables(args):
                                       embedding_dim=int(m.group(3))))
     if not tables:
         raise ConfigError("--tables: no tables")
-    return tables, None
+    return tables, None, CRITEO_DENSE
+
+
+CRITEO_DENSE = 13
+"""Dense input features assumed with --tables (Criteo's)."""
+
+
+def default_dense_modules(num_dense: int, tables: list) -> dict:
+    """The dense modules' layers with the default MLP widths (``ModelConfig``), the bottom
+    MLP ending in the embedding dim: ``{"bottom": [LinearSpec...], "interaction": [], "top": ...}``."""
+    from hybridrec.model.interaction import make_interaction
+    from hybridrec.parallel.placement import mlp_linears
+
+    m, dim = ModelConfig(), tables[0].embedding_dim
+    _, top_in = make_interaction(m.interaction, len(tables), dim)
+    return {"bottom": mlp_linears([num_dense, *m.bottom_mlp[:-1], dim]), "interaction": [],
+            "top": mlp_linears([top_in, *m.top_mlp])}
+
+
+def _plan_dense(modules: dict, names: list[str], world: int) -> dict:
+    from hybridrec.parallel.placement import plan_dense
+
+    try:
+        return plan_dense(modules, names, world, option="--partition-dense")
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 _SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -207,4 +243,38 @@ def format_tables(report: dict) -> list[str]:
     for t in report["tables"]:
         lines.append(f"{t['table']:<{w}} {t['rows']:>13,} {t['dim']:>5} {t['sharding_type']:<15} "
                      f"{_ranks_text(t['ranks']):<12} {fmt_bytes(t['memory_bytes']):>11}")
+    return lines
+
+
+def _spread(values: list[int], fmt=str) -> str:
+    """One value when every rank has it (``128 x 4``), else every rank's."""
+    if len(set(values)) == 1:
+        return f"{fmt(values[0])} x {len(values)}"
+    return ",".join(fmt(v) for v in values)
+
+
+def format_dense(dense: dict, modules: dict, batch: int, world: int) -> list[str]:
+    """One line per dense module: placement, the split layer, its columns per rank and the
+    activation bytes each rank sends and receives per step (forward + backward, float32)."""
+    from hybridrec.parallel.placement import activation_bytes
+
+    widths = {n: "-".join(map(str, [ls[0].in_features, *(x.out_features for x in ls)]))
+              for n, ls in modules.items() if ls}
+    title = (f"dense part (default MLPs: {'; '.join(f'{n} {w}' for n, w in widths.items())}; "
+             f"activations per rank at batch {batch}/rank, float32)")
+    head = (f"{'module':<12} {'placement':<12} {'layer':<9} {'in->out':>11} {'columns per rank':<18} "
+            f"{'act. sent/step':>15} {'act. recv/step':>15}")
+    lines = [title, head]
+    for name, layers in modules.items():
+        d = dense.get(name)
+        if d is None or d.placement != "partitioned":
+            lines.append(f"{name:<12} {'replicated':<12} {'-' if layers else '- (no parameters)'}")
+            continue
+        moved = [activation_bytes(d, batch, r) for r in range(world)]
+        sent = [m["fwd"][0] + m["bwd"][0] for m in moved]
+        recv = [m["fwd"][1] + m["bwd"][1] for m in moved]
+        cols = [next(s.num_cols for s in d.shards if s.rank == r) for r in range(world)]
+        shape = f"{d.in_features}->{d.out_features}"
+        lines.append(f"{name:<12} {'partitioned':<12} {d.layer:<9} {shape:>11} "
+                     f"{_spread(cols):<18} {_spread(sent, fmt_bytes):>15} {_spread(recv, fmt_bytes):>15}")
     return lines

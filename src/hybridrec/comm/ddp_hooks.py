@@ -51,9 +51,13 @@ class CompressedAllReduce:
     One instance serves every arch, so ``state_dict`` covers all of them.
     """
 
-    def __init__(self, compressor: GradientCompressor, ledger: CommLedger | None = None) -> None:
+    def __init__(self, compressor: GradientCompressor, ledger: CommLedger | None = None, *,
+                 category: str = CATEGORY, direction: str = "bwd") -> None:
+        """``category``/``direction``: where the ledger counts the bytes (a synchronizer's
+        compressed rounds count as ``sync``)."""
         self.compressor = compressor
         self.ledger = ledger
+        self.category, self.direction = category, direction
 
     def __call__(self, arch: str, module: torch.nn.Module) -> CommHook:
         # id() of a Parameter is stable, and GradBucket.parameters() returns the same objects.
@@ -78,7 +82,8 @@ class CompressedAllReduce:
     def _record(self, sent: int, received: int, buf: torch.Tensor, world: int) -> None:
         if self.ledger is not None:
             original = ring_allreduce_bytes(buf.numel() * buf.element_size(), world)
-            self.ledger.record(CATEGORY, sent=sent, received=received, direction="bwd", original=original)
+            self.ledger.record(self.category, sent=sent, received=received, direction=self.direction,
+                               original=original)
 
     def _dense(self, group, buf, payloads) -> torch.futures.Future:
         world = group.size()

@@ -46,8 +46,8 @@ def _sharded_tensor(g: GlobalTensor, topo: Topology) -> ShardedTensor:
     dev = g.pieces[0][1].device
     where = "cpu" if dev.type == "cpu" else f"{dev.type}:{{}}"
 
-    def place(rank: int) -> str:
-        return f"rank:{rank}/" + where.format(rank % topo.local_world_size)
+    def place(rank: int) -> str:  # (ShardedTensor names the global rank of a group's member)
+        return f"rank:{topo.global_of(rank)}/" + where.format(rank % topo.local_world_size)
 
     local = [STShard(t, ShardMetadata(shard_offsets=list(o), shard_sizes=list(t.shape),
                                       placement=place(topo.rank))) for o, t in g.pieces]

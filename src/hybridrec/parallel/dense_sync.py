@@ -23,6 +23,10 @@ per rank: residuals, thresholds, step counts).
 - :class:`NoSync` (``none``, and every single-process run): nothing; every rank keeps its
   own replica (for a synchronizer that averages replicas instead of gradients).
 
+Partitioned layers (:mod:`hybridrec.parallel.placement`): each rank's column block already
+has the whole group's gradient (scaled to DDP's average), so every strategy leaves those
+parameters out (:func:`synced_parameters`); an arch with nothing else is not synchronized.
+
 Predicted bytes: an uncompressed all-reduce is predictable, so those strategies tell the
 ledger each step what it should count (``dense_allreduce``, ``bwd``, ring bytes per arch;
 DDP's buckets are exact per arch when ``2 (W-1) n / W`` is an integer for every bucket, e.g.
@@ -40,6 +44,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from hybridrec.comm.ddp_hooks import CompressedAllReduce, HookFactory, PowerSGDHooks
 from hybridrec.comm.ledger import CommLedger, ring_allreduce_bytes
+from hybridrec.parallel.placement import partitioned_parameter_names
 from hybridrec.parallel.topology import Topology
 
 CATEGORY = "dense_allreduce"
@@ -68,8 +73,15 @@ def dense_arches(model: nn.Module) -> dict[str, nn.Module]:
     return out
 
 
+def synced_parameters(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """The trainable parameters of an arch that the dense sync averages: all but the
+    column blocks of partitioned layers."""
+    skip = partitioned_parameter_names(module)
+    return [(n, p) for n, p in module.named_parameters() if p.requires_grad and n not in skip]
+
+
 def _arch_bytes(module: nn.Module) -> int:
-    return sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
+    return sum(p.numel() * p.element_size() for _, p in synced_parameters(module))
 
 
 class NoSync:
@@ -133,8 +145,10 @@ class DDPSync(_Predicting):
         self.hooks = hooks
 
     def wrap(self, model: nn.Module) -> nn.Module:
-        self.arches = dense_arches(model)
+        self.arches = {n: m for n, m in dense_arches(model).items() if synced_parameters(m)}
         for name, module in self.arches.items():
+            if skip := partitioned_parameter_names(module):  # before DDP reads the parameters
+                DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, sorted(skip))
             hook = allreduce_hook(self.ledger) if self.hooks is None else self.hooks(name, module)
             ddp = DistributedDataParallel(module, process_group=self.topo.group)
             ddp.register_comm_hook(self.topo.group, hook)
@@ -164,12 +178,12 @@ class AllReduceSync(_Predicting):
         self.reducer = reducer
 
     def wrap(self, model: nn.Module) -> nn.Module:
-        self.arches = dense_arches(model)
+        self.arches = {n: m for n, m in dense_arches(model).items() if synced_parameters(m)}
         return model
 
     def synchronize(self) -> None:
         for arch, module in self.arches.items():
-            named = [(f"{arch}.{n}", p) for n, p in module.named_parameters() if p.requires_grad]
+            named = [(f"{arch}.{n}", p) for n, p in synced_parameters(module)]
             grads = [p.grad if p.grad is not None else torch.zeros_like(p) for _, p in named]
             buf = torch.cat([g.reshape(-1) for g in grads])
             views = list(torch.split(buf, [g.numel() for g in grads]))

@@ -2,6 +2,20 @@
 
 Everything distributed receives a :class:`Topology` and uses its groups; no
 module calls ``dist.get_rank()`` or creates groups of its own.
+
+Hierarchical training (``dist.group_size=M``) splits the ``W`` ranks into ``G = W / M``
+groups of consecutive ranks. A rank's Topology then describes *its group*: ``rank``,
+``world_size`` and ``group`` are the rank inside the group, ``M`` and the group's process
+group, so every synchronous component (sharded embeddings, dense sync, checkpoints) runs
+over the group unchanged. What spans groups is separate: ``cross_group`` (the ranks
+with this rank's index in every group: they hold the same shards), ``world_group``,
+``global_rank`` and ``global_world_size`` (the data split, evaluation, run-level decisions).
+Worked example, W = 4, M = 2::
+
+    global rank:   0  1 | 2  3
+    group_index:   0  0 | 1  1
+    rank (in it):  0  1 | 0  1
+    cross groups:  {0, 2} and {1, 3}
 """
 
 from __future__ import annotations
@@ -29,6 +43,16 @@ class Topology:
     """All ranks (None in a single process without a process group)."""
     host_group: dist.ProcessGroup | None
     """The ranks of this rank's host group."""
+    num_groups: int = 1
+    """Hierarchical training: the number of groups (1: flat, the group is the world)."""
+    group_index: int = 0
+    """This rank's group."""
+    cross_group: dist.ProcessGroup | None = None
+    """The ranks with this rank's index in every group (None: one group)."""
+    world_group: dist.ProcessGroup | None = None
+    """Every rank of every group (None: one process); equal to :attr:`group` when flat."""
+    group_ranks: tuple[tuple[int, ...], ...] = ()
+    """Every group's global ranks (collective group creation needs all of them)."""
     exchange: str = "collective"
     """How :meth:`all_to_all` moves data: ``collective`` (the backend's all_to_all_single) or
     ``pairwise`` (:class:`~hybridrec.comm.exchange.PairwiseExchange`: receives posted first,
@@ -45,6 +69,33 @@ class Topology:
         else:
             raise ValueError(f"unknown exchange {self.exchange!r}: collective or pairwise")
 
+    @property
+    def global_rank(self) -> int:
+        return self.group_index * self.world_size + self.rank
+
+    @property
+    def global_world_size(self) -> int:
+        return self.num_groups * self.world_size
+
+    @property
+    def hierarchical(self) -> bool:
+        return self.num_groups > 1
+
+    def global_of(self, rank: int) -> int:
+        """The global rank of rank ``rank`` of this rank's group."""
+        return self.group_ranks[self.group_index][rank] if self.group_ranks else rank
+
+    @property
+    def run_group(self) -> dist.ProcessGroup | None:
+        """Every rank that trains this run: :attr:`group` when flat, every group's ranks in
+        hierarchical training (evaluation's gather, the run's decisions)."""
+        return self.world_group if self.hierarchical else self.group
+
+    @property
+    def lead(self) -> bool:
+        """The one rank that writes run-level files and prints (global rank 0)."""
+        return self.global_rank == 0
+
     @staticmethod
     def single(device: torch.device | str = "cpu") -> Topology:
         return Topology(0, 1, 0, 1, torch.device(device), "none", None, None)
@@ -52,7 +103,8 @@ class Topology:
     @staticmethod
     def init(*, backend: str | None = None, timeout_s: float = 300.0,
              local_world_size: int | None = None, store: dist.Store | None = None,
-             rank: int | None = None, world_size: int | None = None) -> Topology:
+             rank: int | None = None, world_size: int | None = None,
+             group_size: int | None = None) -> Topology:
         """Join (or start) the default process group from torchrun's environment
         (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT), or
         with ``store``, ``rank`` and ``world_size`` given (a group of some of torchrun's
@@ -60,6 +112,7 @@ class Topology:
 
         Backend: NCCL when CUDA is available, gloo otherwise. ``timeout_s`` bounds
         every collective, so a dead peer ends in an error instead of a hang.
+        ``group_size``: ranks per group of hierarchical training (None: one group).
         """
         use_cuda = torch.cuda.is_available() and backend != "gloo"
         backend = backend or ("nccl" if use_cuda else "gloo")
@@ -73,14 +126,23 @@ class Topology:
                                     world_size=-1 if world_size is None else world_size)
         rank, world = dist.get_rank(), dist.get_world_size()
         lws = local_world_size or int(os.environ.get("LOCAL_WORLD_SIZE", world))
-        if world % lws:
-            raise ValueError(f"world size {world} is not a multiple of the host group size {lws}")
-        host_group = None
-        for h in range(world // lws):  # every rank must create every group, in the same order
-            g = dist.new_group(list(range(h * lws, (h + 1) * lws)))
-            if h == rank // lws:
-                host_group = g
-        return Topology(rank, world, rank % lws, lws, device, backend, dist.group.WORLD, host_group)
+        m = group_size or world
+        if problem := group_problem(world, m, lws):
+            raise ValueError(problem)
+        if m == world:
+            host_group = _host_groups(range(world), lws, rank)
+            return Topology(rank, world, rank % lws, lws, device, backend, dist.group.WORLD, host_group,
+                            world_group=dist.group.WORLD, group_ranks=(tuple(range(world)),))
+        return _grouped(rank, world, m, min(lws, m), device, backend)
+
+    def cross_groups(self, count: int) -> list[dist.ProcessGroup]:
+        """``count`` new gloo groups of this rank's cross group (the ranks with its index in
+        every group). Collective: every rank calls it with the same ``count``, in the same order."""
+        m, out = self.world_size, []
+        for _ in range(count):
+            made = [dist.new_group([g * m + j for g in range(self.num_groups)], backend="gloo") for j in range(m)]
+            out.append(made[self.rank])
+        return out
 
     def parallel_groups(self, count: int) -> list[dist.ProcessGroup]:
         """``count`` new gloo groups of all ranks: each has its own connection per pair, so
@@ -88,5 +150,47 @@ class Topology:
         Collective: every rank calls it with the same ``count``, in the same order."""
         if count < 1:
             raise ValueError(f"count must be >= 1, got {count}")
-        return [dist.new_group(list(range(self.world_size)), backend="gloo")
-                for _ in range(count)]
+        out = []
+        for _ in range(count):  # every rank makes every group's, in the same order
+            made = [dist.new_group(list(ranks), backend="gloo") for ranks in self.group_ranks]
+            out.append(made[self.group_index])
+        return out
+
+
+def group_problem(world: int, group_size: int, local_world_size: int) -> str | None:
+    """Why ``group_size`` cannot split ``world`` ranks (None: it can). Checked before any
+    process group is made (``hybridrec train`` runs it at launch)."""
+    if group_size < 1 or world % group_size:
+        return f"dist.group_size={group_size} does not divide the {world} ranks of this run into equal groups"
+    if world % local_world_size:
+        return f"world size {world} is not a multiple of the host group size {local_world_size}"
+    if group_size % local_world_size and local_world_size % group_size:
+        return (f"dist.group_size={group_size} and the {local_world_size} ranks per machine: one must "
+                "divide the other (a group is part of one machine, or whole machines)")
+    return None
+
+
+def _host_groups(ranks, lws: int, rank: int) -> dist.ProcessGroup | None:
+    """Groups of ``lws`` consecutive ``ranks`` (global ids); returns this rank's. Every rank
+    makes every group, in the same order."""
+    ranks, mine = list(ranks), None
+    for h in range(0, len(ranks), lws):
+        g = dist.new_group(ranks[h : h + lws])
+        if rank in ranks[h : h + lws]:
+            mine = g
+    return mine
+
+
+def _grouped(rank: int, world: int, m: int, lws: int, device, backend) -> Topology:
+    """This rank's Topology among ``world / m`` groups of ``m`` consecutive ranks."""
+    groups = tuple(tuple(range(g * m, (g + 1) * m)) for g in range(world // m))
+    index = rank // m
+    made = [dist.new_group(list(r)) for r in groups]  # every rank: every group, same order
+    host = None
+    for r in groups:
+        h = _host_groups(r, lws, rank)
+        host = h if rank in r else host
+    cross = [dist.new_group([g * m + j for g in range(len(groups))]) for j in range(m)]
+    return Topology(rank % m, m, rank % lws, lws, device, backend, made[index], host,
+                    num_groups=len(groups), group_index=index, cross_group=cross[rank % m],
+                    world_group=dist.group.WORLD, group_ranks=groups)

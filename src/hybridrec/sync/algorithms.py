@@ -36,6 +36,10 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
+from hybridrec.comm.ledger import ring_allreduce_bytes
+
+CATEGORY = "sync"  # the ledger's category of every synchronizer round
+
 
 class Synchronizer(Protocol):
     name: str
@@ -43,8 +47,9 @@ class Synchronizer(Protocol):
     def init(self, replica: torch.Tensor) -> None:
         """Start from ``replica`` ``[n]`` (the same on every rank) unless state was loaded."""
 
-    def round(self, snapshot: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-        """Collective over ``group``: the target ``[n]`` of this rank's replica."""
+    def round(self, snapshot: torch.Tensor, mean: Mean | dist.ProcessGroup) -> torch.Tensor:
+        """Collective over the sync group (``mean``'s, or a process group's exact mean):
+        the target ``[n]`` of this rank's replica."""
 
     def state_dict(self) -> dict: ...
 
@@ -58,14 +63,60 @@ def mean_over(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     return out.div_(group.size())
 
 
+class Mean(Protocol):
+    """How a round averages the replicas over the sync group: ``mean(x)`` is collective and
+    returns ``mean_i x_i`` ``[n]`` (exactly, or through a compressor:
+    :class:`hybridrec.sync.compressed.CompressedMean`); ``size()`` is the group's size."""
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    def size(self) -> int: ...
+
+
+class GroupMean:
+    """The exact mean: plain all-reduces over ``group``, counted in ``ledger`` (category
+    ``sync``) as ring all-reduces. ``parts``: lengths of consecutive pieces of ``x`` averaged
+    by all-reduces of their own (hierarchical training: the dense part, equal on every member
+    of a group, apart from the member's shards, so that its sum runs in the same order on
+    every cross group whatever the shards' sizes); empty: one all-reduce."""
+
+    def __init__(self, group: dist.ProcessGroup, ledger=None, parts: tuple[int, ...] = ()) -> None:
+        self.group, self.ledger, self.parts = group, ledger, tuple(parts)
+
+    def size(self) -> int:
+        return self.group.size()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([self._one(piece) for piece in split_parts(x, self.parts)])
+
+    def _one(self, x: torch.Tensor) -> torch.Tensor:
+        if self.ledger is not None:
+            ring = ring_allreduce_bytes(x.numel() * x.element_size(), self.group.size())
+            self.ledger.record(CATEGORY, sent=ring, received=ring, direction="sync")
+        return mean_over(x, self.group)
+
+
+def split_parts(x: torch.Tensor, parts: tuple[int, ...]) -> list[torch.Tensor]:
+    """``x`` ``[n]`` as views of the given leading lengths and the rest (empty pieces dropped)."""
+    if not parts:
+        return [x]
+    pieces = list(torch.split(x, [*parts, x.numel() - sum(parts)]))
+    return [p for p in pieces if p.numel()]
+
+
+def as_mean(group_or_mean) -> Mean:
+    """A process group means its exact :class:`GroupMean` (uncounted)."""
+    return GroupMean(group_or_mean) if isinstance(group_or_mean, dist.ProcessGroup) else group_or_mean
+
+
 class ModelAveraging:
     name = "ma"
 
     def init(self, replica: torch.Tensor) -> None:
         pass
 
-    def round(self, snapshot, group):
-        return mean_over(snapshot, group)
+    def round(self, snapshot, mean):
+        return as_mean(mean)(snapshot)
 
     def state_dict(self) -> dict:
         return {"name": self.name}
@@ -87,11 +138,12 @@ class ElasticAveraging:
         if self.centre is None:
             self.centre = replica.detach().clone()
 
-    def round(self, snapshot, group):
+    def round(self, snapshot, mean):
+        mean = as_mean(mean)
         c = self.centre
         target = snapshot - self.alpha * (snapshot - c)  # uses the centre before its update
-        beta = min(1.0, group.size() * self.alpha)
-        self.centre = c + beta * (mean_over(snapshot, group) - c)
+        beta = min(1.0, mean.size() * self.alpha)
+        self.centre = c + beta * (mean(snapshot) - c)
         return target
 
     def state_dict(self) -> dict:
@@ -117,9 +169,9 @@ class BlockMomentum:
             self.global_model = replica.detach().clone()
             self.delta = torch.zeros_like(self.global_model)
 
-    def round(self, snapshot, group):
+    def round(self, snapshot, mean):
         start = self.global_model + self.mu * self.delta if self.nesterov else self.global_model
-        d = mean_over(snapshot, group) - start  # the block's progress from where it started
+        d = as_mean(mean)(snapshot) - start  # the block's progress from where it started
         self.delta = self.mu * self.delta + self.zeta * d
         self.global_model = self.global_model + self.delta
         return self.global_model + self.mu * self.delta if self.nesterov else self.global_model.clone()

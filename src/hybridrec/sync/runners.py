@@ -42,6 +42,7 @@ keeps the *sync gap*: training steps between two rounds of this rank.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 
@@ -49,9 +50,7 @@ import torch
 import torch.distributed as dist
 
 from hybridrec.comm.ledger import CommLedger, ring_allreduce_bytes
-from hybridrec.sync.algorithms import Synchronizer, mean_over
-
-CATEGORY = "sync"
+from hybridrec.sync.algorithms import CATEGORY, GroupMean, Mean, Synchronizer
 
 
 class SyncRunner:
@@ -60,15 +59,25 @@ class SyncRunner:
     mode = ""
 
     def __init__(self, sync: Synchronizer, params: list[torch.nn.Parameter], group: dist.ProcessGroup, *,
-                 ledger: CommLedger | None = None, write_back: str = "delta") -> None:
+                 ledger: CommLedger | None = None, write_back: str = "delta", mean: Mean | None = None) -> None:
+        """``mean``: how a round averages over ``group`` (default: exact, :class:`GroupMean`;
+        ``sync.compress``: a :class:`~hybridrec.sync.compressed.CompressedMean`). The last
+        average (:meth:`finish`) is always exact."""
         if write_back not in ("delta", "overwrite"):
             raise ValueError(f"write_back {write_back!r}: delta or overwrite")
         self.sync, self.params, self.group = sync, list(params), group
         self.ledger, self.write_back = ledger, write_back
+        self.exact = GroupMean(group, ledger)
+        self.mean = mean or self.exact
         self.step = 0  # the trainer's step, as of its last after_step()
         self.rounds = 0
         self._last_round_step: int | None = None
         self.gaps: list[int] = []  # training steps between two rounds of this rank
+
+    def parked(self):
+        """A context the training thread holds while it is out of the step loop for a
+        collective wait (a checkpoint); nothing to do but for grouped rounds."""
+        return contextlib.nullcontext()
 
     def flat(self) -> torch.Tensor:
         """This rank's replica, ``[n]`` float32 (a copy)."""
@@ -91,8 +100,7 @@ class SyncRunner:
         copied exactly (write-back modes differ only in the background)."""
         snapshot = self.flat()
         with torch.no_grad():
-            self._write(self.sync.round(snapshot, self.group), None)
-        self._count(snapshot)
+            self._write(self.sync.round(snapshot, self.mean), None)
         self._note_round()
 
     def _note_round(self) -> None:
@@ -104,8 +112,7 @@ class SyncRunner:
     def _average(self) -> None:
         snapshot = self.flat()
         with torch.no_grad():
-            self._write(mean_over(snapshot, self.group), None)
-        self._count(snapshot)
+            self._write(getattr(self.mean, "final", self.exact)(snapshot), None)
 
     def _write(self, target: torch.Tensor, snapshot: torch.Tensor | None) -> None:
         at = 0
@@ -118,17 +125,18 @@ class SyncRunner:
                 p.add_(t - snapshot[at : at + n].view_as(p))
             at += n
 
-    def _count(self, snapshot: torch.Tensor, extra: int = 0) -> None:
-        if self.ledger is not None:
-            ring = ring_allreduce_bytes(snapshot.numel() * snapshot.element_size(), self.group.size()) + extra
-            self.ledger.record(CATEGORY, sent=ring, received=ring, direction="sync")
-
     def state_dict(self) -> dict:
-        """The synchronizer's state (identical on every rank: checkpointed once)."""
-        return {"synchronizer": self.sync.state_dict()}
+        """The synchronizer's state (identical on every rank of the sync group), and a
+        compressed mean's (its anchor, its compressor's residuals)."""
+        out = {"synchronizer": self.sync.state_dict()}
+        if hasattr(self.mean, "state_dict"):
+            out["mean"] = self.mean.state_dict()
+        return out
 
     def load_state_dict(self, state: dict) -> None:
         self.sync.load_state_dict(state["synchronizer"])
+        if hasattr(self.mean, "load_state_dict") and "mean" in state:
+            self.mean.load_state_dict(state["mean"])
 
     def summary(self) -> dict:
         g = self.gaps
@@ -178,6 +186,7 @@ class BackgroundRunner(SyncRunner):
         if not 0 < duty <= 1:
             raise ValueError(f"duty must be in (0, 1], got {duty}")
         self.every, self.interval_s, self.duty = every, interval_s, duty
+        self.flag_group = self.group  # where the ranks agree to go on (a subclass: wider)
         self._stop = threading.Event()
         self._cond = threading.Condition()  # guards step, _pending and the waits on them
         self._state_lock = threading.Lock()  # the synchronizer's state: a round or state_dict()
@@ -205,20 +214,26 @@ class BackgroundRunner(SyncRunner):
                     step0 = self.step
                 if not self._agree_to_go_on():
                     break
-                snapshot = self.flat()  # unlocked reads: may mix two steps' values (Hogwild)
+                snapshot = self._snapshot()
+                if snapshot is None:  # stopped while waiting for it
+                    break
                 with self._state_lock:
-                    target = self.sync.round(snapshot, self.group)
+                    target = self.sync.round(snapshot, self.mean)
                 took = time.monotonic() - t0
                 self.busy_s += took
                 self.round_starts.append((t0, step0, took))
                 last = (t0, step0, took)
-                self._count(snapshot)
                 with self._cond:  # the training thread writes it back, then the next turn
                     self._pending = (snapshot, target)
                     while self._pending is not None and not self._stop.is_set():
                         self._cond.wait()
         except BaseException as e:  # noqa: BLE001 - reported to the training thread in stop()
             self.error = e
+
+    def _snapshot(self) -> torch.Tensor | None:
+        """The replica the round starts from, read in this thread without a lock while the
+        optimizer writes (Hogwild: it may mix two steps' values)."""
+        return self.flat()
 
     def _wait_for_turn(self, last: tuple[float, int, float] | None) -> None:
         """Wait until the throttle lets the next round start, or stop() was called."""
@@ -236,9 +251,9 @@ class BackgroundRunner(SyncRunner):
     def _agree_to_go_on(self) -> bool:
         """Collective on the sync group: False on every rank once any rank asked to stop."""
         flag = torch.tensor([1.0 if self._stop.is_set() else 0.0])
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.flag_group)
         if self.ledger is not None:
-            ring = ring_allreduce_bytes(4, self.group.size())
+            ring = ring_allreduce_bytes(4, self.flag_group.size())
             self.ledger.record(CATEGORY, sent=ring, received=ring, direction="sync")
         return flag.item() == 0.0  # host read: the loop's decision
 

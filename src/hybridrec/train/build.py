@@ -4,6 +4,7 @@ so the classes themselves only store what they are given."""
 from __future__ import annotations
 
 import itertools
+import json
 import os
 import platform
 import shutil
@@ -45,17 +46,20 @@ from hybridrec.train.optim import (
 from hybridrec.parallel import plan as plan_lib
 from hybridrec.parallel.checkpoint_io import gather
 from hybridrec.parallel.cost_model import memory_by_rank
-from hybridrec.parallel.dense_sync import AllReduceSync, DDPSync, DenseSync, NoSync
+from hybridrec.parallel.dense_sync import AllReduceSync, DDPSync, DenseSync, NoSync, dense_arches, synced_parameters
 from hybridrec.parallel.parallelize import parallelize_dlrm
 from hybridrec.parallel.plan import ShardingPlan
 from hybridrec.parallel.planner import plan_sharding
 from hybridrec.parallel.sharded_embedding import ShardedEmbeddingBagCollection
-from hybridrec.parallel.topology import Topology
+from hybridrec.parallel.topology import Topology, group_problem
 from hybridrec.ps.client import PushOptimizer, RemoteEmbeddingCollection
 from hybridrec.train.ps_run import ServerCheckpoints, ps_plan
 from hybridrec.train.sparse_optim import CombinedSparseOptimizer, combined_sparse_optimizer
 from hybridrec.train import checkpoint as ckpt
 from hybridrec.sync import BackgroundRunner, ForegroundRunner, SyncRunner, make_synchronizer
+from hybridrec.sync.algorithms import CATEGORY as SYNC_CATEGORY, GroupMean
+from hybridrec.sync.compressed import CompressedMean
+from hybridrec.sync.grouped import GroupedBackgroundRunner
 from hybridrec.train.checkpointer import Checkpointer, Component, TorchRNG
 from hybridrec.train.early_stop import COMPONENT as EARLY_STOP, EarlyStopping
 from hybridrec.train.pipeline import TrainPipeline
@@ -142,12 +146,47 @@ def build_loaders(cfg: Config, meta: DatasetMeta, *, rank: int = 0, world_size: 
 AUTO_PLAN_BANDWIDTH = 10e9 / 8
 
 
+def group_size(cfg: Config, world: int, local_world: int) -> int:
+    """Ranks per group of ``dist.group_size`` (0: the ranks of one machine when a
+    synchronizer joins the groups and the run spans several machines, else every rank)."""
+    if cfg.dist.group_size:
+        return cfg.dist.group_size
+    return local_world if cfg.sync.algorithm != "none" and world > local_world else world
+
+
+def hierarchy_problem(cfg: Config, world: int, local_world: int) -> str | None:
+    """Why ``dist.group_size`` cannot run with the rest of ``cfg`` on ``world`` ranks
+    (None: it can, or the run is flat). Checked before any process group is made."""
+    m = group_size(cfg, world, local_world)
+    if problem := group_problem(world, m, min(local_world, world)):
+        return problem
+    if m == world:
+        if cfg.sync.algorithm != "none" and cfg.compress.dense != "none":
+            return (f"sync.algorithm={cfg.sync.algorithm} with one group of all {world} ranks averages "
+                    "replicas, not gradients: compress.dense must be none")
+        return None
+    what = f"dist.group_size={m} makes {world // m} groups of the {world} ranks"
+    if cfg.sync.algorithm == "none":
+        return f"{what}, but nothing keeps them together: set sync.algorithm (ma, easgd or bmuf)"
+    if cfg.dist.num_ps:
+        return f"{what}; groups with parameter servers (dist.num_ps) are not supported yet"
+    if cfg.train.workers > 1:
+        return f"{what}; train.workers > 1 runs on one rank only"
+    return None
+
+
 def build_topology(cfg: Config) -> Topology:
-    """A process group when launched by torchrun with several ranks, else one process."""
-    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+    """A process group when launched by torchrun with several ranks, else one process;
+    with ``dist.group_size`` below the world, this rank's group (hierarchical training)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1:
         return Topology.single()
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    if problem := hierarchy_problem(cfg, world, local):
+        raise ConfigError(problem)
     backend = None if cfg.dist.backend == "auto" else cfg.dist.backend
-    topo = Topology.init(backend=backend, timeout_s=cfg.dist.timeout_s)
+    topo = Topology.init(backend=backend, timeout_s=cfg.dist.timeout_s,
+                         group_size=group_size(cfg, world, local))
     topo.exchange = cfg.dist.exchange
     return topo
 
@@ -230,8 +269,8 @@ def build_dense_sync(cfg: Config, topo: Topology, ledger: CommLedger) -> DenseSy
     """The dense-synchronization strategy of ``dist.dense_sync`` (one process, or a
     synchronizer of replicas (``sync.algorithm``): none)."""
     kind = cfg.dist.dense_sync
-    if topo.world_size == 1 or kind == "none" or cfg.sync.algorithm != "none":
-        return NoSync()
+    if topo.world_size == 1 or kind == "none" or (cfg.sync.algorithm != "none" and not topo.hierarchical):
+        return NoSync()  # (hierarchical: the synchronizer works across groups, DDP inside one)
     if kind == "ddp":
         return DDPSync(topo, hooks=build_dense_hooks(cfg.compress, ledger, seed=cfg.train.seed),
                        ledger=ledger)
@@ -242,35 +281,93 @@ def build_dense_sync(cfg: Config, topo: Topology, ledger: CommLedger) -> DenseSy
     return AllReduceSync(topo, CompressedAllReduce(compressor, ledger), ledger=ledger, predict=plain)
 
 
-def build_sync_runner(cfg: Config, topo: Topology, params: list, ledger: CommLedger) -> SyncRunner | None:
-    """The runner of ``sync.algorithm`` over the dense replica ``params``, on a process group
-    of its own (None: no synchronizer, or one process)."""
+def build_sync_runner(cfg: Config, topo: Topology, model: torch.nn.Module, ledger: CommLedger) -> SyncRunner | None:
+    """The runner of ``sync.algorithm``, on a process group of its own (None: no
+    synchronizer, or one process). Flat: over every rank's dense replica. Hierarchical
+    (several groups): over the cross group, of the whole replica: the dense part, then
+    the member's embedding shards (:mod:`hybridrec.sync.grouped`)."""
     s = cfg.sync
-    if s.algorithm == "none" or topo.world_size == 1:
+    if s.algorithm == "none" or topo.global_world_size == 1:
         return None
     sync = make_synchronizer(s.algorithm, alpha=s.alpha, block_momentum=s.block_momentum,
                              block_lr=s.block_lr, nesterov=s.nesterov)
-    group = topo.parallel_groups(1)[0]  # collective: every rank, same order
+    dense = dense_parameters(model)
+    if not topo.hierarchical:
+        params, parts = dense, ()
+        group = topo.parallel_groups(1)[0]  # collective: every rank, same order
+    else:
+        # Equal on every member first (the dense sync's parameters), then the member's own:
+        # column blocks of partitioned layers, embedding shards.
+        synced = {id(p) for _, m in dense_arches(model).items() for _, p in synced_parameters(m)}
+        same = [p for p in dense if id(p) in synced]
+        own = [p for p in dense if id(p) not in synced] + list(model.sparse.parameters())
+        params, parts = same + own, (sum(p.numel() for p in same),)
+        group = topo.cross_groups(1)[0]
+    mean = build_sync_mean(cfg, group, ledger, parts)
     if s.mode == "foreground":
-        return ForegroundRunner(sync, params, group, ledger=ledger, every=s.every)
-    return BackgroundRunner(sync, params, group, ledger=ledger, write_back=s.write_back, every=s.every,
-                            interval_s=s.interval_s, duty=s.duty)
+        return ForegroundRunner(sync, params, group, ledger=ledger, every=s.every, mean=mean)
+    kw = dict(ledger=ledger, write_back=s.write_back, every=s.every, interval_s=s.interval_s,
+              duty=s.duty, mean=mean)
+    if not topo.hierarchical:
+        return BackgroundRunner(sync, params, group, **kw)
+    return GroupedBackgroundRunner(sync, params, group, members=topo.group,
+                                   flag_group=_world_flag_group(topo), **kw)
+
+
+def _world_flag_group(topo: Topology):
+    """A gloo group of every rank for the background rounds' stop flag (collective)."""
+    return torch.distributed.new_group(list(range(topo.global_world_size)), backend="gloo")
+
+
+def build_sync_mean(cfg: Config, group, ledger: CommLedger, parts: tuple[int, ...]):
+    """``sync.compress``: the rounds' mean, exact (``none``) or compressed."""
+    s = cfg.sync
+    if s.compress == "none":
+        return GroupMean(group, ledger, parts)
+    compressor = build_dense_compressor(CompressConfig(dense=s.compress, dense_ratio=s.compress_ratio,
+                                                       dense_refresh_every=SYNC_REFRESH_EVERY))
+    reducer = CompressedAllReduce(compressor, ledger, category=SYNC_CATEGORY, direction="sync")
+    return CompressedMean(group, reducer, ledger, parts)
+
+
+# sync.compress=dct: rounds between recomputations of the threshold. Rounds are far fewer
+# than steps, so the top-k behind it is cheap to run often.
+SYNC_REFRESH_EVERY = 10
 
 
 def build_parallel_model(cfg: Config, meta: DatasetMeta, topo: Topology, ledger: CommLedger,
                          dense_sync: DenseSync, run_dir: Path) -> torch.nn.Module:
-    """Several ranks: plan the sharding, build this rank's shards and apply parallelism;
-    rank 0 writes the plan into the run directory."""
+    """Several ranks: plan the sharding (tables, and the dense part from
+    ``dist.partition_dense`` or the plan file), build this rank's shards, place the dense
+    modules and apply parallelism; rank 0 writes the plan into the run directory."""
+    from hybridrec.parallel.placement import place_dense, resolve_dense
+
     plan = build_plan(cfg, build_tables(meta, cfg), topo, meta)
     cw = [n for n, tp in plan.tables.items() if tp.sharding_type == "column_wise"]
-    if cw and cfg.optim.sparse == "rowwise_adagrad" and topo.rank == 0:
+    if cw and cfg.optim.sparse == "rowwise_adagrad" and topo.lead:
         warnings.warn(f"column-wise tables {cw[:3]} with row-wise Adagrad keep one accumulator per "
                       "column shard: training will not equal one process exactly", stacklevel=1)
-    model = parallelize_dlrm(build_model(cfg, meta, plan=plan, topo=topo, ledger=ledger),
-                             plan, topo, ledger=ledger, dense_sync=dense_sync)
-    if topo.rank == 0:
+    model = build_model(cfg, meta, plan=plan, topo=topo, ledger=ledger)
+    try:  # (checked on every rank alike, before any collective of the dense part)
+        plan.dense = resolve_dense(cfg.dist.partition_dense, plan.dense, model, topo.world_size)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    parts = [n for n, d in plan.dense.items() if d.placement == "partitioned"]
+    if parts:
+        what = f"dist.partition_dense: {', '.join(parts)} partitioned over the group's ranks"
+        if cfg.train.save_checkpoints:  # a checkpoint would keep one rank's columns of each
+            raise ConfigError(f"{what}: checkpoints of partitioned modules are not supported yet; "
+                              "set train.save_checkpoints=false")
+        if cfg.sync.algorithm != "none" and not topo.hierarchical:
+            raise ConfigError(f"{what}: sync.algorithm={cfg.sync.algorithm} would average different "
+                              "column blocks; partition inside groups (dist.group_size) instead")
+        model = place_dense(model, plan.dense, topo, ledger=ledger)
+    model = parallelize_dlrm(model, plan, topo, ledger=ledger, dense_sync=dense_sync)
+    if topo.lead:
         run_dir.mkdir(parents=True, exist_ok=True)
-        write_text_atomic(run_dir / "plan.json", plan.to_json())
+        # (hierarchical: the plan is one group's; "groups" says how many, for a later resume check)
+        doc = {"groups": topo.num_groups, **plan.to_dict()} if topo.hierarchical else plan.to_dict()
+        write_text_atomic(run_dir / "plan.json", json.dumps(doc, indent=2))
     return model
 
 
@@ -305,7 +402,7 @@ def build_trainer(cfg: Config, *, meta: DatasetMeta | None = None, topo: Topolog
     # Metrics of steps after the checkpoint it resumes from are trained (and logged) again.
     latest = ckpt.list_checkpoints(run_dir) if cfg.train.resume else []
     keep_until = latest[-1][0] if latest else 0
-    if not cfg.train.resume and topo.rank == 0:
+    if not cfg.train.resume and topo.lead:
         start_over(run_dir)
     dense_sync = build_dense_sync(cfg, topo, ledger)
     servers = None
@@ -315,13 +412,14 @@ def build_trainer(cfg: Config, *, meta: DatasetMeta | None = None, topo: Topolog
         model = build_model(cfg, meta)
     else:
         model = build_parallel_model(cfg, meta, topo, ledger, dense_sync, run_dir)
-    sync_runner = build_sync_runner(cfg, topo, dense_parameters(model), ledger)
+    sync_runner = build_sync_runner(cfg, topo, model, ledger)
     dense_opt = build_dense_optimizer(dense_parameters(model), cfg.optim)
     sparse_opt = (CombinedSparseOptimizer({"ps": PushOptimizer(model.sparse, name=cfg.optim.sparse,
                                                                 lr=cfg.optim.sparse_lr)})
                   if servers else build_sparse_optimizers(cfg, model.sparse))
     kernels = tune_kernels(cfg, model, topo, sparse_opt)
-    train_loader, eval_loader = build_loaders(cfg, meta, rank=topo.rank, world_size=topo.world_size)
+    # (Hierarchical training: every rank of every group its own part of the data.)
+    train_loader, eval_loader = build_loaders(cfg, meta, rank=topo.global_rank, world_size=topo.global_world_size)
     pipeline = TrainPipeline(train_loader, model.sparse, enabled=cfg.dist.pipeline)
     total_steps = planned_steps(cfg, len(train_loader))
     schedule = LRSchedule(cfg.optim.warmup_steps, cfg.optim.decay, cfg.optim.decay_start, total_steps)
@@ -331,7 +429,8 @@ def build_trainer(cfg: Config, *, meta: DatasetMeta | None = None, topo: Topolog
     components = [Component("loader", pipeline), Component("run_totals", totals),
                   Component("dense_sync", dense_sync, per_rank=True), Component("rng", TorchRNG(), per_rank=True)]
     if sync_runner is not None:
-        components.append(Component("sync", sync_runner))
+        # (hierarchical: member j's replica holds its own shards: saved per rank)
+        components.append(Component("sync", sync_runner, per_rank=topo.hierarchical))
     early_stop = (EarlyStopping(cfg.train.early_stop, cfg.train.early_stop_min_delta)
                   if cfg.train.early_stop else None)
     if early_stop is not None:  # its state (the best step) in every checkpoint
@@ -341,7 +440,7 @@ def build_trainer(cfg: Config, *, meta: DatasetMeta | None = None, topo: Topolog
                                 keep_also=early_stop.kept_steps if early_stop is not None else None)
     run_dir.mkdir(parents=True, exist_ok=True)
     logger = (MetricLogger(run_dir, tensorboard=cfg.train.tensorboard, keep_until=keep_until)
-              if topo.rank == 0 else None)
+              if topo.lead else None)
     return Trainer(cfg=cfg, model=model, dense_opt=dense_opt, sparse_opt=sparse_opt, dense_sync=dense_sync,
                    scheduler=scheduler, pipeline=pipeline, eval_loader=eval_loader,
                    checkpointer=checkpointer, logger=logger, ledger=ledger, run_dir=run_dir,
@@ -361,10 +460,10 @@ def tune_kernels(cfg: Config, model: torch.nn.Module, topo: Topology,
 
     def rank0s(picks: dict) -> dict:
         box = [picks]
-        torch.distributed.broadcast_object_list(box, group=topo.group, group_src=0)
+        torch.distributed.broadcast_object_list(box, group=topo.run_group, group_src=0)
         return box[0]
 
-    agree = rank0s if topo.world_size > 1 else None
+    agree = rank0s if topo.global_world_size > 1 else None
     choices = tune_mlps(model, cfg.data.batch_size, mode=cfg.train.kernels, device=device, dtype=dtype,
                         agree=agree)
     dots = tune_interactions(model, cfg.data.batch_size, mode=cfg.train.kernels, device=device, dtype=dtype,
@@ -423,13 +522,17 @@ def memory_per_rank(cfg: Config, meta: DatasetMeta, world_size: int,
 
 
 def memory_problem(cfg: Config, meta: DatasetMeta, *, world_size: int = 1, local_world_size: int = 1,
-                   host: int = 0) -> str | None:
+                   host: int = 0, groups: int = 1, hierarchical: bool = False) -> str | None:
     """Why the run cannot fit in the memory of machine ``host`` (its ranks
     ``host * local_world_size ...``), or None when it fits: the sum of its ranks'
-    estimates against ``train.memory_limit_gb`` or else the memory available now."""
+    estimates against ``train.memory_limit_gb`` or else the memory available now.
+    ``hierarchical``: ``world_size`` is a group's (``groups`` of them on this machine, each
+    holding every table) and each rank's replica is held again by the synchronizer
+    (:func:`sync_copies` times)."""
     sparse, dense = memory_per_rank(cfg, meta, world_size, local_world_size)
     ranks = range(host * local_world_size, min(world_size, (host + 1) * local_world_size))
-    need = sum(sparse[r] + dense for r in ranks)
+    extra = 1 + (sync_copies(cfg) if hierarchical else 0)
+    need = groups * sum((sparse[r] + dense) * extra for r in ranks)
     limit, source = memory_limit(cfg)
     if limit is None or need <= limit:
         return None
@@ -447,12 +550,24 @@ def memory_problem(cfg: Config, meta: DatasetMeta, *, world_size: int = 1, local
             f"(hybridrec data preprocess --table-size N)")
 
 
+def sync_copies(cfg: Config) -> int:
+    """How many more copies of a rank's replica (its shards and the dense part) a
+    synchronizer across groups holds, an estimate: the snapshot, the target and the
+    round's result; EASGD's centre; BMUF's global model and block momentum;
+    ``sync.compress``'s anchor and residual."""
+    s = cfg.sync
+    return 3 + {"easgd": 1, "bmuf": 2}.get(s.algorithm, 0) + (2 if s.compress != "none" else 0)
+
+
 def check_memory(cfg: Config, meta: DatasetMeta, topo: Topology) -> None:
     """Refuse a plan that cannot fit before anything is allocated. Collective with several
     ranks: every rank raises the same error when any machine is short."""
+    machine = int(os.environ.get("LOCAL_WORLD_SIZE", topo.local_world_size))
     problem = memory_problem(cfg, meta, world_size=topo.world_size,
                              local_world_size=topo.local_world_size,
-                             host=topo.rank // topo.local_world_size)
+                             host=topo.rank // topo.local_world_size,
+                             groups=max(1, machine // topo.world_size) if topo.hierarchical else 1,
+                             hierarchical=topo.hierarchical)
     problems = sorted({p for p in gather(topo, problem) if p}) if topo.world_size > 1 else [problem]
     if any(problems):
         raise ConfigError("; ".join(p for p in problems if p))

@@ -111,7 +111,17 @@ class Checkpointer:
         return list(self.sparse_opt.optimizers.values())
 
     def save(self, step: int) -> Path:
+        """Collective; in hierarchical training only group 0 saves (every group resumes from
+        it) and the other groups wait for it (a world barrier: no rank trains past a step
+        whose checkpoint could still be lost with it)."""
         path = ckpt.step_dir(self.run_dir, step)
+        if self.topo.group_index == 0:
+            self._save(path, step)
+        if self.topo.hierarchical:
+            torch.distributed.barrier(group=self.topo.world_group)
+        return path
+
+    def _save(self, path: Path, step: int) -> None:
         self.sparse_opt.flush()  # pushes in flight land before the servers save
         extra = {"step": step, **{c.name: c.obj.state_dict() for c in self.components if not c.per_rank}}
         per_rank = {c.name: c.obj.state_dict() for c in self.components if c.per_rank}
@@ -124,7 +134,6 @@ class Checkpointer:
                      extra=extra, per_rank=per_rank, manifest=manifest, topo=self.topo, attach=attach)
         if self.topo.rank == 0:
             ckpt.prune(self.run_dir, keep=self.keep, keep_also=self.keep_also() if self.keep_also else ())
-        return path
 
     def latest(self) -> Path | None:
         return ckpt.latest_checkpoint(self.run_dir)
@@ -142,7 +151,7 @@ class Checkpointer:
             return None
         path, step, skipped = ckpt.load_newest(found, self.restore, self.topo)
         for bad, why in skipped:
-            if self.topo.rank != 0:
+            if not self.topo.lead:
                 continue
             try:
                 where = f"renamed to {ckpt.set_aside(bad).name}"
@@ -178,5 +187,5 @@ class Checkpointer:
             self._warn(f"{c.name}: the saved state does not fit this run ({e}); it restarts from scratch")
 
     def _warn(self, message: str) -> None:
-        if self.topo.rank == 0:  # one line per run, not one per rank
+        if self.topo.lead:  # one line per run, not one per rank
             warnings.warn(f"resuming: {message}", stacklevel=3)

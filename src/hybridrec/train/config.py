@@ -210,6 +210,16 @@ class DistConfig:
     rpc_interface: str = ""
     """Network interface the RPC agent of a parameter-server run listens on (empty: the
     loopback interface when every process is on this machine, else TensorPipe's choice)."""
+    group_size: int = 0
+    """Hierarchical training: ranks per group (consecutive ranks). Inside a group training is
+    synchronous (embeddings sharded over the group's ranks, ``dist.dense_sync``); across
+    groups the whole replica (dense part and embedding shards) is kept close by ``sync.algorithm``.
+    0: the ranks of one machine when a synchronizer is set and the run spans several
+    machines, else every rank (one group: flat)."""
+    partition_dense: list[str] = field(default_factory=list)
+    """Dense modules (e.g. ``top_mlp``) whose widest linear layer is split by output columns
+    over the group's ranks instead of replicated (activations exchanged synchronously);
+    written into the plan's dense part (``hybridrec plan --partition-dense``)."""
 
 
 @dataclass(kw_only=True)
@@ -278,6 +288,12 @@ class SyncConfig:
     write_back: str = "delta"
     """``background``: ``delta`` keeps the steps a replica trained during a round
     (``w += new - snapshot``) or ``overwrite`` (``w = new``)."""
+    compress: str = "none"
+    """The synchronizer's hop (across groups in hierarchical training): ``none``, ``fp16``,
+    ``bf16`` or ``dct`` (a magnitude threshold keeping ``sync.compress_ratio`` of the entries
+    of the change since the last round, with error feedback)."""
+    compress_ratio: float = 0.01
+    """``sync.compress=dct``: fraction of the replica's entries sent per round."""
 
 
 @dataclass(kw_only=True)
@@ -514,8 +530,12 @@ def _sync_checks(cfg: Config) -> list[tuple[bool, str]]:
         (0 <= s.block_momentum < 1, f"sync.block_momentum must be in [0, 1), got {s.block_momentum}"),
         (s.block_lr > 0, "sync.block_lr must be positive"),
         (s.write_back in ("delta", "overwrite"), f"sync.write_back {s.write_back!r}: delta or overwrite"),
-        (s.algorithm == "none" or cfg.compress.dense == "none",
-         f"sync.algorithm={s.algorithm} averages replicas, not gradients: compress.dense must be none"),
+        (s.algorithm == "none" or cfg.compress.dense == "none" or cfg.dist.group_size > 0,
+         f"sync.algorithm={s.algorithm} averages replicas, not gradients: compress.dense must be none "
+         "(or groups, dist.group_size, whose members average gradients)"),
+        (s.compress in ("none", "fp16", "bf16", "dct"), f"sync.compress {s.compress!r}: none, fp16, bf16 or dct"),
+        (0 < s.compress_ratio <= 1, f"sync.compress_ratio must be in (0, 1], got {s.compress_ratio}"),
+        (cfg.dist.group_size >= 0, f"dist.group_size must be >= 0 (0: automatic), got {cfg.dist.group_size}"),
     ]
 
 

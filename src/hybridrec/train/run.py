@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 import hybridrec
+from hybridrec.cli.launch import records_errors
 from hybridrec.data.schema import DatasetMeta
 from hybridrec.errors import ConfigError, HybridrecError
 from hybridrec.metrics.logger import peak_memory_bytes, write_json_atomic
@@ -34,6 +35,7 @@ from hybridrec.ps import world as ps_world
 from hybridrec.train.ps_run import PS_DIR, run_server
 from hybridrec.train import checkpoint as ckpt
 from hybridrec.train.build import (
+    hierarchy_problem,
     build_loaders,
     build_model,
     build_topology,
@@ -51,6 +53,7 @@ RUNS_ROOT = "runs"
 """Where the run directories that are not named (``train.run_dir`` empty) go."""
 
 
+@records_errors  # a rank's error reaches its launcher even if the rank then dies in teardown
 def train(cfg: Config, *, extra_summary: dict | None = None) -> dict:
     """Train, evaluate on the held-out split, write summary.json; returns the summary.
 
@@ -98,7 +101,9 @@ def _train(cfg: Config, meta, topo, shown: str, started_at: str, clock: float, e
     if not cfg.train.run_dir:
         if world > 1:  # launched by torchrun without a run directory: rank 0's choice
             topo = topo or build_topology(cfg)
-            shown = gather(topo, str(new_run_dir()) if topo.rank == 0 else None)[0]
+            box = [str(new_run_dir()) if topo.lead else None]  # (hierarchical: every group's too)
+            torch.distributed.broadcast_object_list(box, group=topo.run_group, group_src=0)
+            shown = box[0]
         else:
             shown = str(new_run_dir())
         cfg.train.run_dir = created = os.path.abspath(shown)
@@ -115,7 +120,7 @@ def _train(cfg: Config, meta, topo, shown: str, started_at: str, clock: float, e
                 os.rmdir(created)
         raise
     run_dir, topo = trainer.run_dir, trainer.topo
-    if topo.rank == 0:
+    if topo.lead:
         write_json_atomic(run_dir / "config.json", cfg.to_dict())
     if trainer.totals is not None:
         trainer.totals.begin(started_at)  # the run's start, unless its checkpoint has an earlier one
@@ -126,7 +131,7 @@ def _train(cfg: Config, meta, topo, shown: str, started_at: str, clock: float, e
             trainer.logger.close()
     summary = {**run_summary(trainer, result, meta, cfg, shown=shown, started_at=started_at,
                              clock=clock), **(extra_summary or {})}
-    if topo.rank == 0:
+    if topo.lead:
         try:
             write_json_atomic(run_dir / "summary.json", summary)
         except OSError as e:
@@ -148,8 +153,12 @@ def run_summary(trainer, result, meta, cfg: Config, *, shown: str, started_at: s
         "throughput": result.throughput,
         "peak_memory_bytes": peak_memory_bytes(),
         "peak_memory_bytes_per_rank": _gather_ints(peak_memory_bytes(), trainer.topo),
-        "world_size": trainer.topo.world_size,
-        "comm": trainer.ledger.summary(),  # this rank's (rank 0's in summary.json)
+        "world_size": trainer.topo.global_world_size,
+        "comm": (comm := trainer.ledger.summary()),  # this rank's (rank 0's in summary.json)
+        # Hierarchical training: groups, and rank 0's bytes per step inside its group and across.
+        "hierarchy": ({"groups": trainer.topo.num_groups, "group_size": trainer.topo.world_size}
+                      if trainer.topo.hierarchical else None),
+        "bytes_by_level": bytes_by_level(comm, trainer.topo),
         "dataset": {"path": str(meta.path), "train_rows": meta.split_rows("train"),
                     "eval_rows": meta.split_rows("eval")},
         "config": cfg.to_dict(),
@@ -212,12 +221,13 @@ def preflight(cfg: Config, *, world_size: int) -> tuple[dict | None, str]:
     Returns ``(finished, run_dir)``: a finished run's summary with ``already_finished``
     (else None) and the run directory as the ranks should be given it; an empty
     ``train.run_dir`` becomes a new directory."""
-    from hybridrec.train.build import memory_problem
+    from hybridrec.train.build import group_size, memory_problem
 
     shown = cfg.train.run_dir
     make_paths_absolute(cfg)
     meta = load_dataset(cfg)
-    if problem := early_stop_problem(cfg, meta) or injection_problem(cfg.train.inject_failure, world_size):
+    if problem := (early_stop_problem(cfg, meta) or injection_problem(cfg.train.inject_failure, world_size)
+                   or hierarchy_problem(cfg, world_size, world_size)):
         raise ConfigError(problem)
     if cfg.train.run_dir:
         finished = inspect_run_dir(cfg, meta, world_size=world_size, shown=shown)
@@ -228,7 +238,9 @@ def preflight(cfg: Config, *, world_size: int) -> tuple[dict | None, str]:
 
         problem = local_servers_memory_problem(cfg, meta)
     else:
-        problem = memory_problem(cfg, meta, world_size=world_size, local_world_size=world_size)
+        m = group_size(cfg, world_size, world_size)  # (hierarchical: every group holds every table)
+        problem = memory_problem(cfg, meta, world_size=m, local_world_size=m, groups=world_size // m,
+                                 hierarchical=m < world_size)
     if problem:
         raise ConfigError(problem)
     if not cfg.train.run_dir:
@@ -360,7 +372,8 @@ def _old_world_size(run_dir: Path) -> int:
     if isinstance(summary.get("world_size"), int):
         return summary["world_size"]
     plan = _read_json(run_dir / "plan.json") or {}
-    return plan["world_size"] if isinstance(plan.get("world_size"), int) else 1
+    groups = plan.get("groups") if isinstance(plan.get("groups"), int) else 1  # hierarchical: one group's plan
+    return plan["world_size"] * groups if isinstance(plan.get("world_size"), int) else 1
 
 
 def _old_tables(old: Config | None, newest: Path | None) -> dict[str, int] | None:
@@ -421,12 +434,31 @@ def code_version() -> dict:
 
 
 def _gather_ints(value: int, topo) -> list[int]:
-    if topo.world_size == 1:
+    if topo.global_world_size == 1:
         return [value]
-    out = torch.zeros(topo.world_size, dtype=torch.int64)
-    out[topo.rank] = value
-    dist.all_reduce(out, group=topo.group)
+    out = torch.zeros(topo.global_world_size, dtype=torch.int64)
+    out[topo.global_rank] = value
+    dist.all_reduce(out, group=topo.run_group)
     return out.tolist()
+
+
+CROSS_CATEGORIES = ("sync",)  # hierarchical training: what crosses between groups
+
+
+def bytes_by_level(comm: dict, topo) -> dict | None:
+    """Hierarchical training: this rank's mean bytes sent and received per step inside its
+    group (``intra``: every category but the synchronizer's) and between groups (``cross``:
+    the synchronizer's rounds), each with its categories; None when flat."""
+    if not topo.hierarchical:
+        return None
+    out = {"intra": {"sent": 0.0, "received": 0.0, "categories": []},
+           "cross": {"sent": 0.0, "received": 0.0, "categories": []}}
+    for category, mean in comm["per_step"]["mean_by_category"].items():
+        level = out["cross" if category in CROSS_CATEGORIES else "intra"]
+        level["sent"] += mean.get("sent") or 0.0
+        level["received"] += mean.get("received") or 0.0
+        level["categories"].append(category)
+    return out
 
 
 def load_run_config(run_dir: str | Path) -> Config:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import sys
@@ -55,9 +56,9 @@ def evaluate_model(model: torch.nn.Module, loader, topo: Topology | None = None)
     for batch in loader:
         metrics.update(model(batch), batch.labels)
     model.train(was_training)
-    if topo is not None and topo.world_size > 1:
-        parts = [None] * topo.world_size
-        dist.all_gather_object(parts, metrics.state(), group=topo.group)
+    if topo is not None and topo.global_world_size > 1:  # (hierarchical: every group's rows)
+        parts = [None] * topo.global_world_size
+        dist.all_gather_object(parts, metrics.state(), group=topo.run_group)
         metrics = BinaryMetrics.from_parts(parts)
     return metrics.compute()
 
@@ -185,7 +186,8 @@ class Trainer:
     # -- state -----------------------------------------------------------------
     def save_checkpoint(self) -> Path:
         start = time.perf_counter()
-        path = self.checkpointer.save(self.step)
+        with self.sync_runner.parked() if self.sync_runner is not None else contextlib.nullcontext():
+            path = self.checkpointer.save(self.step)
         self._saved_step, self.last_save_s = self.step, time.perf_counter() - start
         return path
 
@@ -205,12 +207,12 @@ class Trainer:
     # -- the loop --------------------------------------------------------------
     def fit(self) -> FitResult:
         t = self.cfg.train
-        lead = self.topo.rank == 0
+        lead = self.topo.lead
         resumed = self.maybe_resume()
         if resumed is not None and lead:
             print(f"resumed from step {resumed} ({self.resumed_path})", file=sys.stderr, flush=True)
         first_step = self.step
-        injector = FailureInjector(t.inject_failure, rank=self.topo.rank, run_dir=self.run_dir)
+        injector = FailureInjector(t.inject_failure, rank=self.topo.global_rank, run_dir=self.run_dir)
         if t.checkpoint_every == "auto" and t.save_checkpoints and self.step < self.total_steps:
             self.probe = IntervalProbe(first_step=self.step, total_steps=self.total_steps)
         running = RunningLoss()
@@ -308,7 +310,7 @@ class Trainer:
         while self.step < self.total_steps:
             for batch, pending in self.pipeline.batches(self.total_steps - self.step):
                 loss = self.train_step(batch, pending)
-                yield loss, batch.batch_size * self.topo.world_size  # global samples
+                yield loss, batch.batch_size * self.topo.global_world_size  # global samples
 
     def _choose_checkpoint_interval(self) -> None:
         """``train.checkpoint_every=auto`` at the probe step: save a checkpoint (timed), then
@@ -320,14 +322,14 @@ class Trainer:
         save_s, step_s = self.last_save_s, self.probe.step_s()
         choice = young_daly_interval(save_s=save_s, step_s=step_s, mtbf_s=self.cfg.train.mtbf_hours * 3600.0,
                                      total_steps=self.total_steps)
-        if self.topo.world_size > 1:
+        if self.topo.global_world_size > 1:
             box = torch.tensor([save_s, step_s, choice["steps"]], dtype=torch.float64)
-            dist.broadcast(box, group=self.topo.group, group_src=0)
+            dist.broadcast(box, group=self.topo.run_group, group_src=0)
             save_s, step_s, steps = box.tolist()
             choice = {**young_daly_interval(save_s=save_s, step_s=step_s, mtbf_s=choice["mtbf_s"],
                                             total_steps=self.total_steps), "steps": int(steps)}
         self.checkpoint_every, self.checkpoint_interval, self.probe = choice["steps"], choice, None
-        if self.topo.rank == 0:
+        if self.topo.lead:
             print(f"checkpoint interval: every {choice['steps']:,} steps (train.checkpoint_every=auto, "
                   f"train.mtbf_hours={self.cfg.train.mtbf_hours:g}: {choice['reason']})",
                   file=sys.stderr, flush=True)
@@ -341,10 +343,10 @@ class Trainer:
         es = self.early_stop
         if es is None:
             return False
-        if self.topo.world_size > 1:
+        if self.topo.global_world_size > 1:
             auc = metrics.get("auc")
             box = torch.tensor([float("nan") if auc is None else float(auc)], dtype=torch.float64)
-            dist.broadcast(box, group=self.topo.group, group_src=0)
+            dist.broadcast(box, group=self.topo.run_group, group_src=0)
             metrics = {**metrics, "auc": box.item()}
         if es.update(self.step, metrics) and self.cfg.train.save_checkpoints:
             self.save_checkpoint()

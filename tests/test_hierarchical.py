@@ -1,0 +1,207 @@
+"""Hierarchical training (dist.group_size): groups synchronous inside, a synchronizer
+across. The identities: MA after every step with SGD equals flat synchronous training on
+the same ranks (dense and every table); a background synchronizer keeps the dense part of
+the members of a group bitwise equal; the compressed cross-group mean keeps its anchor equal
+everywhere; groups that do not fit are refused before any process group is made."""
+
+import pytest
+import torch
+
+from distributed import run_ranks
+from hybridrec.comm.ddp_hooks import CompressedAllReduce
+from hybridrec.comm.compress import DCTCompressor
+from hybridrec.comm.ledger import CommLedger
+from hybridrec.parallel.dense_sync import DDPSync
+from hybridrec.parallel.parallelize import parallelize_dlrm
+from hybridrec.parallel.topology import Topology, group_problem
+from hybridrec.sync import ForegroundRunner, make_synchronizer
+from hybridrec.sync.algorithms import GroupMean
+from hybridrec.sync.compressed import CompressedMean
+from hybridrec.sync.grouped import GroupedBackgroundRunner
+from hybridrec.train.build import hierarchy_problem
+from hybridrec.train.config import Config
+from hybridrec.train.optim import dense_parameters
+from hybridrec.train.sparse_optim import combined_sparse_optimizer
+from hybridrec.train.trainer import training_step
+from test_sharded_embedding import GLOBAL_B, build, full_tables_from_shards, global_batches, local_batch, make_plan
+
+pytestmark = pytest.mark.distributed
+
+
+def _train(topo, model, sync, steps, after_step=None):
+    dense_opt = torch.optim.SGD(dense_parameters(model), lr=0.1)
+    sparse_opt = combined_sparse_optimizer("sgd", model.sparse, lr=0.1)
+    batches, b = global_batches(True), GLOBAL_B // topo.global_world_size
+    lo = topo.global_rank * b
+    for step in range(1, steps + 1):
+        batch = local_batch(batches[step % len(batches)], lo, lo + b)
+        training_step(model, batch, dense_opt=dense_opt, sparse_opt=sparse_opt, dense_sync=sync)
+        if after_step is not None:
+            after_step(step)
+
+
+def _result(model):
+    shards = {k: (s, w.detach().clone()) for k, (s, w) in model.sparse.local_shards().items()}
+    dense = torch.cat([p.detach().reshape(-1) for p in dense_parameters(model)])
+    return shards, dense
+
+
+def flat_worker(topo, steps):
+    sync = DDPSync(topo)
+    model = parallelize_dlrm(build("sum"), make_plan("table_wise", topo.world_size), topo, dense_sync=sync)
+    _train(topo, model, sync, steps)
+    return _result(model)
+
+
+def hier_worker(topo, steps, mode="foreground", compress=None):
+    """Groups of 2 over the ranks ``run_ranks`` started; MA across groups of the whole
+    replica (dense part, then the member's shards), after every step (foreground) or in
+    the background."""
+    h = Topology.init(backend="gloo", group_size=2)
+    ledger = CommLedger()
+    sync = DDPSync(h, ledger=ledger)
+    model = parallelize_dlrm(build("sum"), make_plan("table_wise", h.world_size), h, ledger=ledger, dense_sync=sync)
+    dense = dense_parameters(model)
+    params, parts = dense + list(model.sparse.parameters()), (sum(p.numel() for p in dense),)
+    group = h.cross_groups(1)[0]
+    mean = GroupMean(group, ledger, parts)
+    if compress == "dct":
+        mean = CompressedMean(group, CompressedAllReduce(DCTCompressor(0.3, 2), ledger, category="sync"),
+                              ledger, parts)
+    if mode == "foreground":
+        runner = ForegroundRunner(make_synchronizer("ma"), params, group, ledger=ledger, mean=mean)
+    else:
+        flags = torch.distributed.new_group(list(range(h.global_world_size)), backend="gloo")
+        runner = GroupedBackgroundRunner(make_synchronizer("ma"), params, group, ledger=ledger, mean=mean,
+                                         members=h.group, flag_group=flags)
+    runner.start()
+    _train(h, model, sync, steps, runner.after_step)
+    if mode == "background":
+        runner.stop()
+    before_finish = _result(model)
+    runner.finish()
+    anchor = getattr(mean, "anchor", None)
+    return (h.group_index, h.rank), before_finish, _result(model), runner.summary(), ledger.summary(), anchor
+
+
+def test_groups_with_ma_every_step_equal_flat_synchronous_training():
+    steps = 4
+    flat = run_ranks(flat_worker, 4, steps, timeout_s=120)
+    hier = run_ranks(hier_worker, 4, steps, timeout_s=120)
+    assert [h[0] for h in hier] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    want_tables = full_tables_from_shards([s for s, _ in flat])
+    for g in (0, 1):
+        got = full_tables_from_shards([hier[2 * g][1][0], hier[2 * g + 1][1][0]])
+        for name, t in want_tables.items():
+            torch.testing.assert_close(got[name], t, rtol=1e-5, atol=1e-6, msg=f"group {g}, table {name}")
+    for r in range(4):
+        torch.testing.assert_close(hier[r][1][1], flat[0][1], rtol=1e-5, atol=1e-6)
+    # The round moved the whole replica of each member over its cross group, counted as sync.
+    s, comm = hier[0][3], hier[0][4]
+    assert s["rounds"] == steps and comm["by_category"]["sync"]["sent"] > 0
+
+
+def test_background_groups_keep_each_groups_dense_part_bitwise_equal():
+    out = run_ranks(hier_worker, 4, 12, "background", timeout_s=120)
+    for g in (0, 1):
+        a, b = out[2 * g], out[2 * g + 1]
+        assert torch.equal(a[1][1], b[1][1]), "members of a group diverged before the final average"
+        assert a[3]["rounds"] == b[3]["rounds"] >= 1
+    for r in range(4):  # after the final exact average: one model everywhere
+        assert torch.equal(out[r][2][1], out[0][2][1])
+    # The per-step agreement inside the group is counted apart from the cross-group rounds.
+    assert out[0][4]["by_category"]["sync_members"]["sent"] == 8 * 12
+
+
+def test_compressed_cross_group_mean_keeps_one_anchor_and_sends_less():
+    out = run_ranks(hier_worker, 4, 6, "foreground", "dct", timeout_s=120)
+    for j in (0, 1):  # member j of both groups: the same anchor
+        assert torch.equal(out[j][5], out[2 + j][5])
+    for g in (0, 1):  # and the members of a group the same dense part
+        assert torch.equal(out[2 * g][1][1], out[2 * g + 1][1][1])
+    sync = out[0][4]["by_category"]["sync"]
+    assert sync["sent"] < sync["original"]
+    for r in range(4):  # the last average is exact: one dense model everywhere
+        torch.testing.assert_close(out[r][2][1], out[0][2][1], rtol=0, atol=1e-6)
+
+
+def test_groups_that_do_not_fit_are_refused_before_any_process_group():
+    assert group_problem(4, 2, 4) is None and group_problem(8, 4, 2) is None
+    assert "does not divide" in group_problem(6, 4, 6)
+    assert "one must divide the other" in group_problem(12, 4, 6)
+    cfg = Config()
+    cfg.dist.group_size = 2
+    assert "nothing keeps them together" in hierarchy_problem(cfg, 4, 4)
+    cfg.sync.algorithm = "ma"
+    assert hierarchy_problem(cfg, 4, 4) is None
+    assert "does not divide" in hierarchy_problem(cfg, 3, 3)
+    cfg.dist.num_ps = 1
+    assert "parameter servers" in hierarchy_problem(cfg, 4, 4)
+
+
+def test_default_group_is_one_machine_only_with_a_synchronizer_across_machines():
+    from hybridrec.train.build import group_size
+
+    cfg = Config()
+    assert group_size(cfg, 8, 4) == 8  # no synchronizer: flat
+    cfg.sync.algorithm = "ma"
+    assert group_size(cfg, 8, 4) == 4 and group_size(cfg, 4, 4) == 4
+    cfg.dist.group_size = 2
+    assert group_size(cfg, 8, 4) == 2
+
+
+# -- end to end through the CLI: 2 groups x 2 ranks --------------------------------------
+SMALL = ["model.embedding_dim=8", "model.bottom_mlp=16,8", "model.top_mlp=16,1",
+         "data.batch_size=64", "data.eval_batch_size=1000", "train.progress=false"]
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory):
+    from synth_data import synth_dataset
+
+    return synth_dataset(tmp_path_factory.mktemp("hier"), days=2, rows=4000)  # 15 steps of 4 x 64
+
+
+def _launch(dataset, run, *extra, timeout=240):
+    import subprocess
+    import sys
+
+    argv = [sys.executable, "-m", "hybridrec", "train", "--recipe", "demo", f"data.path={dataset}",
+            f"train.run_dir={run}", *SMALL, "dist.nproc=4", "dist.group_size=2", "sync.algorithm=ma",
+            "dist.timeout_s=30", "train.max_steps=12", "train.checkpoint_every=4", *extra]
+    return subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
+
+
+def test_cli_a_group_size_that_does_not_divide_the_ranks_is_one_line_before_launch(dataset, tmp_path):
+    proc = _launch(dataset, tmp_path / "run", "dist.group_size=3")
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "hybridrec: error: dist.group_size=3 does not divide the 4 ranks of this run into equal groups")
+    assert "launching" not in proc.stderr and not (tmp_path / "run").exists()
+
+
+def test_cli_a_dead_group_member_ends_the_run_and_the_same_command_resumes(dataset, tmp_path):
+    import json
+
+    from hybridrec.train import checkpoint as ckpt
+    from hybridrec.train.faults import read_marker
+
+    run = tmp_path / "run"
+    proc = _launch(dataset, run, "train.inject_failure=3:6")
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    pid = read_marker(run)["pid"]
+    assert proc.stderr.splitlines()[-1] == (f"hybridrec: error: rank 3 (pid {pid}) was killed by SIGKILL "
+                                            "(injected: train.inject_failure)"), proc.stderr[-3000:]
+    # Group 0's checkpoints, for every group: step 4 at least (no rank passed a checkpoint's
+    # step before it was saved); group 0 may have saved step 8 before the agent stopped it.
+    saved = [s for s, _ in ckpt.list_checkpoints(run)]
+    assert saved in ([4], [4, 8]), saved
+    proc = _launch(dataset, run, "train.inject_failure=3:6")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"resumed from step {saved[-1]}" in proc.stderr
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["step"] == 12 and summary["world_size"] == 4
+    assert summary["hierarchy"] == {"groups": 2, "group_size": 2}
+    levels = summary["bytes_by_level"]
+    assert levels["cross"]["categories"] == ["sync"] and levels["cross"]["sent"] > 0
+    assert "output_dist" in levels["intra"]["categories"]
