@@ -205,3 +205,17 @@ def test_cli_a_dead_group_member_ends_the_run_and_the_same_command_resumes(datas
     levels = summary["bytes_by_level"]
     assert levels["cross"]["categories"] == ["sync"] and levels["cross"]["sent"] > 0
     assert "output_dist" in levels["intra"]["categories"]
+
+
+def test_cli_groups_share_parameter_servers(dataset, tmp_path):
+    import json
+
+    run = tmp_path / "run"
+    proc = _launch(dataset, run, "dist.num_ps=1", "train.max_steps=8", timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["hierarchy"] == {"groups": 2, "group_size": 2} and summary["step"] == 8
+    levels = summary["bytes_by_level"]
+    assert levels["cross"]["categories"] == ["sync"] and levels["cross"]["sent"] > 0
+    assert set(levels["servers"]["categories"]) == {"ps_pull", "ps_push"}
+    assert "dense_allreduce" in levels["intra"]["categories"]

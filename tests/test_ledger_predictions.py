@@ -1,7 +1,8 @@
 """Every training step predicts its bytes (cost model over the collection's layout, the
 step's batch sizes and id counts) and counts them (the collectives, as moved): on 2 gloo
 ranks, over several steps of skewed ids, predicted == counted in every entry of the
-ledger's comparison, step by step; row-wise, table-wise with a codec, DeepFM with one."""
+ledger's comparison, step by step; row-wise, table-wise with a codec, DeepFM with one;
+table_row_wise in one host and in two (its in-host bytes under ``trw_intra``)."""
 
 import pytest
 import torch
@@ -41,6 +42,7 @@ def skewed_batch(tables, rank, step):
 def worker(topo, arch, kind, codec, pipeline):
     case = fm_case if arch == "deepfm" else dlrm_case
     plan = case.make_plan(kind, topo.world_size)
+    topo = dlrm_case.plan_topology(topo, plan)  # table_row_wise: the plan's host groups
     codecs = {} if codec is None else {n: make_codec(codec, eta=0.25) for n, _ in case.TABLES
                                        if plan.tables[n].sharding_type != "data_parallel"}
     ledger = CommLedger()
@@ -92,3 +94,18 @@ def test_every_step_predicts_what_it_counts(arch, kind, codec, pipeline):
         if kind == "row_wise":  # data-dependent: the ids per row shard change step by step
             assert len(set(input_bytes)) > 1, input_bytes
             assert any(static[("input_dist", "fwd")][0] != n for n in input_bytes)
+
+
+@pytest.mark.parametrize("world, codec", [(2, None), (4, "int8")])
+def test_table_row_wise_predicts_what_it_counts(world, codec):
+    """2 ranks in one host: every partial is summed inside it (``trw_intra``), nothing is
+    left to cross; 4 ranks in hosts of 2: the sums cross hosts, coded."""
+    for summary, _, _ in run_ranks(worker, world, "dlrm", "table_row_wise", codec, True):
+        assert summary["steps"] == STEPS
+        cmp = summary["predicted_vs_counted"]
+        assert set(cmp) == {e["category"] for e in summary["entries"]}
+        assert {"input_dist", "input_dist_counts", "trw_intra", "dense_allreduce"} <= set(cmp)
+        assert ("output_dist" in cmp) == (world == 4)
+        assert set(cmp["trw_intra"]["by_direction"]) == {"fwd", "bwd"}
+        for category, entry in cmp.items():
+            assert entry["match"] and entry["predicted"] == entry["counted"], (category, entry)

@@ -103,9 +103,20 @@ def full_tables_from_shards(shards):
     return out
 
 
+def plan_topology(topo, plan):
+    """``topo`` with the plan's host groups (table_row_wise sums inside them); the ranks
+    start with one host group of every rank."""
+    if plan.local_world_size == topo.local_world_size:
+        return topo
+    from hybridrec.parallel.topology import Topology
+
+    return Topology.init(backend="gloo", local_world_size=plan.local_world_size)
+
+
 def worker(topo, kind, sparse_opt, multi_hot, pooling, pipeline=False, exchange="collective"):
-    topo.exchange = exchange
     plan = make_plan(kind, topo.world_size)
+    topo = plan_topology(topo, plan)
+    topo.exchange = exchange
     sync = DDPSync(topo)
     model = parallelize_dlrm(build(pooling), plan, topo, dense_sync=sync)
     dense_opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)

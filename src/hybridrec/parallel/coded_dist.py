@@ -4,7 +4,8 @@ the bytes it moves.
 Every owner's partial results are ``[total_B, W]``: its block (pieces side by side,
 :mod:`hybridrec.parallel.layout`), rows = the samples of rank 0, then rank 1, ...
 :func:`output_all_to_all` returns, on every rank, every owner's block for the rank's
-own samples, ``[b, W_d]`` each; backward runs the same exchange in reverse.
+own samples, ``[b, W_d]`` each, and every host's TRW block (below); backward runs the
+same exchange in reverse.
 
 Without codecs (``layout.coded`` None) the blocks travel as one float32 buffer
 (:class:`PlainAllToAll`). With codecs (:class:`CodedAllToAll`) each piece has a codec
@@ -23,10 +24,20 @@ owner; the receiver decodes each piece then adds them (sparse partials exchanged
 then summed). For DCT the sum holds up to ``shards * k`` nonzeros per row and the
 backward sends each shard the gradient at its own kept positions.
 
+table_row_wise shards: their partials are first summed inside the host
+(:mod:`hybridrec.parallel.host_reduce`, float32); member ``j`` of a host then holds the
+sums for the samples of the ranks it serves (``d % L == j``) and sends them in the same
+exchange, after its own block's rows: what owner ``o`` sends rank ``d`` is
+``layout.segments(o, d)`` side by side, ``b_d`` rows of each. The codec of a TRW table
+codes this cross-host hop of the sums (encoded once by the serving member, decoded by
+the receiver; gradients coded back the same way), so a DCT sum keeps ``k`` nonzeros.
+
 Bytes counted in the ledger (category ``output_dist``, per table, DeepFM's FM piece
 under table None; this rank's traffic to and from others, what a rank sends itself is
 not counted): each exchange, forward and backward, records the bytes of the buffers it
-moved, split by table along the rows' layout (:meth:`BlockLayout.bytes_by_table`);
+moved, split by table along the segments' layouts (:meth:`BlockLayout.bytes_by_table`);
+a TRW table's entries here are the sums that cross hosts (its in-host bytes are
+``trw_intra``'s);
 ``sent`` and ``received`` are the encoded bytes, ``original`` the float32 bytes of the
 rows sent.
 """
@@ -45,34 +56,121 @@ from hybridrec.parallel.layout import (  # noqa: F401 - owner layouts are part o
 from hybridrec.parallel.topology import Topology
 
 
-def output_all_to_all(pooled: torch.Tensor, layout: EmbeddingLayout, batch_sizes: list[int],
-                      topo: Topology, ledger: CommLedger | None) -> list[torch.Tensor]:
-    """This rank's owner partials ``pooled`` ``[sum(batch_sizes), W_rank]`` -> every owner's
-    block for this rank's samples, ``[b, W_d]`` per owner ``d`` (autograd: the reverse hop)."""
-    b, widths = batch_sizes[topo.rank], layout.widths
+def output_all_to_all(pooled: torch.Tensor, reduced: torch.Tensor, layout: EmbeddingLayout,
+                      batch_sizes: list[int], topo: Topology,
+                      ledger: CommLedger | None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """One exchange of every rank's pooled rows (autograd: the reverse hop).
+
+    Args:
+        pooled: this rank's block for every rank's samples, ``[sum(batch_sizes), W_rank]``.
+        reduced: its host's in-host TRW sums for the samples of ``layout.served(rank)``
+            (:mod:`hybridrec.parallel.host_reduce`), ``[rows, W_t]``; ``[0, 0]`` when its
+            host has no table_row_wise tables.
+
+    Returns ``(owners, hosts)``: every owner's block for this rank's samples, ``[b, W_d]``
+    per owner ``d``, and every host's TRW block, ``[b, W_h]`` per host (``[b, 0]`` without).
+    """
+    me, b = topo.rank, batch_sizes[topo.rank]
+    order = _recv_order(layout, me)
+    widths = [layout.all_blocks[i].width for _, i in order]
     if layout.coded is not None:
-        recv = CodedAllToAll.apply(pooled, layout, batch_sizes, topo, ledger)
-        return list(torch.split(recv, list(widths), dim=1))
-    recv = PlainAllToAll.apply(pooled.reshape(-1), layout, batch_sizes, topo, ledger)
-    return [x.view(b, w) for x, w in zip(torch.split(recv, [b * w for w in widths]), widths)]
+        recv = CodedAllToAll.apply(pooled, reduced, layout, batch_sizes, topo, ledger)
+        parts = torch.split(recv, widths, dim=1)
+    else:
+        recv = PlainAllToAll.apply(pooled, reduced, layout, batch_sizes, topo, ledger)
+        parts = [x.view(b, w) for x, w in zip(torch.split(recv, [b * w for w in widths]), widths)]
+    owners: list[torch.Tensor] = [pooled.new_zeros(b, 0)] * layout.world_size
+    hosts: list[torch.Tensor] = [pooled.new_zeros(b, 0)] * layout.num_hosts
+    for (o, i), x in zip(order, parts):
+        if i == o:
+            owners[o] = x
+        else:
+            hosts[i - layout.host_index(0)] = x
+    return owners, hosts
+
+
+def _recv_order(layout: EmbeddingLayout, rank: int) -> list[tuple[int, int]]:
+    """``(owner, all_blocks index)`` of what ``rank`` receives, in wire order."""
+    return [(o, i) for o in range(layout.world_size) for i in layout.segments(o, rank)]
+
+
+def _splits(layout: EmbeddingLayout, batch_sizes: list[int], rank: int,
+            per_row) -> tuple[list[int], list[int]]:
+    """``(to, from)``: the units ``rank`` sends every rank and receives from it forward,
+    ``per_row(block)`` units per sample and block (floats or encoded bytes)."""
+    b = batch_sizes[rank]
+    to = [n * sum(per_row(i) for i in layout.segments(rank, d)) for d, n in enumerate(batch_sizes)]
+    frm = [b * sum(per_row(i) for i in layout.segments(o, rank)) for o in range(layout.world_size)]
+    return to, frm
+
+
+def _by_peer(own: torch.Tensor, reduced: torch.Tensor, layout: EmbeddingLayout, batch_sizes: list[int],
+             rank: int) -> torch.Tensor:
+    """Rows ``own`` ``[total_B, X]`` and ``reduced`` ``[rows, Y]`` (floats or encoded
+    bytes) -> one flat buffer in wire order: per rank ``d``, ``own``'s rows of ``d``'s
+    samples, then ``reduced``'s when ``rank`` serves ``d``. Without TRW rows, ``own`` as it is."""
+    served = layout.served(rank)
+    if not served:
+        return own.reshape(-1)
+    mine = dict(zip(served, torch.split(reduced, [batch_sizes[d] for d in served])))
+    parts = []
+    for d, x in enumerate(torch.split(own, batch_sizes)):
+        parts.append(x.reshape(-1))
+        if d in mine:
+            parts.append(mine[d].reshape(-1))
+    return torch.cat(parts)
+
+
+def _from_peers(flat: torch.Tensor, own_cols: int, red_cols: int, layout: EmbeddingLayout,
+                batch_sizes: list[int], rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The inverse of :func:`_by_peer`: ``(own [total_B, own_cols], reduced [rows, red_cols])``."""
+    served = set(layout.served(rank))
+    sizes = [n * c for d, n in enumerate(batch_sizes)
+             for c in ((own_cols, red_cols) if d in served else (own_cols,))]
+    parts = iter(torch.split(flat, sizes))
+    own, red = [], []
+    for d, n in enumerate(batch_sizes):
+        own.append(next(parts).view(n, own_cols))
+        if d in served:
+            red.append(next(parts).view(n, red_cols))
+    return torch.cat(own), torch.cat(red) if red else flat.new_empty(0, red_cols)
+
+
+def _bytes_by_table(layout: EmbeddingLayout, segments: tuple[int, ...], nbytes: int,
+                    direction: str) -> dict[str | None, tuple[int, int]]:
+    """``nbytes`` moved between two ranks, whole rows of ``segments`` side by side ->
+    ``{table: (bytes as encoded, bytes as float32)}``."""
+    blocks = [layout.all_blocks[i] for i in segments]
+    per_row = sum(blk.row_bytes(direction) for blk in blocks)
+    rows, rest = divmod(nbytes, per_row) if per_row else (0, nbytes)
+    if rest:
+        raise ValueError(f"{nbytes} bytes are not whole rows of {per_row} bytes")
+    out: dict[str | None, tuple[int, int]] = {}
+    for blk in blocks:
+        for table, (enc, orig) in blk.bytes_by_table(rows * blk.row_bytes(direction), direction).items():
+            e, o = out.get(table, (0, 0))
+            out[table] = (e + enc, o + orig)
+    return out
 
 
 def record_hop(ledger: CommLedger | None, layout: EmbeddingLayout, direction: str, rank: int,
                sent: list[int], received: list[int]) -> None:
     """Ledger entries of one exchange: ``sent[r]`` / ``received[r]`` bytes moved to / from
-    rank ``r``. Forward a rank sends rows of its own block and receives the owners'
-    blocks; backward the reverse. Every table of the blocks gets an entry."""
+    rank ``r``. Forward a rank sends ``segments(rank, r)`` and receives ``segments(r,
+    rank)``; backward the reverse. Every table of the segments gets an entry."""
     if ledger is None:
         return
     acc: dict[str | None, list[int]] = {}
     for r in range(layout.world_size):
         if r == rank:
             continue
-        out_block, in_block = (rank, r) if direction == "fwd" else (r, rank)
-        for table, (enc, orig) in layout.blocks[out_block].bytes_by_table(sent[r], direction).items():
+        out_segs, in_segs = layout.segments(rank, r), layout.segments(r, rank)
+        if direction != "fwd":
+            out_segs, in_segs = in_segs, out_segs
+        for table, (enc, orig) in _bytes_by_table(layout, out_segs, sent[r], direction).items():
             a = acc.setdefault(table, [0, 0, 0])
             a[0], a[2] = a[0] + enc, a[2] + orig
-        for table, (enc, _) in layout.blocks[in_block].bytes_by_table(received[r], direction).items():
+        for table, (enc, _) in _bytes_by_table(layout, in_segs, received[r], direction).items():
             acc.setdefault(table, [0, 0, 0])[1] += enc
     for table in sorted(acc, key=lambda t: t or ""):
         s, r, o = acc[table]
@@ -92,21 +190,24 @@ def _exchange(send: torch.Tensor, out_splits: list[int], in_splits: list[int], t
 
 
 class PlainAllToAll(torch.autograd.Function):
-    """Flat owner partials ``[total_B * W_rank]`` -> this rank's blocks, flat, owner-major
-    (``b * W_d`` floats per owner); backward sends the gradients back the same way."""
+    """``pooled`` ``[total_B, W_rank]`` and ``reduced`` ``[rows, W_t]`` (see
+    :func:`output_all_to_all`) -> this rank's segments, flat, in wire order (``b * W``
+    floats each, :func:`_recv_order`); backward sends the gradients back the same way."""
 
     @staticmethod
-    def forward(ctx, flat, layout: EmbeddingLayout, batch_sizes: list[int], topo: Topology, ledger):
-        b, mine = batch_sizes[topo.rank], layout.widths[topo.rank]
-        out_splits, in_splits = [b * w for w in layout.widths], [n * mine for n in batch_sizes]
-        ctx.meta = (out_splits, in_splits, layout, topo, ledger)
-        return _exchange(flat, out_splits, in_splits, topo, layout, ledger, "fwd")
+    def forward(ctx, pooled, reduced, layout: EmbeddingLayout, batch_sizes: list[int], topo: Topology,
+                ledger):
+        to, frm = _splits(layout, batch_sizes, topo.rank, lambda i: layout.all_blocks[i].width)
+        ctx.meta = (layout, batch_sizes, topo, ledger, to, frm, pooled.shape[1], reduced.shape[1])
+        send = _by_peer(pooled, reduced, layout, batch_sizes, topo.rank)
+        return _exchange(send, frm, to, topo, layout, ledger, "fwd")
 
     @staticmethod
     def backward(ctx, grad):
-        out_splits, in_splits, layout, topo, ledger = ctx.meta
-        g = _exchange(grad.contiguous(), in_splits, out_splits, topo, layout, ledger, "bwd")
-        return g, None, None, None, None
+        layout, batch_sizes, topo, ledger, to, frm, own_cols, red_cols = ctx.meta
+        g = _exchange(grad.contiguous(), to, frm, topo, layout, ledger, "bwd")
+        own, red = _from_peers(g, own_cols, red_cols, layout, batch_sizes, topo.rank)
+        return own, red, None, None, None, None
 
 
 def _encode(x: torch.Tensor, layout: OwnerLayout, grad: bool, states=None):
@@ -144,34 +245,41 @@ def _decode(buf: torch.Tensor, layout: OwnerLayout, grad: bool, states=None):
 
 
 class CodedAllToAll(torch.autograd.Function):
-    """Owner partials ``[total_B, W_own]`` -> this rank's decoded blocks side by side,
-    ``[b, sum_d W_d]`` (owners in rank order); backward codes the gradients the same way."""
+    """``pooled`` ``[total_B, W_rank]`` and ``reduced`` ``[rows, W_t]`` (see
+    :func:`output_all_to_all`) -> this rank's decoded segments side by side, ``[b, sum W]``
+    in wire order (:func:`_recv_order`); backward codes the gradients the same way."""
 
     @staticmethod
-    def forward(ctx, pooled, layout: EmbeddingLayout, batch_sizes: list[int], topo: Topology, ledger):
-        owners, rank = layout.coded, topo.rank
-        mine, b = owners[rank], batch_sizes[rank]
-        send, sent_states = _encode(pooled, mine, grad=False)
-        recv = _exchange(send.reshape(-1), [b * lay.fwd_bytes for lay in owners],
-                         [n * mine.fwd_bytes for n in batch_sizes], topo, layout, ledger, "fwd")
+    def forward(ctx, pooled, reduced, layout: EmbeddingLayout, batch_sizes: list[int], topo: Topology,
+                ledger):
+        me, b = topo.rank, batch_sizes[topo.rank]
+        mine = layout.coded_of(me)
+        host = layout.coded_of(layout.host_index(me // layout.local_world_size))
+        own, own_states = _encode(pooled, mine, grad=False)
+        red, red_states = _encode(reduced, host, grad=False)
+        to, frm = _splits(layout, batch_sizes, me, lambda i: layout.coded_of(i).fwd_bytes)
+        recv = _exchange(_by_peer(own, red, layout, batch_sizes, me), frm, to, topo, layout, ledger, "fwd")
+        lays = [layout.coded_of(i) for _, i in _recv_order(layout, me)]
         blocks, recv_states = [], []
-        for lay, part in zip(owners, torch.split(recv, [b * lay.fwd_bytes for lay in owners])):
+        for lay, part in zip(lays, torch.split(recv, [b * lay.fwd_bytes for lay in lays])):
             rows, states = _decode(part.view(b, lay.fwd_bytes), lay, grad=False)
             blocks.append(rows)
             recv_states.append(states)
-        ctx.meta = (layout, batch_sizes, topo, ledger, sent_states, recv_states)
+        ctx.meta = (layout, batch_sizes, topo, ledger, (own_states, red_states), recv_states, lays)
         return torch.cat(blocks, dim=1)
 
     @staticmethod
     def backward(ctx, grad):
-        layout, batch_sizes, topo, ledger, sent_states, recv_states = ctx.meta
-        owners, rank = layout.coded, topo.rank
-        mine, b = owners[rank], batch_sizes[rank]
-        parts = torch.split(grad, [lay.width for lay in owners], dim=1)
+        layout, batch_sizes, topo, ledger, (own_states, red_states), recv_states, lays = ctx.meta
+        me = topo.rank
+        mine = layout.coded_of(me)
+        host = layout.coded_of(layout.host_index(me // layout.local_world_size))
+        parts = torch.split(grad, [lay.width for lay in lays], dim=1)
         send = torch.cat([_encode(g, lay, grad=True, states=s)[0].reshape(-1)
-                          for g, lay, s in zip(parts, owners, recv_states)])
-        recv = _exchange(send, [n * mine.bwd_bytes for n in batch_sizes],
-                         [b * lay.bwd_bytes for lay in owners], topo, layout, ledger, "bwd")
-        rows, _ = _decode(recv.view(sum(batch_sizes), mine.bwd_bytes), mine, grad=True,
-                          states=sent_states)
-        return rows, None, None, None, None
+                          for g, lay, s in zip(parts, lays, recv_states)])
+        to, frm = _splits(layout, batch_sizes, me, lambda i: layout.coded_of(i).bwd_bytes)
+        recv = _exchange(send, to, frm, topo, layout, ledger, "bwd")
+        own_bytes, red_bytes = _from_peers(recv, mine.bwd_bytes, host.bwd_bytes, layout, batch_sizes, me)
+        own, _ = _decode(own_bytes, mine, grad=True, states=own_states)
+        red, _ = _decode(red_bytes, host, grad=True, states=red_states)
+        return own, red, None, None, None, None

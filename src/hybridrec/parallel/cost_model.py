@@ -16,7 +16,14 @@ source rank ``r`` with local batch ``b_r`` and ``ids_r`` ids for the slot:
 - ``output_dist`` fwd: ``o`` sends ``r`` every piece of its block: ``b_r * piece.fwd_bytes``;
   bwd: ``r`` sends ``o`` their gradients, ``b_r * piece.bwd_bytes`` (float32: ``4 * width``;
   with a codec, :mod:`hybridrec.comm.codecs`, its fixed bytes per row). DeepFM's FM piece
-  (``[z_p, q_p]``, and ``s_p`` when coded) belongs to no table.
+  (``[z_p, q_p]``, and ``s_p`` when coded) belongs to no table. table_row_wise tables:
+  the member ``o`` of their host with ``o % L == r % L`` sends ``r`` the pieces of the
+  host's TRW block (the in-host sums), ``b_r * piece.fwd_bytes`` once per host instead of
+  once per shard (``L`` = ``local_world_size``); between hosts only.
+- ``trw_intra`` fwd, inside a host with table_row_wise tables: member ``j`` sends member
+  ``k`` the float32 partials of the samples ``k`` serves, ``rows_k * 4 * width`` per piece
+  (``rows_k`` = the local batches of the ranks ``d % L == k``); bwd: ``k`` sends ``j`` their
+  gradients, the same bytes (the reduce-scatter, then the all-gather).
 - ``input_dist_counts`` fwd: every rank sends every other rank two int64 counts.
 - ``dense_allreduce`` bwd: per DDP bucket of ``n`` bytes, ``2 (W-1) n // W`` bytes
   sent and received (a ring all-reduce).
@@ -31,11 +38,16 @@ way, an expectation otherwise (the per-step prediction uses the real counts).
 Worked example, one table-wise table of dim 4 on rank 1, one-hot, 2 ranks with
 local batch 3: rank 0 sends rank 1 ``(3 + 3) * 8 = 48`` input bytes and gets back
 ``3 * 4 * 4 = 48`` output bytes forward; it sends ``48`` gradient bytes backward.
+The same table table_row_wise on host 0 of 4 ranks in hosts of 2, local batch 3: rank
+0 sends rank 1 the partials of ranks 1 and 3 (``trw_intra``, ``6 * 16 = 96`` bytes) and
+rank 2 the sums of its samples (``output_dist``, ``3 * 16 = 48``); row_wise over ranks 0
+and 1 would send rank 2 and rank 3 ``48`` bytes from each of ranks 0 and 1 (192 bytes
+across hosts forward instead of 96).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping
 
 from hybridrec.comm.codecs import Codec
 from hybridrec.comm.ledger import ring_allreduce_bytes
@@ -118,8 +130,9 @@ def expected_ids(layout: EmbeddingLayout, batch_sizes: list[int],
 def flows(layout: EmbeddingLayout, batch_sizes: list[int], ids: IdCounts, *,
           rank: int | None = None, backward: bool = True) -> Iterator[Flow]:
     """Every all-to-all piece of one step between two different ranks (``rank``: only
-    those it sends or receives; ``backward``: include the output_dist's backward).
-    Nothing without sharded tables (no input or output distribution runs)."""
+    those it sends or receives; ``backward``: include the output_dist's and the in-host
+    reduce's backward). Nothing without sharded tables (no input or output distribution
+    runs)."""
     if not layout.has_shards:
         return
     for src, b in enumerate(batch_sizes):
@@ -129,10 +142,53 @@ def flows(layout: EmbeddingLayout, batch_sizes: list[int], ids: IdCounts, *,
             yield src, o, "input_dist_counts", None, "fwd", 2 * ID_BYTES
             for j, s in enumerate(layout.slots[o]):
                 yield src, o, "input_dist", s.table, "fwd", (b + ids[(src, o, j)]) * ID_BYTES
-            for p in layout.blocks[o].pieces:
-                yield o, src, "output_dist", p.table, "fwd", b * p.fwd_bytes
-                if backward:
-                    yield src, o, "output_dist", p.table, "bwd", b * p.bwd_bytes
+            for i in layout.segments(o, src):
+                for p in layout.all_blocks[i].pieces:
+                    yield o, src, "output_dist", p.table, "fwd", b * p.fwd_bytes
+                    if backward:
+                        yield src, o, "output_dist", p.table, "bwd", b * p.bwd_bytes
+    yield from _host_flows(layout, batch_sizes, rank=rank, backward=backward)
+
+
+def _host_flows(layout: EmbeddingLayout, batch_sizes: list[int], *, rank: int | None,
+                backward: bool) -> Iterator[Flow]:
+    """``trw_intra``: inside every host with table_row_wise tables, member ``j`` sends
+    member ``k`` the float32 partials of the samples ``k`` serves (fwd), ``k`` sends ``j``
+    their gradients (bwd)."""
+    lw = layout.local_world_size
+    rows = [sum(batch_sizes[d] for d in range(k, layout.world_size, lw)) for k in range(lw)]
+    for h in range(layout.num_hosts):
+        if not layout.has_trw(h):
+            continue
+        pieces = layout.host_blocks[h].pieces
+        for j in range(lw):
+            for k in range(lw):
+                src, dst = h * lw + j, h * lw + k
+                if j == k or (rank is not None and rank not in (src, dst)):
+                    continue
+                for p in pieces:
+                    yield src, dst, "trw_intra", p.table, "fwd", rows[k] * p.orig_bytes
+                    if backward:
+                        yield dst, src, "trw_intra", p.table, "bwd", rows[k] * p.orig_bytes
+
+
+def cross_host_bytes(plan: ShardingPlan, tables: list[TableConfig], *, batch_sizes: list[int],
+                     ids_per_bag: Mapping[str, float] | float = 1.0,
+                     codecs: Mapping[str, Codec] | None = None,
+                     categories: Collection[str] | None = None) -> list[tuple[int, int]]:
+    """``(sent, received)`` bytes per rank, both directions, of the input and output
+    distribution (``categories``: only those) that go between ranks of different host
+    groups (``plan.local_world_size``): the static expectation, as
+    :func:`predict_all_ranks`. What a rank moves inside its host is the rest
+    (``trw_intra`` never leaves it)."""
+    layout = build_layout(tables, plan, codecs)
+    ids = expected_ids(layout, batch_sizes, _ids_map(tables, ids_per_bag))
+    lw, acc = plan.local_world_size, [[0.0, 0.0] for _ in range(plan.world_size)]
+    for src, dst, category, _table, _direction, nbytes in flows(layout, batch_sizes, ids):
+        if src // lw != dst // lw and (categories is None or category in categories):
+            acc[src][0] += nbytes
+            acc[dst][1] += nbytes
+    return [(round(s), round(r)) for s, r in acc]
 
 
 def step_bytes(layout: EmbeddingLayout, rank: int, batch_sizes: list[int], ids: IdCounts, *,
@@ -170,6 +226,10 @@ def predict_all_ranks(plan: ShardingPlan, tables: list[TableConfig], *, batch_si
             ("output_dist", "bwd")]
     acc: list[dict[Key, list[float]]] = [{k: [0, 0] for k in keys} if layout.has_shards else {}
                                          for _ in range(world)]
+    lw = layout.local_world_size
+    if lw > 1 and any(layout.has_trw(h) for h in range(layout.num_hosts)):
+        for a in acc:  # the same keys on every rank: (0, 0) on hosts without TRW tables
+            a.update({("trw_intra", "fwd"): [0, 0], ("trw_intra", "bwd"): [0, 0]})
     for src, dst, category, _table, direction, nbytes in flows(layout, batch_sizes, ids):
         acc[src][(category, direction)][0] += nbytes
         acc[dst][(category, direction)][1] += nbytes
@@ -209,8 +269,11 @@ def predict_step_bytes(plan: ShardingPlan, tables: list[TableConfig], *, rank: i
 
     Returns ``{(category, direction): (sent, received)}`` with the keys the
     mechanism records in a step: ``input_dist_counts``/``input_dist`` (fwd),
-    ``output_dist`` (fwd, bwd), ``dense_allreduce`` (bwd, when several ranks and
+    ``output_dist`` (fwd, bwd), ``trw_intra`` (fwd, bwd; with table_row_wise tables in
+    host groups of several ranks), ``dense_allreduce`` (bwd, when several ranks and
     ``dense_param_bytes``), ``dp_table_allreduce`` (bwd, when a table is data-parallel).
+    Every rank gets the same keys; a rank that takes no part in one (``trw_intra`` on a
+    host without table_row_wise tables) predicts ``(0, 0)`` and records nothing.
     """
     if world_size is not None and world_size != plan.world_size:
         raise ValueError(f"world_size {world_size} != the plan's {plan.world_size}")
@@ -238,11 +301,14 @@ def lookup_work(tp: TablePlan, table: TableConfig, batch_sizes: list[int],
 
 
 def table_traffic(tp: TablePlan, table: TableConfig, batch_sizes: list[int],
-                  ids: Mapping[str, float]) -> tuple[list[float], list[float]]:
+                  ids: Mapping[str, float], *,
+                  local_world_size: int | None = None) -> tuple[list[float], list[float]]:
     """``(sent, received)`` bytes per rank that one table adds to a step: the flows of
     a layout holding the table alone (its FM piece included; the per-step counts are not
-    the table's).
+    the table's; a table_row_wise table's ``trw_intra`` included).
 
+    ``local_world_size``: ranks per host group; by default a table_row_wise table's host
+    group is its ranks (one shard per member), other types do not depend on it.
     Data-parallel: the ring all-reduce of the table alone (fused groups differ
     only by integer rounding).
     """
@@ -251,7 +317,8 @@ def table_traffic(tp: TablePlan, table: TableConfig, batch_sizes: list[int],
     if tp.sharding_type == "data_parallel":
         ring = 2 * (world - 1) * tp.num_embeddings * (tp.embedding_dim + 1) * VALUE_BYTES / world
         return [ring] * world, [ring] * world
-    plan = ShardingPlan(world_size=world, local_world_size=world, tables={table.name: tp})
+    lw = local_world_size or (len(tp.shards) if tp.sharding_type == "table_row_wise" else world)
+    plan = ShardingPlan(world_size=world, local_world_size=lw, tables={table.name: tp})
     layout = build_layout([table], plan)
     expected = expected_ids(layout, batch_sizes, ids)
     for src, dst, category, _t, _d, nbytes in flows(layout, batch_sizes, expected):
@@ -281,7 +348,8 @@ def describe_plan(plan: ShardingPlan, tables: list[TableConfig], *, batch_sizes:
         {"world_size", "local_world_size", "batch_sizes", "optimizer",
          "ranks": [{"rank", "host", "memory_bytes", "lookup_values",
                     "bytes_per_step": {"output_dist/fwd": {"sent", "received"}, ...},
-                    "sent_bytes", "received_bytes"}],
+                    "sent_bytes", "received_bytes",
+                    "cross_host_bytes": {"sent", "received"}}],  # embedding hops between hosts
          "tables": [{"table", "sharding_type", "rows", "dim", "ranks", "memory_bytes"}]}
     """
     ids = _ids_map(tables, ids_per_bag)
@@ -292,6 +360,7 @@ def describe_plan(plan: ShardingPlan, tables: list[TableConfig], *, batch_sizes:
     for t in tables:
         for r, w in enumerate(lookup_work(plan.tables[t.name], t, batch_sizes, ids)):
             work[r] += w
+    cross = cross_host_bytes(plan, tables, batch_sizes=batch_sizes, ids_per_bag=ids)
     ranks = []
     for r in range(plan.world_size):
         by_key = {f"{c}/{d}": {"sent": s, "received": v}
@@ -299,7 +368,8 @@ def describe_plan(plan: ShardingPlan, tables: list[TableConfig], *, batch_sizes:
         ranks.append({"rank": r, "host": r // plan.local_world_size, "memory_bytes": memory[r],
                       "lookup_values": round(work[r]), "bytes_per_step": by_key,
                       "sent_bytes": sum(s for s, _ in pred[r].values()),
-                      "received_bytes": sum(v for _, v in pred[r].values())})
+                      "received_bytes": sum(v for _, v in pred[r].values()),
+                      "cross_host_bytes": {"sent": cross[r][0], "received": cross[r][1]}})
     out_tables = []
     for t in tables:
         tp = plan.tables[t.name]

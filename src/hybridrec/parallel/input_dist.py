@@ -3,7 +3,8 @@
 Two collectives per batch: an all-to-all of counts (two int64 per rank pair: the local
 batch size and the buffer size; tiny and synchronous, both sides need them to size
 the ids), then one of lengths+ids in one int64 buffer per rank pair (asynchronous).
-Row-wise slots carry only the ids in the shard's row range, rebased.
+Row-wise slots carry only the ids in the shard's row range, rebased (table_row_wise slots
+too: they differ from row-wise only on the way back, :mod:`hybridrec.parallel.host_reduce`).
 
 :func:`start_input_dist` returns a :class:`PendingInput`; its :meth:`~PendingInput.wait`
 yields the owner's batch. The handle records the bytes of both collectives in the

@@ -16,6 +16,17 @@ Terms, for a world of ``W`` ranks:
 - *block*: an owner's pieces side by side, ``[rows, width]``; blocks ``0..W-1`` are the
   owners', block ``W`` the replicated tables' (looked up locally, no hop).
 - *assembly*: for every output feature, its pieces among the blocks.
+- *TRW block* (``table_row_wise`` tables, rows split over the ranks of one host group of
+  ``L = plan.local_world_size`` ranks): an owner's TRW slots are not in its block but in a
+  block of their own (:attr:`EmbeddingLayout.trw_blocks`), in one order every member of the
+  host shares, so the members' partials add up column by column inside the host
+  (:mod:`hybridrec.parallel.host_reduce`). Member ``j`` then holds the sums for the samples
+  of the ranks ``d`` with ``d % L == j`` (:meth:`EmbeddingLayout.served`) and sends them
+  on; the receivers see one *host block* per host (:attr:`EmbeddingLayout.host_blocks`,
+  ``all_blocks[W + 1 + h]``), one vector per sample and feature instead of one per shard.
+- *segments*: what owner ``o`` sends rank ``d``, in wire order: block ``o``'s rows of ``d``'s
+  samples, then, when ``o`` serves ``d``, its host block's rows
+  (:meth:`EmbeddingLayout.segments`).
 
 Bytes per row of a piece, both directions, come from its codec (the float32 identity
 when the table has none): ``codec.row_bytes(width)`` forward, ``codec.grad_row_bytes``
@@ -25,7 +36,11 @@ package writes these formulas.
 Example, 2 ranks, table ``t`` (dim 4) row-wise, one feature ``f``: slots
 ``((f@0,), (f@1,))``; each owner's block is one piece of width 4 (16 bytes per row
 float32); feature ``f`` is assembled from ``((0, 0, 0), (1, 0, 0))`` and its partials
-are added (``row_split``).
+are added (``row_split``). The same table ``table_row_wise`` on 4 ranks in hosts of 2,
+on host 0: the slots are the same (``f@0`` on rank 0, ``f@1`` on rank 1), blocks 0 and 1
+are empty, ``trw_blocks[0]`` and ``trw_blocks[1]`` hold one piece of width 4 each; rank 0
+serves ranks 0 and 2, rank 1 ranks 1 and 3; ``f`` is assembled from host block 0
+(``((5, 0, 0),)``: ``all_blocks`` 0-3 the owners', 4 the replicated tables', 5 host 0's).
 """
 
 from __future__ import annotations
@@ -45,6 +60,8 @@ VALUE_BYTES = 4
 IDENTITY: Codec = CastCodec(torch.float32)
 """The codec of every piece whose table has none: float32, bit-exact."""
 ROW_SPLIT = ("row_wise", "table_row_wise")
+HOST_REDUCED = "table_row_wise"
+"""Its row shards' partials are summed inside the host before they cross hosts."""
 
 
 @dataclass(frozen=True)
@@ -55,6 +72,7 @@ class Slot:
     shard: Shard
     row_split: bool  # ids are bucketized by row range
     table_rows: int  # rows of the whole table
+    trw: bool = False  # table_row_wise: summed inside the host (a TRW block), not sent as it is
 
     @property
     def name(self) -> str:
@@ -155,6 +173,8 @@ class BlockLayout:
     lr_cols: tuple[int, ...]  # first-order columns of the local output, summed into z_p
     fm_dim: int  # width of s (the FM tables' k); 0 without FM tables
     s_at_owner: bool  # the FM piece carries s_p: the owner's FM pieces are coded
+    sq_cols: tuple[int, ...] | None = None  # features whose square sums add up into q_p; None: all
+    whole: bool = False  # field_cols are every column of the local output, in order: no copy
 
     @property
     def has_fm(self) -> bool:
@@ -190,20 +210,32 @@ class BlockLayout:
                             orig + rows * p.orig_bytes)
         return out
 
+    def orig_by_table(self, rows: int) -> dict[str | None, int]:
+        """``{table: bytes}`` of ``rows`` rows of this block as float32 (table None: the FM
+        piece); what the in-host reduce of a TRW block moves, codecs or not."""
+        out: dict[str | None, int] = {}
+        for p in self.pieces:
+            out[p.table] = out.get(p.table, 0) + rows * p.orig_bytes
+        return out
+
     @cached_property
-    def _index(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def _index(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         # Column indices as tensors, built once per layout (the hot path reuses them).
-        return torch.tensor(self.field_cols, dtype=torch.long), torch.tensor(self.lr_cols, dtype=torch.long)
+        sq = None if self.sq_cols is None else torch.tensor(self.sq_cols, dtype=torch.long)
+        return (torch.tensor(self.field_cols, dtype=torch.long), torch.tensor(self.lr_cols, dtype=torch.long),
+                sq)
 
     def encode(self, kt: KeyedTensor) -> torch.Tensor:
-        """A local collection's output -> this block, ``[rows, width]``."""
-        if not self.has_fm:
-            return kt.values
+        """A local collection's output -> this block, ``[rows, width]`` (a view of the
+        output when the block is all of it)."""
         v = kt.values
-        fields_idx, lr_idx = self._index
-        fields = v.index_select(1, fields_idx)
+        fields_idx, lr_idx, sq_idx = (None if i is None else i.to(v.device) for i in self._index)
+        fields = v if self.whole else v.index_select(1, fields_idx)
+        if not self.has_fm:
+            return fields
         z = v.index_select(1, lr_idx).sum(1, keepdim=True) if self.lr_cols else v.new_zeros(v.shape[0], 1)
-        parts = [fields, z, kt.square_sums.sum(1, keepdim=True)]
+        sq = kt.square_sums if sq_idx is None else kt.square_sums.index_select(1, sq_idx)
+        parts = [fields, z, sq.sum(1, keepdim=True)]
         if self.s_at_owner:
             widths = [p.width for p in self.field_pieces]
             parts.append(self.fm_sum(torch.split(fields, widths, dim=1), v.shape[0]))
@@ -227,17 +259,21 @@ class EmbeddingLayout:
     derives from its tables, plan and codecs (see the module docstring)."""
 
     world_size: int
+    local_world_size: int  # ranks per host group: TRW tables are reduced inside one
     feature_names: tuple[str, ...]  # the output's features, in the single-device order
     feature_dims: tuple[int, ...]  # FM features: k (the first-order column never travels)
     slots: tuple[tuple[Slot, ...], ...]  # per owner rank
     blocks: tuple[BlockLayout, ...]  # per owner rank, then the replicated tables' block
-    assembly: tuple[tuple[tuple[int, int, int], ...], ...]  # per feature: (block, piece, column)
+    host_blocks: tuple[BlockLayout, ...]  # per host: its TRW sums, as received (empty: no TRW)
+    trw_blocks: tuple[BlockLayout, ...]  # per owner rank: its TRW partials, before the in-host sum
+    assembly: tuple[tuple[tuple[int, int, int], ...], ...]  # per feature: (all_blocks index, piece, column)
     row_split: tuple[bool, ...]  # per feature: its partials are added (row shards)
     mean_features: tuple[int, ...]  # sharded mean-pooled features: divided after the sum
     replicated_tables: tuple[str, ...]  # data-parallel tables
     dp_groups: tuple[tuple[int, int], ...]  # (rows, dim) of every fused replicated group
     fm_dim: int  # k of the FM tables; 0 without
     coded: tuple[OwnerLayout, ...] | None  # per owner; None: no codec, the float32 hop
+    coded_hosts: tuple[OwnerLayout, ...] | None  # per host, its TRW block's; None with ``coded``
 
     @property
     def has_shards(self) -> bool:
@@ -251,6 +287,45 @@ class EmbeddingLayout:
     @property
     def replicated(self) -> BlockLayout:
         return self.blocks[self.world_size]
+
+    @cached_property
+    def all_blocks(self) -> tuple[BlockLayout, ...]:
+        """What a rank assembles its output from: the owners' blocks, the replicated
+        tables' block, the hosts' TRW blocks."""
+        return self.blocks + self.host_blocks
+
+    @property
+    def num_hosts(self) -> int:
+        return self.world_size // self.local_world_size
+
+    def host_index(self, host: int) -> int:
+        """Index in :attr:`all_blocks` of ``host``'s TRW block."""
+        return self.world_size + 1 + host
+
+    def has_trw(self, host: int) -> bool:
+        """``host`` holds table_row_wise shards (then every member holds one of each)."""
+        return any(s.trw for s in self.slots[host * self.local_world_size])
+
+    def served(self, owner: int) -> tuple[int, ...]:
+        """The ranks whose samples' in-host TRW sums ``owner`` holds and sends, in rank
+        order: ``d % L == owner % L`` (the same local rank on every host; on its own host
+        only ``owner`` itself). Empty when its host has no TRW tables."""
+        lw = self.local_world_size
+        return tuple(range(owner % lw, self.world_size, lw)) if self.has_trw(owner // lw) else ()
+
+    def segments(self, owner: int, dest: int) -> tuple[int, ...]:
+        """Indices in :attr:`all_blocks` of what ``owner`` sends ``dest`` per sample of ``dest``,
+        in wire order: ``owner``'s block, then its host's TRW block when it serves ``dest``."""
+        lw = self.local_world_size
+        if owner % lw == dest % lw and self.has_trw(owner // lw):
+            return owner, self.host_index(owner // lw)
+        return (owner,)
+
+    def coded_of(self, block: int) -> OwnerLayout:
+        """The coded layout of block ``block`` (an owner's or a host's); needs codecs."""
+        if block < self.world_size:
+            return self.coded[block]
+        return self.coded_hosts[block - self.world_size - 1]
 
     def table_shards(self, table: str) -> tuple[Shard, ...]:
         """Every shard of a sharded table, in the plan's order, from every owner's slots
@@ -312,8 +387,10 @@ def local_tables(slots: Sequence[Slot], tables: Mapping[str, TableConfig]) -> li
 def build_layout(tables: Sequence[TableConfig], plan: ShardingPlan,
                  codecs: Mapping[str, Codec] | None = None) -> EmbeddingLayout:
     """The layout of ``tables`` sharded by ``plan``, with ``codecs`` (table -> codec of its
-    output_dist hop; tables without one travel as float32). Pure; raises ValueError for
-    tables the plan lacks, codecs of unknown tables, or FM tables of different ``fm_cols``."""
+    output_dist hop; tables without one travel as float32; a TRW table's codec codes its
+    cross-host hop). Pure; raises ValueError for tables the plan lacks, codecs of unknown
+    tables, FM tables of different ``fm_cols``, or a table_row_wise table not on exactly
+    the ranks of one host group."""
     by_name = {t.name: t for t in tables}
     codecs = dict(codecs or {})
     _check(by_name, plan, codecs)
@@ -323,26 +400,33 @@ def build_layout(tables: Sequence[TableConfig], plan: ShardingPlan,
     if len(fm_dims) > 1:
         raise ValueError(f"FM tables must share fm_cols, got {sorted(fm_dims)}")
     fm_dim = fm_dims.pop() if fm_dims else 0
-    blocks = tuple(_owner_block(s, by_name, codecs, fm_dim) for s in slots)
-    blocks += (_replicated_block(dp, fm_dim),)
+    owners = [_owner_blocks(s, by_name, codecs, fm_dim) for s in slots]
+    trw_blocks = tuple(t for _, t in owners)
+    lw = plan.local_world_size
+    # Every member of a host has the same TRW pieces in the same order: member 0's stand
+    # for the host's sums.
+    hosts = tuple(trw_blocks[h * lw] for h in range(plan.world_size // lw))
+    blocks = tuple(b for b, _ in owners) + (_replicated_block(dp, fm_dim),)
     features = output_features(list(tables))
     names = tuple(f for f, _ in features)
     table_of = {f: t for t in tables for f in t.features}
-    row_split = {s.feature for owner in slots for s in owner if s.row_split}
-    coded = None
+    row_split = {s.feature for owner in slots for s in owner if s.row_split and not s.trw}
+    coded = coded_hosts = None
     if any(codecs.get(s.table) is not None for owner in slots for s in owner):
-        coded = tuple(owner_layout([(p.width, p.codec) for p in b.pieces]) for b in blocks[:-1])
+        coded, coded_hosts = (tuple(owner_layout([(p.width, p.codec) for p in b.pieces]) for b in group)
+                              for group in (blocks[:-1], hosts))
     return EmbeddingLayout(
-        world_size=plan.world_size, feature_names=names,
+        world_size=plan.world_size, local_world_size=lw, feature_names=names,
         feature_dims=tuple(d if table_of[f].fm_cols is None else table_of[f].fm_cols for f, d in features),
-        slots=slots, blocks=blocks, assembly=_assembly(names, blocks),
+        slots=slots, blocks=blocks, host_blocks=hosts, trw_blocks=trw_blocks,
+        assembly=_assembly(names, blocks + hosts),
         row_split=tuple(f in row_split for f in names),
         mean_features=tuple(i for i, f in enumerate(names) if table_of[f].pooling == "mean"
                             and plan.tables[table_of[f].name].sharding_type != "data_parallel"),
         replicated_tables=tuple(t.name for t in dp),
         dp_groups=tuple((sum(t.num_embeddings for t in ts), dim)
                         for (dim, *_), ts in group_tables(dp).items()),
-        fm_dim=fm_dim, coded=coded)
+        fm_dim=fm_dim, coded=coded, coded_hosts=coded_hosts)
 
 
 def _check(tables: Mapping[str, TableConfig], plan: ShardingPlan, codecs: Mapping[str, Codec]) -> None:
@@ -352,6 +436,20 @@ def _check(tables: Mapping[str, TableConfig], plan: ShardingPlan, codecs: Mappin
     unknown = sorted(set(codecs) - set(tables))
     if unknown:
         raise ValueError(f"codecs for unknown tables {unknown}")
+    lw = plan.local_world_size
+    for name in tables:
+        tp = plan.tables[name]
+        if tp.sharding_type != HOST_REDUCED:
+            continue
+        # The in-host sum runs over the whole host group, member j serving the ranks
+        # d % L == j: every member must hold one shard (possibly of no rows).
+        ranks = sorted(s.rank for s in tp.shards)
+        host = ranks[0] // lw if lw > 0 else 0
+        if lw < 1 or plan.world_size % lw or ranks != list(range(host * lw, (host + 1) * lw)):
+            raise ValueError(
+                f"table {name!r}: table_row_wise needs one shard on every rank of one host group "
+                f"(hosts of local_world_size={lw} consecutive ranks in a world of "
+                f"{plan.world_size}), got ranks {ranks}; use row_wise for other rank sets")
 
 
 def _slots(tables: Sequence[TableConfig], plan: ShardingPlan) -> tuple[tuple[Slot, ...], ...]:
@@ -364,41 +462,61 @@ def _slots(tables: Sequence[TableConfig], plan: ShardingPlan) -> tuple[tuple[Slo
         for i, sh in enumerate(tp.shards):
             for f in t.features:
                 row_split = tp.sharding_type in ROW_SPLIT
-                by_rank[sh.rank].append(Slot(f, t.name, i, sh, row_split, t.num_embeddings))
+                by_rank[sh.rank].append(Slot(f, t.name, i, sh, row_split, t.num_embeddings,
+                                             tp.sharding_type == HOST_REDUCED))
     return tuple(tuple(s) for s in by_rank)
 
 
-def _block(local: Sequence[TableConfig | _ShardTable], piece_of, fm_dim: int,
-           s_at_owner: bool) -> BlockLayout:
-    """The block of a collection of ``local`` tables (in its output order: fused groups);
-    ``piece_of(feature, table, width)`` makes the piece of one output feature (``width``
+def _block(local: Sequence[TableConfig | _ShardTable], features: Sequence[str] | None, piece_of,
+           fm_dim: int, s_at_owner: bool) -> BlockLayout:
+    """The block of ``features`` (in this order; None: every output feature of the
+    collection of ``local`` tables, in its output order), taken from that collection's
+    output; ``piece_of(feature, table, width)`` makes the piece of one feature (``width``
     without the first-order column)."""
     table_of = {f: t for t in local for f in t.features}
-    pieces, field_cols, lr_cols, col = [], [], [], 0
-    for name, width in output_features(list(local)):
+    where, col = {}, 0  # feature -> (index, first column, width) in the local output
+    for i, (name, width) in enumerate(output_features(list(local))):
+        where[name] = (i, col, width)
+        col += width
+    names = list(where) if features is None else list(features)
+    pieces, field_cols, lr_cols, sq_cols = [], [], [], []
+    for name in names:
+        i, start, width = where[name]
         lr = table_of[name].first_order_col
         pieces.append(piece_of(name, table_of[name], width - (lr is not None)))
-        field_cols += [col + c for c in range(width) if c != lr]
-        lr_cols += [col + lr] if lr is not None else []
-        col += width
-    if any(t.fm_cols is not None for t in local):
+        field_cols += [start + c for c in range(width) if c != lr]
+        lr_cols += [start + lr] if lr is not None else []
+        sq_cols += [i] if table_of[name].fm_cols is not None else []
+    if any(table_of[n].fm_cols is not None for n in names):
         pieces.append(Piece("fm", None, None, 2 + (fm_dim if s_at_owner else 0), 0, False, IDENTITY))
-    return BlockLayout(tuple(pieces), tuple(field_cols), tuple(lr_cols), fm_dim, s_at_owner)
+    return BlockLayout(tuple(pieces), tuple(field_cols), tuple(lr_cols), fm_dim, s_at_owner,
+                       sq_cols=None if features is None else tuple(sq_cols),
+                       whole=tuple(field_cols) == tuple(range(col)))
 
 
-def _owner_block(slots: Sequence[Slot], tables: Mapping[str, TableConfig], codecs: Mapping[str, Codec],
-                 fm_dim: int) -> BlockLayout:
+def _owner_blocks(slots: Sequence[Slot], tables: Mapping[str, TableConfig], codecs: Mapping[str, Codec],
+                  fm_dim: int) -> tuple[BlockLayout, BlockLayout]:
+    """``(block, TRW block)`` of one owner: both read the output of its one local collection.
+    The TRW block lists its features in the order of the TRW shard tables alone, which every
+    member of the host shares (the whole collection's fused-group order may differ)."""
     slot_of = {s.name: s for s in slots}
-    # s_p travels when a coded FM piece would make the receiver's s differ from the
-    # owner's vectors (see hybridrec.model.deepfm).
-    s_at_owner = any(codecs.get(s.table) is not None and tables[s.table].fm_cols is not None for s in slots)
+    local = _shard_tables(slots, tables)
+    trw = [s for s in slots if s.trw]
 
     def piece(name: str, table: _ShardTable, width: int) -> Piece:
         s = slot_of[name]
         return Piece(name, s.feature, s.table, width, s.shard.cols[0], table.fm_cols is not None,
                      codecs.get(s.table) or IDENTITY)
 
-    return _block(_shard_tables(slots, tables), piece, fm_dim, s_at_owner)
+    def s_at_owner(group: Sequence[Slot]) -> bool:
+        # s_p travels when a coded FM piece would make the receiver's s differ from the
+        # owner's vectors (see hybridrec.model.deepfm).
+        return any(codecs.get(s.table) is not None and tables[s.table].fm_cols is not None for s in group)
+
+    own = None if not trw else [n for n, _ in output_features(local) if not slot_of[n].trw]
+    trw_order = [n for n, _ in output_features(_shard_tables(trw, tables))]
+    return (_block(local, own, piece, fm_dim, s_at_owner([s for s in slots if not s.trw])),
+            _block(local, trw_order, piece, fm_dim, s_at_owner(trw)))
 
 
 def _replicated_block(dp: Sequence[TableConfig], fm_dim: int) -> BlockLayout:
@@ -407,13 +525,13 @@ def _replicated_block(dp: Sequence[TableConfig], fm_dim: int) -> BlockLayout:
     def piece(name: str, table: TableConfig, width: int) -> Piece:
         return Piece(name, name, table_of[name].name, width, 0, table.fm_cols is not None, IDENTITY)
 
-    return _block(list(dp), piece, fm_dim, False)
+    return _block(list(dp), None, piece, fm_dim, False)
 
 
 def _assembly(features: Sequence[str],
               blocks: Sequence[BlockLayout]) -> tuple[tuple[tuple[int, int, int], ...], ...]:
     """For every feature, ``(block, piece, first column)`` of its pieces, column shards in
-    column order."""
+    column order (a TRW feature: its one piece in its host's block)."""
     found: dict[str, list[tuple[int, int, int]]] = {f: [] for f in features}
     for d, block in enumerate(blocks):
         for j, p in enumerate(block.field_pieces):

@@ -22,6 +22,12 @@ model reads too. The pieces of one step:
   row-wise reduce-scatter is this all-to-all of partials followed by a local sum (the
   same bytes per rank as a reduce-scatter, and one collective carries every table); its
   backward sends every row shard the pooled gradient (the all-gather).
+- table_row_wise (:mod:`hybridrec.parallel.host_reduce`): the same input_dist and lookup
+  as row-wise, but the shards' partials are summed inside the host first (a reduce-scatter
+  over ``topo.host_group``), and only the sums travel on, in the same output all-to-all,
+  from the member that serves the samples' rank: one vector per sample and feature crosses
+  hosts instead of one per shard. Backward: that hop's gradients, then an all-gather
+  inside the host.
 
 The helpers that move bytes record them in the ledger; every training forward also
 tells the ledger its predicted bytes (:func:`~hybridrec.parallel.cost_model.step_bytes`
@@ -55,6 +61,7 @@ from hybridrec.model.embedding import (
 )
 from hybridrec.parallel.coded_dist import output_all_to_all
 from hybridrec.parallel.cost_model import dp_allreduce_bytes, step_bytes
+from hybridrec.parallel.host_reduce import host_reduce
 from hybridrec.parallel.input_dist import OwnerInput, PendingInput, start_input_dist
 from hybridrec.parallel.layout import EmbeddingLayout, Slot, build_layout, local_tables
 from hybridrec.parallel.plan import Shard, ShardingPlan
@@ -93,6 +100,18 @@ def _shard_collection(slots: tuple[Slot, ...], tables: Mapping[str, TableConfig]
     return EmbeddingBagCollection(local_tables(slots, tables), seed=seed, init=init)
 
 
+def _check_hosts(layout: EmbeddingLayout, topo: Topology) -> None:
+    """table_row_wise sums over ``topo.host_group``: the plan's host groups must be the
+    topology's."""
+    if not any(layout.has_trw(h) for h in range(layout.num_hosts)):
+        return
+    if topo.local_world_size != layout.local_world_size:
+        raise ValueError(f"the plan's table_row_wise tables are for host groups of {layout.local_world_size} "
+                         f"ranks, the topology's host groups have {topo.local_world_size}")
+    if layout.local_world_size > 1 and topo.host_group is None:
+        raise ValueError("table_row_wise tables need the topology's host group (topo.host_group is None)")
+
+
 class ShardedEmbeddingBagCollection(nn.Module):
     """Drop-in for :class:`EmbeddingBagCollection` across ranks (same output layout).
 
@@ -120,6 +139,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
         self.tables = {t.name: t for t in tables}
         self.codecs = dict(codecs or {})
         self.layout: EmbeddingLayout = build_layout(tables, plan, self.codecs)
+        _check_hosts(self.layout, topo)
         self.local = _shard_collection(self.layout.slots[topo.rank], self.tables, seed)
         dp = [self.tables[n] for n in self.layout.replicated_tables]
         self.replicated = EmbeddingBagCollection(dp, seed=seed) if dp else None
@@ -155,15 +175,16 @@ class ShardedEmbeddingBagCollection(nn.Module):
         if pending is not None and pending.local_batch != b:
             raise ValueError(f"the pending input_dist is of a batch of {pending.local_batch}, not {b}")
         if layout.has_shards:
-            blocks = self._sharded_blocks(pending.wait() if pending is not None else self.input_dist(kjt))
+            owner = pending.wait() if pending is not None else self.input_dist(kjt)
+            blocks, hosts = self._sharded_blocks(owner)
         else:  # replicated tables only: nothing is distributed
-            blocks = [torch.empty(b, 0)] * world
+            blocks, hosts = [torch.empty(b, 0)] * world, [torch.empty(b, 0)] * layout.num_hosts
         if self.replicated is not None:
             local = self.replicated(kjt.select_keys(self.replicated.feature_names))
             blocks.append(layout.replicated.encode(local))
         else:
             blocks.append(torch.empty(b, 0))
-        out, fm = self._combine(blocks, b)
+        out, fm = self._combine(blocks + hosts, b)
         out = _ScaleGrad.apply(out, 1.0 / world)
         if fm is not None:
             fm = _ScaleGrad.apply(fm, 1.0 / world)
@@ -171,31 +192,38 @@ class ShardedEmbeddingBagCollection(nn.Module):
             out = self._apply_mean(out, kjt)
         return KeyedTensor(self.feature_names, self.feature_dims, out, fm=fm)
 
-    def _sharded_blocks(self, owner: OwnerInput) -> list[torch.Tensor]:
-        """Lookup and output_dist: every owner's block for this rank's samples, ``[B, W_d]``."""
-        layout, rank = self.layout, self.topo.rank
+    def _sharded_blocks(self, owner: OwnerInput) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Lookup, the in-host sum of TRW partials, output_dist: every owner's block for this
+        rank's samples, ``[B, W_d]``, and every host's TRW block, ``[B, W_h]``."""
+        layout, rank, sizes = self.layout, self.topo.rank, list(owner.batch_sizes)
+        reduced = None  # this rank's in-host TRW sums (none without TRW tables on its host)
         if self.local is not None:
-            pooled = layout.blocks[rank].encode(self.local(owner.kjt))
+            kt = self.local(owner.kjt)
+            pooled = layout.blocks[rank].encode(kt)
+            if layout.served(rank):  # every member of the host joins the in-host sum
+                reduced = host_reduce(layout.trw_blocks[rank].encode(kt), layout, sizes, self.topo,
+                                      self.ledger)
         else:  # still joins the collectives, forward and backward
-            pooled = torch.zeros(sum(owner.batch_sizes), 0,
-                                 requires_grad=self.training and torch.is_grad_enabled())
-        blocks = output_all_to_all(pooled, layout, list(owner.batch_sizes), self.topo, self.ledger)
+            pooled = torch.zeros(sum(sizes), 0, requires_grad=self.training and torch.is_grad_enabled())
+        reduced = pooled.new_zeros(0, 0) if reduced is None else reduced
+        owners, hosts = output_all_to_all(pooled, reduced, layout, sizes, self.topo, self.ledger)
         if self.ledger is not None:  # the formula's bytes of this step, beside the counted ones
             pred = step_bytes(layout, rank, list(owner.batch_sizes), owner.ids,
                               backward=pooled.requires_grad)
             for (category, table, direction), (sent, received) in pred.items():
                 self.ledger.predict(category, table=table, direction=direction, sent=sent, received=received)
-        return blocks
+        return owners, hosts
 
     def _combine(self, blocks: list[torch.Tensor], b: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Every block ``[B, W_d]`` (owners, then the replicated tables) -> ``[B, sum(dims)]``
-        and, with FM tables, ``[B, 2 + k]`` = ``[z, q, s]``: row shards' partials are added,
+        """Every block ``[B, W_d]`` (owners, the replicated tables, then the hosts' TRW
+        sums: ``layout.all_blocks``) -> ``[B, sum(dims)]`` and, with FM tables,
+        ``[B, 2 + k]`` = ``[z, q, s]``: row shards' partials are added,
         column shards' placed side by side, the FM pieces' ``[z_p, q_p]`` and every block's
         ``s_d`` added up in block order. One split per block and one concatenation, so
         backward is one concatenation per block (no per-slice zero-filled grads)."""
         layout = self.layout
         split = [torch.split(x, list(blk.widths), dim=1) if blk.pieces else ()
-                 for x, blk in zip(blocks, layout.blocks)]
+                 for x, blk in zip(blocks, layout.all_blocks)]
         out = []
         for pieces, row_split in zip(layout.assembly, layout.row_split):
             parts = [split[d][j] for d, j, _ in pieces]
@@ -207,7 +235,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
             else:
                 out.extend(parts)
         zq = s = None
-        for parts, blk in zip(split, layout.blocks):
+        for parts, blk in zip(split, layout.all_blocks):
             if blk.has_fm:
                 fm = parts[-1]
                 s_d = fm[:, 2:] if blk.s_at_owner else blk.fm_sum(parts[:-1], b)

@@ -62,9 +62,11 @@ def roles(num_ps: int) -> Roles:
     return Roles(int(os.environ.get("RANK", "0")), world - num_ps, num_ps, local == world)
 
 
-def init_world(r: Roles, *, timeout_s: float, backend: str | None = None) -> Topology:
+def init_world(r: Roles, *, timeout_s: float, backend: str | None = None,
+               group_size: int | None = None) -> Topology:
     """Join this role's process group; returns the role's topology (trainers: over the
-    trainers, servers: over the servers). Then :func:`join_rpc`."""
+    trainers, in groups of ``group_size`` for hierarchical training; servers: over the
+    servers). Then :func:`join_rpc`."""
     timeout = datetime.timedelta(seconds=timeout_s)
     store, _, _ = next(dist.rendezvous("env://", r.rank, r.num_trainers + r.num_ps, timeout=timeout))
     if r.is_server:
@@ -73,7 +75,7 @@ def init_world(r: Roles, *, timeout_s: float, backend: str | None = None) -> Top
                              local_world_size=r.num_ps if r.all_local else 1)
     return Topology.init(backend=backend, timeout_s=timeout_s, store=dist.PrefixStore("hybridrec-trainers", store),
                          rank=r.rank, world_size=r.num_trainers,
-                         local_world_size=r.num_trainers if r.all_local else 1)
+                         local_world_size=r.num_trainers if r.all_local else 1, group_size=group_size)
 
 
 def join_rpc(r: Roles, *, timeout_s: float, interface: str = "") -> None:

@@ -168,8 +168,6 @@ def hierarchy_problem(cfg: Config, world: int, local_world: int) -> str | None:
     what = f"dist.group_size={m} makes {world // m} groups of the {world} ranks"
     if cfg.sync.algorithm == "none":
         return f"{what}, but nothing keeps them together: set sync.algorithm (ma, easgd or bmuf)"
-    if cfg.dist.num_ps:
-        return f"{what}; groups with parameter servers (dist.num_ps) are not supported yet"
     if cfg.train.workers > 1:
         return f"{what}; train.workers > 1 runs on one rank only"
     return None
@@ -377,10 +375,10 @@ def build_ps_model(cfg: Config, meta: DatasetMeta, topo: Topology, ledger: CommL
     here), the dense arches go to ``dense_sync``; rank 0 writes the servers' plan."""
     tables = build_tables(meta, cfg)
     plan = ps_plan(cfg, tables, cfg.dist.num_ps)
-    remote = RemoteEmbeddingCollection(tables, plan, trainer=topo.rank, num_trainers=topo.world_size,
+    remote = RemoteEmbeddingCollection(tables, plan, trainer=topo.global_rank, num_trainers=topo.global_world_size,
                                        ledger=ledger, timeout_s=cfg.dist.timeout_s)
     model = dense_sync.wrap(build_model(cfg, meta, sparse=remote))
-    if topo.rank == 0:
+    if topo.lead:
         run_dir.mkdir(parents=True, exist_ok=True)
         write_text_atomic(run_dir / "plan.json", plan.to_json())
     return model, ServerCheckpoints(topo, cfg.dist.num_ps, cfg.dist.timeout_s)

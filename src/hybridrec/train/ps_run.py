@@ -6,6 +6,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import torch.distributed
 import torch.distributed.rpc as rpc
 
 from hybridrec.data.schema import DatasetMeta
@@ -101,7 +102,7 @@ class ServerCheckpoints:
 
     def _all(self, fn, args, what: str, path: Path) -> None:
         err = None
-        if self.topo.rank == 0:
+        if self.topo.lead:  # (hierarchical training: one trainer of every group's)
             try:
                 futs = [(server_name(j), rpc.rpc_async(server_name(j), fn, args=args, timeout=self.timeout_s))
                         for j in range(self.num_ps)]
@@ -117,3 +118,5 @@ class ServerCheckpoints:
 
     def load(self, path: Path) -> None:
         self._all(srv.rpc_load, (str(path / PS_DIR),), "loading the servers' checkpoint", path)
+        if self.topo.hierarchical:  # no group pulls a row before the servers have loaded
+            torch.distributed.barrier(group=self.topo.world_group)

@@ -35,6 +35,7 @@ from hybridrec.ps import world as ps_world
 from hybridrec.train.ps_run import PS_DIR, run_server
 from hybridrec.train import checkpoint as ckpt
 from hybridrec.train.build import (
+    group_size,
     hierarchy_problem,
     build_loaders,
     build_model,
@@ -73,8 +74,12 @@ def train(cfg: Config, *, extra_summary: dict | None = None) -> dict:
     r = ps_world.roles(cfg.dist.num_ps)
     if r.is_server:
         return run_server(cfg, meta, r)
+    local = r.num_trainers if r.all_local else 1  # (trainers per machine: the default group)
+    if problem := hierarchy_problem(cfg, r.num_trainers, local):
+        raise ConfigError(problem)
     topo = ps_world.init_world(r, timeout_s=cfg.dist.timeout_s,
-                               backend=None if cfg.dist.backend == "auto" else cfg.dist.backend)
+                               backend=None if cfg.dist.backend == "auto" else cfg.dist.backend,
+                               group_size=group_size(cfg, r.num_trainers, local))
     topo.exchange = cfg.dist.exchange
     ps_world.join_rpc(r, timeout_s=cfg.dist.timeout_s, interface=cfg.dist.rpc_interface)
     ok = False
@@ -445,16 +450,22 @@ def _gather_ints(value: int, topo) -> list[int]:
 CROSS_CATEGORIES = ("sync",)  # hierarchical training: what crosses between groups
 
 
+def _level(category: str) -> str:
+    if category in CROSS_CATEGORIES:
+        return "cross"
+    return "servers" if category.startswith("ps_") else "intra"
+
+
 def bytes_by_level(comm: dict, topo) -> dict | None:
     """Hierarchical training: this rank's mean bytes sent and received per step inside its
-    group (``intra``: every category but the synchronizer's) and between groups (``cross``:
-    the synchronizer's rounds), each with its categories; None when flat."""
+    group (``intra``), between groups (``cross``: the synchronizer's rounds) and, with
+    parameter servers, to and from the servers every group shares (``servers``: pulls and
+    pushes), each with its categories; None when flat."""
     if not topo.hierarchical:
         return None
-    out = {"intra": {"sent": 0.0, "received": 0.0, "categories": []},
-           "cross": {"sent": 0.0, "received": 0.0, "categories": []}}
+    out = {name: {"sent": 0.0, "received": 0.0, "categories": []} for name in ("intra", "cross", "servers")}
     for category, mean in comm["per_step"]["mean_by_category"].items():
-        level = out["cross" if category in CROSS_CATEGORIES else "intra"]
+        level = out[_level(category)]
         level["sent"] += mean.get("sent") or 0.0
         level["received"] += mean.get("received") or 0.0
         level["categories"].append(category)

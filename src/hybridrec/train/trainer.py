@@ -263,8 +263,8 @@ class Trainer:
         self.sparse_opt.flush()  # parameter servers: this rank's last push applied
         if self.sync_runner is not None:  # last round, then one averaged dense model
             self.sync_runner.finish()
-        if getattr(self.model.sparse, "remote", False) and self.topo.world_size > 1:
-            dist.barrier(group=self.topo.group)  # every trainer's last push, before evaluating
+        if getattr(self.model.sparse, "remote", False) and self.topo.global_world_size > 1:
+            dist.barrier(group=self.topo.run_group)  # every trainer's last push, before evaluating
         trained = self.step > first_step
         if trained and (not t.log_every or self.step % t.log_every):
             last_loss = self._log_train(running, meter, None)  # the steps since the last log
