@@ -425,6 +425,126 @@ def test_the_launchers_line_names_the_rank_that_failed_not_those_it_stopped():
     assert failure_line(failures(-15, -15)) == ("rank 0 (pid 1000) was killed by SIGTERM", 1)
 
 
+def _recorded(monkeypatch, attempt: Path, rank: int, e: BaseException, world: int = 2) -> str:
+    """Rank ``rank``'s error file in the torchrun attempt directory ``attempt``, with ``e``
+    recorded in it as the rank records it."""
+    from hybridrec.cli.launch import record_error
+
+    _as_rank(monkeypatch, rank, world, attempt=attempt)
+    assert record_error(e)
+    return os.environ["TORCHELASTIC_ERROR_FILE"]
+
+
+def _failure(rank: int, exitcode: int, error_file: str = "<N/A>"):
+    """The agent's record of a failed rank (it reads the rank's error file, if any)."""
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    return ProcessFailure(rank, 1000 + rank, exitcode, error_file)
+
+
+def test_a_recorded_error_is_the_cause_however_its_rank_then_died(tmp_path, monkeypatch):
+    import signal
+
+    from hybridrec.cli.launch import PEER_LOST, failure_line, recorded_error
+
+    attempt = tmp_path / "attempt_0"
+    bad = _recorded(monkeypatch, attempt, 0, DataError(f"{tmp_path / 'd'}: dataset directory does not exist"))
+    assert recorded_error(_failure(0, 2, bad)) == (f"{tmp_path / 'd'}: dataset directory does not exist", 2)
+    # Rank 0 recorded its error, then exited, or gloo's teardown aborted it, or the agent
+    # stopped it because rank 1, whose collective lost it, exited first: its error either way.
+    for died in (2, -signal.SIGABRT, -signal.SIGTERM, -signal.SIGKILL):
+        for other in (PEER_LOST, -signal.SIGTERM, -signal.SIGABRT, -signal.SIGKILL):
+            failures = {0: _failure(0, died, bad), 1: _failure(1, other)}
+            assert failure_line(failures) == ("rank 0 exited with code 2 (see above)", 2), (died, other)
+    # Both recorded the same error: named once, both ranks.
+    same = _recorded(monkeypatch, attempt, 1, DataError(f"{tmp_path / 'd'}: dataset directory does not exist"))
+    failures = {0: _failure(0, -signal.SIGABRT, bad), 1: _failure(1, 2, same)}
+    assert failure_line(failures) == ("ranks 0 and 1 exited with code 2 (see above)", 2)
+    # A kill by train.inject_failure is the cause even so; without a recorded error, a
+    # killed rank is named with its signal (as before).
+    failures = {0: _failure(0, 2, bad), 1: _failure(1, -signal.SIGKILL)}
+    assert failure_line(failures, injected_pid=1001)[0] == (
+        "rank 1 (pid 1001) was killed by SIGKILL (injected: train.inject_failure)")
+    failures = {0: _failure(0, PEER_LOST), 1: _failure(1, -signal.SIGABRT)}
+    assert failure_line(failures) == ("rank 1 (pid 1001) was killed by SIGABRT", 1)
+
+
+def test_only_one_line_errors_are_recorded_whole(tmp_path, monkeypatch):
+    from hybridrec.cli.launch import record_error, recorded_error
+
+    assert not record_error(DataError("x"))  # no TORCHELASTIC_ERROR_FILE: not a rank of the agent
+    attempt = tmp_path / "attempt_0"
+    _as_rank(monkeypatch, 0, attempt=attempt)
+    error_file = Path(os.environ["TORCHELASTIC_ERROR_FILE"])
+    for other in (RuntimeError("Connection closed by peer"), BrokenPipeError(32, "Broken pipe"), ValueError("bug")):
+        assert not record_error(other) and not error_file.exists()  # peer lost, quiet exit, traceback
+    try:
+        os.mkdir(tmp_path)
+    except FileExistsError as e:
+        assert record_error(e)
+    assert [p.name for p in error_file.parent.iterdir()] == ["error.json"]  # renamed into place
+    assert json.loads(error_file.read_text())["message"]["errorCode"] == 2
+    assert recorded_error(_failure(0, -6, str(error_file))) == (f"{tmp_path}: File exists", 2)
+    # The same in a directory that cannot take it: nothing recorded, nothing raised.
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(tmp_path / "none" / "sub" / "error.json"))
+    (tmp_path / "none").write_text("x")
+    assert not record_error(DataError("x"))
+
+
+def test_the_launcher_prints_a_recorded_error_no_rank_printed(tmp_path, monkeypatch, capsys):
+    from hybridrec.cli.launch import unprinted_errors
+    from hybridrec.cli.main import report
+
+    attempt = tmp_path / "attempt_0"
+    said, unsaid = DataError("a: printed by its rank"), DataError("b: its rank died first")
+    f0 = _recorded(monkeypatch, attempt, 0, said, world=3)
+    report(said)  # rank 0 printed its error (and claimed it for this machine)
+    assert capsys.readouterr().err == "hybridrec: error: a: printed by its rank\n"
+    f1 = _recorded(monkeypatch, attempt, 1, unsaid, world=3)
+    f2 = _recorded(monkeypatch, attempt, 2, unsaid, world=3)
+    failures = {0: _failure(0, 2, f0), 1: _failure(1, -15, f1), 2: _failure(2, -15, f2), 3: _failure(3, 3)}
+    assert unprinted_errors(failures) == ["b: its rank died first"]  # once, though two ranks recorded it
+
+
+_SIMULATED_TEARDOWN = """\
+import atexit, os, time
+
+def _end():  # in rank 0, once it has printed its error and returned from main
+    if os.environ.get("RANK") != "0":
+        return
+    if os.environ["SIMULATE"] == "abort":  # gloo's teardown aborts the rank
+        import resource
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # (no core file in the test's directory)
+        os.abort()
+    import torch.distributed as dist  # its sockets close, then a slow teardown: the peer,
+    dist.destroy_process_group()      # losing it, exits first and the agent stops rank 0
+    time.sleep(30)
+
+if os.environ.get("TORCHELASTIC_ERROR_FILE"):
+    atexit.register(_end)
+"""
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("teardown", ["abort", "slow"])
+def test_a_rank_that_dies_after_its_error_still_ends_in_it(data, tmp_path, teardown):
+    """Both ways the race of the ranks' teardown went wrong, made certain: the rank that
+    printed the error is then killed by SIGABRT, or by the agent's SIGTERM after its peer
+    exited as peer-lost. The launcher still names the error (recorded before either)."""
+    (tmp_path / "f").write_text("x")
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "sitecustomize.py").write_text(_SIMULATED_TEARDOWN)
+    path = os.pathsep.join(filter(None, [str(tmp_path / "site"), os.environ.get("PYTHONPATH")]))
+    proc = subprocess.run([sys.executable, "-m", "hybridrec", *train_args(data, tmp_path / "f"), "dist.nproc=2"],
+                          capture_output=True, text=True, check=False, timeout=170,
+                          env={**os.environ, "PYTHONPATH": path, "SIMULATE": teardown})
+    lines = [line for line in proc.stderr.splitlines() if "hybridrec: error:" in line]
+    assert lines == [f"hybridrec: error: {tmp_path / 'f'}: is a file, not a directory",
+                     "hybridrec: error: rank 0 exited with code 2 (see above)"], proc.stderr
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+
+
 def _a_collective_without_its_peer(topo):
     """Rank 0 all-reduces while rank 1 sleeps past the timeout: the error rank 0 gets."""
     import time

@@ -8,19 +8,33 @@ nothing, since the rank that failed first says why. When a rank fails, the agent
 others (SIGTERM) and :func:`run_local_ranks` prints one line naming the rank that failed
 and how: ``hybridrec: error: rank 1 exited with code 2 (see above)``. The agent's own log
 and tracebacks show only with ``--debug`` / ``HYBRIDREC_DEBUG=1``.
+
+A rank's error line is also written, before the error leaves ``train`` (see
+:func:`records_errors`), to the error file torch's agent gives each rank
+(``TORCHELASTIC_ERROR_FILE``, read back into ``ProcessFailure.error_file_data``). What
+happens after that cannot hide it: the rank may still die in the process group's teardown
+(gloo aborts it: SIGABRT), or be stopped by the agent (SIGTERM) because its peer, whose
+collective lost it, exited first. A recorded error is the run's cause whatever the rank
+then died of; a line no rank got to print, the launcher prints.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import json
 import logging
 import os
 import re
 import signal
 import sys
 import tempfile
+import time
+import traceback
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import TypeVar
 
 LAUNCHED_ENV = "HYBRIDREC_LAUNCHED"
 """Set in the ranks' environment: the launcher reports how the run ended, so a rank that
@@ -31,6 +45,9 @@ PEER_LOST = 3
 
 BROKEN_PIPE = 128 + 13  # as cli.main: output cut short by a closed pipe
 INTERRUPTED = 130
+USER_ERROR = 2  # as cli.main: the status of an error reported in one line
+
+_F = TypeVar("_F", bound=Callable)
 
 _PEER_GONE = ("Connection reset by peer", "Connection closed by peer", "Broken pipe",
               "Socket closed", "Connection refused")
@@ -88,6 +105,8 @@ def run_local_ranks(nproc: int, argv: Sequence[str], *, servers: int = 0, port: 
                 line, status = failure_line(e.failures, servers_from=nproc - servers if servers else None,
                                             injected_pid=_injected_pid(injection_marker))
                 if status != BROKEN_PIPE:  # output cut short (`| head`): ends quietly, as one process does
+                    for message in unprinted_errors(e.failures) if nproc > 1 else ():
+                        _say(f"hybridrec: error: {message}")
                     _say(f"hybridrec: error: {line}")
                 return status
             except SignalException as e:  # the agent was signalled; it stopped the ranks
@@ -127,10 +146,14 @@ def _injected_pid(marker: str | None) -> int | None:
 def failure_line(failures: dict, servers_from: int | None = None,
                  injected_pid: int | None = None) -> tuple[str, int]:
     """The line that says which rank ended the run and how, and the exit status to return,
-    from the agent's ``{rank: ProcessFailure}``. The ranks it stopped (SIGTERM) and those
-    that only lost their peers (:data:`PEER_LOST`) are not the cause unless nothing else
-    failed. ``servers_from``: the first rank that is a parameter server. ``injected_pid``:
-    the process ``train.inject_failure`` killed (its SIGKILL is named as injected)."""
+    from the agent's ``{rank: ProcessFailure}``. A rank that recorded its error (see
+    :func:`record_error`) is the cause, with the status it recorded, however it then died
+    (SIGABRT in gloo's teardown, the agent's SIGTERM); only a kill by
+    ``train.inject_failure`` comes before it. Without a recorded error, the ranks the agent
+    stopped (SIGTERM) and those that only lost their peers (:data:`PEER_LOST`) are not the
+    cause unless nothing else failed; a rank killed by a signal is named with it.
+    ``servers_from``: the first rank that is a parameter server. ``injected_pid``: the
+    process ``train.inject_failure`` killed (its SIGKILL is named as injected)."""
     def label(r: int) -> str:
         return f"parameter server ps{r - servers_from} (rank {r})" if servers_from is not None and r >= servers_from \
             else f"rank {r}"
@@ -139,25 +162,114 @@ def failure_line(failures: dict, servers_from: int | None = None,
         return f.exitcode == PEER_LOST or f.exitcode == -signal.SIGTERM
 
     ranked = sorted(failures.items(), key=lambda kv: (kv[1].timestamp, kv[0]))
-    causes = [(r, f) for r, f in ranked if not stopped(f)] or ranked
-    rank, first = causes[0]
-    if first.exitcode < 0:
-        try:
-            name = signal.Signals(-first.exitcode).name
-        except ValueError:
-            name = f"signal {-first.exitcode}"
-        line = f"{label(rank)} (pid {first.pid}) was killed by {name}"
-        if first.exitcode == -signal.SIGKILL and injected_pid is not None and first.pid == injected_pid:
-            line += " (injected: train.inject_failure)"
-        elif first.exitcode == -signal.SIGKILL:
-            line += " (the kernel's out-of-memory killer sends it, among others)"
-        return line, 1
-    same = [r for r, f in causes if f.exitcode == first.exitcode]
-    names = [str(r) for r in sorted(same)]
+    recorded = [(r, rec[1]) for r, f in ranked if (rec := recorded_error(f)) is not None]
+    injected = [(r, f) for r, f in ranked if injected_pid is not None and f.pid == injected_pid
+                and f.exitcode == -signal.SIGKILL]
+    if recorded and not injected:
+        causes = recorded
+    else:
+        kept = injected or [(r, f) for r, f in ranked if not stopped(f)] or ranked
+        rank, first = kept[0]
+        if first.exitcode < 0:
+            return _killed_line(label(rank), first, injected_pid), 1
+        causes = [(r, f.exitcode) for r, f in kept]
+    status = causes[0][1]
+    same = sorted(r for r, s in causes if s == status)
+    names = [str(r) for r in same]
     who = label(same[0]) if len(names) == 1 else f"ranks {', '.join(names[:-1])} and {names[-1]}"
-    if first.exitcode == INTERRUPTED:
+    if status == INTERRUPTED:
         return f"{who} interrupted", INTERRUPTED
-    return f"{who} exited with code {first.exitcode} (see above)", first.exitcode
+    return f"{who} exited with code {status} (see above)", status
+
+
+def _killed_line(who: str, f, injected_pid: int | None) -> str:
+    try:
+        name = signal.Signals(-f.exitcode).name
+    except ValueError:
+        name = f"signal {-f.exitcode}"
+    line = f"{who} (pid {f.pid}) was killed by {name}"
+    if f.exitcode == -signal.SIGKILL and injected_pid is not None and f.pid == injected_pid:
+        line += " (injected: train.inject_failure)"
+    elif f.exitcode == -signal.SIGKILL:
+        line += " (the kernel's out-of-memory killer sends it, among others)"
+    return line
+
+
+# -- a rank's error, recorded for the launcher ---------------------------------------------
+def records_errors(fn: _F) -> _F:
+    """``fn`` (the rank's training entry point) under torch's
+    :func:`torch.distributed.elastic.multiprocessing.errors.record`, with an error handler
+    that records what :func:`record_error` records: the error reaches this rank's error
+    file before it leaves ``fn``, while the rank's process group still stands, so before
+    anything that can abort the rank or make the agent stop it."""
+    from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, record
+
+    class OneLineErrors(ErrorHandler):
+        def initialize(self) -> None:
+            """(torch's enables faulthandler, whose dump of every thread on SIGABRT in gloo's
+            teardown would bury the one-line error.)"""
+
+        def record_exception(self, e: BaseException) -> None:
+            record_error(e)
+
+    return record(fn, error_handler=OneLineErrors())  # type: ignore[return-value]  # (it keeps the name, doc)
+
+
+def record_error(e: BaseException, status: int = USER_ERROR) -> bool:
+    """In a rank of the elastic agent (``TORCHELASTIC_ERROR_FILE`` set), write the line
+    ``hybridrec`` shows for ``e`` (an error reported in one line: :class:`HybridrecError`
+    or :class:`OSError`; others are not recorded) and the ``status`` the rank exits with to
+    the rank's error file, in the format torch's ``ErrorHandler`` writes and its
+    ``ProcessFailure`` reads (``errorCode`` as torch's agent sets it). The file is written
+    whole or not at all (renamed into place: a half-written one would make the agent fail
+    parsing it) and fsynced. Returns whether it was recorded; a file that cannot be written
+    changes nothing (the rank still prints its error)."""
+    from hybridrec.errors import HybridrecError
+
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path or not isinstance(e, (HybridrecError, OSError)) or isinstance(e, BrokenPipeError):
+        return False
+    from hybridrec.cli.main import error_line
+    from hybridrec.metrics.logger import write_text_atomic
+
+    data = {"message": {"message": error_line(e), "errorCode": status, "extraInfo": {
+        "py_callstack": "".join(traceback.format_exception(e)), "timestamp": str(int(time.time()))}}}
+    try:
+        write_text_atomic(path, json.dumps(data))
+    except OSError:
+        return False
+    return True
+
+
+def recorded_error(failure) -> tuple[str, int] | None:
+    """``(line, status)`` a failed rank recorded with :func:`record_error`, from the agent's
+    ``ProcessFailure`` (None: it recorded nothing). The status is the rank's exit status,
+    or where a signal ended it after it recorded its error, the status it recorded."""
+    data = getattr(failure, "error_file_data", None)
+    message = data.get("message") if isinstance(data, dict) else None
+    if not isinstance(message, dict) or not isinstance(message.get("message"), str):
+        return None
+    code = message.get("errorCode")
+    if failure.exitcode > 0:
+        return message["message"], failure.exitcode
+    return message["message"], code if isinstance(code, int) and code > 0 else 1
+
+
+def unprinted_errors(failures: dict) -> list[str]:
+    """The recorded error lines (each once, the first recorded first) that no rank printed:
+    a rank claims a line in its attempt's directory before printing it (``cli.main``'s
+    ``_first_to_say``, for ranks of several), so an unclaimed one was recorded by a rank
+    that died before it could print it."""
+    out: list[str] = []
+    for _, f in sorted(failures.items(), key=lambda kv: (kv[1].timestamp, kv[0])):
+        rec = recorded_error(f)
+        if rec is None or rec[0] in out:
+            continue
+        line = f"hybridrec: error: {rec[0]}"
+        digest = hashlib.sha256(line.encode()).hexdigest()[:16]  # as _first_to_say names it
+        if not (Path(f.error_file).parent.parent / f"hybridrec-error-{digest}").exists():
+            out.append(rec[0])
+    return out
 
 
 def peer_failure(e: BaseException) -> str | None:

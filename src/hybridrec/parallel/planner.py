@@ -291,11 +291,15 @@ def _powers_of_two(limit: int) -> set[int]:
 
 def _host_groups(ranks: list[int], world: int, local_world: int, *, explicit: bool,
                  pinned_type: bool):
-    """Rank lists for table_row_wise: the pinned ranks (one host group), else each host
-    group; unless pinned, nothing when the world is one host group (= row_wise)."""
+    """Rank lists for table_row_wise: the pinned ranks (one whole host group: the mechanism
+    reduces over every rank of the host), else each host group; unless pinned, nothing when
+    the world is one host group (= row_wise)."""
     if explicit:
-        if len({r // local_world for r in ranks}) == 1:
-            yield ranks
+        hosts = {r // local_world for r in ranks}
+        if len(hosts) == 1:
+            h = hosts.pop()
+            if sorted(ranks) == list(range(h * local_world, (h + 1) * local_world)):
+                yield sorted(ranks)
         return
     if world // local_world < 2 and not pinned_type:
         return
