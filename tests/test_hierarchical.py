@@ -135,8 +135,10 @@ def test_groups_that_do_not_fit_are_refused_before_any_process_group():
     cfg.sync.algorithm = "ma"
     assert hierarchy_problem(cfg, 4, 4) is None
     assert "does not divide" in hierarchy_problem(cfg, 3, 3)
-    cfg.dist.num_ps = 1
-    assert "parameter servers" in hierarchy_problem(cfg, 4, 4)
+    cfg.dist.num_ps = 1  # groups of trainers sharing the servers
+    assert hierarchy_problem(cfg, 4, 4) is None
+    cfg.train.workers = 2
+    assert "one rank only" in hierarchy_problem(cfg, 4, 4)
 
 
 def test_default_group_is_one_machine_only_with_a_synchronizer_across_machines():

@@ -30,7 +30,9 @@ docs/benchmarks.md); no latency (a step's messages are megabytes). Sync: foregro
 round to every ``every``-th step (:func:`foreground_cost`); background costs the step only
 where a link cannot carry the step's bytes and the round's share of them
 (:func:`background_cost`). Not modelled: CPU the shadow thread takes from training, the
-compute imbalance of uneven plans (``compute_s`` is one number for every rank), stragglers.
+compute imbalance of uneven plans (``compute_s`` is one number for every rank), stragglers,
+the exact first round of a compressed sync and the run's final average (one-off, not per
+step), and the 8-byte per-step agreement of a group's members on background rounds.
 
 Worked example (the tests' hand case): 2 tables of 10 x 4 one-hot, batch 10 per rank, 400
 dense bytes, 1 s compute, intra 1000 B/s, cross 100 B/s, flat on 2 groups of 1 rank,

@@ -11,8 +11,9 @@ on every rank) and this rank's replica ``x_i``::
     a  <- a + m                       # the new mean, identical on every rank again
 
 so ``a`` tracks ``mean_i x_i`` up to what the residuals still hold, and nothing is lost for
-good. The first round is exact (one plain all-reduce): it sets the anchor; so is the last
-average of a run (:meth:`CompressedMean.final`: the nonzero changes only, where sparse). ``C`` is one of
+good. The anchor starts as the replica training starts from (the same on every rank), so
+every round is compressed; the last average of a run is exact
+(:meth:`CompressedMean.final`: the nonzero changes only, where sparse). ``C`` is one of
 the dense-gradient compressors (:mod:`hybridrec.comm.compress`: ``fp16``/``bf16`` casts, or
 ``dct``: entries at or above a magnitude threshold, the ``ratio``-th largest, recomputed
 every ``refresh_every`` rounds), exchanged by the same all-reduce / sparse-message paths
@@ -47,6 +48,13 @@ class CompressedMean:
 
     def size(self) -> int:
         return self.group.size()
+
+    def start(self, replica: torch.Tensor) -> None:
+        """The anchor is the replica training starts from (equal on every rank: the same
+        initialization, or the same checkpoint), unless a checkpoint restored one: the first
+        round is then compressed too, with no exact round of the whole replica first."""
+        if self.anchor is None:
+            self.anchor = replica.detach().clone()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.anchor is None or self.anchor.numel() != x.numel():

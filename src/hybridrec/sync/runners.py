@@ -85,7 +85,10 @@ class SyncRunner:
             return torch.cat([p.detach().reshape(-1) for p in self.params])
 
     def start(self) -> None:
-        self.sync.init(self.flat())
+        replica = self.flat()
+        self.sync.init(replica)
+        if hasattr(self.mean, "start"):  # a compressed mean's anchor
+            self.mean.start(replica)
 
     def after_step(self, step: int) -> None:
         self.step = step
