@@ -221,3 +221,37 @@ def test_cli_groups_share_parameter_servers(dataset, tmp_path):
     assert levels["cross"]["categories"] == ["sync"] and levels["cross"]["sent"] > 0
     assert set(levels["servers"]["categories"]) == {"ps_pull", "ps_push"}
     assert "dense_allreduce" in levels["intra"]["categories"]
+
+
+def test_cli_a_plan_for_other_ranks_or_with_missing_members_is_one_line_before_launch(dataset, tmp_path):
+    import json
+
+    from hybridrec.cli.main import main
+
+    plan = tmp_path / "plan.json"
+    assert main(["plan", "--nproc", "4", "--data", str(dataset), "--dim", "8", "--out", str(plan)]) == 0
+    proc = _launch(dataset, tmp_path / "run", f"dist.plan={plan}")  # groups of 2, a plan for 4
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"hybridrec: error: dist.plan {plan} is for 4 ranks, each group of this run has 2")
+    doc = json.loads(plan.read_text())
+    doc["world_size"] = 2
+    first = next(iter(doc["tables"].values()))
+    first["shards"][0]["rank"] = 3  # a member group 0 does not have
+    plan.write_text(json.dumps(doc))
+    proc = _launch(dataset, tmp_path / "run", f"dist.plan={plan}")
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"hybridrec: error: dist.plan {plan}: ") and "rank 3 outside world of 2" in last, last
+    assert "launching" not in proc.stderr
+
+
+def one_group_worker(topo):
+    h = Topology.init(backend="gloo", group_size=topo.world_size)
+    return h.hierarchical, h.group is torch.distributed.group.WORLD, h.cross_group, h.global_rank == h.rank
+
+
+def test_one_group_is_the_flat_topology():
+    """dist.group_size equal to the world: the flat topology itself (the same world group, no
+    cross group), so the run is the flat synchronous run, unchanged."""
+    assert run_ranks(one_group_worker, 2) == [(False, True, None, True)] * 2

@@ -9,7 +9,11 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import os
+import re
+import time
+import traceback
 
 
 class HybridrecError(Exception):
@@ -79,3 +83,59 @@ def naming(path: str | os.PathLike):
         if e.filename is not None or e.errno is None:
             raise
         raise type(e)(e.errno, e.strerror, os.fspath(path)) from e
+
+# -- a rank's error, recorded for its launcher (hybridrec.cli.launch reads it) --------------
+USER_ERROR = 2  # the status of an error reported in one line (as cli.main exits)
+
+
+def error_line(e: BaseException) -> str:
+    """The one line an error shows the user (without the ``hybridrec: error:`` prefix)."""
+    text = os_error_message(e) if isinstance(e, OSError) else str(e)
+    return re.sub(r"\s*\n\s*", " ", text).strip() or type(e).__name__
+
+
+def records_errors(fn):
+    """``fn`` (the rank's training entry point) under torch's
+    :func:`torch.distributed.elastic.multiprocessing.errors.record`, with an error handler
+    that records what :func:`record_error` records: the error reaches this rank's error
+    file before it leaves ``fn``, while the rank's process group still stands, so before
+    anything that can abort the rank or make the agent stop it."""
+    from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, record
+
+    class OneLineErrors(ErrorHandler):
+        def initialize(self) -> None:
+            """(torch's enables faulthandler, whose dump of every thread on SIGABRT in gloo's
+            teardown would bury the one-line error.)"""
+
+        def record_exception(self, e: BaseException) -> None:
+            record_error(e)
+
+    return record(fn, error_handler=OneLineErrors())  # (it keeps the name, doc)
+
+
+def record_error(e: BaseException, status: int = USER_ERROR) -> bool:
+    """In a rank of the elastic agent (``TORCHELASTIC_ERROR_FILE`` set), write the line
+    ``hybridrec`` shows for ``e`` (an error reported in one line: :class:`HybridrecError`
+    or :class:`OSError`; others are not recorded) and the ``status`` the rank exits with to
+    the rank's error file, in the format torch's ``ErrorHandler`` writes and its
+    ``ProcessFailure`` reads (``errorCode`` as torch's agent sets it). The file is written
+    whole or not at all (renamed into place: a half-written one would make the agent fail
+    parsing it) and fsynced. Returns whether it was recorded; a file that cannot be written
+    changes nothing (the rank still prints its error)."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path or not isinstance(e, (HybridrecError, OSError)) or isinstance(e, BrokenPipeError):
+        return False
+    data = {"message": {"message": error_line(e), "errorCode": status, "extraInfo": {
+        "py_callstack": "".join(traceback.format_exception(e)), "timestamp": str(int(time.time()))}}}
+    tmp = f"{path}.{os.getpid()}.tmp"
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(json.dumps(data))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        return False
+    return True

@@ -10,7 +10,7 @@ and how: ``hybridrec: error: rank 1 exited with code 2 (see above)``. The agent'
 and tracebacks show only with ``--debug`` / ``HYBRIDREC_DEBUG=1``.
 
 A rank's error line is also written, before the error leaves ``train`` (see
-:func:`records_errors`), to the error file torch's agent gives each rank
+:func:`hybridrec.errors.records_errors`), to the error file torch's agent gives each rank
 (``TORCHELASTIC_ERROR_FILE``, read back into ``ProcessFailure.error_file_data``). What
 happens after that cannot hide it: the rank may still die in the process group's teardown
 (gloo aborts it: SIGABRT), or be stopped by the agent (SIGTERM) because its peer, whose
@@ -22,19 +22,18 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import json
 import logging
 import os
 import re
 import signal
 import sys
 import tempfile
-import time
-import traceback
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TypeVar
+
+from hybridrec.errors import USER_ERROR, error_line, record_error, records_errors  # noqa: F401 (re-exported)
 
 LAUNCHED_ENV = "HYBRIDREC_LAUNCHED"
 """Set in the ranks' environment: the launcher reports how the run ended, so a rank that
@@ -45,7 +44,6 @@ PEER_LOST = 3
 
 BROKEN_PIPE = 128 + 13  # as cli.main: output cut short by a closed pipe
 INTERRUPTED = 130
-USER_ERROR = 2  # as cli.main: the status of an error reported in one line
 
 _F = TypeVar("_F", bound=Callable)
 
@@ -147,7 +145,7 @@ def failure_line(failures: dict, servers_from: int | None = None,
                  injected_pid: int | None = None) -> tuple[str, int]:
     """The line that says which rank ended the run and how, and the exit status to return,
     from the agent's ``{rank: ProcessFailure}``. A rank that recorded its error (see
-    :func:`record_error`) is the cause, with the status it recorded, however it then died
+    :func:`~hybridrec.errors.record_error`) is the cause, with the status it recorded, however it then died
     (SIGABRT in gloo's teardown, the agent's SIGTERM); only a kill by
     ``train.inject_failure`` comes before it. Without a recorded error, the ranks the agent
     stopped (SIGTERM) and those that only lost their peers (:data:`PEER_LOST`) are not the
@@ -196,53 +194,8 @@ def _killed_line(who: str, f, injected_pid: int | None) -> str:
 
 
 # -- a rank's error, recorded for the launcher ---------------------------------------------
-def records_errors(fn: _F) -> _F:
-    """``fn`` (the rank's training entry point) under torch's
-    :func:`torch.distributed.elastic.multiprocessing.errors.record`, with an error handler
-    that records what :func:`record_error` records: the error reaches this rank's error
-    file before it leaves ``fn``, while the rank's process group still stands, so before
-    anything that can abort the rank or make the agent stop it."""
-    from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, record
-
-    class OneLineErrors(ErrorHandler):
-        def initialize(self) -> None:
-            """(torch's enables faulthandler, whose dump of every thread on SIGABRT in gloo's
-            teardown would bury the one-line error.)"""
-
-        def record_exception(self, e: BaseException) -> None:
-            record_error(e)
-
-    return record(fn, error_handler=OneLineErrors())  # type: ignore[return-value]  # (it keeps the name, doc)
-
-
-def record_error(e: BaseException, status: int = USER_ERROR) -> bool:
-    """In a rank of the elastic agent (``TORCHELASTIC_ERROR_FILE`` set), write the line
-    ``hybridrec`` shows for ``e`` (an error reported in one line: :class:`HybridrecError`
-    or :class:`OSError`; others are not recorded) and the ``status`` the rank exits with to
-    the rank's error file, in the format torch's ``ErrorHandler`` writes and its
-    ``ProcessFailure`` reads (``errorCode`` as torch's agent sets it). The file is written
-    whole or not at all (renamed into place: a half-written one would make the agent fail
-    parsing it) and fsynced. Returns whether it was recorded; a file that cannot be written
-    changes nothing (the rank still prints its error)."""
-    from hybridrec.errors import HybridrecError
-
-    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if not path or not isinstance(e, (HybridrecError, OSError)) or isinstance(e, BrokenPipeError):
-        return False
-    from hybridrec.cli.main import error_line
-    from hybridrec.metrics.logger import write_text_atomic
-
-    data = {"message": {"message": error_line(e), "errorCode": status, "extraInfo": {
-        "py_callstack": "".join(traceback.format_exception(e)), "timestamp": str(int(time.time()))}}}
-    try:
-        write_text_atomic(path, json.dumps(data))
-    except OSError:
-        return False
-    return True
-
-
 def recorded_error(failure) -> tuple[str, int] | None:
-    """``(line, status)`` a failed rank recorded with :func:`record_error`, from the agent's
+    """``(line, status)`` a failed rank recorded with :func:`~hybridrec.errors.record_error`, from the agent's
     ``ProcessFailure`` (None: it recorded nothing). The status is the rank's exit status,
     or where a signal ended it after it recorded its error, the status it recorded."""
     data = getattr(failure, "error_file_data", None)

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from hybridrec import __version__
 from hybridrec.cli.launch import LAUNCHED_ENV, PEER_LOST, peer_failure
-from hybridrec.errors import HybridrecError, HybridrecWarning, os_error_message
+from hybridrec.errors import HybridrecError, HybridrecWarning, error_line
 
 DEBUG_ENV = "HYBRIDREC_DEBUG"
 USER_ERROR = 2
@@ -93,12 +93,6 @@ def _main(argv: list[str] | None) -> int:
 
 def debug_enabled() -> bool:
     return os.environ.get(DEBUG_ENV, "").strip().lower() not in ("", "0", "false", "no", "off")
-
-
-def error_line(e: BaseException) -> str:
-    """The one line an error shows the user (without the ``hybridrec: error:`` prefix)."""
-    text = os_error_message(e) if isinstance(e, OSError) else str(e)
-    return re.sub(r"\s*\n\s*", " ", text).strip() or type(e).__name__
 
 
 def _one_line_warnings(show):

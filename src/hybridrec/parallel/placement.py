@@ -18,7 +18,7 @@ reverse (:class:`_Exchange`). The input gradient of ``x_r`` comes back complete 
 sum over every column block), so the layers before and the embeddings need nothing new.
 ``W_r``'s gradient sums over all ``N`` rows, i.e. over every rank's loss, while DDP
 *averages* the replicated gradients over the ``G`` ranks: the slice's gradient is scaled
-by ``1 / G`` (:class:`_ScaleGrad`), so placed training equals replicated DDP training
+by ``1 / G`` (:func:`~hybridrec.parallel.grad_scale.scale_grad`), so placed training equals replicated DDP training
 (and one process on the concatenated batch when the ranks' batches are equal). The
 dense sync leaves the slices alone (:func:`partitioned_parameter_names`).
 
@@ -41,6 +41,7 @@ from torch import nn
 from hybridrec.comm.ledger import CommLedger
 from hybridrec.model.kernels import linear
 from hybridrec.model.mlp import MLP
+from hybridrec.parallel.grad_scale import scale_grad
 from hybridrec.parallel.plan import DensePlan, partitioned
 from hybridrec.parallel.topology import Topology
 
@@ -219,20 +220,6 @@ class _Exchange(torch.autograd.Function):
         return ctx.route.move(grad, in_splits, out_splits, "bwd"), None, None, None
 
 
-class _ScaleGrad(torch.autograd.Function):
-    """Identity whose backward multiplies the gradient by ``scale`` (in the graph, not a
-    parameter hook, so copies of the module keep it)."""
-
-    @staticmethod
-    def forward(ctx, t, scale: float):
-        ctx.scale = scale
-        return t.view_as(t)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad * ctx.scale, None
-
-
 class ColumnParallelLinear(nn.Module):
     """This rank's output columns ``cols`` of a ``Linear(in_features, total_out)`` split
     over the group (``widths[s]``: rank ``s``'s columns; ``order``: the ranks in column
@@ -254,7 +241,7 @@ class ColumnParallelLinear(nn.Module):
         # Every rank's rows, in rank order: x goes to each rank (itself included).
         rows = _Exchange.apply(x.repeat(g, 1), self.route, sizes, [x.shape[0]] * g)  # [N, in]
         # Each slice sees all G ranks' rows: its gradient sums G per-rank losses, DDP averages them.
-        w, b = _ScaleGrad.apply(self.weight, 1.0 / g), _ScaleGrad.apply(self.bias, 1.0 / g)
+        w, b = scale_grad(self.weight, 1.0 / g), scale_grad(self.bias, 1.0 / g)
         y = linear(rows, w, b, relu=relu, impl=impl)  # [N, c_me]: row blocks of rank s contiguous
         mine = [sizes[me] * c for c in self.widths]  # flat: the blocks differ in width
         back = _Exchange.apply(y.reshape(-1), self.route, mine, [n * self.widths[me] for n in sizes])

@@ -61,6 +61,7 @@ from hybridrec.model.embedding import (
 )
 from hybridrec.parallel.coded_dist import output_all_to_all
 from hybridrec.parallel.cost_model import dp_allreduce_bytes, step_bytes
+from hybridrec.parallel.grad_scale import scale_grad
 from hybridrec.parallel.host_reduce import host_reduce
 from hybridrec.parallel.input_dist import OwnerInput, PendingInput, start_input_dist
 from hybridrec.parallel.layout import EmbeddingLayout, Slot, build_layout, local_tables
@@ -72,17 +73,6 @@ __all__ = ["OwnerInput", "PendingInput", "ShardedEmbeddingBagCollection"]
 
 RowGrads = list[tuple[int, torch.Tensor, torch.Tensor, bool]]
 """``[(group, ids [n], rows [n, dim], unique)]``, as :meth:`EmbeddingBagCollection.pop_sparse_grads`."""
-
-
-class _ScaleGrad(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, scale: float):
-        ctx.scale = scale
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad * ctx.scale, None
 
 
 def _shard_collection(slots: tuple[Slot, ...], tables: Mapping[str, TableConfig],
@@ -185,9 +175,9 @@ class ShardedEmbeddingBagCollection(nn.Module):
         else:
             blocks.append(torch.empty(b, 0))
         out, fm = self._combine(blocks + hosts, b)
-        out = _ScaleGrad.apply(out, 1.0 / world)
+        out = scale_grad(out, 1.0 / world)
         if fm is not None:
-            fm = _ScaleGrad.apply(fm, 1.0 / world)
+            fm = scale_grad(fm, 1.0 / world)
         if layout.mean_features:
             out = self._apply_mean(out, kjt)
         return KeyedTensor(self.feature_names, self.feature_dims, out, fm=fm)

@@ -173,6 +173,25 @@ def hierarchy_problem(cfg: Config, world: int, local_world: int) -> str | None:
     return None
 
 
+def plan_file_problem(cfg: Config, group: int) -> str | None:
+    """Why ``dist.plan`` cannot run on groups of ``group`` ranks (None: no file, or it can):
+    unreadable, invalid (a shard or a column block on a rank that does not exist), or made
+    for another number of ranks. Checked before any process group is made."""
+    if not cfg.dist.plan:
+        return None
+    try:
+        plan = ShardingPlan.from_json(Path(cfg.dist.plan).read_text())
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return f"dist.plan {cfg.dist.plan}: {e}"
+    if plan.world_size != group:
+        return f"dist.plan {cfg.dist.plan} is for {plan.world_size} ranks, {_ranks_of(cfg, group)} {group}"
+    return None
+
+
+def _ranks_of(cfg: Config, group: int) -> str:
+    return "each group of this run has" if cfg.dist.group_size else "this run has"
+
+
 def build_topology(cfg: Config) -> Topology:
     """A process group when launched by torchrun with several ranks, else one process;
     with ``dist.group_size`` below the world, this rank's group (hierarchical training)."""
@@ -180,7 +199,7 @@ def build_topology(cfg: Config) -> Topology:
     if world <= 1:
         return Topology.single()
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    if problem := hierarchy_problem(cfg, world, local):
+    if problem := hierarchy_problem(cfg, world, local) or plan_file_problem(cfg, group_size(cfg, world, local)):
         raise ConfigError(problem)
     backend = None if cfg.dist.backend == "auto" else cfg.dist.backend
     topo = Topology.init(backend=backend, timeout_s=cfg.dist.timeout_s,

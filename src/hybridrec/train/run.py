@@ -23,12 +23,11 @@ import torch
 import torch.distributed as dist
 
 import hybridrec
-from hybridrec.cli.launch import records_errors
 from hybridrec.data.schema import DatasetMeta
-from hybridrec.errors import ConfigError, HybridrecError
+from hybridrec.errors import ConfigError, HybridrecError, records_errors
 from hybridrec.metrics.logger import peak_memory_bytes, write_json_atomic
 from hybridrec.parallel.checkpoint import load_sharded, load_state, read_manifest
-from hybridrec.parallel.checkpoint_io import SafeFileSystemReader, gather
+from hybridrec.parallel.checkpoint_io import SafeFileSystemReader
 from hybridrec.parallel.checkpoint_layout import table_key
 from hybridrec.parallel.topology import Topology
 from hybridrec.ps import world as ps_world
@@ -226,13 +225,15 @@ def preflight(cfg: Config, *, world_size: int) -> tuple[dict | None, str]:
     Returns ``(finished, run_dir)``: a finished run's summary with ``already_finished``
     (else None) and the run directory as the ranks should be given it; an empty
     ``train.run_dir`` becomes a new directory."""
-    from hybridrec.train.build import group_size, memory_problem
+    from hybridrec.train.build import group_size, memory_problem, plan_file_problem
 
     shown = cfg.train.run_dir
     make_paths_absolute(cfg)
     meta = load_dataset(cfg)
     if problem := (early_stop_problem(cfg, meta) or injection_problem(cfg.train.inject_failure, world_size)
-                   or hierarchy_problem(cfg, world_size, world_size)):
+                   or hierarchy_problem(cfg, world_size, world_size)
+                   or (not cfg.dist.num_ps and world_size > 1
+                       and plan_file_problem(cfg, group_size(cfg, world_size, world_size)))):
         raise ConfigError(problem)
     if cfg.train.run_dir:
         finished = inspect_run_dir(cfg, meta, world_size=world_size, shown=shown)
