@@ -136,16 +136,11 @@ def predict_rows(w, links, sync, machines: list[int], m: int) -> list[dict]:
     return rows
 
 
-def _bytes(n: float) -> str:
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if n >= scale:
-            return f"{n / scale:,.1f} {unit}"
-    return f"{n:,.0f} B"
-
-
 def scaling_table(name: str, links, rows: list[dict]) -> str:
-    base = rows[0]["hier"].samples_per_s / rows[0]["machines"]
     from hybridrec.bench.netns import format_rate
+    from hybridrec.train.build import size_text
+
+    base = rows[0]["hier"].samples_per_s / rows[0]["machines"]
 
     lines = [(f"**{name}**: {format_rate(round(links.intra * 8))} per rank, "
               f"{format_rate(round(links.cross * 8))} per machine, all-to-all at "
@@ -166,7 +161,7 @@ def scaling_table(name: str, links, rows: list[dict]) -> str:
             f"{h.samples_per_s / f.samples_per_s:,.2f}x | {eff:.2f} | {f.step_s:.3f} "
             f"({f.compute_s:.3f} / {f.a2a_s:.3f} / {f.dense_s:.3f}) | {h.step_s:.3f} "
             f"({h.compute_s:.3f} / {h.a2a_s:.3f} / {h.dense_s:.3f} / {h.sync_s:.3f}) | "
-            f"{round_cell} | {_bytes(f.cross_bytes_per_step)} / {_bytes(h.cross_bytes_per_step)} |")
+            f"{round_cell} | {size_text(f.cross_bytes_per_step)} / {size_text(h.cross_bytes_per_step)} |")
     return "\n".join(lines)
 
 

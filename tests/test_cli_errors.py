@@ -169,7 +169,7 @@ def _records(path: Path) -> list[dict]:
 
 
 def test_metrics_on_a_full_disk_keep_whole_records(tmp_path):
-    from hybridrec.cli.main import error_line
+    from hybridrec.errors import error_line
     from hybridrec.metrics import MetricLogger
 
     with _Tmpfs(tmp_path / "small", "size=4k") as small:  # one page
@@ -185,7 +185,7 @@ def test_metrics_on_a_full_disk_keep_whole_records(tmp_path):
 
 def test_metrics_on_a_full_device(tmp_path):
     """The same without root: metrics.jsonl is /dev/full, where every write fails."""
-    from hybridrec.cli.main import error_line
+    from hybridrec.errors import error_line
     from hybridrec.metrics import MetricLogger
 
     (tmp_path / "metrics.jsonl").symlink_to("/dev/full")
@@ -428,7 +428,7 @@ def test_the_launchers_line_names_the_rank_that_failed_not_those_it_stopped():
 def _recorded(monkeypatch, attempt: Path, rank: int, e: BaseException, world: int = 2) -> str:
     """Rank ``rank``'s error file in the torchrun attempt directory ``attempt``, with ``e``
     recorded in it as the rank records it."""
-    from hybridrec.cli.launch import record_error
+    from hybridrec.errors import record_error
 
     _as_rank(monkeypatch, rank, world, attempt=attempt)
     assert record_error(e)
@@ -470,7 +470,8 @@ def test_a_recorded_error_is_the_cause_however_its_rank_then_died(tmp_path, monk
 
 
 def test_only_one_line_errors_are_recorded_whole(tmp_path, monkeypatch):
-    from hybridrec.cli.launch import record_error, recorded_error
+    from hybridrec.cli.launch import recorded_error
+    from hybridrec.errors import record_error
 
     assert not record_error(DataError("x"))  # no TORCHELASTIC_ERROR_FILE: not a rank of the agent
     attempt = tmp_path / "attempt_0"

@@ -84,8 +84,9 @@ def naming(path: str | os.PathLike):
             raise
         raise type(e)(e.errno, e.strerror, os.fspath(path)) from e
 
+
 # -- a rank's error, recorded for its launcher (hybridrec.cli.launch reads it) --------------
-USER_ERROR = 2  # the status of an error reported in one line (as cli.main exits)
+USER_ERROR = 2  # the exit status of an error reported in one line (cli.main's too)
 
 
 def error_line(e: BaseException) -> str:

@@ -29,11 +29,8 @@ import signal
 import sys
 import tempfile
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import TypeVar
-
-from hybridrec.errors import USER_ERROR, error_line, record_error, records_errors  # noqa: F401 (re-exported)
 
 LAUNCHED_ENV = "HYBRIDREC_LAUNCHED"
 """Set in the ranks' environment: the launcher reports how the run ended, so a rank that
@@ -44,8 +41,6 @@ PEER_LOST = 3
 
 BROKEN_PIPE = 128 + 13  # as cli.main: output cut short by a closed pipe
 INTERRUPTED = 130
-
-_F = TypeVar("_F", bound=Callable)
 
 _PEER_GONE = ("Connection reset by peer", "Connection closed by peer", "Broken pipe",
               "Socket closed", "Connection refused")

@@ -24,10 +24,9 @@ from pathlib import Path
 
 from hybridrec import __version__
 from hybridrec.cli.launch import LAUNCHED_ENV, PEER_LOST, peer_failure
-from hybridrec.errors import HybridrecError, HybridrecWarning, error_line
+from hybridrec.errors import USER_ERROR, HybridrecError, HybridrecWarning, error_line
 
 DEBUG_ENV = "HYBRIDREC_DEBUG"
-USER_ERROR = 2
 BROKEN_PIPE = 128 + 13  # the shell's status for a command killed by SIGPIPE (cli.launch too)
 
 

@@ -13,8 +13,8 @@ rank ``s``, ``N = sum_s B_s``, ``c_s`` columns on rank ``s``)::
     Y_r   = act(X @ W_r.T + b_r)             # [N, c_r]: this rank's columns, every row
     y     = rank s's c_s columns of my rows  # [B_r, out], columns in plan order
 
-Both moves are one ``all_to_all_single`` over ``topo.group``; backward runs them in
-reverse (:class:`_Exchange`). The input gradient of ``x_r`` comes back complete (the
+Both moves are one all-to-all over ``topo.group`` (``Topology.all_to_all``, by
+``dist.exchange``); backward runs them in reverse (:class:`_Exchange`). The input gradient of ``x_r`` comes back complete (the
 sum over every column block), so the layers before and the embeddings need nothing new.
 ``W_r``'s gradient sums over all ``N`` rows, i.e. over every rank's loss, while DDP
 *averages* the replicated gradients over the ``G`` ranks: the slice's gradient is scaled
@@ -174,18 +174,25 @@ def activation_bytes(dp: DensePlan, batch: int, rank: int, elem_bytes: int = 4) 
 # -- the mechanism ----------------------------------------------------------------------
 @dataclass
 class _Route:
-    """Where a partitioned layer's exchanges go: the group, this rank in it, the ledger."""
+    """Where a partitioned layer's exchanges go: the group (``topo``: its all-to-all, by
+    ``dist.exchange``), the ledger, the module's name."""
 
-    group: dist.ProcessGroup
-    rank: int
-    size: int
+    topo: Topology
     ledger: CommLedger | None
     name: str
+
+    @property
+    def rank(self) -> int:
+        return self.topo.rank
+
+    @property
+    def size(self) -> int:
+        return self.topo.world_size
 
     def batch_sizes(self, rows: int, device: torch.device) -> list[int]:
         mine = torch.tensor([rows], dtype=torch.int64, device=device)
         every = [torch.empty_like(mine) for _ in range(self.size)]
-        dist.all_gather(every, mine, group=self.group)
+        dist.all_gather(every, mine, group=self.topo.group)
         self._count(SIZE_BYTES * (self.size - 1), SIZE_BYTES * (self.size - 1), "fwd")
         # .tolist() waits for the collective: the exchanges' split sizes are host ints.
         return torch.cat(every).tolist()
@@ -195,7 +202,7 @@ class _Route:
         """``all_to_all_single`` of ``x`` split along dim 0 (synchronous); counts the bytes
         that leave and reach this rank (its own split stays here)."""
         out = x.new_empty((sum(out_splits), *x.shape[1:]))
-        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=self.group)
+        self.topo.all_to_all(out, x.contiguous(), out_splits, in_splits)
         row, me = math.prod(x.shape[1:]) * x.element_size(), self.rank
         sent, received = sum(in_splits) - in_splits[me], sum(out_splits) - out_splits[me]
         self._count(sent * row, received * row, direction)
@@ -281,7 +288,7 @@ def partition_linear(layer: nn.Linear, dp: DensePlan, topo: Topology, *,
     weight = nn.Parameter(layer.weight.detach()[c0:c1].clone())
     bias = nn.Parameter(layer.bias.detach()[c0:c1].clone())
     order = [s.rank for s in sorted(dp.shards, key=lambda s: s.cols)]
-    route = _Route(topo.group, topo.rank, topo.world_size, ledger, dp.module)
+    route = _Route(topo, ledger, dp.module)
     return ColumnParallelLinear(weight, bias, cols=(c0, c1), widths=widths, order=order, route=route)
 
 

@@ -138,11 +138,11 @@ class Topology:
     def cross_groups(self, count: int) -> list[dist.ProcessGroup]:
         """``count`` new gloo groups of this rank's cross group (the ranks with its index in
         every group). Collective: every rank calls it with the same ``count``, in the same order."""
-        m, out = self.world_size, []
-        for _ in range(count):
-            made = [dist.new_group([g * m + j for g in range(self.num_groups)], backend="gloo") for j in range(m)]
-            out.append(made[self.rank])
-        return out
+        return [_cross_group(self.rank, self.world_size, self.num_groups, backend="gloo") for _ in range(count)]
+
+    def world_gloo_group(self) -> dist.ProcessGroup:
+        """A new gloo group of every rank of every group (collective)."""
+        return dist.new_group(list(range(self.global_world_size)), backend="gloo")
 
     def parallel_groups(self, count: int) -> list[dist.ProcessGroup]:
         """``count`` new gloo groups of all ranks: each has its own connection per pair, so
@@ -181,6 +181,13 @@ def _host_groups(ranks, lws: int, rank: int) -> dist.ProcessGroup | None:
     return mine
 
 
+def _cross_group(member: int, m: int, num_groups: int, backend: str | None = None) -> dist.ProcessGroup:
+    """Member ``member``'s cross group: rank ``member`` of each of ``num_groups`` groups of
+    ``m``. Every rank makes every member's, in the same order (collective)."""
+    made = [dist.new_group([g * m + j for g in range(num_groups)], backend=backend) for j in range(m)]
+    return made[member]
+
+
 def _grouped(rank: int, world: int, m: int, lws: int, device, backend) -> Topology:
     """This rank's Topology among ``world / m`` groups of ``m`` consecutive ranks."""
     groups = tuple(tuple(range(g * m, (g + 1) * m)) for g in range(world // m))
@@ -190,7 +197,6 @@ def _grouped(rank: int, world: int, m: int, lws: int, device, backend) -> Topolo
     for r in groups:
         h = _host_groups(r, lws, rank)
         host = h if rank in r else host
-    cross = [dist.new_group([g * m + j for g in range(len(groups))]) for j in range(m)]
     return Topology(rank % m, m, rank % lws, lws, device, backend, made[index], host,
-                    num_groups=len(groups), group_index=index, cross_group=cross[rank % m],
+                    num_groups=len(groups), group_index=index, cross_group=_cross_group(rank % m, m, len(groups)),
                     world_group=dist.group.WORLD, group_ranks=groups)

@@ -173,10 +173,11 @@ def hierarchy_problem(cfg: Config, world: int, local_world: int) -> str | None:
     return None
 
 
-def plan_file_problem(cfg: Config, group: int) -> str | None:
-    """Why ``dist.plan`` cannot run on groups of ``group`` ranks (None: no file, or it can):
-    unreadable, invalid (a shard or a column block on a rank that does not exist), or made
-    for another number of ranks. Checked before any process group is made."""
+def plan_file_problem(cfg: Config, group: int, world: int) -> str | None:
+    """Why ``dist.plan`` cannot run on groups of ``group`` of the ``world`` ranks (None: no
+    file, or it can): unreadable, invalid (a shard or a column block on a rank that does
+    not exist), or made for another number of ranks. Checked before any process group is
+    made, and again when the plan is read (:func:`build_plan`)."""
     if not cfg.dist.plan:
         return None
     try:
@@ -184,12 +185,9 @@ def plan_file_problem(cfg: Config, group: int) -> str | None:
     except (OSError, ValueError, KeyError, TypeError) as e:
         return f"dist.plan {cfg.dist.plan}: {e}"
     if plan.world_size != group:
-        return f"dist.plan {cfg.dist.plan} is for {plan.world_size} ranks, {_ranks_of(cfg, group)} {group}"
+        has = "each group of this run has" if group < world else "this run has"
+        return f"dist.plan {cfg.dist.plan} is for {plan.world_size} ranks, {has} {group}"
     return None
-
-
-def _ranks_of(cfg: Config, group: int) -> str:
-    return "each group of this run has" if cfg.dist.group_size else "this run has"
 
 
 def build_topology(cfg: Config) -> Topology:
@@ -199,7 +197,7 @@ def build_topology(cfg: Config) -> Topology:
     if world <= 1:
         return Topology.single()
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    if problem := hierarchy_problem(cfg, world, local) or plan_file_problem(cfg, group_size(cfg, world, local)):
+    if problem := hierarchy_problem(cfg, world, local) or plan_file_problem(cfg, group_size(cfg, world, local), world):
         raise ConfigError(problem)
     backend = None if cfg.dist.backend == "auto" else cfg.dist.backend
     topo = Topology.init(backend=backend, timeout_s=cfg.dist.timeout_s,
@@ -211,14 +209,9 @@ def build_topology(cfg: Config) -> Topology:
 def build_plan(cfg: Config, tables: list[TableConfig], topo: Topology,
                meta: DatasetMeta | None = None) -> ShardingPlan:
     if cfg.dist.plan:
-        try:
-            plan = ShardingPlan.from_json(Path(cfg.dist.plan).read_text())
-        except (OSError, ValueError, KeyError) as e:
-            raise ConfigError(f"dist.plan {cfg.dist.plan}: {e}") from None
-        if plan.world_size != topo.world_size:
-            raise ConfigError(f"dist.plan {cfg.dist.plan} is for {plan.world_size} ranks, "
-                              f"this run has {topo.world_size}")
-        return plan
+        if problem := plan_file_problem(cfg, topo.world_size, topo.global_world_size):
+            raise ConfigError(problem)
+        return ShardingPlan.from_json(Path(cfg.dist.plan).read_text())
     if cfg.dist.sharding == "auto":
         return plan_sharding(tables, world_size=topo.world_size, local_world_size=topo.local_world_size,
                              stats=meta.stats if meta else None, batch_size_per_rank=cfg.data.batch_size,
@@ -328,12 +321,7 @@ def build_sync_runner(cfg: Config, topo: Topology, model: torch.nn.Module, ledge
     if not topo.hierarchical:
         return BackgroundRunner(sync, params, group, **kw)
     return GroupedBackgroundRunner(sync, params, group, members=topo.group,
-                                   flag_group=_world_flag_group(topo), **kw)
-
-
-def _world_flag_group(topo: Topology):
-    """A gloo group of every rank for the background rounds' stop flag (collective)."""
-    return torch.distributed.new_group(list(range(topo.global_world_size)), backend="gloo")
+                                   flag_group=topo.world_gloo_group(), **kw)
 
 
 def build_sync_mean(cfg: Config, group, ledger: CommLedger, parts: tuple[int, ...]):

@@ -31,6 +31,7 @@ from hybridrec.parallel.checkpoint_io import SafeFileSystemReader
 from hybridrec.parallel.checkpoint_layout import table_key
 from hybridrec.parallel.topology import Topology
 from hybridrec.ps import world as ps_world
+from hybridrec.sync.algorithms import CATEGORY as SYNC_CATEGORY
 from hybridrec.train.ps_run import PS_DIR, run_server
 from hybridrec.train import checkpoint as ckpt
 from hybridrec.train.build import (
@@ -106,7 +107,7 @@ def _train(cfg: Config, meta, topo, shown: str, started_at: str, clock: float, e
         if world > 1:  # launched by torchrun without a run directory: rank 0's choice
             topo = topo or build_topology(cfg)
             box = [str(new_run_dir()) if topo.lead else None]  # (hierarchical: every group's too)
-            torch.distributed.broadcast_object_list(box, group=topo.run_group, group_src=0)
+            dist.broadcast_object_list(box, group=topo.run_group, group_src=0)
             shown = box[0]
         else:
             shown = str(new_run_dir())
@@ -233,7 +234,7 @@ def preflight(cfg: Config, *, world_size: int) -> tuple[dict | None, str]:
     if problem := (early_stop_problem(cfg, meta) or injection_problem(cfg.train.inject_failure, world_size)
                    or hierarchy_problem(cfg, world_size, world_size)
                    or (not cfg.dist.num_ps and world_size > 1
-                       and plan_file_problem(cfg, group_size(cfg, world_size, world_size)))):
+                       and plan_file_problem(cfg, group_size(cfg, world_size, world_size), world_size))):
         raise ConfigError(problem)
     if cfg.train.run_dir:
         finished = inspect_run_dir(cfg, meta, world_size=world_size, shown=shown)
@@ -448,7 +449,7 @@ def _gather_ints(value: int, topo) -> list[int]:
     return out.tolist()
 
 
-CROSS_CATEGORIES = ("sync",)  # hierarchical training: what crosses between groups
+CROSS_CATEGORIES = (SYNC_CATEGORY,)  # hierarchical training: what crosses between groups
 
 
 def _level(category: str) -> str:
