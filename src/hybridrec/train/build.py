@@ -63,6 +63,7 @@ from hybridrec.sync.grouped import GroupedBackgroundRunner
 from hybridrec.train.checkpointer import Checkpointer, Component, TorchRNG
 from hybridrec.train.early_stop import COMPONENT as EARLY_STOP, EarlyStopping
 from hybridrec.train.pipeline import TrainPipeline
+from hybridrec.train.recovery import EVENTS, Recovery, recovery_dir, survivors_step
 from hybridrec.train.trainer import Trainer
 
 
@@ -407,6 +408,8 @@ def build_trainer(cfg: Config, *, meta: DatasetMeta | None = None, topo: Topolog
     # Metrics of steps after the checkpoint it resumes from are trained (and logged) again.
     latest = ckpt.list_checkpoints(run_dir) if cfg.train.resume else []
     keep_until = latest[-1][0] if latest else 0
+    if cfg.train.resume and cfg.train.recovery == "partial":  # (kept up to the survivors' step)
+        keep_until = max(keep_until, survivors_step(run_dir) or 0)
     if not cfg.train.resume and topo.lead:
         start_over(run_dir)
     dense_sync = build_dense_sync(cfg, topo, ledger)
@@ -443,6 +446,11 @@ def build_trainer(cfg: Config, *, meta: DatasetMeta | None = None, topo: Topolog
     checkpointer = Checkpointer(run_dir, topo, model=model, dense_opt=dense_opt, sparse_opt=sparse_opt,
                                 components=components, keep=cfg.train.keep_checkpoints, servers=servers,
                                 keep_also=early_stop.kept_steps if early_stop is not None else None)
+    # What a failure lost, and with train.recovery=partial the survivors' snapshots (not for
+    # parameter servers, groups or Hogwild threads: config.recovery_problem).
+    recovery = (Recovery(checkpointer, mode=cfg.train.recovery, global_batch=cfg.data.batch_size * topo.world_size)
+                if cfg.train.save_checkpoints and not (cfg.dist.num_ps or topo.hierarchical or cfg.train.workers > 1)
+                else None)
     run_dir.mkdir(parents=True, exist_ok=True)
     logger = (MetricLogger(run_dir, tensorboard=cfg.train.tensorboard, keep_until=keep_until)
               if topo.lead else None)
@@ -450,7 +458,7 @@ def build_trainer(cfg: Config, *, meta: DatasetMeta | None = None, topo: Topolog
                    scheduler=scheduler, pipeline=pipeline, eval_loader=eval_loader,
                    checkpointer=checkpointer, logger=logger, ledger=ledger, run_dir=run_dir,
                    total_steps=total_steps, topo=topo, sync_runner=sync_runner, totals=totals, early_stop=early_stop,
-                   kernels=kernels)
+                   kernels=kernels, recovery=recovery)
 
 
 def tune_kernels(cfg: Config, model: torch.nn.Module, topo: Topology,
@@ -480,7 +488,7 @@ def tune_kernels(cfg: Config, model: torch.nn.Module, topo: Topology,
             "embedding_update": [c.to_dict() for c in rows]}
 
 
-RUN_FILES = ("summary.json", "eval.json", "plan.json", "metrics.jsonl", "failure_injected.json")
+RUN_FILES = ("summary.json", "eval.json", "plan.json", "metrics.jsonl", "failure_injected.json", EVENTS)
 """What a run writes besides config.json and its directories (checkpoints/, tensorboard/)."""
 
 
@@ -489,6 +497,7 @@ def start_over(run_dir: Path) -> None:
     go, so that nothing of it is resumed or mixed into the new run's files later."""
     shutil.rmtree(ckpt.checkpoint_dir(run_dir), ignore_errors=True)
     shutil.rmtree(run_dir / "tensorboard", ignore_errors=True)
+    shutil.rmtree(recovery_dir(run_dir), ignore_errors=True)
     for name in RUN_FILES:
         (run_dir / name).unlink(missing_ok=True)
 

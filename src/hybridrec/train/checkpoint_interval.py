@@ -16,6 +16,16 @@ training step. ``T`` minimises the expected time lost per unit of time, ``C / T`
 plus ``T / (2 MTBF)`` (half an interval of work redone per failure), to first order in
 ``C / MTBF``.
 
+With partial recovery (``train.recovery=partial``) a failure trains nothing again: only the
+failed rank's shards lose their updates since the checkpoint, about half an interval of them
+on average, for 1/N of the embedding rows (N ranks). The expected fraction of the run's
+embedding updates lost is then ``T / (2 N MTBF)`` (CPR's portion of lost samples), and the
+interval is the longest that keeps it within ``train.lost_fraction``:
+
+    T = max(Young/Daly's, 2 * N * MTBF * lost_fraction)
+
+(CPR's model also weighs the accuracy a lost sample costs; this keeps a fraction instead.)
+
 The trainer measures both: the steps of the first :data:`PROBE_STEPS` of an invocation
 (between the first and the last of them; logging and evaluation excluded) and the save of
 a checkpoint at the last of them; rank 0 chooses and every rank takes its choice. A
@@ -67,3 +77,27 @@ class IntervalProbe:
     def step_s(self) -> float:
         timed = self._seconds[1:] or self._seconds
         return sum(timed) / len(timed) if timed else 0.0
+
+
+def partial_recovery_interval(*, save_s: float, step_s: float, mtbf_s: float, total_steps: int, ranks: int,
+                              lost_fraction: float) -> dict:
+    """``train.recovery=partial``: the interval in steps, ``max(Young/Daly's, 2 * ranks * mtbf_s *
+    lost_fraction / step_s)`` clamped to the run, as :func:`young_daly_interval`'s dict with
+    ``lost_fraction`` (the expected share of the embedding updates lost) added."""
+    if ranks < 1 or not 0 < lost_fraction < 1:
+        raise ValueError(f"ranks must be >= 1 and lost_fraction in (0, 1), got {ranks}, {lost_fraction}")
+    yd = young_daly_interval(save_s=save_s, step_s=step_s, mtbf_s=mtbf_s, total_steps=total_steps)
+    upper = max(1, int(total_steps))
+    period = 2.0 * ranks * mtbf_s * lost_fraction
+    raw = period / step_s if step_s > 0 else math.inf
+    bound = min(upper, max(1, round(raw))) if math.isfinite(raw) else upper
+    steps = max(yd["steps"], bound)
+    why = (f"partial recovery: the longest interval that loses at most {lost_fraction:g} of the embedding "
+           f"updates, 2 x {ranks} ranks x MTBF {mtbf_s:.4g} s x {lost_fraction:g} = {period:.3g} s = {raw:,.1f} "
+           f"steps of {step_s:.3g} s")
+    if bound < yd["steps"]:
+        why += f", less than Young/Daly's ({yd['reason']}): that one"
+    elif raw >= upper + 0.5:
+        why += f", clamped to the run's {upper:,} steps"
+    expected = min(1.0, steps * step_s / (2.0 * ranks * mtbf_s)) if mtbf_s > 0 else 0.0
+    return {**yd, "steps": int(steps), "reason": why, "lost_fraction": expected}

@@ -110,7 +110,23 @@ class TrainConfig:
     inject_failure: str = ""
     """Fault injection for testing recovery: ``RANK:STEP`` makes rank RANK kill itself
     (SIGKILL) right after step STEP, once per run directory (``failure_injected.json``
-    there records it, so a run started again resumes without dying). Empty = off."""
+    there records it, so a run started again resumes without dying). A schedule
+    ``RANK:STEP,RANK:STEP,...`` (steps strictly increasing) injects each entry once: several
+    failures in one run with ``dist.max_restarts``. Empty = off."""
+    recovery: str = "full"
+    """What a failure costs (a restart by ``dist.max_restarts``, or the same command again).
+    ``full``: every rank resumes from the newest checkpoint, and the steps since it are
+    trained again. ``partial`` (CPR): only the embedding shards of the rank that failed roll
+    back to the newest checkpoint; the surviving ranks write a snapshot of their state when
+    the run stops (``RUN/recovery/``) and resume from it, with the dense part, the optimizer
+    and the loader of a survivor; training goes on from the step the survivors reached, and
+    the failed shards' updates since the checkpoint are lost (summary.json ``recovery``
+    counts them per shard). Needs checkpoints and synchronous DES training (no sync.algorithm,
+    no parameter servers, one worker)."""
+    lost_fraction: float = 0.02
+    """``train.recovery=partial`` with ``train.checkpoint_every=auto``: the expected fraction of
+    the embedding updates a run may lose to failures (CPR's portion of lost samples); the
+    interval is the longest that keeps it, and at least Young/Daly's."""
     keep_checkpoints: int = 2
     """How many recent checkpoints to keep."""
     save_checkpoints: bool = True
@@ -515,7 +531,25 @@ def _checkpoint_checks(t: TrainConfig) -> list[tuple[bool, str]]:
         (t.mtbf_hours > 0, f"train.mtbf_hours must be positive, got {t.mtbf_hours}"),
         (every != "auto" or t.save_checkpoints,
          "train.checkpoint_every=auto chooses when to save, but train.save_checkpoints=false saves nothing"),
+        (t.recovery in ("full", "partial"), f"train.recovery {t.recovery!r}: full or partial"),
+        (0 < t.lost_fraction < 1, f"train.lost_fraction must be in (0, 1), got {t.lost_fraction}"),
     ]
+
+
+def recovery_problem(cfg: Config) -> str | None:
+    """Why ``train.recovery=partial`` cannot run with ``cfg`` (None: it can, or it is ``full``)."""
+    t, d = cfg.train, cfg.dist
+    if t.recovery != "partial":
+        return None
+    why = ("train.save_checkpoints=false: the failed rank's shards have no checkpoint to roll back to"
+           if not t.save_checkpoints else
+           f"sync.algorithm={cfg.sync.algorithm}: the replicas differ between synchronizations"
+           if cfg.sync.algorithm != "none" else
+           "dist.num_ps: the tables live on the parameter servers" if d.num_ps else
+           f"train.workers={t.workers}: Hogwild threads update the tables between steps" if t.workers > 1 else
+           "dist.partition_dense: partitioned dense modules are not checkpointed" if d.partition_dense else None)
+    return None if why is None else (f"train.recovery=partial needs synchronous DES training with "
+                                     f"checkpoints: {why}; use train.recovery=full")
 
 
 def _sync_checks(cfg: Config) -> list[tuple[bool, str]]:
@@ -595,6 +629,7 @@ def validate(cfg: Config) -> None:
         (c.dense_warmup_steps >= 0, "compress.dense_warmup_steps must be >= 0"),
         *_sync_checks(cfg),
         (not (problem := workers_problem(cfg, cfg.dist.nproc)), problem),
+        (not (problem := recovery_problem(cfg)), problem),
         # (torchrun across machines: dist.nproc is 1, and train.run checks the real world size)
         (not (injected := injection_problem(t.inject_failure, cfg.dist.nproc) if cfg.dist.nproc > 1 else None),
          injected),

@@ -48,6 +48,7 @@ from hybridrec.train.build import (
 from hybridrec.train.config import Config, apply_dict, validate
 from hybridrec.train.early_stop import early_stop_problem, resolve_checkpoint
 from hybridrec.train.faults import injection_problem
+from hybridrec.train.recovery import read_events
 from hybridrec.train.trainer import evaluate_model
 
 RUNS_ROOT = "runs"
@@ -187,6 +188,10 @@ def run_summary(trainer, result, meta, cfg: Config, *, shown: str, started_at: s
         # Steps between checkpoints: the configured number, or train.checkpoint_every=auto's
         # choice (mtbf_s, save_s, step_s, steps, reason); None: the run ended before choosing.
         "checkpoint_interval": trainer.checkpoint_interval,
+        # Every recovery of the run from a failure (RUN/recovery.jsonl): the steps each shard
+        # lost (train.recovery=partial: only the failed rank's) or trained again (full).
+        "recovery": ({"mode": cfg.train.recovery, "events": read_events(trainer.run_dir)}
+                     if trainer.recovery is not None else None),
     }
 
 

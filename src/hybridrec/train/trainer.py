@@ -26,13 +26,14 @@ from hybridrec.parallel.sharded_embedding import ShardedEmbeddingBagCollection
 from hybridrec.parallel.topology import Topology
 from hybridrec.sparse.keyed_jagged import Batch
 from hybridrec.sync.runners import SyncRunner
-from hybridrec.train.checkpoint_interval import IntervalProbe, young_daly_interval
+from hybridrec.train.checkpoint_interval import IntervalProbe, partial_recovery_interval, young_daly_interval
 from hybridrec.train.checkpointer import Checkpointer
 from hybridrec.train.config import Config
 from hybridrec.train.early_stop import EarlyStopping
 from hybridrec.train.faults import FailureInjector
 from hybridrec.train.optim import LRScheduler
 from hybridrec.train.pipeline import TrainPipeline
+from hybridrec.train.recovery import Recovery
 from hybridrec.train.sparse_optim import CombinedSparseOptimizer
 
 
@@ -76,9 +77,10 @@ def sparse_grads(sparse) -> dict[str, list]:
 
 def training_step(model: torch.nn.Module, batch: Batch, *, dense_opt: torch.optim.Optimizer,
                   sparse_opt: CombinedSparseOptimizer, dense_sync: DenseSync,
-                  pending=None) -> torch.Tensor:
+                  pending=None, updating=None) -> torch.Tensor:
     """One training step, in order; returns the detached loss. ``pending``: the batch's
-    input_dist already under way (the pipeline's handle), or None."""
+    input_dist already under way (the pipeline's handle), or None. ``updating``: a context
+    around the optimizer updates (partial recovery's: the state is whole outside it)."""
     model.train()
     # (Each phase is a torch.profiler range: benchmarks/profile_step.py reads them.)
     with record_function("forward"):
@@ -91,10 +93,11 @@ def training_step(model: torch.nn.Module, batch: Batch, *, dense_opt: torch.opti
     with record_function("grad_sync"):
         dense_sync.synchronize()  # dense synchronization (DDP's ran inside backward)
         grads = sparse_grads(model.sparse)
-    with record_function("dense_update"):
-        dense_opt.step()
-    with record_function("sparse_update"):
-        sparse_opt.step(grads)
+    with updating if updating is not None else contextlib.nullcontext():
+        with record_function("dense_update"):
+            dense_opt.step()
+        with record_function("sparse_update"):
+            sparse_opt.step(grads)
     return loss.detach()
 
 
@@ -132,6 +135,7 @@ class Trainer:
         totals: RunTotals | None = None,
         early_stop: EarlyStopping | None = None,
         kernels: dict | None = None,
+        recovery: Recovery | None = None,
     ) -> None:
         self.cfg = cfg
         self.model = model
@@ -155,6 +159,9 @@ class Trainer:
         # component; None: off).
         self.early_stop = early_stop
         self.kernels = kernels  # the MLPs' linear implementations and why (summary.json)
+        # train.recovery: the survivors' snapshots (partial) and what a recovery lost (None: off).
+        self.recovery = recovery
+        self.recovered: dict | None = None  # this invocation's recovery (Recovery.restore's record)
         self.step = 0
         self._saved_step: int | None = None  # step of the newest checkpoint on disk
         every = cfg.train.checkpoint_every
@@ -172,7 +179,8 @@ class Trainer:
         """The learning rate of this step, then :func:`training_step`."""
         self.scheduler.apply(self.step)
         loss = training_step(self.model, batch, dense_opt=self.dense_opt, sparse_opt=self.sparse_opt,
-                             dense_sync=self.dense_sync, pending=pending)
+                             dense_sync=self.dense_sync, pending=pending,
+                             updating=self.recovery.updating(self.step + 1) if self.recovery is not None else None)
         self.step += 1
         if self.sync_runner is not None:  # a foreground round, or a background target written back
             self.sync_runner.after_step(self.step)
@@ -189,17 +197,23 @@ class Trainer:
         with self.sync_runner.parked() if self.sync_runner is not None else contextlib.nullcontext():
             path = self.checkpointer.save(self.step)
         self._saved_step, self.last_save_s = self.step, time.perf_counter() - start
+        if self.logger:  # (the seconds a run spends saving: the failure-schedule benchmark's)
+            self.logger.log(self.step, {"save_seconds": self.last_save_s}, split="checkpoint")
         return path
 
     def maybe_resume(self) -> int | None:
         """Restore the newest checkpoint that passes its checks (newer ones that fail are
         renamed aside, with a warning each); None: nothing to resume."""
         found = self.checkpointer.restore_newest() if self.cfg.train.resume else None
-        if found is None:
+        if found is not None:
+            self.step, self.resumed_path = found
+            self._saved_step = self.step
+        if self.recovery is not None and self.cfg.train.resume:  # the run stopped under a rank
+            self.recovered = self.recovery.restore(found[0] if found is not None else None)
+            if self.recovered is not None:
+                self.step = self.recovered["resumed_at_step"]
+        if found is None and not self.step:
             return None
-        self.step, path = found
-        self._saved_step = self.step
-        self.resumed_path = path
         if self.logger:  # records of steps after it, if a newer checkpoint was skipped
             self.logger.drop(lambda r: r["step"] > self.step)
         return self.step
@@ -210,7 +224,10 @@ class Trainer:
         lead = self.topo.lead
         resumed = self.maybe_resume()
         if resumed is not None and lead:
-            print(f"resumed from step {resumed} ({self.resumed_path})", file=sys.stderr, flush=True)
+            partial = self.recovered is not None and self.recovered["survivors"]
+            where = (f"partial recovery: the failed shards from {self.resumed_path or 'their initial values'}"
+                     if partial else self.resumed_path)
+            print(f"resumed from step {resumed} ({where})", file=sys.stderr, flush=True)
         first_step = self.step
         injector = FailureInjector(t.inject_failure, rank=self.topo.global_rank, run_dir=self.run_dir)
         if t.checkpoint_every == "auto" and t.save_checkpoints and self.step < self.total_steps:
@@ -224,11 +241,57 @@ class Trainer:
                    disable=not show, desc="train")
         lines = (ProgressLines(self.total_steps, self.step, t.log_interval_s)
                  if t.progress and not tty and lead and t.log_interval_s > 0 else None)
-        last_loss = float("nan")
-        stopped_early = False  # this invocation stopped at an evaluation (train.early_stop)
         if self.sync_runner is not None:
             self.sync_runner.start()
-        meter.start()
+        # (partial recovery: if the run stops under this rank from here on, its state is kept)
+        with self.recovery.watch(self.step) if self.recovery is not None else contextlib.nullcontext():
+            meter.start()
+            # stopped_early: this invocation stopped at an evaluation (train.early_stop)
+            stopped_early, logged = self._loop(injector, running, meter, bar, lines, history)
+            last_loss = logged if logged is not None else float("nan")
+            bar.close()
+            if stopped_early:
+                self.pipeline.discard_ahead()  # (dist.pipeline: the next batch's ids are under way)
+            self.sparse_opt.flush()  # parameter servers: this rank's last push applied
+            if self.sync_runner is not None:  # last round, then one averaged dense model
+                self.sync_runner.finish()
+            if getattr(self.model.sparse, "remote", False) and self.topo.global_world_size > 1:
+                dist.barrier(group=self.topo.run_group)  # every trainer's last push, before evaluating
+            trained = self.step > first_step
+            if trained and (not t.log_every or self.step % t.log_every):
+                last_loss = self._log_train(running, meter, None)  # the steps since the last log
+            if lines is not None and trained:
+                lines.emit(self.step)
+            if not trained and self.logger:
+                # Nothing trained (a finished run evaluated again): its evaluation of this
+                # step replaces the earlier one, and the loss is the last one logged.
+                self.logger.drop(lambda r: r["split"] == "eval" and r["step"] == self.step)
+                last_loss = _last_train_loss(self.logger.path)
+            final = None
+            if stopped_early:  # the evaluation that stopped training is the final one ...
+                final = history.pop()
+                if self.sync_runner is not None or getattr(self.model.sparse, "remote", False):
+                    # ... unless the replicas were averaged or the pushes landed since: again
+                    if self.logger:
+                        self.logger.drop(lambda r: r["split"] == "eval" and r["step"] == self.step)
+                    final = None
+            elif self.early_stop is not None:  # evaluated first: the final checkpoint knows if it is the best
+                final = self._eval_and_log()
+                self.early_stop.update(self.step, final)
+            if t.save_checkpoints and self.step > 0 and self._saved_step != self.step:
+                self.save_checkpoint()
+            if final is None:
+                final = self._eval_and_log()
+            if self.logger:
+                self.logger.flush()
+            return FitResult(self.step, final, last_loss, meter.summary(), resumed, history)
+
+    def _loop(self, injector: FailureInjector, running: RunningLoss, meter: Throughput, bar, lines,
+              history: list[dict]) -> tuple[bool, float | None]:
+        """The steps with the loop's work between them (logging, evaluation, checkpoints);
+        returns whether training stopped early and the last train loss logged (None: none)."""
+        t = self.cfg.train
+        last_loss = None
         idle_since = time.perf_counter()  # the end of the loop's own work after a step
         for loss, samples in self._train_steps():
             injector.after_step(self.step)  # train.inject_failure: dies here, before this step's checkpoint
@@ -244,8 +307,7 @@ class Trainer:
             if t.eval_every and self.step % t.eval_every == 0 and self.step < self.total_steps:
                 history.append(self._eval_and_log())
                 if self._early_stop(history[-1]):  # every rank: the same gathered AUC
-                    stopped_early = True
-                    break
+                    return True, last_loss
                 meter.start()  # evaluation time is not training time
             # early stopping: the last step's checkpoint is saved after its evaluation (below)
             may_save = self.early_stop is None or self.step < self.total_steps
@@ -257,42 +319,7 @@ class Trainer:
                 self._choose_checkpoint_interval()
                 meter.start()
             idle_since = time.perf_counter()
-        bar.close()
-        if stopped_early:
-            self.pipeline.discard_ahead()  # (dist.pipeline: the next batch's ids are under way)
-        self.sparse_opt.flush()  # parameter servers: this rank's last push applied
-        if self.sync_runner is not None:  # last round, then one averaged dense model
-            self.sync_runner.finish()
-        if getattr(self.model.sparse, "remote", False) and self.topo.global_world_size > 1:
-            dist.barrier(group=self.topo.run_group)  # every trainer's last push, before evaluating
-        trained = self.step > first_step
-        if trained and (not t.log_every or self.step % t.log_every):
-            last_loss = self._log_train(running, meter, None)  # the steps since the last log
-        if lines is not None and trained:
-            lines.emit(self.step)
-        if not trained and self.logger:
-            # Nothing trained (a finished run evaluated again): its evaluation of this
-            # step replaces the earlier one, and the loss is the last one logged.
-            self.logger.drop(lambda r: r["split"] == "eval" and r["step"] == self.step)
-            last_loss = _last_train_loss(self.logger.path)
-        final = None
-        if stopped_early:  # the evaluation that stopped training is the final one ...
-            final = history.pop()
-            if self.sync_runner is not None or getattr(self.model.sparse, "remote", False):
-                # ... unless the replicas were averaged or the pushes landed since: again
-                if self.logger:
-                    self.logger.drop(lambda r: r["split"] == "eval" and r["step"] == self.step)
-                final = None
-        elif self.early_stop is not None:  # evaluated first: the final checkpoint knows if it is the best
-            final = self._eval_and_log()
-            self.early_stop.update(self.step, final)
-        if t.save_checkpoints and self.step > 0 and self._saved_step != self.step:
-            self.save_checkpoint()
-        if final is None:
-            final = self._eval_and_log()
-        if self.logger:
-            self.logger.flush()
-        return FitResult(self.step, final, last_loss, meter.summary(), resumed, history)
+        return False, last_loss
 
     def _train_steps(self) -> Iterator[tuple[torch.Tensor, int]]:
         """Trains the remaining steps; yields each one's loss and global samples after it
@@ -320,14 +347,16 @@ class Trainer:
         if self._saved_step != self.step:  # (else an early-stopping best at this step: its time)
             self.save_checkpoint()
         save_s, step_s = self.last_save_s, self.probe.step_s()
-        choice = young_daly_interval(save_s=save_s, step_s=step_s, mtbf_s=self.cfg.train.mtbf_hours * 3600.0,
-                                     total_steps=self.total_steps)
-        if self.topo.global_world_size > 1:
-            box = torch.tensor([save_s, step_s, choice["steps"]], dtype=torch.float64)
+        if self.topo.global_world_size > 1:  # rank 0's measurements
+            box = torch.tensor([save_s, step_s], dtype=torch.float64)
             dist.broadcast(box, group=self.topo.run_group, group_src=0)
-            save_s, step_s, steps = box.tolist()
-            choice = {**young_daly_interval(save_s=save_s, step_s=step_s, mtbf_s=choice["mtbf_s"],
-                                            total_steps=self.total_steps), "steps": int(steps)}
+            save_s, step_s = box.tolist()
+        t = self.cfg.train
+        mtbf_s = t.mtbf_hours * 3600.0
+        choice = (partial_recovery_interval(save_s=save_s, step_s=step_s, mtbf_s=mtbf_s, total_steps=self.total_steps,
+                                            ranks=self.topo.world_size, lost_fraction=t.lost_fraction)
+                  if t.recovery == "partial" and self.topo.world_size > 1 else
+                  young_daly_interval(save_s=save_s, step_s=step_s, mtbf_s=mtbf_s, total_steps=self.total_steps))
         self.checkpoint_every, self.checkpoint_interval, self.probe = choice["steps"], choice, None
         if self.topo.lead:
             print(f"checkpoint interval: every {choice['steps']:,} steps (train.checkpoint_every=auto, "

@@ -1,0 +1,458 @@
+"""Recovery after a failure: full, or partial (CPR) where the surviving ranks keep their state.
+
+CPR (Maeng et al., MLSys 2021) observed that a recommendation model's embedding shards can
+recover independently: when a rank fails, only the shards it held need to roll back to their
+last checkpoint, while the other ranks keep their up-to-date shards. The updates those
+shards received since the checkpoint are lost (a small share of the model, for a small
+share of the run), but no step is trained again.
+
+``train.recovery=partial``, how it runs here:
+
+1. While training, each rank marks the part of a step that changes its state (the dense and
+   sparse optimizer updates, :meth:`Recovery.updating`): the state is whole (every update
+   of step N applied, none of N+1) outside it, and the loader position of the last whole
+   step is kept.
+2. When the run stops under a rank (a peer died: its collective fails, or the launcher's
+   agent sends SIGTERM to stop it), the rank writes a *snapshot* of its whole state to
+   ``RUN/recovery/rank-R/`` (:meth:`Recovery.write_snapshot`): its embedding shards and
+   their sparse optimizer state, the dense arches and their optimizer state, every
+   checkpointed component (loader, RNG, ...), the step. A thread waits for SIGTERM on
+   :func:`signal.set_wakeup_fd`'s pipe, so the snapshot is written even while the main
+   thread is blocked in a collective; it waits for a step's update to finish first. Then
+   ``RUN/recovery/rank-R.json`` says which step it holds (written last: a snapshot without
+   it is not used). A rank killed outright (SIGKILL, a lost machine) writes nothing.
+3. The restarted run (``dist.max_restarts``, or the same command again) first restores the
+   newest checkpoint on every rank, as full recovery does; then each rank with a snapshot
+   loads its own shards from it, and every rank loads the dense part, the loader position
+   and the other global state from the snapshot of one survivor (the lowest rank among
+   those at the newest step), so the replicas agree. Training goes on from the survivors'
+   step; the failed rank's shards hold the checkpoint's values. The snapshots are deleted
+   once loaded.
+
+What a recovery lost is appended to ``RUN/recovery.jsonl`` and summary.json ``recovery``:
+per shard, the steps of updates it lost (``failed_at_step - checkpoint_step`` for the shards
+of a failed rank, 0 for the survivors') and the samples of those steps. With
+``train.recovery=full`` the survivors write only ``rank-R.json`` (the step they reached),
+so the same record says how many steps every shard trains again.
+
+Simplifications: the snapshot is written to the run directory (``RUN/recovery/``), which
+every rank of a run already shares for its checkpoints; a rank that stops inside an update
+(an error of its own there) writes no snapshot and rolls back like a failed one; a
+compressor's error-feedback residuals (``dist.dense_sync`` with ``compress.dense``) are
+saved as they are when the run stops, which may include the interrupted step's part.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+from hybridrec.parallel.checkpoint_io import (
+    FORMAT,
+    MANIFEST,
+    CheckpointError,
+    SafeFileSystemReader,
+    agree,
+    decode_skeleton,
+    encode_skeleton,
+    gather,
+    is_complete,
+    quiet,
+    tensor_slots,
+    write_json,
+)
+from hybridrec.parallel.checkpoint_layout import dense_opt_state, dense_tensors, load_dense_opt, local_weights
+from hybridrec.parallel.sharded_embedding import ShardedEmbeddingBagCollection
+from hybridrec.parallel.topology import Topology
+
+RECOVERY_DIR = "recovery"
+EVENTS = "recovery.jsonl"
+SNAPSHOT_KIND = "survivor-snapshot"
+REPLICATED = "replicated"  # the sparse optimizer of a rank's replicated tables (sparse_optim.local_collections)
+LOCK_WAIT_S = 20.0
+"""How long a SIGTERM'd rank waits for its step's update to finish (the agent's grace
+period before SIGKILL is 30 s)."""
+
+
+def recovery_dir(run_dir: str | Path) -> Path:
+    return Path(run_dir) / RECOVERY_DIR
+
+
+def _progress_file(run_dir: Path, rank: int) -> Path:
+    return recovery_dir(run_dir) / f"rank-{rank:05d}.json"
+
+
+def _snapshot_dir(run_dir: Path, rank: int) -> Path:
+    return recovery_dir(run_dir) / f"rank-{rank:05d}"
+
+
+def read_progress(run_dir: str | Path, rank: int) -> dict | None:
+    """What rank ``rank`` wrote when the run last stopped under it (None: nothing readable)."""
+    try:
+        data = json.loads(_progress_file(Path(run_dir), rank).read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) and isinstance(data.get("step"), int) else None
+
+
+def survivors_step(run_dir: str | Path) -> int | None:
+    """The newest step a survivor's snapshot holds (None: none): the metrics of steps up
+    to it stay in metrics.jsonl when the run resumes with partial recovery."""
+    d = recovery_dir(run_dir)
+    steps = []
+    for p in d.glob("rank-*.json") if d.is_dir() else []:
+        with contextlib.suppress(OSError, ValueError):
+            data = json.loads(p.read_text())
+            if isinstance(data, dict) and data.get("snapshot") and isinstance(data.get("step"), int):
+                steps.append(data["step"])
+    return max(steps) if steps else None
+
+
+def read_events(run_dir: str | Path) -> list[dict]:
+    """Every recovery of the run, oldest first (``RUN/recovery.jsonl``)."""
+    out = []
+    with contextlib.suppress(OSError):
+        for line in (Path(run_dir) / EVENTS).read_text().splitlines():
+            with contextlib.suppress(ValueError):
+                out.append(json.loads(line))
+    return out
+
+
+class Recovery:
+    """One rank's side of recovery: the snapshot it writes when the run stops under it, and
+    the restore after a restart. Built from the run's
+    :class:`~hybridrec.train.checkpointer.Checkpointer` (the same model, optimizers and
+    components)."""
+
+    def __init__(self, checkpointer, *, mode: str, global_batch: int) -> None:
+        self.ckpt, self.mode, self.global_batch = checkpointer, mode, global_batch
+        self.topo: Topology = checkpointer.topo
+        self.run_dir = Path(checkpointer.run_dir)
+        self.step = 0  # the last whole step (all of its updates applied)
+        self._loader_state: dict | None = None  # the loader position after that step
+        self._state_lock = threading.Lock()  # held while a step updates the state
+        self._torn = False  # an update stopped half-way: the state is not whole
+        self._snap_lock = threading.Lock()
+        self._done = False
+        self._watcher: threading.Thread | None = None
+        self._old: tuple | None = None  # (SIGTERM handler, wakeup fd) to put back
+        self._pipe: tuple[int, int] | None = None
+
+    # -- while training ------------------------------------------------------------------
+    @contextlib.contextmanager
+    def updating(self, step_after: int):
+        """Around the updates of a step: the state is whole again, at ``step_after``, when
+        it ends (an exception inside leaves it torn: no snapshot)."""
+        with self._state_lock:
+            try:
+                yield
+            except BaseException:
+                self._torn = True
+                raise
+            self.step = step_after
+            loader = self._loader()
+            self._loader_state = dict(loader.obj.state_dict()) if loader is not None else None
+
+    @contextlib.contextmanager
+    def watch(self, step: int):
+        """Training from ``step`` on: if it stops with an error (e.g. a collective that lost
+        its peer) or by SIGTERM (partial), the state is kept (:meth:`on_failure`)."""
+        self.begin(step)
+        try:
+            yield
+        except BaseException:
+            self.on_failure()
+            raise
+        finally:
+            self.end()
+
+    def begin(self, step: int) -> None:
+        """Training starts (or resumes) at ``step``: arm the SIGTERM watcher."""
+        self.step = step
+        loader = self._loader()
+        self._loader_state = dict(loader.obj.state_dict()) if loader is not None else None
+        if self.topo.world_size == 1 or threading.current_thread() is not threading.main_thread():
+            return  # (one process: nobody survives it; its error path records the step)
+        r, w = os.pipe()
+        os.set_blocking(w, False)
+        try:
+            old_fd = signal.set_wakeup_fd(w, warn_on_full_buffer=False)
+            old_handler = signal.signal(signal.SIGTERM, _ignore)  # (the watcher acts on it)
+        except (ValueError, OSError):
+            os.close(r)
+            os.close(w)
+            return
+        self._pipe, self._old = (r, w), (old_handler, old_fd)
+        self._watcher = threading.Thread(target=self._watch, args=(r,), name="hybridrec-recovery", daemon=True)
+        self._watcher.start()
+
+    def end(self) -> None:
+        """Training ended normally: put SIGTERM's handling back."""
+        if self._old is None:
+            return
+        handler, fd = self._old
+        with contextlib.suppress(ValueError, OSError):
+            signal.signal(signal.SIGTERM, handler)
+            signal.set_wakeup_fd(fd)
+        self._old = None
+        r, w = self._pipe
+        os.close(w)  # the watcher's read ends (EOF) ...
+        if self._watcher is not None:
+            self._watcher.join(timeout=5)
+        os.close(r)  # ... before its end of the pipe closes
+
+    def _watch(self, fd: int) -> None:
+        while True:
+            try:
+                data = os.read(fd, 64)
+            except OSError:
+                return
+            if not data:
+                return
+            if signal.SIGTERM in data:
+                self.on_failure(wait_s=LOCK_WAIT_S)
+                with contextlib.suppress(OSError, ValueError):  # end as the agent's SIGTERM would
+                    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+                os.kill(os.getpid(), signal.SIGTERM)
+                return
+
+    def on_failure(self, wait_s: float = 0.0) -> None:
+        """The run stops under this rank: write what it has, once (the main thread's error
+        path and the SIGTERM watcher may both get here)."""
+        with self._snap_lock:
+            if self._done:
+                return
+            self._done = True
+            if self.mode != "partial":  # only the step it reached, for the record
+                with contextlib.suppress(OSError):
+                    self.write_snapshot()
+                return
+            # (the main thread's error path: never inside an update, the lock is free or
+            # torn; the watcher: waits for the update in progress to finish)
+            got = self._state_lock.acquire(timeout=wait_s) if wait_s > 0 else self._state_lock.acquire(blocking=False)
+            if not got:
+                self._note("the rank stopped inside a step's update: no snapshot")
+                return
+            try:
+                self.write_snapshot()
+            except Exception as e:  # noqa: BLE001 - the run is ending already; say why, go on
+                self._note(f"writing the recovery snapshot failed: {e}")
+            finally:
+                self._state_lock.release()
+
+    def _note(self, text: str) -> None:
+        with contextlib.suppress(OSError):
+            print(f"hybridrec: rank {self.topo.rank}: {text}", file=sys.stderr, flush=True)
+
+    def write_snapshot(self) -> None:
+        """``RUN/recovery/rank-R/`` (partial: the whole state; full: nothing) and then
+        ``rank-R.json`` with the step it holds."""
+        rank = self.topo.rank
+        start = time.perf_counter()
+        d = recovery_dir(self.run_dir)
+        d.mkdir(parents=True, exist_ok=True)
+        snapshot = self.mode == "partial" and not self._torn
+        if snapshot:
+            tensors: dict[str, torch.Tensor] = {}
+            skeleton = encode_skeleton(self._state(), "s", tensors)
+            final, tmp = _snapshot_dir(self.run_dir, rank), d / f".tmp-rank-{rank:05d}-{os.getpid()}"
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir()
+            with quiet():
+                dcp.save({k: v.detach() for k, v in tensors.items()}, storage_writer=dcp.FileSystemWriter(tmp),
+                         no_dist=True)
+            write_json(tmp / MANIFEST, {"format": FORMAT, "kind": SNAPSHOT_KIND, "rank": rank,
+                                        "world_size": self.topo.world_size, "step": self.step,
+                                        "plan": self._plan(), "state": skeleton})
+            shutil.rmtree(final, ignore_errors=True)
+            os.replace(tmp, final)
+        write_json(_progress_file(self.run_dir, rank), {
+            "rank": rank, "step": self.step, "snapshot": snapshot, "time": time.time(),
+            "seconds": time.perf_counter() - start, "pid": os.getpid()})
+        if snapshot:  # (full recovery: the step reached is for the record only, said after the restart)
+            self._note(f"the run stopped at step {self.step}: wrote its state to {_snapshot_dir(self.run_dir, rank)}")
+
+    def _loader(self):
+        return next((c for c in self.ckpt.components if c.name == "loader"), None)
+
+    def _plan(self):
+        ebc = self.ckpt.model.sparse
+        # (as JSON holds it: a plan read back from a manifest compares equal)
+        return json.loads(json.dumps(ebc.plan.to_dict())) if isinstance(ebc, ShardedEmbeddingBagCollection) else None
+
+    def _state(self) -> dict:
+        model, c = self.ckpt.model, self.ckpt
+        comps = {x.name: (self._loader_state if x.name == "loader" and self._loader_state is not None
+                          else x.obj.state_dict()) for x in c.components}
+        return {"step": self.step,
+                "weights": {k: w.detach().clone() for k, w in local_weights(model.sparse).items()},
+                "sparse_opt": c.sparse_opt.state_dict(),
+                "dense": {k: v.detach().clone() for k, v in dense_tensors(model).items()},
+                "dense_opt": dense_opt_state(c.dense_opt, model),
+                "components": comps}
+
+    # -- after a restart ------------------------------------------------------------------
+    def restore(self, checkpoint_step: int | None) -> dict | None:
+        """Collective, after the newest checkpoint (of ``checkpoint_step``; None: none) was
+        restored on every rank. Loads the survivors' snapshots (partial) and returns the
+        recovery's record, or None when the run did not stop under any rank."""
+        start = time.perf_counter()
+        progress = read_progress(self.run_dir, self.topo.rank)
+        mine = None
+        if progress is not None and progress["step"] < (checkpoint_step or 0):
+            progress = None  # (older than the checkpoint: of a recovery long done)
+        err = None
+        try:
+            if progress is not None and progress.get("snapshot") and self.mode == "partial":
+                mine = self._check_snapshot(progress["step"])
+        except Exception as e:  # noqa: BLE001 - a snapshot that does not fit: this rank rolls back
+            self._note(f"its recovery snapshot is not used ({e})")
+        everyone = gather(self.topo, (progress, mine is not None))
+        if all(p is None for p, _ in everyone):
+            return None
+        c = checkpoint_step or 0
+        reached = [p["step"] for p, _ in everyone if p is not None]
+        failed_at = max(reached)
+        survivors = [r for r, (p, ok) in enumerate(everyone) if ok]
+        failed = [r for r, (p, _) in enumerate(everyone) if p is None]
+        event = {"mode": self.mode, "checkpoint_step": checkpoint_step, "failed_at_step": failed_at,
+                 "failed_ranks": failed, "survivors": survivors,
+                 "failed_at_time": min(p["time"] for p, _ in everyone if p is not None)}
+        resumed_at = c
+        if survivors:  # partial: the survivors' state; the donor is the lowest of the newest
+            donor = min(r for r in survivors if everyone[r][0]["step"] == max(everyone[s][0]["step"]
+                                                                                  for s in survivors))
+            resumed_at = everyone[donor][0]["step"]
+            try:
+                self._load(mine, donor)
+            except Exception as e:  # noqa: BLE001 - every rank learns of it below
+                err = e
+            agree(self.topo, err, recovery_dir(self.run_dir), "loading the survivors' snapshots")
+            event["donor"] = donor
+        lost = {r: (0 if r in survivors and everyone[r][0]["step"] == resumed_at
+                    else max(0, failed_at - c)) for r in range(self.topo.world_size)}
+        event.update(resumed_at_step=resumed_at, shards=self._shards(lost),
+                     dense_steps_lost=max(0, failed_at - resumed_at),
+                     restore_seconds=time.perf_counter() - start, resumed_time=time.time())
+        event["restore_seconds"] = max(gather(self.topo, event["restore_seconds"]))
+        if self.topo.world_size > 1:
+            torch.distributed.barrier(group=self.topo.group)  # every rank read the donor's files
+        if self.topo.lead:
+            self._record(event)
+        return event
+
+    def _check_snapshot(self, step: int) -> dict:
+        path = _snapshot_dir(self.run_dir, self.topo.rank)
+        if not is_complete(path):
+            raise CheckpointError(f"{path}: not a complete snapshot")
+        meta = json.loads((path / MANIFEST).read_text())
+        if meta.get("format") != FORMAT or meta.get("kind") != SNAPSHOT_KIND:
+            raise CheckpointError(f"{path}: not a recovery snapshot")
+        if (meta.get("world_size"), meta.get("plan"), meta.get("step")) != (self.topo.world_size, self._plan(), step):
+            raise CheckpointError(f"{path}: saved by another world size, plan or step")
+        want = {k: tuple(w.shape) for k, w in local_weights(self.ckpt.model.sparse).items()}
+        have = {k: tuple(v["shape"]) for k, v in meta["state"]["weights"].items()}
+        if want != have:
+            raise CheckpointError(f"{path}: its shards are not this rank's ({sorted(have)} vs {sorted(want)})")
+        return meta
+
+    def _load(self, mine: dict | None, donor: int) -> None:
+        """This rank's shards from its own snapshot (when it has one); the replicated state
+        from the donor's."""
+        model, c = self.ckpt.model, self.ckpt
+        if mine is not None:
+            state = _read(_snapshot_dir(self.run_dir, self.topo.rank), mine, ("weights", "sparse_opt", "components"))
+            live = local_weights(model.sparse)
+            with torch.no_grad():
+                for k, v in state["weights"].items():
+                    if not k.endswith("@*"):  # (replicated tables: the donor's, below)
+                        live[k].copy_(v)
+            c.sparse_opt.load_state_dict(state["sparse_opt"])
+            for x in c.components:
+                if x.per_rank and x.name in state["components"]:
+                    x.obj.load_state_dict(state["components"][x.name])
+        dpath = _snapshot_dir(self.run_dir, donor)
+        dmeta = json.loads((dpath / MANIFEST).read_text())
+        state = _read(dpath, dmeta, ("dense", "dense_opt", "components", "weights", "sparse_opt"),
+                      weights=lambda k: k.endswith("@*"), sparse_opt=lambda k: k == REPLICATED)
+        live = dense_tensors(model)
+        with torch.no_grad():
+            for k, v in state["dense"].items():
+                live[k].copy_(v)
+            replicas = local_weights(model.sparse)
+            for k, v in state["weights"].items():
+                replicas[k].copy_(v)
+        load_dense_opt(c.dense_opt, model, state["dense_opt"])
+        # The replicated tables' optimizer state, and the donor's step and learning rate for
+        # every sparse optimizer (e.g. Adam's bias correction).
+        for name, opt in c.sparse_opt.optimizers.items():
+            saved = state["sparse_opt"].get(name)
+            if saved is None:
+                continue
+            if name == REPLICATED:
+                opt.load_state_dict(saved)
+            opt.lr, opt.step_count = float(saved["lr"]), int(saved["step"])
+        for x in c.components:
+            if not x.per_rank and x.name in state["components"]:
+                x.obj.load_state_dict(state["components"][x.name])
+
+    def _shards(self, lost: dict[int, int]) -> list[dict]:
+        ebc = self.ckpt.model.sparse
+        if not isinstance(ebc, ShardedEmbeddingBagCollection):
+            return [{"table": "*", "rank": 0, "rows": None, "steps_lost": lost[0],
+                     "samples_lost": lost[0] * self.global_batch}]
+        out = []
+        for name in ebc.tables:
+            for s in ebc.layout.table_shards(name):
+                n = lost.get(s.rank, 0)
+                out.append({"table": name, "rank": s.rank, "rows": s.num_rows, "cols": s.num_cols,
+                            "row_start": s.rows[0], "col_start": s.cols[0],
+                            "steps_lost": n, "samples_lost": n * self.global_batch})
+        return out
+
+    def _record(self, event: dict) -> None:
+        with open(self.run_dir / EVENTS, "a") as f:
+            f.write(json.dumps(event) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        shutil.rmtree(recovery_dir(self.run_dir), ignore_errors=True)  # consumed
+        what = (f"partial: the survivors {event['survivors']} kept their state at step {event['resumed_at_step']}, "
+                f"the shards of rank(s) {event['failed_ranks']} rolled back to step {event['checkpoint_step'] or 0} "
+                f"({event['failed_at_step'] - (event['checkpoint_step'] or 0)} steps of their updates lost)"
+                if event["survivors"] else
+                f"{event['mode']}: every rank resumed from step {event['resumed_at_step']}; "
+                f"steps {event['resumed_at_step'] + 1}..{event['failed_at_step']} are trained again")
+        print(f"recovered from a failure at step {event['failed_at_step']} ({what})", file=sys.stderr, flush=True)
+
+
+def _read(path: Path, meta: dict, parts: tuple[str, ...], weights=None, sparse_opt=None) -> dict:
+    """The parts of a snapshot's state (``weights``: which of its weights, ``sparse_opt``:
+    whose tensors of the sparse optimizers; None: all). The sparse optimizers' steps and
+    learning rates are read in any case."""
+    skeleton = {k: meta["state"][k] for k in parts}
+    if weights is not None:
+        skeleton["weights"] = {k: v for k, v in skeleton["weights"].items() if weights(k)}
+    if sparse_opt is not None and "sparse_opt" in skeleton:
+        skeleton["sparse_opt"] = {k: (v if sparse_opt(k) else {**v, "tables": {}})
+                                  for k, v in skeleton["sparse_opt"].items()}
+    targets: dict[str, torch.Tensor] = {}
+    tensor_slots(skeleton, targets)
+    if targets:
+        with quiet():
+            dcp.load(targets, storage_reader=SafeFileSystemReader(path), no_dist=True)
+    return decode_skeleton(skeleton, targets)
+
+
+def _ignore(signum, frame) -> None:
+    """SIGTERM's Python-level handler: nothing; the recovery thread acts on it (the byte
+    :func:`signal.set_wakeup_fd` writes), after the step's update."""

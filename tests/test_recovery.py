@@ -1,0 +1,126 @@
+"""Recovery after a failure (``train.recovery``): partial recovery keeps the survivors' state
+and rolls back only the failed rank's shards; full recovery equals the uninterrupted run."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from synth_data import synth_dataset
+from hybridrec.errors import ConfigError
+from hybridrec.train.checkpoint_interval import partial_recovery_interval, young_daly_interval
+from hybridrec.train.config import build_config
+from hybridrec.train.run import load_run_model
+
+SMALL = ["model.embedding_dim=8", "model.bottom_mlp=16,8", "model.top_mlp=16,1",
+         "data.batch_size=64", "data.eval_batch_size=1000", "train.progress=false",
+         "optim.sparse=rowwise_adagrad", "dist.timeout_s=30"]
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory):
+    return synth_dataset(tmp_path_factory.mktemp("recovery"), days=2, rows=2000)
+
+
+def _train(dataset, run, nproc, *extra):
+    argv = [sys.executable, "-m", "hybridrec", "train", "--recipe", "demo", f"data.path={dataset}",
+            f"train.run_dir={run}", f"dist.nproc={nproc}", *SMALL, *extra]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stderr
+
+
+def _weights(dataset, run, step):
+    _, _, model, _, extra = load_run_model(run, checkpoint=str(run / "checkpoints" / f"step-{step:08d}"),
+                                           data_path=str(dataset))
+    assert extra["step"] == step
+    return model.state_dict()
+
+
+# -- the interval -----------------------------------------------------------------------
+def test_partial_recovery_interval_keeps_the_lost_fraction():
+    # 2 x 4 ranks x 3600 s x 0.02 = 576 s = 5,760 steps of 0.1 s; Young/Daly: 1,200
+    got = partial_recovery_interval(save_s=2.0, step_s=0.1, mtbf_s=3600.0, total_steps=100_000, ranks=4,
+                                    lost_fraction=0.02)
+    assert got["steps"] == 5760 and got["lost_fraction"] == pytest.approx(0.02)
+    assert "partial recovery" in got["reason"]
+    # A bound shorter than Young/Daly's: Young/Daly's (fewer saves cost less than they lose)
+    yd = young_daly_interval(save_s=2.0, step_s=0.1, mtbf_s=3600.0, total_steps=100_000)
+    short = partial_recovery_interval(save_s=2.0, step_s=0.1, mtbf_s=3600.0, total_steps=100_000, ranks=1,
+                                      lost_fraction=0.001)
+    assert short["steps"] == yd["steps"] == 1200 and "Young/Daly" in short["reason"]
+    assert partial_recovery_interval(save_s=2.0, step_s=0.1, mtbf_s=3600.0, total_steps=3000, ranks=4,
+                                     lost_fraction=0.02)["steps"] == 3000  # clamped to the run
+    with pytest.raises(ValueError, match="lost_fraction"):
+        partial_recovery_interval(save_s=1, step_s=1, mtbf_s=1, total_steps=1, ranks=2, lost_fraction=1.5)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["train.recovery=some"], "train.recovery 'some': full or partial"),
+    (["train.recovery=partial", "train.save_checkpoints=false"], "no checkpoint to roll back to"),
+    (["train.recovery=partial", "sync.algorithm=ma"], "the replicas differ between synchronizations"),
+    (["train.recovery=partial", "train.lost_fraction=0"], "train.lost_fraction must be in"),
+])
+def test_recovery_config_errors(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        build_config(overrides=overrides)
+
+
+# -- partial and full recovery after an injected failure -----------------------------------
+@pytest.mark.distributed
+@pytest.mark.parametrize("nproc, sharding", [(2, "table_wise"), (3, "row_wise")])
+def test_partial_recovery_loses_only_the_failed_shards_updates(dataset, tmp_path, nproc, sharding):
+    """Rank 1 dies after step 6 (the last); the newest checkpoint is step 4. After the
+    restart, the survivors' shards and the dense part are those of the uninterrupted run at
+    step 6, rank 1's shards those at step 4, and the record counts 2 lost steps for them."""
+    common = [f"dist.sharding={sharding}", "train.max_steps=6"]
+    ref = tmp_path / "ref"
+    _train(dataset, ref, nproc, *common, "train.checkpoint_every=2", "train.keep_checkpoints=3")
+    run = tmp_path / "run"
+    err = _train(dataset, run, nproc, *common, "train.checkpoint_every=4", "train.recovery=partial",
+                 "train.inject_failure=1:6", "dist.max_restarts=1")
+    assert "rank 1 kills itself (SIGKILL) after step 6" in err
+    assert "resumed from step 6 (partial recovery" in err, err[-3000:]
+    summary = json.loads((run / "summary.json").read_text())
+    (event,) = summary["recovery"]["events"]
+    survivors = [r for r in range(nproc) if r != 1]
+    assert (event["mode"], event["checkpoint_step"], event["failed_at_step"], event["resumed_at_step"]) == \
+        ("partial", 4, 6, 6)
+    assert event["failed_ranks"] == [1] and event["survivors"] == survivors and event["donor"] == 0
+    assert not (run / "recovery").exists()  # the snapshots, consumed
+    now, before, got = _weights(dataset, ref, 6), _weights(dataset, ref, 4), _weights(dataset, run, 6)
+    for k in now:
+        if ".tables." not in k:  # the dense part: a survivor's
+            assert torch.equal(got[k], now[k]), k
+    lost_rows = 0
+    for shard in event["shards"]:
+        key = f"sparse.tables.{shard['table']}.weight"
+        rows = slice(shard["row_start"], shard["row_start"] + shard["rows"])
+        cols = slice(shard["col_start"], shard["col_start"] + shard["cols"])
+        failed = shard["rank"] == 1
+        assert shard["steps_lost"] == (2 if failed else 0)
+        assert shard["samples_lost"] == shard["steps_lost"] * 64 * nproc
+        want = (before if failed else now)[key][rows, cols]
+        assert torch.equal(got[key][rows, cols], want), (shard, failed)
+        if failed:  # the updates counted as lost are real: the rows did change in steps 5-6
+            lost_rows += int((now[key][rows, cols] != before[key][rows, cols]).any(dim=1).sum())
+    assert lost_rows > 0
+    assert any(s["rank"] == 1 for s in event["shards"]) and any(s["rank"] == 0 for s in event["shards"])
+
+
+@pytest.mark.distributed
+def test_full_recovery_equals_the_uninterrupted_run(dataset, tmp_path):
+    common = ["dist.sharding=row_wise", "train.max_steps=8", "train.checkpoint_every=4"]
+    ref, run = tmp_path / "ref", tmp_path / "run"
+    _train(dataset, ref, 2, *common)
+    err = _train(dataset, run, 2, *common, "train.inject_failure=0:6", "dist.max_restarts=1")
+    assert "resumed from step 4" in err
+    (event,) = json.loads((run / "summary.json").read_text())["recovery"]["events"]
+    assert (event["mode"], event["checkpoint_step"], event["failed_at_step"], event["resumed_at_step"]) == \
+        ("full", 4, 6, 4)
+    assert {s["steps_lost"] for s in event["shards"]} == {2}  # every shard trains steps 5-6 again
+    a, b = _weights(dataset, ref, 8), _weights(dataset, run, 8)
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
