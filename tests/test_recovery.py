@@ -69,18 +69,37 @@ def test_recovery_config_errors(overrides, message):
 
 
 # -- partial and full recovery after an injected failure -----------------------------------
+_REFERENCES = {}
+
+
+def _reference(dataset, tmp_path_factory, nproc, sharding):
+    """The uninterrupted run (6 steps, a checkpoint after each of the last three), once per
+    world size and sharding."""
+    key = (nproc, sharding)
+    if key not in _REFERENCES:
+        ref = tmp_path_factory.mktemp("ref") / "ref"
+        _train(dataset, ref, nproc, f"dist.sharding={sharding}", "train.max_steps=6", "train.checkpoint_every=1",
+               "train.keep_checkpoints=3")
+        _REFERENCES[key] = {s: _weights(dataset, ref, s) for s in (4, 5, 6)}
+    return _REFERENCES[key]
+
+
 @pytest.mark.distributed
-@pytest.mark.parametrize("nproc, sharding", [(2, "table_wise"), (3, "row_wise")])
-def test_partial_recovery_loses_only_the_failed_shards_updates(dataset, tmp_path, nproc, sharding):
+@pytest.mark.parametrize("nproc, sharding, deltas", [(2, "table_wise", "none"), (3, "row_wise", "touched"),
+                                                     (2, "table_wise", "hot")])
+def test_partial_recovery_loses_only_the_failed_shards_updates(dataset, tmp_path, tmp_path_factory, nproc,
+                                                               sharding, deltas):
     """Rank 1 dies after step 6 (the last); the newest checkpoint is step 4. After the
     restart, the survivors' shards and the dense part are those of the uninterrupted run at
-    step 6, rank 1's shards those at step 4, and the record counts 2 lost steps for them."""
-    common = [f"dist.sharding={sharding}", "train.max_steps=6"]
-    ref = tmp_path / "ref"
-    _train(dataset, ref, nproc, *common, "train.checkpoint_every=2", "train.keep_checkpoints=3")
+    step 6; rank 1's shards those at step 4, or with incremental saves after every step
+    those at step 5 (``hot``: its hottest half of the rows touched in step 5 at step 5, the
+    others at step 4), and the record counts the steps they lost."""
+    refs = _reference(dataset, tmp_path_factory, nproc, sharding)
     run = tmp_path / "run"
-    err = _train(dataset, run, nproc, *common, "train.checkpoint_every=4", "train.recovery=partial",
-                 "train.inject_failure=1:6", "dist.max_restarts=1")
+    extra = [] if deltas == "none" else ["train.shard_delta_every=1", f"train.shard_delta_rows={deltas}",
+                                         "train.shard_delta_hot=0.5"]
+    err = _train(dataset, run, nproc, f"dist.sharding={sharding}", "train.max_steps=6", "train.checkpoint_every=4",
+                 "train.recovery=partial", "train.inject_failure=1:6", "dist.max_restarts=1", *extra)
     assert "rank 1 kills itself (SIGKILL) after step 6" in err
     assert "resumed from step 6 (partial recovery" in err, err[-3000:]
     summary = json.loads((run / "summary.json").read_text())
@@ -89,25 +108,38 @@ def test_partial_recovery_loses_only_the_failed_shards_updates(dataset, tmp_path
     assert (event["mode"], event["checkpoint_step"], event["failed_at_step"], event["resumed_at_step"]) == \
         ("partial", 4, 6, 6)
     assert event["failed_ranks"] == [1] and event["survivors"] == survivors and event["donor"] == 0
-    assert not (run / "recovery").exists()  # the snapshots, consumed
-    now, before, got = _weights(dataset, ref, 6), _weights(dataset, ref, 4), _weights(dataset, run, 6)
+    assert not (run / "recovery" / "rank-00000").exists()  # the snapshots, consumed
+    held = 4 if deltas == "none" else 5
+    if deltas != "none":
+        assert event["deltas"]["1"]["step"] == 5
+        assert (event["deltas"]["1"]["pending_rows"] > 0) == (deltas == "hot")
+    now, got = refs[6], _weights(dataset, run, 6)
     for k in now:
         if ".tables." not in k:  # the dense part: a survivor's
             assert torch.equal(got[k], now[k]), k
-    lost_rows = 0
+    lost_rows = saved_hot = 0
     for shard in event["shards"]:
         key = f"sparse.tables.{shard['table']}.weight"
         rows = slice(shard["row_start"], shard["row_start"] + shard["rows"])
         cols = slice(shard["col_start"], shard["col_start"] + shard["cols"])
-        failed = shard["rank"] == 1
-        assert shard["steps_lost"] == (2 if failed else 0)
+        block, failed = got[key][rows, cols], shard["rank"] == 1
+        assert shard["steps_lost"] == (6 - held if failed else 0)
         assert shard["samples_lost"] == shard["steps_lost"] * 64 * nproc
-        want = (before if failed else now)[key][rows, cols]
-        assert torch.equal(got[key][rows, cols], want), (shard, failed)
-        if failed:  # the updates counted as lost are real: the rows did change in steps 5-6
-            lost_rows += int((now[key][rows, cols] != before[key][rows, cols]).any(dim=1).sum())
+        if not failed:
+            assert torch.equal(block, now[key][rows, cols]), shard
+            continue
+        at4, at5 = refs[4][key][rows, cols], refs[5][key][rows, cols]
+        if deltas == "hot":  # each row: saved at step 5, or still at the checkpoint's value
+            row_at5, row_at4 = (block == at5).all(dim=1), (block == at4).all(dim=1)
+            assert bool((row_at5 | row_at4).all()), shard
+            saved_hot += int((row_at5 & ~row_at4).sum())
+        else:
+            assert torch.equal(block, refs[held][key][rows, cols]), shard
+        # the updates counted as lost are real: the rows did change after the step they hold
+        lost_rows += int((now[key][rows, cols] != refs[held][key][rows, cols]).any(dim=1).sum())
     assert lost_rows > 0
-    assert any(s["rank"] == 1 for s in event["shards"]) and any(s["rank"] == 0 for s in event["shards"])
+    if deltas == "hot":
+        assert saved_hot > 0
 
 
 @pytest.mark.distributed

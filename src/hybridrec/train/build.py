@@ -63,6 +63,7 @@ from hybridrec.sync.grouped import GroupedBackgroundRunner
 from hybridrec.train.checkpointer import Checkpointer, Component, TorchRNG
 from hybridrec.train.early_stop import COMPONENT as EARLY_STOP, EarlyStopping
 from hybridrec.train.pipeline import TrainPipeline
+from hybridrec.train.deltas import SHARDS, ShardDeltas, deltas_dir
 from hybridrec.train.recovery import EVENTS, Recovery, recovery_dir, survivors_step
 from hybridrec.train.trainer import Trainer
 
@@ -448,7 +449,8 @@ def build_trainer(cfg: Config, *, meta: DatasetMeta | None = None, topo: Topolog
                                 keep_also=early_stop.kept_steps if early_stop is not None else None)
     # What a failure lost, and with train.recovery=partial the survivors' snapshots (not for
     # parameter servers, groups or Hogwild threads: config.recovery_problem).
-    recovery = (Recovery(checkpointer, mode=cfg.train.recovery, global_batch=cfg.data.batch_size * topo.world_size)
+    recovery = (Recovery(checkpointer, mode=cfg.train.recovery, global_batch=cfg.data.batch_size * topo.world_size,
+                         deltas=build_shard_deltas(cfg, topo, model, sparse_opt, run_dir))
                 if cfg.train.save_checkpoints and not (cfg.dist.num_ps or topo.hierarchical or cfg.train.workers > 1)
                 else None)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -459,6 +461,18 @@ def build_trainer(cfg: Config, *, meta: DatasetMeta | None = None, topo: Topolog
                    checkpointer=checkpointer, logger=logger, ledger=ledger, run_dir=run_dir,
                    total_steps=total_steps, topo=topo, sync_runner=sync_runner, totals=totals, early_stop=early_stop,
                    kernels=kernels, recovery=recovery)
+
+
+def build_shard_deltas(cfg: Config, topo: Topology, model, sparse_opt, run_dir: Path) -> ShardDeltas | None:
+    """``train.shard_delta_every``: this rank's incremental saves of its shards (None: off,
+    one process, or no shard here)."""
+    t, ebc = cfg.train, model.sparse
+    if not t.shard_delta_every or topo.world_size == 1 or not isinstance(ebc, ShardedEmbeddingBagCollection) \
+            or ebc.local is None or SHARDS not in sparse_opt.optimizers:
+        return None
+    return ShardDeltas(ebc.local, sparse_opt.optimizers[SHARDS], directory=deltas_dir(recovery_dir(run_dir), topo.rank),
+                       plan=json.loads(json.dumps(ebc.plan.to_dict())), every=t.shard_delta_every,
+                       rows=t.shard_delta_rows, hot=t.shard_delta_hot)
 
 
 def tune_kernels(cfg: Config, model: torch.nn.Module, topo: Topology,

@@ -127,6 +127,18 @@ class TrainConfig:
     """``train.recovery=partial`` with ``train.checkpoint_every=auto``: the expected fraction of
     the embedding updates a run may lose to failures (CPR's portion of lost samples); the
     interval is the longest that keeps it, and at least Young/Daly's."""
+    shard_delta_every: int = 0
+    """``train.recovery=partial``: besides the checkpoints, every N steps each rank saves the
+    rows of its embedding shards touched since its previous save (weights and optimizer
+    state; no collective, written in the background), so a failed rank's shards roll back
+    only to its newest such delta. 0 = off."""
+    shard_delta_rows: str = "touched"
+    """``train.shard_delta_every``: ``touched`` saves every touched row; ``hot`` (CPR-MFU) only
+    the most looked-up ``train.shard_delta_hot`` of them, the others at a later delta or
+    the next checkpoint."""
+    shard_delta_hot: float = 0.25
+    """``train.shard_delta_rows=hot``: the share of the touched rows a delta saves (the most
+    looked-up since their last save)."""
     keep_checkpoints: int = 2
     """How many recent checkpoints to keep."""
     save_checkpoints: bool = True
@@ -533,6 +545,12 @@ def _checkpoint_checks(t: TrainConfig) -> list[tuple[bool, str]]:
          "train.checkpoint_every=auto chooses when to save, but train.save_checkpoints=false saves nothing"),
         (t.recovery in ("full", "partial"), f"train.recovery {t.recovery!r}: full or partial"),
         (0 < t.lost_fraction < 1, f"train.lost_fraction must be in (0, 1), got {t.lost_fraction}"),
+        (t.shard_delta_every >= 0, f"train.shard_delta_every must be >= 0 (0 = off), got {t.shard_delta_every}"),
+        (t.shard_delta_rows in ("touched", "hot"), f"train.shard_delta_rows {t.shard_delta_rows!r}: touched or hot"),
+        (0 < t.shard_delta_hot <= 1, f"train.shard_delta_hot must be in (0, 1], got {t.shard_delta_hot}"),
+        (not t.shard_delta_every or t.recovery == "partial",
+         f"train.shard_delta_every={t.shard_delta_every}: the shards' incremental saves serve partial recovery; "
+         "set train.recovery=partial"),
     ]
 
 

@@ -74,6 +74,7 @@ from hybridrec.parallel.checkpoint_io import (
 from hybridrec.parallel.checkpoint_layout import dense_opt_state, dense_tensors, load_dense_opt, local_weights
 from hybridrec.parallel.sharded_embedding import ShardedEmbeddingBagCollection
 from hybridrec.parallel.topology import Topology
+from hybridrec.train.deltas import ShardDeltas
 
 RECOVERY_DIR = "recovery"
 EVENTS = "recovery.jsonl"
@@ -134,8 +135,9 @@ class Recovery:
     :class:`~hybridrec.train.checkpointer.Checkpointer` (the same model, optimizers and
     components)."""
 
-    def __init__(self, checkpointer, *, mode: str, global_batch: int) -> None:
-        self.ckpt, self.mode, self.global_batch = checkpointer, mode, global_batch
+    def __init__(self, checkpointer, *, mode: str, global_batch: int, deltas: ShardDeltas | None = None) -> None:
+        """``deltas``: this rank's incremental saves of its shards (``train.shard_delta_every``)."""
+        self.ckpt, self.mode, self.global_batch, self.deltas = checkpointer, mode, global_batch, deltas
         self.topo: Topology = checkpointer.topo
         self.run_dir = Path(checkpointer.run_dir)
         self.step = 0  # the last whole step (all of its updates applied)
@@ -155,13 +157,32 @@ class Recovery:
         it ends (an exception inside leaves it torn: no snapshot)."""
         with self._state_lock:
             try:
-                yield
+                yield self.deltas.track if self.deltas is not None else None
             except BaseException:
                 self._torn = True
                 raise
             self.step = step_after
             loader = self._loader()
             self._loader_state = dict(loader.obj.state_dict()) if loader is not None else None
+
+    def delta_due(self, step: int) -> bool:
+        return self.deltas is not None and step % self.deltas.every == 0
+
+    def save_delta(self, step: int) -> None:
+        with self._state_lock:  # (not while a snapshot reads the counts)
+            self.deltas.save(step)
+
+    def checkpointed(self, step: int) -> None:
+        """A checkpoint of ``step`` is on disk."""
+        if self.deltas is not None:
+            self.deltas.checkpointed(step)
+
+    def resumed(self, *, checkpoint_step: int, step: int) -> None:
+        """Training resumes at ``step`` after the checkpoint of ``checkpoint_step`` (0: none):
+        this rank's deltas of another trajectory (after ``step``, or after another
+        checkpoint) go."""
+        if self.deltas is not None:
+            self.deltas.resumed(checkpoint_step=checkpoint_step, step=step)
 
     @contextlib.contextmanager
     def watch(self, step: int):
@@ -175,6 +196,8 @@ class Recovery:
             raise
         finally:
             self.end()
+            if self.deltas is not None:
+                self.deltas.wait()  # (the last delta on disk before the process ends)
 
     def begin(self, step: int) -> None:
         """Training starts (or resumes) at ``step``: arm the SIGTERM watcher."""
@@ -299,7 +322,8 @@ class Recovery:
                 "sparse_opt": c.sparse_opt.state_dict(),
                 "dense": {k: v.detach().clone() for k, v in dense_tensors(model).items()},
                 "dense_opt": dense_opt_state(c.dense_opt, model),
-                "components": comps}
+                "components": comps,
+                "deltas": self.deltas.state_dict() if self.deltas is not None else None}
 
     # -- after a restart ------------------------------------------------------------------
     def restore(self, checkpoint_step: int | None) -> dict | None:
@@ -324,23 +348,31 @@ class Recovery:
         reached = [p["step"] for p, _ in everyone if p is not None]
         failed_at = max(reached)
         survivors = [r for r, (p, ok) in enumerate(everyone) if ok]
-        failed = [r for r, (p, _) in enumerate(everyone) if p is None]
+        # (partial: every rank without a usable snapshot rolls back; full: the ranks that died)
+        failed = [r for r, (p, ok) in enumerate(everyone) if (not ok if survivors else p is None)]
         event = {"mode": self.mode, "checkpoint_step": checkpoint_step, "failed_at_step": failed_at,
                  "failed_ranks": failed, "survivors": survivors,
                  "failed_at_time": min(p["time"] for p, _ in everyone if p is not None)}
-        resumed_at = c
+        resumed_at, held = c, (c, None)  # (the step this rank's shards hold; rows a delta left pending)
         if survivors:  # partial: the survivors' state; the donor is the lowest of the newest
             donor = min(r for r in survivors if everyone[r][0]["step"] == max(everyone[s][0]["step"]
                                                                                   for s in survivors))
             resumed_at = everyone[donor][0]["step"]
             try:
                 self._load(mine, donor)
+                if mine is not None:
+                    held = (progress["step"], None)
+                elif self.deltas is not None:  # a failed rank: its shards' incremental saves
+                    newest, pending = self.deltas.apply(c, resumed_at)
+                    held = (newest if newest is not None else c, pending if newest is not None else None)
             except Exception as e:  # noqa: BLE001 - every rank learns of it below
                 err = e
             agree(self.topo, err, recovery_dir(self.run_dir), "loading the survivors' snapshots")
             event["donor"] = donor
-        lost = {r: (0 if r in survivors and everyone[r][0]["step"] == resumed_at
-                    else max(0, failed_at - c)) for r in range(self.topo.world_size)}
+        holds = gather(self.topo, held)
+        lost = {r: max(0, failed_at - step) for r, (step, _) in enumerate(holds)}
+        if self.deltas is not None and survivors:
+            event["deltas"] = {str(r): {"step": holds[r][0], "pending_rows": holds[r][1]} for r in failed}
         event.update(resumed_at_step=resumed_at, shards=self._shards(lost),
                      dense_steps_lost=max(0, failed_at - resumed_at),
                      restore_seconds=time.perf_counter() - start, resumed_time=time.time())
@@ -371,7 +403,10 @@ class Recovery:
         from the donor's."""
         model, c = self.ckpt.model, self.ckpt
         if mine is not None:
-            state = _read(_snapshot_dir(self.run_dir, self.topo.rank), mine, ("weights", "sparse_opt", "components"))
+            state = _read(_snapshot_dir(self.run_dir, self.topo.rank), mine,
+                          ("weights", "sparse_opt", "components", "deltas"))
+            if self.deltas is not None and state["deltas"] is not None:  # (rows still pending stay so)
+                self.deltas.load_state_dict(state["deltas"])
             live = local_weights(model.sparse)
             with torch.no_grad():
                 for k, v in state["weights"].items():

@@ -190,7 +190,9 @@ def run_summary(trainer, result, meta, cfg: Config, *, shown: str, started_at: s
         "checkpoint_interval": trainer.checkpoint_interval,
         # Every recovery of the run from a failure (RUN/recovery.jsonl): the steps each shard
         # lost (train.recovery=partial: only the failed rank's) or trained again (full).
-        "recovery": ({"mode": cfg.train.recovery, "events": read_events(trainer.run_dir)}
+        # With train.shard_delta_every, rank 0's incremental saves of its shards (this invocation's).
+        "recovery": ({"mode": cfg.train.recovery, "events": read_events(trainer.run_dir),
+                      "shard_deltas": trainer.recovery.deltas.saved if trainer.recovery.deltas is not None else None}
                      if trainer.recovery is not None else None),
     }
 

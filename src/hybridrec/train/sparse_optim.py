@@ -68,6 +68,10 @@ class SparseOptimizer:
     def _state_tensors(self, group: int) -> dict[str, torch.Tensor]:
         return {}
 
+    def row_state(self, group: int) -> dict[str, torch.Tensor]:
+        """The per-row state of fused group ``group`` (first dim: its rows), by name."""
+        return self._state_tensors(group)
+
     def state_dict(self) -> dict:
         per_table = {}
         for name in self.collection.tables:

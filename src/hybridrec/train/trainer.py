@@ -93,7 +93,9 @@ def training_step(model: torch.nn.Module, batch: Batch, *, dense_opt: torch.opti
     with record_function("grad_sync"):
         dense_sync.synchronize()  # dense synchronization (DDP's ran inside backward)
         grads = sparse_grads(model.sparse)
-    with updating if updating is not None else contextlib.nullcontext():
+    with updating if updating is not None else contextlib.nullcontext() as track:
+        if track is not None:  # (partial recovery's incremental saves: the rows looked up)
+            track(grads)
         with record_function("dense_update"):
             dense_opt.step()
         with record_function("sparse_update"):
@@ -196,6 +198,8 @@ class Trainer:
         start = time.perf_counter()
         with self.sync_runner.parked() if self.sync_runner is not None else contextlib.nullcontext():
             path = self.checkpointer.save(self.step)
+        if self.recovery is not None:  # (every row is saved: the shards' older deltas go)
+            self.recovery.checkpointed(self.step)
         self._saved_step, self.last_save_s = self.step, time.perf_counter() - start
         if self.logger:  # (the seconds a run spends saving: the failure-schedule benchmark's)
             self.logger.log(self.step, {"save_seconds": self.last_save_s}, split="checkpoint")
@@ -212,6 +216,7 @@ class Trainer:
             self.recovered = self.recovery.restore(found[0] if found is not None else None)
             if self.recovered is not None:
                 self.step = self.recovered["resumed_at_step"]
+            self.recovery.resumed(checkpoint_step=found[0] if found is not None else 0, step=self.step)
         if found is None and not self.step:
             return None
         if self.logger:  # records of steps after it, if a newer checkpoint was skipped
@@ -315,6 +320,8 @@ class Trainer:
                     and self.step % self.checkpoint_every == 0 and self._saved_step != self.step):
                 self.save_checkpoint()
                 meter.start()
+            elif self.recovery is not None and self.recovery.delta_due(self.step):
+                self.recovery.save_delta(self.step)  # (this rank's shards alone; written in the background)
             if may_save and self.probe is not None and self.step == self.probe.at:
                 self._choose_checkpoint_interval()
                 meter.start()

@@ -1,0 +1,210 @@
+"""Incremental saves of a rank's embedding shards (``train.shard_delta_every``), for partial recovery.
+
+A full checkpoint saves every row of every table. Between two of them, each rank saves on
+its own cadence (every ``train.shard_delta_every`` steps, no collective) only the rows of its
+shards that the optimizer touched since its previous save: their weights and their sparse
+optimizer state (a *delta*). When the rank fails, partial recovery rolls its shards back to
+the newest checkpoint and then applies its deltas in order, so its shards lose the updates
+since its newest delta instead of those since the checkpoint.
+
+``train.shard_delta_rows=hot`` (CPR-MFU): each delta saves only the most frequently
+accessed ``train.shard_delta_hot`` of the touched rows (by the number of lookups since
+their last save); the others stay pending until they are hot enough or the next full
+checkpoint saves them. Smaller, faster deltas; the hot rows, which carry most of the
+updates, are saved most often.
+
+Layout: ``RUN/recovery/deltas/rank-R/step-N/`` (a torch.distributed.checkpoint directory
+written by this rank alone, with ``manifest.json``: the step, the checkpoint it follows,
+the plan, the rows saved and pending), renamed into place when complete. The staging (the
+touched rows copied out) happens between two steps; the writing runs in a background
+thread while training goes on, one delta at a time. A full checkpoint makes the rank's
+older deltas obsolete: they are deleted and every row counts as saved.
+
+The counts of lookups are part of a survivor's snapshot, so rows touched since a survivor's
+last delta stay pending after a partial recovery.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import shutil
+import threading
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+from hybridrec.parallel.checkpoint_io import FORMAT, MANIFEST, SafeFileSystemReader, is_complete, quiet, write_json
+
+SHARDS = "shards"  # the sparse optimizer and gradients of a rank's own shards (sparse_optim.local_collections)
+DELTA_KIND = "shard-delta"
+_NAME = re.compile(r"^step-(\d{8})$")
+
+
+def deltas_dir(recovery_dir: Path, rank: int) -> Path:
+    return recovery_dir / "deltas" / f"rank-{rank:05d}"
+
+
+class ShardDeltas:
+    """One rank's incremental saves of its shards (``collection``: its local shards'
+    :class:`~hybridrec.model.embedding.EmbeddingBagCollection`; ``optimizer``: their sparse
+    optimizer)."""
+
+    def __init__(self, collection, optimizer, *, directory: Path, plan, every: int, rows: str = "touched",
+                 hot: float = 0.25) -> None:
+        if rows not in ("touched", "hot") or not 0 < hot <= 1:
+            raise ValueError(f"rows must be touched or hot and hot in (0, 1], got {rows!r}, {hot}")
+        self.collection, self.optimizer = collection, optimizer
+        self.dir, self.plan, self.every, self.rows, self.hot = Path(directory), plan, every, rows, hot
+        self.counts = [torch.zeros(collection.group_weight(g).shape[0], dtype=torch.int32,
+                                   device=collection.group_weight(g).device) for g in range(collection.num_groups)]
+        self.base_step = 0  # the newest full checkpoint's step (what the deltas follow)
+        self.last_step: int | None = None  # the newest delta's step
+        self._writer: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self.saved = {"deltas": 0, "rows": 0, "bytes": 0, "stage_seconds": 0.0, "write_seconds": 0.0}
+
+    # -- while training -------------------------------------------------------------------
+    def track(self, grads: dict) -> None:
+        """Count this step's lookups of the shards' rows (the optimizer's row gradients)."""
+        for group, ids, _, _ in grads.get(SHARDS, []):
+            c = self.counts[group]
+            c.index_add_(0, ids, torch.ones(ids.shape[0], dtype=c.dtype, device=c.device))
+
+    def checkpointed(self, step: int) -> None:
+        """A full checkpoint of ``step`` is on disk: every row is saved; older deltas go."""
+        self.wait()
+        for c in self.counts:
+            c.zero_()
+        self.base_step, self.last_step = step, None
+        for s, p in self.list():
+            if s <= step:
+                shutil.rmtree(p, ignore_errors=True)
+
+    def save(self, step: int) -> None:
+        """Stage the pending rows of ``step`` (copies, now) and write them in the background."""
+        self.wait()
+        start = time.perf_counter()
+        tensors: dict[str, torch.Tensor] = {}
+        saved = pending = 0
+        for g, c in enumerate(self.counts):
+            touched = c.nonzero().squeeze(1)
+            if self.rows == "hot" and touched.numel():
+                k = max(1, math.ceil(self.hot * touched.numel()))
+                touched = touched[c.index_select(0, touched).topk(k, sorted=False).indices]
+            pending += int(c.count_nonzero()) - touched.numel()
+            saved += touched.numel()
+            if not touched.numel():
+                continue
+            touched = touched.sort().values
+            tensors[f"g{g}.ids"] = touched.cpu()
+            tensors[f"g{g}.weight"] = self.collection.group_weight(g).index_select(0, touched).cpu()
+            for k, v in self.optimizer.row_state(g).items():
+                tensors[f"g{g}.state.{k}"] = v.index_select(0, touched).cpu()
+            c.index_fill_(0, touched, 0)
+        meta = {"format": FORMAT, "kind": DELTA_KIND, "step": step, "base_step": self.base_step, "plan": self.plan,
+                "rows": saved, "pending_rows": pending, "mode": self.rows,
+                "groups": sorted(int(k[1:].split(".")[0]) for k in tensors if k.endswith(".ids"))}
+        self.saved["stage_seconds"] += time.perf_counter() - start
+        self.saved["deltas"] += 1
+        self.saved["rows"] += saved
+        self.saved["bytes"] += sum(t.numel() * t.element_size() for t in tensors.values())
+        self.last_step = step
+        self._writer = threading.Thread(target=self._write, args=(step, tensors, meta), daemon=True,
+                                        name="hybridrec-delta")
+        self._writer.start()
+
+    def _write(self, step: int, tensors: dict, meta: dict) -> None:
+        start = time.perf_counter()
+        try:
+            final = self.dir / f"step-{step:08d}"
+            tmp = self.dir / f".tmp-step-{step:08d}-{os.getpid()}"
+            tmp.mkdir(parents=True, exist_ok=True)
+            if tensors:
+                with quiet():
+                    dcp.save(tensors, storage_writer=dcp.FileSystemWriter(tmp), no_dist=True)
+            else:  # nothing touched: an empty delta still says the rows are saved up to this step
+                dcp.save({"empty": torch.zeros(0)}, storage_writer=dcp.FileSystemWriter(tmp), no_dist=True)
+            write_json(tmp / MANIFEST, meta)
+            shutil.rmtree(final, ignore_errors=True)
+            os.replace(tmp, final)
+        except BaseException as e:  # noqa: BLE001 - raised at the next wait(), in the training thread
+            self._error = e
+        self.saved["write_seconds"] += time.perf_counter() - start
+
+    def wait(self) -> None:
+        """The delta being written is on disk (its error, if any, raised here)."""
+        if self._writer is not None:
+            self._writer.join()
+            self._writer = None
+        if self._error is not None:
+            e, self._error = self._error, None
+            raise OSError(f"{self.dir}: writing an incremental save of the shards failed: {e}") from e
+
+    # -- snapshot and recovery ---------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """What a survivor's snapshot keeps: the lookups since each row's last save."""
+        return {"counts": [c.clone() for c in self.counts], "base_step": self.base_step, "last_step": self.last_step}
+
+    def load_state_dict(self, state: dict) -> None:
+        for c, saved in zip(self.counts, state["counts"], strict=True):
+            c.copy_(saved)
+        self.base_step, self.last_step = int(state["base_step"]), state["last_step"]
+
+    def resumed(self, *, checkpoint_step: int, step: int) -> None:
+        """Training resumes at ``step`` from the checkpoint of ``checkpoint_step``: deltas
+        after ``step`` or of another checkpoint belong to a trajectory this run left."""
+        self.base_step = checkpoint_step
+        for s, p in self.list():
+            if s > step or s <= checkpoint_step:
+                shutil.rmtree(p, ignore_errors=True)
+                continue
+            try:
+                base = json.loads((p / MANIFEST).read_text()).get("base_step")
+            except (OSError, ValueError):
+                base = None
+            if base != checkpoint_step:
+                shutil.rmtree(p, ignore_errors=True)
+
+    def list(self) -> list[tuple[int, Path]]:
+        """This rank's complete deltas, oldest first."""
+        if not self.dir.is_dir():
+            return []
+        found = [(int(m.group(1)), p) for p in self.dir.iterdir() if (m := _NAME.match(p.name)) and is_complete(p)]
+        return sorted(found)
+
+    def apply(self, checkpoint_step: int, until: int) -> tuple[int | None, int]:
+        """After the checkpoint of ``checkpoint_step`` was loaded: apply this rank's deltas
+        that follow it, up to step ``until``, oldest first. Returns ``(the newest applied
+        delta's step or None, rows of it that were still pending)``. A delta of another
+        plan or checkpoint is not applied."""
+        newest, pending = None, 0
+        for step, path in self.list():
+            if step <= checkpoint_step or step > until:
+                continue
+            meta = json.loads((path / MANIFEST).read_text())
+            if (meta.get("kind"), meta.get("base_step"), meta.get("plan")) != (DELTA_KIND, checkpoint_step, self.plan):
+                continue
+            targets: dict[str, torch.Tensor] = {}
+            reader = SafeFileSystemReader(path)
+            md = reader.read_metadata().state_dict_metadata
+            for k, m in md.items():
+                if k != "empty":
+                    targets[k] = torch.empty(tuple(m.size), dtype=m.properties.dtype)
+            if targets:
+                with quiet():
+                    dcp.load(targets, storage_reader=SafeFileSystemReader(path), no_dist=True)
+            with torch.no_grad():
+                for g in meta["groups"]:
+                    w = self.collection.group_weight(g)
+                    ids = targets[f"g{g}.ids"].to(w.device)
+                    w.index_copy_(0, ids, targets[f"g{g}.weight"].to(w.device))
+                    for k, v in self.optimizer.row_state(g).items():
+                        v.index_copy_(0, ids, targets[f"g{g}.state.{k}"].to(v.device))
+            newest, pending = step, int(meta["pending_rows"])
+        self.base_step, self.last_step = checkpoint_step, newest
+        return newest, pending
