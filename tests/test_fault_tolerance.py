@@ -10,13 +10,14 @@ from types import SimpleNamespace
 import pytest
 
 from synth_data import synth_dataset
-from hybridrec.cli.launch import failure_line
+from hybridrec.cli.launch import _injected_pid, failure_line
 from hybridrec.cli.main import main
 from hybridrec.errors import ConfigError
 from hybridrec.train import checkpoint as ckpt
+from hybridrec.train import faults
 from hybridrec.train.checkpoint_interval import PROBE_STEPS, young_daly_interval
 from hybridrec.train.config import build_config
-from hybridrec.train.faults import MARKER, FailureInjector, read_marker
+from hybridrec.train.faults import MARKER, FailureInjector, parse_inject_failure, read_marker
 from hybridrec.train.run import load_run_model
 
 SMALL = ["model.embedding_dim=8", "model.bottom_mlp=16,8", "model.top_mlp=16,1",
@@ -71,6 +72,15 @@ def test_young_daly_interval_refuses_nonsense():
     (["train.mtbf_hours=0"], "train.mtbf_hours must be positive"),
     (["train.checkpoint_every=auto", "train.save_checkpoints=false"], "saves nothing"),
     (["dist.max_restarts=-1"], "dist.max_restarts must be >= 0"),
+    # schedules: the bad entry named
+    (["train.inject_failure=1:5,x"], "train.inject_failure '1:5,x', entry 'x': expected RANK:STEP"),
+    (["train.inject_failure=1:5,,0:9"], "entry '': expected RANK:STEP"),
+    (["train.inject_failure=1:5,0:0"], "entry '0:0': STEP must be >= 1"),
+    (["train.inject_failure=1:5,-1:9"], "entry '-1:9': RANK must be >= 0"),
+    (["train.inject_failure=1:5,0:5"], "steps must increase strictly (one failure at a time), but entry "
+                                       "'0:5' (step 5) follows step 5"),
+    (["train.inject_failure=1:9,0:3"], "entry '0:3' (step 3) follows step 9"),
+    (["dist.nproc=2", "train.inject_failure=0:5,2:9"], "rank 2 does not exist: this run has 2 ranks"),
 ])
 def test_config_errors(overrides, message):
     with pytest.raises(ConfigError) as e:
@@ -99,6 +109,53 @@ def test_injector_is_armed_once_per_run_directory(tmp_path):
     (tmp_path / MARKER).write_text(json.dumps({"rank": 0, "step": 5, "pid": 1}))
     assert not FailureInjector("0:5", rank=0, run_dir=tmp_path).armed
     assert FailureInjector("0:6", rank=0, run_dir=tmp_path).armed  # another injection
+
+
+def test_schedule_parses():
+    assert parse_inject_failure("") == [] and parse_inject_failure("  ") == []
+    assert parse_inject_failure("1:100") == [(1, 100)]
+    assert parse_inject_failure(" 1:100, 0:250 ,1:400") == [(1, 100), (0, 250), (1, 400)]
+    cfg = build_config(overrides=["dist.nproc=2", "train.inject_failure=1:7,0:9"])
+    assert cfg.train.inject_failure == "1:7,0:9"
+
+
+def test_schedule_arms_the_entries_not_done(tmp_path):
+    spec = "1:5,0:8,1:12"
+    assert FailureInjector(spec, rank=1, run_dir=tmp_path).steps == (5, 12)
+    assert FailureInjector(spec, rank=0, run_dir=tmp_path).step == 8
+    # The first entry done: rank 1 arms its second (the restarted run dies again, later) ...
+    (tmp_path / MARKER).write_text(json.dumps({"rank": 1, "step": 5, "pid": 11, "spec": spec,
+                                               "injected": [{"rank": 1, "step": 5, "pid": 11}]}))
+    one = FailureInjector(spec, rank=1, run_dir=tmp_path)
+    assert one.armed and one.steps == (12,) and one.step == 12
+    assert FailureInjector(spec, rank=0, run_dir=tmp_path).steps == (8,)
+    # ... every entry done: nothing armed.
+    done = [{"rank": r, "step": s, "pid": 10 + i} for i, (r, s) in enumerate([(1, 5), (0, 8), (1, 12)])]
+    (tmp_path / MARKER).write_text(json.dumps({**done[-1], "spec": spec, "injected": done}))
+    assert not FailureInjector(spec, rank=1, run_dir=tmp_path).armed
+    assert not FailureInjector(spec, rank=0, run_dir=tmp_path).armed
+    assert _injected_pid(str(tmp_path / MARKER)) == 12
+
+
+def test_schedule_marker_records_every_injection(tmp_path, monkeypatch):
+    kills = []
+    monkeypatch.setattr(faults.os, "kill", lambda pid, sig: kills.append((pid, sig)))
+    spec = "1:2,0:4"
+    FailureInjector(spec, rank=1, run_dir=tmp_path).after_step(2)
+    marker = read_marker(tmp_path)
+    assert (marker["rank"], marker["step"], marker["spec"]) == (1, 2, spec)
+    assert [(d["rank"], d["step"]) for d in marker["injected"]] == [(1, 2)]
+    rank0 = FailureInjector(spec, rank=0, run_dir=tmp_path)  # the restarted run
+    assert rank0.steps == (4,) and not FailureInjector(spec, rank=1, run_dir=tmp_path).armed
+    rank0.after_step(3)
+    assert len(kills) == 1  # not its step
+    rank0.after_step(4)
+    marker = read_marker(tmp_path)
+    assert (marker["rank"], marker["step"]) == (0, 4)  # the top level: the last kill, for the launcher
+    assert [(d["rank"], d["step"]) for d in marker["injected"]] == [(1, 2), (0, 4)]
+    assert all(d["pid"] > 0 and d["time"] > 0 for d in marker["injected"])
+    assert kills == [(marker["pid"], signal.SIGKILL)] * 2
+    assert _injected_pid(str(tmp_path / MARKER)) == marker["pid"]
 
 
 def test_launcher_names_an_injected_kill():

@@ -127,13 +127,13 @@ def check_port_free(port: int) -> None:
 
 
 def _injected_pid(marker: str | None) -> int | None:
-    """The pid ``train.inject_failure`` killed, from its marker file (None: none)."""
+    """The pid ``train.inject_failure`` killed last, from its marker file (None: none; a
+    schedule of several records them all, the newest last)."""
     if not marker:
         return None
-    from hybridrec.train.faults import read_marker
+    from hybridrec.train.faults import last_injected_pid
 
-    pid = (read_marker(os.path.dirname(marker)) or {}).get("pid")
-    return pid if isinstance(pid, int) else None
+    return last_injected_pid(os.path.dirname(marker))
 
 
 def failure_line(failures: dict, servers_from: int | None = None,

@@ -370,7 +370,14 @@ class Recovery:
             agree(self.topo, err, recovery_dir(self.run_dir), "loading the survivors' snapshots")
             event["donor"] = donor
         holds = gather(self.topo, held)
-        lost = {r: max(0, failed_at - step) for r, (step, _) in enumerate(holds)}
+        # A rank rolled back before to this same checkpoint lost the steps up to that
+        # recovery then; this one loses those since.
+        before: dict[int, int] = {}
+        for e in read_events(self.run_dir):
+            if e.get("checkpoint_step") == checkpoint_step and e.get("survivors"):
+                for r in e.get("failed_ranks", []):
+                    before[r] = max(before.get(r, 0), int(e["resumed_at_step"]))
+        lost = {r: max(0, failed_at - max(step, before.get(r, step))) for r, (step, _) in enumerate(holds)}
         if self.deltas is not None and survivors:
             event["deltas"] = {str(r): {"step": holds[r][0], "pending_rows": holds[r][1]} for r in failed}
         event.update(resumed_at_step=resumed_at, shards=self._shards(lost),
