@@ -81,7 +81,14 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import throughput  # data preparation, machine()
 
-MODES = ("full", "partial")
+MODES = {  # the overrides of each mode (besides the schedule and checkpoint_every=auto)
+    "full": ["train.recovery=full"],
+    "partial": ["train.recovery=partial"],
+    # with incremental saves of every rank's touched rows (train.shard_delta_every = --delta-every)
+    "partial-deltas": ["train.recovery=partial", "train.shard_delta_rows=touched"],
+    # with CPR-MFU: only the most looked-up share (--delta-hot) of them
+    "partial-mfu": ["train.recovery=partial", "train.shard_delta_rows=hot"],
+}
 
 _INJECTED = re.compile(r"injecting a failure: rank (\d+) kills itself \(SIGKILL\) after step (\d+)")
 _RESUMED = re.compile(r"^resumed from step (\d+)")
@@ -112,6 +119,9 @@ def parse_args(argv=None):
     p.add_argument("--seeds", type=int, nargs="+", default=[0],
                    help="one schedule and training seed (train.seed) each")
     p.add_argument("--modes", default="full,partial", help=f"comma separated, from {', '.join(MODES)}")
+    p.add_argument("--delta-every", type=int, default=25,
+                   help="partial-deltas / partial-mfu: train.shard_delta_every (steps)")
+    p.add_argument("--delta-hot", type=float, default=0.25, help="partial-mfu: train.shard_delta_hot")
     p.add_argument("--out", default=str(ROOT / "benchmarks/out/failure_schedule"),
                    help="work directory (data, run directories, logs, the JSON report)")
     p.add_argument("--timeout", type=float, default=3600, help="seconds per run")
@@ -393,9 +403,9 @@ def measure_run(name: str, run: dict, run_dir: Path, ref: dict | None, total_ste
                          if failures and all(f["restore_seconds"] is not None for f in failures) else None),
         other_seconds=overhead - parts, cpr_overhead_share=parts / base,
         # (full: the shards' records count steps trained again, none lost)
-        lost_fraction=lost_fraction(failures, total_steps) if name == "partial" else 0.0,
+        lost_fraction=lost_fraction(failures, total_steps) if name.startswith("partial") else 0.0,
         lost_fraction_recorded=(lost_fraction(failures, total_steps, recorded=True)
-                                if name == "partial" else 0.0),
+                                if name.startswith("partial") else 0.0),
         auc_vs_reference=(res["auc"] - ref["auc"] if res["auc"] is not None and ref["auc"] is not None
                           else None))
     return res
@@ -485,7 +495,9 @@ def main(argv=None) -> int:
         for mode in args.mode_list:
             run_dir = out / f"run-{mode}-s{seed}"
             extra = [f"dist.max_restarts={len(schedule)}", "train.checkpoint_every=auto",
-                     f"train.mtbf_hours={args.mtbf_s / 3600.0!r}", f"train.recovery={mode}"]
+                     f"train.mtbf_hours={args.mtbf_s / 3600.0!r}", *MODES[mode]]
+            if "deltas" in mode or "mfu" in mode:
+                extra += [f"train.shard_delta_every={args.delta_every}", f"train.shard_delta_hot={args.delta_hot}"]
             if spec:
                 extra.append(f"train.inject_failure={spec}")
             run = run_command(train_argv(args, data, run_dir, seed, extra), run_dir,

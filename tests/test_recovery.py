@@ -53,6 +53,11 @@ def test_partial_recovery_interval_keeps_the_lost_fraction():
     assert short["steps"] == yd["steps"] == 1200 and "Young/Daly" in short["reason"]
     assert partial_recovery_interval(save_s=2.0, step_s=0.1, mtbf_s=3600.0, total_steps=3000, ranks=4,
                                      lost_fraction=0.02)["steps"] == 3000  # clamped to the run
+    # Incremental saves every 50 steps of a quarter of the rows: sqrt(2 x 5 s x 3600 s / 0.25) = 379.5 s
+    d = partial_recovery_interval(save_s=2.0, step_s=0.1, mtbf_s=3600.0, total_steps=100_000, ranks=4,
+                                  lost_fraction=0.02, delta_steps=50, delta_share=0.25)
+    assert d["steps"] == 3795 and d["lost_fraction"] == pytest.approx(5 / (2 * 4 * 3600))
+    assert "incremental saves every 50 steps" in d["reason"]
     with pytest.raises(ValueError, match="lost_fraction"):
         partial_recovery_interval(save_s=1, step_s=1, mtbf_s=1, total_steps=1, ranks=2, lost_fraction=1.5)
 

@@ -26,6 +26,16 @@ interval is the longest that keeps it within ``train.lost_fraction``:
 
 (CPR's model also weighs the accuracy a lost sample costs; this keeps a fraction instead.)
 
+With incremental saves of the shards every ``D`` seconds (``train.shard_delta_every``) a
+failed rank loses only the updates since its newest delta (``D / (2 N MTBF)`` of them), and
+the checkpoint interval no longer bounds that; what a longer interval costs instead is the
+deltas a failed rank replays, about ``T / (2 D)`` of them per failure, each a share ``phi``
+of a checkpoint's rows (measured: the rows a delta saves over the shard's rows). Minimising
+``C / T + T phi C / (2 D MTBF)`` (saving, plus replaying at the cost of a save per
+checkpoint's worth of rows) gives the Young/Daly analogue
+
+    T = max(Young/Daly's, sqrt(2 D MTBF / phi))
+
 The trainer measures both: the steps of the first :data:`PROBE_STEPS` of an invocation
 (between the first and the last of them; logging and evaluation excluded) and the save of
 a checkpoint at the last of them; rank 0 chooses and every rank takes its choice. A
@@ -80,24 +90,35 @@ class IntervalProbe:
 
 
 def partial_recovery_interval(*, save_s: float, step_s: float, mtbf_s: float, total_steps: int, ranks: int,
-                              lost_fraction: float) -> dict:
+                              lost_fraction: float, delta_steps: int = 0, delta_share: float = 1.0) -> dict:
     """``train.recovery=partial``: the interval in steps, ``max(Young/Daly's, 2 * ranks * mtbf_s *
     lost_fraction / step_s)`` clamped to the run, as :func:`young_daly_interval`'s dict with
-    ``lost_fraction`` (the expected share of the embedding updates lost) added."""
+    ``lost_fraction`` (the expected share of the embedding updates lost) added. With
+    incremental saves every ``delta_steps`` steps, each saving ``delta_share`` of the shards'
+    rows: ``max(Young/Daly's, sqrt(2 * delta_steps * step_s * mtbf_s / delta_share) / step_s)``."""
     if ranks < 1 or not 0 < lost_fraction < 1:
         raise ValueError(f"ranks must be >= 1 and lost_fraction in (0, 1), got {ranks}, {lost_fraction}")
     yd = young_daly_interval(save_s=save_s, step_s=step_s, mtbf_s=mtbf_s, total_steps=total_steps)
     upper = max(1, int(total_steps))
-    period = 2.0 * ranks * mtbf_s * lost_fraction
+    if delta_steps > 0:
+        share = min(1.0, max(delta_share, 1e-6))
+        period = math.sqrt(2.0 * delta_steps * step_s * mtbf_s / share)
+        why_bound = (f"partial recovery with incremental saves every {delta_steps} steps of {share:.3g} of the rows: "
+                     f"sqrt(2 x {delta_steps * step_s:.3g} s x MTBF {mtbf_s:.4g} s / {share:.3g}) = {period:.3g} s")
+        expected = min(1.0, delta_steps * step_s / (2.0 * ranks * mtbf_s)) if mtbf_s > 0 else 0.0
+    else:
+        period = 2.0 * ranks * mtbf_s * lost_fraction
+        why_bound = (f"partial recovery: the longest interval that loses at most {lost_fraction:g} of the embedding "
+                     f"updates, 2 x {ranks} ranks x MTBF {mtbf_s:.4g} s x {lost_fraction:g} = {period:.3g} s")
+        expected = None
     raw = period / step_s if step_s > 0 else math.inf
     bound = min(upper, max(1, round(raw))) if math.isfinite(raw) else upper
     steps = max(yd["steps"], bound)
-    why = (f"partial recovery: the longest interval that loses at most {lost_fraction:g} of the embedding "
-           f"updates, 2 x {ranks} ranks x MTBF {mtbf_s:.4g} s x {lost_fraction:g} = {period:.3g} s = {raw:,.1f} "
-           f"steps of {step_s:.3g} s")
+    why = f"{why_bound} = {raw:,.1f} steps of {step_s:.3g} s"
     if bound < yd["steps"]:
         why += f", less than Young/Daly's ({yd['reason']}): that one"
     elif raw >= upper + 0.5:
         why += f", clamped to the run's {upper:,} steps"
-    expected = min(1.0, steps * step_s / (2.0 * ranks * mtbf_s)) if mtbf_s > 0 else 0.0
+    if expected is None:
+        expected = min(1.0, steps * step_s / (2.0 * ranks * mtbf_s)) if mtbf_s > 0 else 0.0
     return {**yd, "steps": int(steps), "reason": why, "lost_fraction": expected}

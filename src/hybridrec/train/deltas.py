@@ -75,6 +75,20 @@ class ShardDeltas:
             c = self.counts[group]
             c.index_add_(0, ids, torch.ones(ids.shape[0], dtype=c.dtype, device=c.device))
 
+    def share_per_delta(self, step: int) -> float:
+        """The share of the shards' rows one delta saves: measured over the deltas written so
+        far, else estimated from the rows pending now (scaled to ``every`` steps)."""
+        total = sum(c.numel() for c in self.counts)
+        if not total:
+            return 1.0
+        if self.saved["deltas"]:
+            return min(1.0, self.saved["rows"] / self.saved["deltas"] / total)
+        covered = step - max(self.base_step, self.last_step or 0)
+        pending = sum(int(c.count_nonzero()) for c in self.counts)
+        if self.rows == "hot":
+            pending = math.ceil(self.hot * pending)
+        return min(1.0, pending / total * self.every / covered) if covered > 0 else 1.0
+
     def checkpointed(self, step: int) -> None:
         """A full checkpoint of ``step`` is on disk: every row is saved; older deltas go."""
         self.wait()

@@ -351,17 +351,20 @@ class Trainer:
         the Young/Daly interval from its seconds, the probe's step time and
         ``train.mtbf_hours`` (:mod:`hybridrec.train.checkpoint_interval`); with several
         ranks every rank takes rank 0's measurements and interval (one broadcast)."""
+        deltas = self.recovery.deltas if self.recovery is not None else None
+        share = deltas.share_per_delta(self.step) if deltas is not None else 1.0  # (before the save resets it)
         if self._saved_step != self.step:  # (else an early-stopping best at this step: its time)
             self.save_checkpoint()
         save_s, step_s = self.last_save_s, self.probe.step_s()
         if self.topo.global_world_size > 1:  # rank 0's measurements
-            box = torch.tensor([save_s, step_s], dtype=torch.float64)
+            box = torch.tensor([save_s, step_s, share], dtype=torch.float64)
             dist.broadcast(box, group=self.topo.run_group, group_src=0)
-            save_s, step_s = box.tolist()
+            save_s, step_s, share = box.tolist()
         t = self.cfg.train
         mtbf_s = t.mtbf_hours * 3600.0
         choice = (partial_recovery_interval(save_s=save_s, step_s=step_s, mtbf_s=mtbf_s, total_steps=self.total_steps,
-                                            ranks=self.topo.world_size, lost_fraction=t.lost_fraction)
+                                            ranks=self.topo.world_size, lost_fraction=t.lost_fraction,
+                                            delta_steps=deltas.every if deltas is not None else 0, delta_share=share)
                   if t.recovery == "partial" and self.topo.world_size > 1 else
                   young_daly_interval(save_s=save_s, step_s=step_s, mtbf_s=mtbf_s, total_steps=self.total_steps))
         self.checkpoint_every, self.checkpoint_interval, self.probe = choice["steps"], choice, None
