@@ -287,12 +287,14 @@ def quiet():
 
 
 def write_and_publish(final: Path, tmp: Path, state: dict, meta: dict, topo: Topology,
-                      attach: Callable[[Path], None] | None = None) -> None:
+                      attach: Callable[[Path], None] | None = None, background: bool = False) -> None:
     """``attach(tmp)``: collective, after the ranks' chunks and before the manifest, e.g.
-    the parameter servers' own checkpoint inside this one (published with it)."""
+    the parameter servers' own checkpoint inside this one (published with it).
+    ``background``: in a thread of its own (no :func:`quiet`: ``catch_warnings`` is not
+    thread-safe; the caller silenced the same warnings)."""
     err = None
     try:  # phase 2: every rank writes its chunks (DCP reports a rank's failure to all ranks)
-        with quiet():
+        with contextlib.nullcontext() if background else quiet():
             dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp), **dist_kwargs(topo))
         if attach is not None:
             attach(tmp)

@@ -63,13 +63,37 @@ def _block(offsets: tuple[int, ...], t: torch.Tensor) -> tuple[slice, ...]:
     return tuple(slice(o, o + n) for o, n in zip(offsets, t.shape))
 
 
+def own_storage(t: torch.Tensor) -> torch.Tensor:
+    """``t`` for DCP's writer without a copy: the same memory, with a storage of exactly its bytes.
+
+    A table is a row block of a fused weight (and its optimizer state of a fused state
+    tensor): contiguous, but a view into a larger storage. DCP's file writer clones such a
+    tensor before ``torch.save`` (which would otherwise write the whole storage) and keeps
+    every clone of a file until the file is written: a whole copy of the rank's tables
+    during a save. An alias of the block's own bytes (through numpy: zero-copy, and numpy's
+    array keeps ``t``'s storage alive) is written as it is, byte for byte what the clone
+    would have written. Other tensors (non-contiguous, not on the CPU, their storage already
+    their own) are returned as they are.
+    """
+    t = t.detach()
+    if (t.device.type != "cpu" or not t.is_contiguous() or t.numel() == 0
+            or t.untyped_storage().nbytes() == t.nbytes):
+        return t
+    try:
+        raw = t.reshape(-1).view(torch.uint8)  # contiguous: views, whatever the dtype
+        return torch.from_numpy(raw.numpy()).view(t.dtype).view(t.shape)
+    except (RuntimeError, TypeError):  # (e.g. a conjugate view): DCP's writer copies it
+        return t
+
+
 def save_object(g: GlobalTensor, topo: Topology) -> torch.Tensor:
-    # Pieces may be views into fused weights: DCP's writer copies such views before
-    # torch.save, which would otherwise write the whole storage.
+    """What ``dcp.save`` writes for ``g``: this rank's pieces, not copied (:func:`own_storage`)."""
     if g.layout is None:
-        return g.pieces[0][1]
+        return own_storage(g.pieces[0][1])
     if topo.world_size > 1:
-        return _sharded_tensor(g, topo)
+        return _sharded_tensor(GlobalTensor(g.size, [(o, own_storage(t)) for o, t in g.pieces], g.layout), topo)
+    if len(g.pieces) == 1 and tuple(g.pieces[0][1].shape) == tuple(g.size):
+        return own_storage(g.pieces[0][1])  # the whole tensor in one piece
     full = g.pieces[0][1].new_empty(g.size)  # one process holds every shard: assemble
     for o, t in g.pieces:
         full[_block(o, t)] = t

@@ -446,7 +446,8 @@ def build_trainer(cfg: Config, *, meta: DatasetMeta | None = None, topo: Topolog
         components.append(Component(EARLY_STOP, early_stop))
     checkpointer = Checkpointer(run_dir, topo, model=model, dense_opt=dense_opt, sparse_opt=sparse_opt,
                                 components=components, keep=cfg.train.keep_checkpoints, servers=servers,
-                                keep_also=early_stop.kept_steps if early_stop is not None else None)
+                                keep_also=early_stop.kept_steps if early_stop is not None else None,
+                                background=cfg.train.async_checkpoint)
     # What a failure lost, and with train.recovery=partial the survivors' snapshots (not for
     # parameter servers, groups or Hogwild threads: config.recovery_problem).
     recovery = (Recovery(checkpointer, mode=cfg.train.recovery, global_batch=cfg.data.batch_size * topo.world_size,

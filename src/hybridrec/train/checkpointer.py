@@ -50,7 +50,7 @@ import torch
 from torch import nn
 
 from hybridrec.errors import os_error_message
-from hybridrec.parallel.checkpoint import load_state, save_sharded
+from hybridrec.parallel.checkpoint import PendingSave, load_state, save_sharded, save_sharded_async
 from hybridrec.parallel.checkpoint_io import gather
 from hybridrec.parallel.topology import Topology
 from hybridrec.train import checkpoint as ckpt
@@ -92,11 +92,16 @@ class Checkpointer:
 
     def __init__(self, run_dir: str | Path, topo: Topology, *, model: nn.Module,
                  dense_opt: torch.optim.Optimizer, sparse_opt, components: list[Component],
-                 keep: int = 2, servers=None, keep_also: Callable[[], Iterable[int]] | None = None) -> None:
+                 keep: int = 2, servers=None, keep_also: Callable[[], Iterable[int]] | None = None,
+                 background: bool = False) -> None:
         """``servers``: a parameter-server run's :class:`~hybridrec.train.ps_run.ServerCheckpoints`
         (the tables and their optimizer state live there; saved into ``step-N/ps/``).
         ``keep_also``: the steps whose checkpoints pruning keeps besides the newest ``keep``
-        (early stopping's best one), asked at every save."""
+        (early stopping's best one), asked at every save.
+        ``background``: :meth:`save` blocks only while the state is copied and the files are
+        written in the background (:func:`~hybridrec.parallel.checkpoint.save_sharded_async`;
+        the copy costs memory: every tensor a rank saves); the owner calls :meth:`wait`
+        before the process ends. Parameter-server and hierarchical runs save in the foreground."""
         names = [c.name for c in components]
         clash = {"model", "dense_opt", "sparse_opt", "step"} & set(names)
         if clash or len(set(names)) != len(names):
@@ -106,6 +111,9 @@ class Checkpointer:
         self.components = components
         self.servers = servers
         self.keep_also = keep_also
+        self.background = background
+        self._pending: PendingSave | None = None  # the save being written in the background
+        self._group = None  # its process group (made at the first background save)
 
     def _sparse_opts(self) -> list:
         return list(self.sparse_opt.optimizers.values())
@@ -115,6 +123,7 @@ class Checkpointer:
         it) and the other groups wait for it (a world barrier: no rank trains past a step
         whose checkpoint could still be lost with it)."""
         path = ckpt.step_dir(self.run_dir, step)
+        self.wait()
         if self.topo.group_index == 0:
             self._save(path, step)
         if self.topo.hierarchical:
@@ -130,10 +139,30 @@ class Checkpointer:
             **{c.name: "per_rank" if c.per_rank else "global" for c in self.components},
             **({"ps": "servers"} if self.servers is not None else {})}}
         attach = None if self.servers is None else (lambda tmp: self.servers.save(tmp, step))
-        save_sharded(path, model=self.model, dense_opt=self.dense_opt, sparse_opts=self._sparse_opts(),
-                     extra=extra, per_rank=per_rank, manifest=manifest, topo=self.topo, attach=attach)
+        args = {"model": self.model, "dense_opt": self.dense_opt, "sparse_opts": self._sparse_opts(),
+                "extra": extra, "per_rank": per_rank, "manifest": manifest, "topo": self.topo}
+        if self.background and self.servers is None and not self.topo.hierarchical:
+            if self._group is None and self.topo.group is not None:  # (collective: every rank saves)
+                self._group = self.topo.world_gloo_group()
+            self._pending = save_sharded_async(path, group=self._group, **args)
+            return
+        save_sharded(path, attach=attach, **args)
+        self._prune()
+
+    def _prune(self) -> None:
         if self.topo.rank == 0:
             ckpt.prune(self.run_dir, keep=self.keep, keep_also=self.keep_also() if self.keep_also else ())
+
+    def wait(self) -> Path | None:
+        """Block until the checkpoint being written in the background is published (then
+        prune); returns its path (None: none was being written) or raises its error, the
+        same on every rank."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return None
+        path = pending.wait()
+        self._prune()
+        return path
 
     def latest(self) -> Path | None:
         return ckpt.latest_checkpoint(self.run_dir)
@@ -144,6 +173,7 @@ class Checkpointer:
         ``(step, path)``, or None when the run has no checkpoint. Each newer one that failed
         is renamed aside (``step-N.bad``, by rank 0) with a warning naming it and why;
         when none loads, :class:`CheckpointError` and nothing is renamed."""
+        self.wait()
         found = [p for _, p in reversed(ckpt.list_checkpoints(self.run_dir))]
         if self.topo.world_size == 1 and not found:
             return None
@@ -162,6 +192,7 @@ class Checkpointer:
 
     def restore(self, path: str | Path) -> int:
         """Load ``path`` into every component; returns the step it was saved at."""
+        self.wait()
         if self.servers is not None:
             self.servers.load(Path(path))
         loaded = load_state(path, model=self.model, dense_opt=self.dense_opt,

@@ -139,6 +139,13 @@ class TrainConfig:
     shard_delta_hot: float = 0.25
     """``train.shard_delta_rows=hot``: the share of the touched rows a delta saves (the most
     looked-up since their last save)."""
+    async_checkpoint: bool = False
+    """Write checkpoints in the background: a save stops training only while each rank copies
+    its state, then a thread writes the files while training goes on. Costs a copy of every
+    tensor a rank saves until it is written (1.66x the training peak in the row-wise
+    benchmark), and where every core is training the write slows the steps instead (on 2
+    cores it saved no time: docs/benchmarks.md). Parameter-server and hierarchical runs save
+    in the foreground."""
     keep_checkpoints: int = 2
     """How many recent checkpoints to keep."""
     save_checkpoints: bool = True
@@ -548,6 +555,9 @@ def _checkpoint_checks(t: TrainConfig) -> list[tuple[bool, str]]:
         (t.shard_delta_every >= 0, f"train.shard_delta_every must be >= 0 (0 = off), got {t.shard_delta_every}"),
         (t.shard_delta_rows in ("touched", "hot"), f"train.shard_delta_rows {t.shard_delta_rows!r}: touched or hot"),
         (0 < t.shard_delta_hot <= 1, f"train.shard_delta_hot must be in (0, 1], got {t.shard_delta_hot}"),
+        (not (t.shard_delta_every and t.async_checkpoint),
+         "train.shard_delta_every follows the newest checkpoint on disk, which train.async_checkpoint=true "
+         "writes later: use one of them"),
         (not t.shard_delta_every or t.recovery == "partial",
          f"train.shard_delta_every={t.shard_delta_every}: the shards' incremental saves serve partial recovery; "
          "set train.recovery=partial"),

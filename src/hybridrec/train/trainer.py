@@ -287,6 +287,7 @@ class Trainer:
                 self.save_checkpoint()
             if final is None:
                 final = self._eval_and_log()
+            self.checkpointer.wait()  # (train.async_checkpoint: the last one published, or its error)
             if self.logger:
                 self.logger.flush()
             return FitResult(self.step, final, last_loss, meter.summary(), resumed, history)
