@@ -57,6 +57,7 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 
+from hybridrec.metrics.logger import write_json_atomic
 from hybridrec.parallel.checkpoint_io import (
     FORMAT,
     MANIFEST,
@@ -256,6 +257,8 @@ class Recovery:
             if self._done:
                 return
             self._done = True
+            if self.topo.world_size == 1:  # nobody survives one process; its checkpoint says it all
+                return
             if self.mode != "partial":  # only the step it reached, for the record
                 with contextlib.suppress(OSError):
                     self.write_snapshot()
@@ -280,10 +283,18 @@ class Recovery:
     def write_snapshot(self) -> None:
         """``RUN/recovery/rank-R/`` (partial: the whole state; full: nothing) and then
         ``rank-R.json`` with the step it holds."""
-        rank = self.topo.rank
-        start = time.perf_counter()
         d = recovery_dir(self.run_dir)
         d.mkdir(parents=True, exist_ok=True)
+        try:
+            self._write_snapshot(d)
+        except BaseException:
+            with contextlib.suppress(OSError):  # (nothing half-written is left: the tmp dir went)
+                d.rmdir()  # (only when empty)
+            raise
+
+    def _write_snapshot(self, d: Path) -> None:
+        rank = self.topo.rank
+        start = time.perf_counter()
         snapshot = self.mode == "partial" and not self._torn
         if snapshot:
             tensors: dict[str, torch.Tensor] = {}
@@ -291,15 +302,19 @@ class Recovery:
             final, tmp = _snapshot_dir(self.run_dir, rank), d / f".tmp-rank-{rank:05d}-{os.getpid()}"
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir()
-            with quiet():
-                dcp.save({k: v.detach() for k, v in tensors.items()}, storage_writer=dcp.FileSystemWriter(tmp),
-                         no_dist=True)
-            write_json(tmp / MANIFEST, {"format": FORMAT, "kind": SNAPSHOT_KIND, "rank": rank,
-                                        "world_size": self.topo.world_size, "step": self.step,
-                                        "plan": self._plan(), "state": skeleton})
+            try:
+                with quiet():
+                    dcp.save({k: v.detach() for k, v in tensors.items()}, storage_writer=dcp.FileSystemWriter(tmp),
+                             no_dist=True)
+                write_json(tmp / MANIFEST, {"format": FORMAT, "kind": SNAPSHOT_KIND, "rank": rank,
+                                            "world_size": self.topo.world_size, "step": self.step,
+                                            "plan": self._plan(), "state": skeleton})
+            except BaseException:
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise
             shutil.rmtree(final, ignore_errors=True)
             os.replace(tmp, final)
-        write_json(_progress_file(self.run_dir, rank), {
+        write_json_atomic(_progress_file(self.run_dir, rank), {
             "rank": rank, "step": self.step, "snapshot": snapshot, "time": time.time(),
             "seconds": time.perf_counter() - start, "pid": os.getpid()})
         if snapshot:  # (full recovery: the step reached is for the record only, said after the restart)
