@@ -42,6 +42,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from throughput import machine  # noqa: E402 - benchmarks/ is not a package
 OUT = ROOT / "benchmarks/out/checkpoint_memory"
 MODES = ("sync", "async", "sync-clone")
 
@@ -188,18 +190,6 @@ def run_mode(args, mode: str) -> dict:
     if proc.returncode != 0:
         sys.exit(f"{mode}: the ranks failed:\n{proc.stderr[-4000:]}")
     return json.loads(result.read_text())
-
-
-def machine() -> str:
-    model = "unknown cpu"
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"{model}, {os.cpu_count()} cores"
 
 
 def gib(kib: int) -> str:
