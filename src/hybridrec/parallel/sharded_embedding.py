@@ -102,6 +102,12 @@ def _check_hosts(layout: EmbeddingLayout, topo: Topology) -> None:
         raise ValueError("table_row_wise tables need the topology's host group (topo.host_group is None)")
 
 
+SHARDS = "shards"
+"""The name of a rank's own shards among its row gradients and sparse optimizers."""
+REPLICATED = "replicated"
+"""The name of a rank's replicated (data-parallel) tables among them."""
+
+
 class ShardedEmbeddingBagCollection(nn.Module):
     """Drop-in for :class:`EmbeddingBagCollection` across ranks (same output layout).
 
@@ -250,9 +256,9 @@ class ShardedEmbeddingBagCollection(nn.Module):
         replicated rows are this rank's own, not yet summed over ranks."""
         out = {}
         if self.local is not None:
-            out["shards"] = self.local.pop_sparse_grads()
+            out[SHARDS] = self.local.pop_sparse_grads()
         if self.replicated is not None:
-            out["replicated"] = self.replicated.pop_sparse_grads()
+            out[REPLICATED] = self.replicated.pop_sparse_grads()
         return out
 
     def reduce_sparse_grads(self, grads: dict[str, RowGrads]) -> dict[str, RowGrads]:
@@ -266,7 +272,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
         if rep is None:
             return grads
         entries: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {g: [] for g in range(rep.num_groups)}
-        for group, ids, rows, _ in grads.get("replicated", []):
+        for group, ids, rows, _ in grads.get(REPLICATED, []):
             entries[group].append((ids, rows))
         reduced = []
         for group, parts in entries.items():
@@ -285,7 +291,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
         if self.ledger is not None:  # the formula's bytes, from the layout
             for ring in dp_allreduce_bytes(self.layout):
                 self.ledger.predict("dp_table_allreduce", sent=ring, received=ring, direction="bwd")
-        return {**grads, "replicated": reduced}
+        return {**grads, REPLICATED: reduced}
 
     # -- optimizer and state plumbing ------------------------------------------------
     def local_shards(self) -> dict[str, tuple[Shard, torch.Tensor]]:

@@ -50,7 +50,7 @@ from hybridrec.parallel.dense_sync import AllReduceSync, DDPSync, DenseSync, NoS
 from hybridrec.parallel.parallelize import parallelize_dlrm
 from hybridrec.parallel.plan import ShardingPlan
 from hybridrec.parallel.planner import plan_sharding
-from hybridrec.parallel.sharded_embedding import ShardedEmbeddingBagCollection
+from hybridrec.parallel.sharded_embedding import SHARDS, ShardedEmbeddingBagCollection
 from hybridrec.parallel.topology import Topology, group_problem
 from hybridrec.ps.client import PushOptimizer, RemoteEmbeddingCollection
 from hybridrec.train.ps_run import ServerCheckpoints, ps_plan
@@ -63,7 +63,7 @@ from hybridrec.sync.grouped import GroupedBackgroundRunner
 from hybridrec.train.checkpointer import Checkpointer, Component, TorchRNG
 from hybridrec.train.early_stop import COMPONENT as EARLY_STOP, EarlyStopping
 from hybridrec.train.pipeline import TrainPipeline
-from hybridrec.train.deltas import SHARDS, ShardDeltas, deltas_dir
+from hybridrec.train.deltas import ShardDeltas, deltas_dir, plan_json
 from hybridrec.train.recovery import EVENTS, Recovery, recovery_dir, survivors_step
 from hybridrec.train.trainer import Trainer
 
@@ -472,7 +472,7 @@ def build_shard_deltas(cfg: Config, topo: Topology, model, sparse_opt, run_dir: 
             or ebc.local is None or SHARDS not in sparse_opt.optimizers:
         return None
     return ShardDeltas(ebc.local, sparse_opt.optimizers[SHARDS], directory=deltas_dir(recovery_dir(run_dir), topo.rank),
-                       plan=json.loads(json.dumps(ebc.plan.to_dict())), every=t.shard_delta_every,
+                       plan=plan_json(ebc), every=t.shard_delta_every,
                        rows=t.shard_delta_rows, hot=t.shard_delta_hot)
 
 

@@ -39,10 +39,16 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from hybridrec.parallel.checkpoint_io import FORMAT, MANIFEST, SafeFileSystemReader, is_complete, quiet, write_json
+from hybridrec.parallel.sharded_embedding import SHARDS, ShardedEmbeddingBagCollection
 
-SHARDS = "shards"  # the sparse optimizer and gradients of a rank's own shards (sparse_optim.local_collections)
 DELTA_KIND = "shard-delta"
 _NAME = re.compile(r"^step-(\d{8})$")
+
+
+def plan_json(ebc) -> dict | None:
+    """A sharded collection's plan as JSON holds it (so a plan read back from a manifest
+    compares equal); None for any other collection."""
+    return json.loads(json.dumps(ebc.plan.to_dict())) if isinstance(ebc, ShardedEmbeddingBagCollection) else None
 
 
 def deltas_dir(recovery_dir: Path, rank: int) -> Path:

@@ -73,14 +73,13 @@ from hybridrec.parallel.checkpoint_io import (
     write_json,
 )
 from hybridrec.parallel.checkpoint_layout import dense_opt_state, dense_tensors, load_dense_opt, local_weights
-from hybridrec.parallel.sharded_embedding import ShardedEmbeddingBagCollection
+from hybridrec.parallel.sharded_embedding import REPLICATED, ShardedEmbeddingBagCollection
 from hybridrec.parallel.topology import Topology
-from hybridrec.train.deltas import ShardDeltas
+from hybridrec.train.deltas import ShardDeltas, plan_json
 
 RECOVERY_DIR = "recovery"
 EVENTS = "recovery.jsonl"
 SNAPSHOT_KIND = "survivor-snapshot"
-REPLICATED = "replicated"  # the sparse optimizer of a rank's replicated tables (sparse_optim.local_collections)
 LOCK_WAIT_S = 20.0
 """How long a SIGTERM'd rank waits for its step's update to finish (the agent's grace
 period before SIGKILL is 30 s)."""
@@ -308,7 +307,7 @@ class Recovery:
                              no_dist=True)
                 write_json(tmp / MANIFEST, {"format": FORMAT, "kind": SNAPSHOT_KIND, "rank": rank,
                                             "world_size": self.topo.world_size, "step": self.step,
-                                            "plan": self._plan(), "state": skeleton})
+                                            "plan": plan_json(self.ckpt.model.sparse), "state": skeleton})
             except BaseException:
                 shutil.rmtree(tmp, ignore_errors=True)
                 raise
@@ -322,11 +321,6 @@ class Recovery:
 
     def _loader(self):
         return next((c for c in self.ckpt.components if c.name == "loader"), None)
-
-    def _plan(self):
-        ebc = self.ckpt.model.sparse
-        # (as JSON holds it: a plan read back from a manifest compares equal)
-        return json.loads(json.dumps(ebc.plan.to_dict())) if isinstance(ebc, ShardedEmbeddingBagCollection) else None
 
     def _state(self) -> dict:
         model, c = self.ckpt.model, self.ckpt
@@ -412,7 +406,7 @@ class Recovery:
         meta = json.loads((path / MANIFEST).read_text())
         if meta.get("format") != FORMAT or meta.get("kind") != SNAPSHOT_KIND:
             raise CheckpointError(f"{path}: not a recovery snapshot")
-        if (meta.get("world_size"), meta.get("plan"), meta.get("step")) != (self.topo.world_size, self._plan(), step):
+        if (meta.get("world_size"), meta.get("plan"), meta.get("step")) != (self.topo.world_size, plan_json(self.ckpt.model.sparse), step):
             raise CheckpointError(f"{path}: saved by another world size, plan or step")
         want = {k: tuple(w.shape) for k, w in local_weights(self.ckpt.model.sparse).items()}
         have = {k: tuple(v["shape"]) for k, v in meta["state"]["weights"].items()}

@@ -24,6 +24,7 @@ import torch
 
 from hybridrec.model.embedding import aggregate_rows
 from hybridrec.model.kernels import Choice, choose_rows_add, rows_add_
+from hybridrec.parallel.sharded_embedding import REPLICATED, SHARDS
 
 
 class SparseOptimizer:
@@ -65,18 +66,15 @@ class SparseOptimizer:
         raise NotImplementedError
 
     # Per-row state is saved per table so checkpoints survive regrouping/resharding.
-    def _state_tensors(self, group: int) -> dict[str, torch.Tensor]:
-        return {}
-
     def row_state(self, group: int) -> dict[str, torch.Tensor]:
         """The per-row state of fused group ``group`` (first dim: its rows), by name."""
-        return self._state_tensors(group)
+        return {}
 
     def state_dict(self) -> dict:
         per_table = {}
         for name in self.collection.tables:
             g, start, n = self.collection.table_slice(name)
-            per_table[name] = {k: v[start : start + n] for k, v in self._state_tensors(g).items()}
+            per_table[name] = {k: v[start : start + n] for k, v in self.row_state(g).items()}
         return {"name": self.name, "lr": self.lr, "step": self.step_count, "tables": per_table}
 
     def load_state_dict(self, state: dict) -> None:
@@ -85,7 +83,7 @@ class SparseOptimizer:
         self.lr, self.step_count = float(state["lr"]), int(state["step"])
         for name, tensors in state["tables"].items():
             g, start, n = self.collection.table_slice(name)
-            dst = self._state_tensors(g)
+            dst = self.row_state(g)
             for k, v in tensors.items():
                 dst[k][start : start + n].copy_(v)
 
@@ -109,7 +107,7 @@ class RowWiseAdagrad(SparseOptimizer):
             for g in range(collection.num_groups)
         ]
 
-    def _state_tensors(self, group):
+    def row_state(self, group):
         return {"sum": self._acc[group]}
 
     def _update(self, group, weight, ids, rows, unique):
@@ -131,7 +129,7 @@ class LazyAdam(SparseOptimizer):
         self._m = [torch.zeros_like(collection.group_weight(g)) for g in range(collection.num_groups)]
         self._v = [torch.zeros_like(collection.group_weight(g)) for g in range(collection.num_groups)]
 
-    def _state_tensors(self, group):
+    def row_state(self, group):
         return {"exp_avg": self._m[group], "exp_avg_sq": self._v[group]}
 
     def _update(self, group, weight, ids, rows, unique):
@@ -208,7 +206,7 @@ def local_collections(sparse) -> dict:
     (:func:`hybridrec.train.trainer.sparse_grads`): a sharded collection's ``shards`` and
     ``replicated`` (those it has), or a single-device collection's ``tables``."""
     if hasattr(sparse, "reduce_sparse_grads"):
-        return {k: c for k, c in (("shards", sparse.local), ("replicated", sparse.replicated))
+        return {k: c for k, c in ((SHARDS, sparse.local), (REPLICATED, sparse.replicated))
                 if c is not None}
     return {"tables": sparse}
 

@@ -213,10 +213,11 @@ class Trainer:
             self.step, self.resumed_path = found
             self._saved_step = self.step
         if self.recovery is not None and self.cfg.train.resume:  # the run stopped under a rank
-            self.recovered = self.recovery.restore(found[0] if found is not None else None)
+            checkpoint_step = found[0] if found is not None else None
+            self.recovered = self.recovery.restore(checkpoint_step)
             if self.recovered is not None:
                 self.step = self.recovered["resumed_at_step"]
-            self.recovery.resumed(checkpoint_step=found[0] if found is not None else 0, step=self.step)
+            self.recovery.resumed(checkpoint_step=checkpoint_step or 0, step=self.step)
         if found is None and not self.step:
             return None
         if self.logger:  # records of steps after it, if a newer checkpoint was skipped
