@@ -449,11 +449,12 @@ def build_trainer(cfg: Config, *, meta: DatasetMeta | None = None, topo: Topolog
                                 keep_also=early_stop.kept_steps if early_stop is not None else None,
                                 background=cfg.train.async_checkpoint)
     # What a failure lost, and with train.recovery=partial the survivors' snapshots (not for
-    # parameter servers, groups or Hogwild threads: config.recovery_problem).
+    # one process, which nobody survives, nor parameter servers, groups or Hogwild threads:
+    # config.recovery_problem).
     recovery = (Recovery(checkpointer, mode=cfg.train.recovery, global_batch=cfg.data.batch_size * topo.world_size,
                          deltas=build_shard_deltas(cfg, topo, model, sparse_opt, run_dir))
-                if cfg.train.save_checkpoints and not (cfg.dist.num_ps or topo.hierarchical or cfg.train.workers > 1)
-                else None)
+                if cfg.train.save_checkpoints and topo.world_size > 1
+                and not (cfg.dist.num_ps or topo.hierarchical or cfg.train.workers > 1) else None)
     run_dir.mkdir(parents=True, exist_ok=True)
     logger = (MetricLogger(run_dir, tensorboard=cfg.train.tensorboard, keep_until=keep_until)
               if topo.lead else None)
@@ -468,7 +469,7 @@ def build_shard_deltas(cfg: Config, topo: Topology, model, sparse_opt, run_dir: 
     """``train.shard_delta_every``: this rank's incremental saves of its shards (None: off,
     one process, or no shard here)."""
     t, ebc = cfg.train, model.sparse
-    if not t.shard_delta_every or topo.world_size == 1 or not isinstance(ebc, ShardedEmbeddingBagCollection) \
+    if not t.shard_delta_every or not isinstance(ebc, ShardedEmbeddingBagCollection) \
             or ebc.local is None or SHARDS not in sparse_opt.optimizers:
         return None
     return ShardDeltas(ebc.local, sparse_opt.optimizers[SHARDS], directory=deltas_dir(recovery_dir(run_dir), topo.rank),

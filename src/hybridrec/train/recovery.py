@@ -73,7 +73,7 @@ from hybridrec.parallel.checkpoint_io import (
     write_json,
 )
 from hybridrec.parallel.checkpoint_layout import dense_opt_state, dense_tensors, load_dense_opt, local_weights
-from hybridrec.parallel.sharded_embedding import REPLICATED, ShardedEmbeddingBagCollection
+from hybridrec.parallel.sharded_embedding import REPLICATED
 from hybridrec.parallel.topology import Topology
 from hybridrec.train.deltas import ShardDeltas, plan_json
 
@@ -204,8 +204,8 @@ class Recovery:
         self.step = step
         loader = self._loader()
         self._loader_state = dict(loader.obj.state_dict()) if loader is not None else None
-        if self.topo.world_size == 1 or threading.current_thread() is not threading.main_thread():
-            return  # (one process: nobody survives it; its error path records the step)
+        if threading.current_thread() is not threading.main_thread():
+            return  # (signals reach the main thread's process only; its error path records the step)
         r, w = os.pipe()
         os.set_blocking(w, False)
         try:
@@ -256,8 +256,6 @@ class Recovery:
             if self._done:
                 return
             self._done = True
-            if self.topo.world_size == 1:  # nobody survives one process; its checkpoint says it all
-                return
             if self.mode != "partial":  # only the step it reached, for the record
                 with contextlib.suppress(OSError):
                     self.write_snapshot()
@@ -393,8 +391,7 @@ class Recovery:
                      dense_steps_lost=max(0, failed_at - resumed_at),
                      restore_seconds=time.perf_counter() - start, resumed_time=time.time())
         event["restore_seconds"] = max(gather(self.topo, event["restore_seconds"]))
-        if self.topo.world_size > 1:
-            torch.distributed.barrier(group=self.topo.group)  # every rank read the donor's files
+        torch.distributed.barrier(group=self.topo.group)  # every rank read the donor's files
         if self.topo.lead:
             self._record(event)
         return event
@@ -458,10 +455,7 @@ class Recovery:
                 x.obj.load_state_dict(state["components"][x.name])
 
     def _shards(self, lost: dict[int, int]) -> list[dict]:
-        ebc = self.ckpt.model.sparse
-        if not isinstance(ebc, ShardedEmbeddingBagCollection):
-            return [{"table": "*", "rank": 0, "rows": None, "steps_lost": lost[0],
-                     "samples_lost": lost[0] * self.global_batch}]
+        ebc = self.ckpt.model.sparse  # (several ranks without parameter servers: sharded)
         out = []
         for name in ebc.tables:
             for s in ebc.layout.table_shards(name):
