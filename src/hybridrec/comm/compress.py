@@ -176,6 +176,26 @@ class _Sparsifier(GradientCompressor):
         """Ascending int64 indices of the entries of ``x`` to send (never an exact zero)."""
 
 
+def refresh_due(step: int, every: int, ramp: bool = False) -> bool:
+    """Whether a threshold is recomputed at compressed step ``step`` (0-based) with refresh
+    period ``every`` (L). Without ``ramp``: steps 0, L, 2L, ... With ``ramp``: gaps of 1, 2,
+    4, ... while they are below L, then L: for L = 10, steps 0, 1, 3, 7, 15, 25, 35, ...
+    (the doubling phase ends at step ``2^m - 1``, ``m`` the doublings below L)."""
+    if not ramp:
+        return step % every == 0
+    m = max(0, (every - 1).bit_length())  # gaps 1, 2, ..., 2^(m-1) are all < every
+    ramp_end = (1 << m) - 1
+    if step < ramp_end:
+        return ((step + 1) & step) == 0  # step + 1 a power of two
+    return (step - ramp_end) % every == 0
+
+
+def auto_refresh_every(total_steps: int) -> int:
+    """L chosen from the run's length: 1% of its steps, at least 10 and at most 2000 (the
+    paper's "every few thousand" for runs of hundreds of thousands of steps)."""
+    return min(2000, max(10, round(total_steps / 100)))
+
+
 def _top(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(indices, tau)``: the nonzero entries among the ``k`` largest ``|x|``, ascending,
     and the ``k``-th largest magnitude."""
@@ -206,25 +226,30 @@ class DCTCompressor(_Sparsifier):
       gradient) would send every nonzero entry until the next refresh, so the threshold
       is recomputed at the next step instead.
     - Exact zeros are never sent.
+    - ``ramp``: the first refreshes come sooner, after 1, 2, 4, ... compressed steps (the
+      gap doubling until it reaches L), then every L (:func:`refresh_due`). Early in
+      training gradients shrink fast, and a threshold held from step 0 for L steps lets
+      fewer and fewer entries through; the ramp costs ``log2(L)`` extra top-k passes.
     """
 
     kind = "dct"
 
     def __init__(self, ratio: float, refresh_every: int, *, error_feedback: bool = True,
-                 warmup_steps: int = 0) -> None:
+                 warmup_steps: int = 0, ramp: bool = False) -> None:
         super().__init__(ratio, error_feedback=error_feedback, warmup_steps=warmup_steps)
         if refresh_every < 1:
             raise ValueError(f"refresh_every (L) must be >= 1, got {refresh_every}")
         # L: the top-k behind tau costs a sort-like pass; holding tau L steps amortises it.
         self.refresh_every = refresh_every
+        self.ramp = ramp
 
     def hyperparameters(self):
-        return {**super().hyperparameters(), "refresh_every": self.refresh_every}
+        return {**super().hyperparameters(), "refresh_every": self.refresh_every, "ramp": self.ramp}
 
     def due(self, st: TensorState) -> bool:
-        """True when ``tau`` is recomputed at this step: compressed steps 0, L, 2L, ...
-        (counted after the warm-up) and whenever no valid threshold is held."""
-        return st.tau is None or (st.step - self.warmup_steps) % self.refresh_every == 0
+        """True when ``tau`` is recomputed at this step (:func:`refresh_due` of the compressed
+        steps counted after the warm-up) and whenever no valid threshold is held."""
+        return st.tau is None or refresh_due(st.step - self.warmup_steps, self.refresh_every, self.ramp)
 
     def _select(self, st, x):
         k = keep_count(self.ratio, x.numel())

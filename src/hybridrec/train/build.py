@@ -22,6 +22,7 @@ from hybridrec.comm.compress import (
     GradientCompressor,
     NoCompression,
     TopKCompressor,
+    auto_refresh_every,
 )
 from hybridrec.comm.ddp_hooks import CompressedAllReduce, HookFactory, PowerSGDHooks
 from hybridrec.comm.ledger import CommLedger
@@ -252,11 +253,14 @@ def build_sparse_optimizers(cfg: Config, sparse) -> CombinedSparseOptimizer:
     return combined_sparse_optimizer(cfg.optim.sparse, sparse, lr=cfg.optim.sparse_lr, **kwargs)
 
 
-def build_dense_compressor(c: CompressConfig) -> GradientCompressor:
-    """The payload compressor of ``compress.dense`` (dct, topk, fp16 or bf16)."""
+def build_dense_compressor(c: CompressConfig, *, total_steps: int = 0) -> GradientCompressor:
+    """The payload compressor of ``compress.dense`` (dct, topk, fp16 or bf16). ``dct``'s L is
+    ``compress.dense_refresh_every``, or with 0 chosen from ``total_steps`` (the run's
+    planned steps), and its first refreshes ramp up to it."""
     if c.dense == "dct":
-        return DCTCompressor(c.dense_ratio, c.dense_refresh_every, error_feedback=c.dense_error_feedback,
-                             warmup_steps=c.dense_warmup_steps)
+        every = c.dense_refresh_every or auto_refresh_every(total_steps)
+        return DCTCompressor(c.dense_ratio, every, error_feedback=c.dense_error_feedback,
+                             warmup_steps=c.dense_warmup_steps, ramp=True)
     if c.dense == "topk":
         return TopKCompressor(c.dense_ratio, error_feedback=c.dense_error_feedback,
                               warmup_steps=c.dense_warmup_steps)
@@ -265,7 +269,8 @@ def build_dense_compressor(c: CompressConfig) -> GradientCompressor:
     raise ConfigError(f"compress.dense={c.dense!r} is not a payload compressor")
 
 
-def build_dense_hooks(c: CompressConfig, ledger: CommLedger, *, seed: int = 0) -> HookFactory | None:
+def build_dense_hooks(c: CompressConfig, ledger: CommLedger, *, seed: int = 0,
+                      total_steps: int = 0) -> HookFactory | None:
     """The DDP comm hooks of the dense arches from ``compress.dense`` (None: the plain
     all-reduce). PowerSGD starts after at least 2 steps: DDP rebuilds its buckets after
     the first, and PyTorch's PowerSGD keys its error by bucket index."""
@@ -274,22 +279,22 @@ def build_dense_hooks(c: CompressConfig, ledger: CommLedger, *, seed: int = 0) -
     if c.dense == "powersgd":
         return PowerSGDHooks(rank=c.powersgd_rank, warmup_steps=max(2, c.dense_warmup_steps),
                              error_feedback=c.dense_error_feedback, seed=seed, ledger=ledger)
-    return CompressedAllReduce(build_dense_compressor(c), ledger)
+    return CompressedAllReduce(build_dense_compressor(c, total_steps=total_steps), ledger)
 
 
-def build_dense_sync(cfg: Config, topo: Topology, ledger: CommLedger) -> DenseSync:
+def build_dense_sync(cfg: Config, topo: Topology, ledger: CommLedger, *, total_steps: int = 0) -> DenseSync:
     """The dense-synchronization strategy of ``dist.dense_sync`` (one process, or a
     synchronizer of replicas (``sync.algorithm``): none)."""
     kind = cfg.dist.dense_sync
     if topo.world_size == 1 or kind == "none" or (cfg.sync.algorithm != "none" and not topo.hierarchical):
         return NoSync()  # (hierarchical: the synchronizer works across groups, DDP inside one)
     if kind == "ddp":
-        return DDPSync(topo, hooks=build_dense_hooks(cfg.compress, ledger, seed=cfg.train.seed),
-                       ledger=ledger)
+        return DDPSync(topo, hooks=build_dense_hooks(cfg.compress, ledger, seed=cfg.train.seed,
+                                                     total_steps=total_steps), ledger=ledger)
     if cfg.compress.dense == "powersgd":
         raise ConfigError("compress.dense=powersgd runs as a DDP comm hook: use dist.dense_sync=ddp")
     plain = cfg.compress.dense == "none"
-    compressor = NoCompression() if plain else build_dense_compressor(cfg.compress)
+    compressor = NoCompression() if plain else build_dense_compressor(cfg.compress, total_steps=total_steps)
     return AllReduceSync(topo, CompressedAllReduce(compressor, ledger), ledger=ledger, predict=plain)
 
 
@@ -413,7 +418,10 @@ def build_trainer(cfg: Config, *, meta: DatasetMeta | None = None, topo: Topolog
         keep_until = max(keep_until, survivors_step(run_dir) or 0)
     if not cfg.train.resume and topo.lead:
         start_over(run_dir)
-    dense_sync = build_dense_sync(cfg, topo, ledger)
+    # (Hierarchical training: every rank of every group its own part of the data.)
+    train_loader, eval_loader = build_loaders(cfg, meta, rank=topo.global_rank, world_size=topo.global_world_size)
+    total_steps = planned_steps(cfg, len(train_loader))
+    dense_sync = build_dense_sync(cfg, topo, ledger, total_steps=total_steps)
     servers = None
     if cfg.dist.num_ps:
         model, servers = build_ps_model(cfg, meta, topo, ledger, dense_sync, run_dir)
@@ -427,10 +435,7 @@ def build_trainer(cfg: Config, *, meta: DatasetMeta | None = None, topo: Topolog
                                                                 lr=cfg.optim.sparse_lr)})
                   if servers else build_sparse_optimizers(cfg, model.sparse))
     kernels = tune_kernels(cfg, model, topo, sparse_opt)
-    # (Hierarchical training: every rank of every group its own part of the data.)
-    train_loader, eval_loader = build_loaders(cfg, meta, rank=topo.global_rank, world_size=topo.global_world_size)
     pipeline = TrainPipeline(train_loader, model.sparse, enabled=cfg.dist.pipeline)
-    total_steps = planned_steps(cfg, len(train_loader))
     schedule = LRSchedule(cfg.optim.warmup_steps, cfg.optim.decay, cfg.optim.decay_start, total_steps)
     scheduler = LRScheduler(schedule, dense_opt, sparse_opt,
                             dense_lr=cfg.optim.dense_lr, sparse_lr=cfg.optim.sparse_lr)

@@ -265,13 +265,18 @@ class CompressConfig:
     or ``powersgd``."""
     dense_ratio: float = 0.01
     """Fraction of gradient entries kept (eta) by ``dct`` and ``topk``."""
-    dense_refresh_every: int = 2000
-    """``dct``: steps between recomputations of the threshold (L)."""
+    dense_refresh_every: int = 0
+    """``dct``: steps between recomputations of the threshold (L); 0 (auto): 1% of the run's
+    steps, at least 10 and at most 2000. Either way the first refreshes come sooner (after
+    1, 2, 4, ... compressed steps, doubling up to L), while gradients shrink fastest."""
     dense_error_feedback: bool = True
     """Keep what was not sent as a residual added to the next step's gradient."""
     dense_warmup_steps: int = 0
     """Steps sent uncompressed before compression starts (``powersgd``: at least 2, as DDP
     rebuilds its buckets after the first step)."""
+    dense_replicated: bool = True
+    """With ``dct`` or ``topk``: compress the replicated (data-parallel) tables' gradients too,
+    with the same eta and threshold schedule, instead of their dense all-reduce."""
     powersgd_rank: int = 1
     """``powersgd``: rank of the low-rank approximation."""
     embedding: str = "none"
@@ -281,6 +286,19 @@ class CompressConfig:
     """``dct``: fraction of each sample's pooled entries kept (eta)."""
     embedding_values: str = "fp32"
     """``dct``: dtype of the kept values on the wire: ``fp32``, ``fp16`` or ``bf16``."""
+    embedding_select: str = "topk"
+    """``dct``: ``topk`` keeps the ``eta`` largest entries of every piece of every sample (fixed
+    bytes, no size exchange); ``threshold`` keeps every entry of a sample's whole boundary vector
+    (all the pieces an owner sends it) whose magnitude is at least a threshold refreshed every
+    ``embedding_refresh_every`` steps to keep ``eta`` of the entries on average, at most
+    ``embedding_cap * eta`` of a sample's entries (its budget); sizes travel in one small
+    all-to-all per step."""
+    embedding_refresh_every: int = 0
+    """``dct`` with ``threshold``: steps between refreshes of the threshold; 0 (auto): as
+    ``dense_refresh_every``'s auto."""
+    embedding_cap: float = 2.0
+    """``dct`` with ``threshold``: a sample sends at most ``ceil(embedding_cap * eta * D)`` of the
+    ``D`` entries an owner holds for it (the largest ones); >= 1."""
     embedding_tables: list[str] = field(default_factory=list)
     """Compress only these tables' hops (empty = every sharded table)."""
     embedding_min_rows: int = 0
@@ -653,7 +671,7 @@ def validate(cfg: Config) -> None:
         (c.dense in ("none", "dct", "topk", "fp16", "bf16", "powersgd"),
          f"compress.dense {c.dense!r}: none, dct, topk, fp16, bf16 or powersgd"),
         (0 < c.dense_ratio <= 1, f"compress.dense_ratio must be in (0, 1], got {c.dense_ratio}"),
-        (c.dense_refresh_every >= 1, "compress.dense_refresh_every must be >= 1"),
+        (c.dense_refresh_every >= 0, "compress.dense_refresh_every must be >= 0 (0: auto)"),
         (c.dense_warmup_steps >= 0, "compress.dense_warmup_steps must be >= 0"),
         *_sync_checks(cfg),
         (not (problem := workers_problem(cfg, cfg.dist.nproc)), problem),
@@ -668,6 +686,10 @@ def validate(cfg: Config) -> None:
         (c.embedding_values in ("fp32", "fp16", "bf16"),
          f"compress.embedding_values {c.embedding_values!r}: fp32, fp16 or bf16"),
         (c.embedding_min_rows >= 0, "compress.embedding_min_rows must be >= 0"),
+        (c.embedding_select in ("topk", "threshold"),
+         f"compress.embedding_select {c.embedding_select!r}: topk or threshold"),
+        (c.embedding_refresh_every >= 0, "compress.embedding_refresh_every must be >= 0 (0: auto)"),
+        (c.embedding_cap >= 1, f"compress.embedding_cap must be >= 1, got {c.embedding_cap}"),
     ]
     for ok, msg in checks:
         if not ok:
