@@ -162,6 +162,25 @@ def test_ratios_are_the_ratio_of_mean_bytes_not_the_mean_of_per_seed_ratios():
     assert report.aggregate("x", [*runs, failed])["ratio"] == row["ratio"]
 
 
+def test_modelled_time_on_a_link_adds_the_bytes_at_line_rate():
+    # 100 steps of 0.2 s each; rank 0 sends 1.25 MB and receives 2.5 MB per step: at 1 Gbit/s
+    # the larger direction takes 20 ms, at 100 Mbit/s 200 ms.
+    summary = _summary(1_250_000.0, 2_500_000.0, 0.75)
+    summary["comm"]["per_step"]["mean"]["received"] = 2_500_000.0
+    summary.update(step=100, throughput={"samples_per_sec_overall": 1.0, "measured_steps": 50,
+                                         "measured_seconds": 10.0})
+    rec = report.run_record({"seed": 0, "status": "ok", "compress": {}, "summary": summary})
+    assert rec["step_seconds"] == pytest.approx(0.2)
+    assert rec["modelled_seconds"]["1gbit"] == pytest.approx(100 * 0.22)
+    assert rec["modelled_seconds"]["100mbit"] == pytest.approx(100 * 0.4)
+    row = report.aggregate("x", [rec])
+    assert report._time_cell(row, row, "100mbit") == "0.7 min (1.00x)"
+    # A summary without the measured seconds has no modelled time.
+    bare = report.run_record({"seed": 0, "status": "ok", "compress": {}, "summary": _summary(1.0, 1.0, 0.7)})
+    assert "modelled_seconds" not in bare
+    assert report._time_cell(report.aggregate("y", [bare]), row, "1gbit") == "n/a"
+
+
 def _points(tree, panel):
     g = tree.findall("{http://www.w3.org/2000/svg}g")[panel]
     return {c.get("data-label"): "front" in c.get("class")

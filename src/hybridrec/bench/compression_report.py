@@ -23,6 +23,19 @@ from hybridrec.metrics.logger import write_json_atomic, write_text_atomic
 CATEGORIES = ("dense_allreduce", "output_dist")
 """The table's byte columns: dense data-parallel gradients and pooled embeddings."""
 
+LINKS = {"1gbit": 1e9, "100mbit": 1e8}
+"""Link rates (bit/s per direction) of the modelled end-to-end times."""
+
+
+def modelled_seconds(steps: int, step_seconds: float, sent: float, received: float, rate_bps: float) -> float:
+    """A run's time on a link of ``rate_bps`` per direction, modelled: every step takes its
+    measured time (on the machine the sweep ran on, ranks on loopback) plus the time rank 0's
+    bytes of the step need at the line rate, ``max(sent, received) * 8 / rate`` (full duplex),
+    with no overlap of compute and communication. A model, not a measurement: gloo reaches
+    ~50-95% of a real link's rate (docs/benchmarks.md, "Link rate of gloo collectives") and
+    overlaps part of it with compute."""
+    return steps * (step_seconds + max(sent, received) * 8 / rate_bps)
+
 
 def run_record(result: dict) -> dict:
     """One run's numbers (from :func:`compression.train_one`), without the full summary."""
@@ -42,7 +55,14 @@ def run_record(result: dict) -> dict:
         sent_per_step=sent, original_per_step=original,
         ratio={c: byte_ratio(original[c], sent[c]) for c in per_cat},
         total_sent_per_step=total.get("sent", 0.0),
+        total_received_per_step=total.get("received", 0.0),
         total_original_per_step=total.get("original", 0.0))
+    tp = s.get("throughput", {})
+    if tp.get("measured_steps") and tp.get("measured_seconds") and rec["steps"]:
+        rec["step_seconds"] = tp["measured_seconds"] / tp["measured_steps"]
+        rec["modelled_seconds"] = {
+            link: modelled_seconds(rec["steps"], rec["step_seconds"], rec["total_sent_per_step"],
+                                   rec["total_received_per_step"], rate) for link, rate in LINKS.items()}
     return rec
 
 
@@ -131,6 +151,8 @@ def aggregate(name: str, runs: list[dict]) -> dict:
     out["log_loss"], out["log_loss_std"] = mean_std([r["log_loss"] for r in ok])
     out["samples_per_sec"] = mean_std([r["samples_per_sec"] for r in ok])[0]
     out["total_sent_per_step"] = mean_std([r["total_sent_per_step"] for r in ok])[0]
+    out["modelled_seconds"] = {link: mean_std([r.get("modelled_seconds", {}).get(link) for r in ok])[0]
+                               for link in LINKS}
     out["sent_per_step"], out["original_per_step"], out["ratio"] = {}, {}, {}
     for c in CATEGORIES:
         sent = mean_std([r["sent_per_step"].get(c, 0.0) for r in ok])[0]
@@ -216,6 +238,15 @@ def _bytes_cell(row: dict, cat: str) -> str:
     return fmt_bytes(sent) + ("" if ratio is None else f" ({ratio:.1f}x)")
 
 
+def _time_cell(row: dict, base: dict | None, link: str) -> str:
+    """Modelled minutes on ``link``, with the speed-up against the baseline's."""
+    t = row.get("modelled_seconds", {}).get(link)
+    if t is None:
+        return "n/a"
+    b = None if base is None else base.get("modelled_seconds", {}).get(link)
+    return f"{t / 60:.1f} min" + (f" ({b / t:.2f}x)" if b else "")
+
+
 def format_markdown(results: dict) -> str:
     """The table (one row per setting) with a header saying what was run and how."""
     steps = results["max_steps"] or "recipe's epochs"
@@ -232,10 +263,14 @@ def format_markdown(results: dict) -> str:
               "mean original float32 bytes / mean bytes sent in parentheses (a ratio of means "
               "over seeds); total = every category. "
               "AUC and log loss on the held-out split: mean ± std over seeds. Pareto: no other "
-              "setting has a higher AUC for no more bytes.", "",
+              "setting has a higher AUC for no more bytes. At 1 Gbit/s and 100 Mbit/s: the "
+              "run's time modelled as its measured step time plus its bytes per step at the line "
+              "rate, no overlap (a model, not a measurement; speed-up against the baseline).", "",
               "| setting | dense (η) | embedding (η) | AUC | ΔAUC | log loss "
-              "| dense all-reduce/step | output_dist/step | total sent/step | samples/s | Pareto |",
-              "|---|---|---|---|---|---|---|---|---|---|---|"]
+              "| dense all-reduce/step | output_dist/step | total sent/step | samples/s "
+              "| at 1 Gbit/s | at 100 Mbit/s | Pareto |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    base = next((r for r in results["settings"] if r["name"] == results["baseline"]), None)
     for r in results["settings"]:
         delta = ("ref" if r["name"] == results["baseline"] else
                  "n/a" if r["delta_auc"] is None else f"{r['delta_auc']:+.4f}")
@@ -245,6 +280,7 @@ def format_markdown(results: dict) -> str:
             f"| {_pm(r['auc'], r['auc_std'])} | {delta} | {_pm(r['log_loss'], r['log_loss_std'])} "
             f"| {_bytes_cell(r, 'dense_allreduce')} | {_bytes_cell(r, 'output_dist')} "
             f"| {fmt_bytes(r['total_sent_per_step'])} | {_num(r['samples_per_sec'], '{:,.0f}')} "
+            f"| {_time_cell(r, base, '1gbit')} | {_time_cell(r, base, '100mbit')} "
             f"| {'yes' if r['pareto'] else ''} |")
     failed = [(s["name"], run) for s in results["settings"] for run in s["runs"]
               if run["status"] == "failed"]
