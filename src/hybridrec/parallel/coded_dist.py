@@ -53,12 +53,14 @@ from hybridrec.parallel.layout import (  # noqa: F401 - owner layouts are part o
     PieceGroup,
     owner_layout,
 )
+from hybridrec.parallel.threshold_dist import ThresholdAllToAll
 from hybridrec.parallel.topology import Topology
 
 
 def output_all_to_all(pooled: torch.Tensor, reduced: torch.Tensor, layout: EmbeddingLayout,
                       batch_sizes: list[int], topo: Topology,
-                      ledger: CommLedger | None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+                      ledger: CommLedger | None, *, threshold=None,
+                      training: bool = True) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """One exchange of every rank's pooled rows (autograd: the reverse hop).
 
     Args:
@@ -67,13 +69,20 @@ def output_all_to_all(pooled: torch.Tensor, reduced: torch.Tensor, layout: Embed
             (:mod:`hybridrec.parallel.host_reduce`), ``[rows, W_t]``; ``[0, 0]`` when its
             host has no table_row_wise tables.
 
+        threshold: a :class:`~hybridrec.parallel.threshold_dist.ThresholdMP`: DCT-MP with a
+            threshold over every sample's whole boundary vector instead of codecs (no TRW
+            tables); ``training``: whether this forward may refresh it.
+
     Returns ``(owners, hosts)``: every owner's block for this rank's samples, ``[b, W_d]``
     per owner ``d``, and every host's TRW block, ``[b, W_h]`` per host (``[b, 0]`` without).
     """
     me, b = topo.rank, batch_sizes[topo.rank]
     order = _recv_order(layout, me)
     widths = [layout.all_blocks[i].width for _, i in order]
-    if layout.coded is not None:
+    if threshold is not None:
+        recv = ThresholdAllToAll.apply(pooled, layout, batch_sizes, topo, ledger, threshold, training)
+        parts = torch.split(recv, widths, dim=1)
+    elif layout.coded is not None:
         recv = CodedAllToAll.apply(pooled, reduced, layout, batch_sizes, topo, ledger)
         parts = torch.split(recv, widths, dim=1)
     else:

@@ -52,6 +52,7 @@ import torch.distributed as dist
 from torch import nn
 
 from hybridrec.comm.codecs import Codec
+from hybridrec.parallel.threshold_dist import ThresholdMP
 from hybridrec.comm.ledger import CommLedger, ring_allreduce_bytes, tensor_nbytes
 from hybridrec.model.embedding import (
     EmbeddingBagCollection,
@@ -127,14 +128,20 @@ class ShardedEmbeddingBagCollection(nn.Module):
 
     def __init__(self, tables: list[TableConfig], plan: ShardingPlan, topo: Topology, *,
                  seed: int = 0, ledger: CommLedger | None = None,
-                 codecs: Mapping[str, Codec] | None = None) -> None:
+                 codecs: Mapping[str, Codec] | None = None, threshold: ThresholdMP | None = None) -> None:
         super().__init__()
         if plan.world_size != topo.world_size:
             raise ValueError(f"plan is for {plan.world_size} ranks, the world has {topo.world_size}")
         self.topo, self.plan, self.ledger, self.seed = topo, plan, ledger, seed
         self.tables = {t.name: t for t in tables}
         self.codecs = dict(codecs or {})
+        if threshold is not None and self.codecs:
+            raise ValueError("a threshold hop codes every table: give codecs or a threshold, not both")
+        self.threshold = threshold  # DCT-MP with a threshold (parallel/threshold_dist.py)
         self.layout: EmbeddingLayout = build_layout(tables, plan, self.codecs)
+        if threshold is not None and (any(b.width for b in self.layout.host_blocks)
+                                      or any(b.has_fm for b in self.layout.blocks)):
+            raise ValueError("the threshold hop takes no table_row_wise tables and no FM pieces")
         _check_hosts(self.layout, topo)
         self.local = _shard_collection(self.layout.slots[topo.rank], self.tables, seed)
         dp = [self.tables[n] for n in self.layout.replicated_tables]
@@ -202,11 +209,14 @@ class ShardedEmbeddingBagCollection(nn.Module):
         else:  # still joins the collectives, forward and backward
             pooled = torch.zeros(sum(sizes), 0, requires_grad=self.training and torch.is_grad_enabled())
         reduced = pooled.new_zeros(0, 0) if reduced is None else reduced
-        owners, hosts = output_all_to_all(pooled, reduced, layout, sizes, self.topo, self.ledger)
+        owners, hosts = output_all_to_all(pooled, reduced, layout, sizes, self.topo, self.ledger,
+                                          threshold=self.threshold, training=self.training)
         if self.ledger is not None:  # the formula's bytes of this step, beside the counted ones
             pred = step_bytes(layout, rank, list(owner.batch_sizes), owner.ids,
                               backward=pooled.requires_grad)
             for (category, table, direction), (sent, received) in pred.items():
+                if self.threshold is not None and category == "output_dist":
+                    continue  # the threshold's bytes depend on the activations: not predicted
                 self.ledger.predict(category, table=table, direction=direction, sent=sent, received=received)
         return owners, hosts
 

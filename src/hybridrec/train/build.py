@@ -52,6 +52,7 @@ from hybridrec.parallel.parallelize import parallelize_dlrm
 from hybridrec.parallel.plan import ShardingPlan
 from hybridrec.parallel.planner import plan_sharding
 from hybridrec.parallel.sharded_embedding import SHARDS, ShardedEmbeddingBagCollection
+from hybridrec.parallel.threshold_dist import ThresholdMP
 from hybridrec.parallel.topology import Topology, group_problem
 from hybridrec.ps.client import PushOptimizer, RemoteEmbeddingCollection
 from hybridrec.train.ps_run import ServerCheckpoints, ps_plan
@@ -87,7 +88,8 @@ def build_tables(meta: DatasetMeta, cfg: Config) -> list[TableConfig]:
 
 
 def build_model(cfg: Config, meta: DatasetMeta, *, plan: ShardingPlan | None = None,
-                topo: Topology | None = None, ledger: CommLedger | None = None, sparse=None) -> DLRM:
+                topo: Topology | None = None, ledger: CommLedger | None = None, sparse=None,
+                total_steps: int = 0) -> DLRM:
     """The single-device DLRM, or with ``plan`` one whose embedding collection holds only
     this rank's shards (the whole tables are never materialised on a rank), or with
     ``sparse`` one with that embedding collection (a parameter-server run's)."""
@@ -99,7 +101,8 @@ def build_model(cfg: Config, meta: DatasetMeta, *, plan: ShardingPlan | None = N
         ebc = EmbeddingBagCollection(tables, seed=cfg.train.seed)
     else:
         ebc = ShardedEmbeddingBagCollection(tables, plan, topo, seed=cfg.train.seed, ledger=ledger,
-                                            codecs=build_embedding_codecs(cfg, tables, plan))
+                                            codecs=build_embedding_codecs(cfg, tables, plan),
+                                            threshold=build_threshold_mp(cfg, plan, total_steps))
     arch = DeepFM if cfg.model.arch == "deepfm" else DLRM
     try:
         return arch(num_dense=len(meta.schema.dense), sparse=ebc, bottom_mlp=cfg.model.bottom_mlp,
@@ -116,6 +119,8 @@ def build_embedding_codecs(cfg: Config, tables: list[TableConfig],
     no hop) named in ``embedding_tables`` (empty: all) with at least
     ``embedding_min_rows`` rows. Tables left out travel as float32."""
     c = cfg.compress
+    if c.embedding == "dct" and c.embedding_select == "threshold":
+        return {}  # (build_threshold_mp)
     codec = make_codec(c.embedding, eta=c.embedding_ratio, values=c.embedding_values)
     if codec is None:
         return {}
@@ -127,6 +132,27 @@ def build_embedding_codecs(cfg: Config, tables: list[TableConfig],
             if plan.tables[t.name].sharding_type != "data_parallel"
             and (not c.embedding_tables or t.name in c.embedding_tables)
             and t.num_embeddings >= c.embedding_min_rows}
+
+
+def build_threshold_mp(cfg: Config, plan: ShardingPlan, total_steps: int) -> ThresholdMP | None:
+    """``compress.embedding=dct`` with ``embedding_select=threshold``: DCT-MP's threshold over
+    every sample's whole boundary vector (:mod:`hybridrec.parallel.threshold_dist`), for every
+    sharded table; None otherwise. Refuses what that hop does not take."""
+    c = cfg.compress
+    if c.embedding != "dct" or c.embedding_select != "threshold":
+        return None
+    if c.embedding_tables or c.embedding_min_rows:
+        raise ConfigError("compress.embedding_select=threshold codes every sharded table: leave "
+                          "compress.embedding_tables and compress.embedding_min_rows unset")
+    if cfg.model.arch != "dlrm":
+        raise ConfigError(f"compress.embedding_select=threshold needs model.arch=dlrm (got "
+                          f"{cfg.model.arch}: its FM piece is not an activation to threshold)")
+    trw = sorted(n for n, tp in plan.tables.items() if tp.sharding_type == "table_row_wise")
+    if trw:
+        raise ConfigError(f"compress.embedding_select=threshold takes no table_row_wise tables "
+                          f"({', '.join(trw[:3])}): use dist.sharding=row_wise or the top-k selection")
+    every = c.embedding_refresh_every or auto_refresh_every(total_steps)
+    return ThresholdMP(c.embedding_ratio, every, cap=c.embedding_cap, values=c.embedding_values)
 
 
 def build_loaders(cfg: Config, meta: DatasetMeta, *, rank: int = 0, world_size: int = 1):
@@ -348,7 +374,7 @@ SYNC_REFRESH_EVERY = 10
 
 
 def build_parallel_model(cfg: Config, meta: DatasetMeta, topo: Topology, ledger: CommLedger,
-                         dense_sync: DenseSync, run_dir: Path) -> torch.nn.Module:
+                         dense_sync: DenseSync, run_dir: Path, *, total_steps: int = 0) -> torch.nn.Module:
     """Several ranks: plan the sharding (tables, and the dense part from
     ``dist.partition_dense`` or the plan file), build this rank's shards, place the dense
     modules and apply parallelism; rank 0 writes the plan into the run directory."""
@@ -359,7 +385,7 @@ def build_parallel_model(cfg: Config, meta: DatasetMeta, topo: Topology, ledger:
     if cw and cfg.optim.sparse == "rowwise_adagrad" and topo.lead:
         warnings.warn(f"column-wise tables {cw[:3]} with row-wise Adagrad keep one accumulator per "
                       "column shard: training will not equal one process exactly", stacklevel=1)
-    model = build_model(cfg, meta, plan=plan, topo=topo, ledger=ledger)
+    model = build_model(cfg, meta, plan=plan, topo=topo, ledger=ledger, total_steps=total_steps)
     try:  # (checked on every rank alike, before any collective of the dense part)
         plan.dense = resolve_dense(cfg.dist.partition_dense, plan.dense, model, topo.world_size)
     except ValueError as e:
@@ -428,7 +454,7 @@ def build_trainer(cfg: Config, *, meta: DatasetMeta | None = None, topo: Topolog
     elif topo.world_size == 1:
         model = build_model(cfg, meta)
     else:
-        model = build_parallel_model(cfg, meta, topo, ledger, dense_sync, run_dir)
+        model = build_parallel_model(cfg, meta, topo, ledger, dense_sync, run_dir, total_steps=total_steps)
     sync_runner = build_sync_runner(cfg, topo, model, ledger)
     dense_opt = build_dense_optimizer(dense_parameters(model), cfg.optim)
     sparse_opt = (CombinedSparseOptimizer({"ps": PushOptimizer(model.sparse, name=cfg.optim.sparse,

@@ -1,0 +1,282 @@
+"""DCT-MP with a threshold: the output_dist hop sends, for every sample, the entries of its
+whole boundary vector at or above a magnitude threshold refreshed every few steps.
+
+``compress.embedding=dct`` with ``compress.embedding_select=threshold``. Beside the per-piece
+top-k codec (:class:`~hybridrec.comm.codecs.TopKCodec`: every piece of every sample keeps
+``ceil(eta C)`` entries, fixed bytes, no size exchange), this is the paper's rule:
+
+- **What is selected.** An owner's row for a sample is its *boundary vector* there: all the
+  pieces it sends that sample, side by side (``W`` = the owner's block width, e.g. 13 tables
+  x 64 on 2 ranks of the 26-table model). Entries with ``|x| >= tau`` and ``x != 0`` are kept,
+  so a field whose pooled vector is large keeps more entries than a small one, and a sample
+  with large activations keeps more than one with small ones.
+- **The threshold.** One ``tau`` per owner (its :class:`ThresholdMP`), the ``K``-th largest
+  ``|x|`` of the owner's whole block of a training step, ``K = ceil(eta * rows * W)``,
+  recomputed at training steps 0, 1, 3, 7, ... then every L (the DCT-DP schedule,
+  :func:`~hybridrec.comm.compress.refresh_due` with its ramp) and held in between; so ``eta``
+  of the entries pass on average at a refresh, and the count varies in between. L =
+  ``compress.embedding_refresh_every``, or 1% of the run (``auto_refresh_every``). Evaluation
+  uses the held threshold and never refreshes it. The threshold is not checkpointed: after a
+  resume it is recomputed at the first step.
+- **The per-sample budget.** A sample sends at most ``cap_k = ceil(embedding_cap * eta * W)``
+  entries of an owner's ``W`` (the largest of those passing): with ``embedding_cap = 2`` no
+  sample costs more than twice the average, whatever its activations.
+- **Message** from an owner to rank ``d`` (``b_d`` rows of ``d``'s samples)::
+
+      [b_d counts: uint8 (cap_k < 256) / int16 / int32][nnz values: fp32/fp16/bf16][nnz indices: uint8/int16/int32]
+
+  counts per row, then the kept values row after row, then their column positions in the
+  owner's block (the smallest integer type holding ``W - 1``). The sizes vary per step, so
+  every forward first exchanges them: one all-to-all of one int64 per rank pair.
+- **Backward.** The receiver sends each owner the gradients at the positions it received
+  (values dtype, same order); the owner knows the sizes, so no size is exchanged, and
+  scatters them: ``dL/dx = mask * dL/dx_hat``, exact by the chain rule. No residual: the
+  activations belong to one step's samples.
+
+Scope (refused in ``train/build.py`` with a one-line error): every sharded table's pieces go
+through it (no ``embedding_tables`` / ``embedding_min_rows`` subset), no table_row_wise tables
+(their in-host sums travel in a second segment), DLRM only (DeepFM's FM piece is not an
+activation to threshold). Table-wise, column-wise and row-wise shards work: row shards'
+partials are thresholded by their owners and summed by the receiver after decoding.
+
+Bytes (ledger category ``output_dist``): per table, the kept entries' value and index bytes
+(exact: entries are counted per table from their columns) with ``original`` the float32 bytes
+of that table's pieces of the rows; the counts and the size exchange under ``table=None``
+with ``original = 0``. Totals are exactly what the collectives moved to and from other ranks.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from hybridrec.comm.codecs import VALUE_DTYPES, from_bytes, index_dtype, to_bytes
+from hybridrec.comm.compress import keep_count, refresh_due
+from hybridrec.comm.ledger import CommLedger
+from hybridrec.parallel.layout import EmbeddingLayout
+from hybridrec.parallel.topology import Topology
+
+SIZE_BYTES = 8
+"""One int64 per rank pair in the size exchange."""
+
+
+def count_dtype(cap: int) -> torch.dtype:
+    """Smallest type holding a per-row count ``0 .. cap``."""
+    if cap < 256:
+        return torch.uint8
+    if cap < 2**15:
+        return torch.int16
+    return torch.int32
+
+
+def _item(dtype: torch.dtype) -> int:
+    return torch.empty(0, dtype=dtype).element_size()
+
+
+class ThresholdMP:
+    """One owner's DCT-MP threshold state and policy (see the module docstring).
+
+    Args:
+        eta: share of the block's entries kept at a refresh (``compress.embedding_ratio``).
+        refresh_every: L, training steps between refreshes (>= 1).
+        cap: per-sample budget as a multiple of ``eta * W`` (>= 1).
+        values: dtype name of the values on the wire (fp32, fp16, bf16).
+    """
+
+    def __init__(self, eta: float, refresh_every: int, *, cap: float = 2.0, values: str = "fp32") -> None:
+        if not 0 < eta <= 1:
+            raise ValueError(f"eta must be in (0, 1], got {eta}")
+        if refresh_every < 1:
+            raise ValueError(f"refresh_every must be >= 1, got {refresh_every}")
+        if cap < 1:
+            raise ValueError(f"cap must be >= 1, got {cap}")
+        if values not in VALUE_DTYPES:
+            raise ValueError(f"values {values!r}: one of {sorted(VALUE_DTYPES)}")
+        self.eta, self.refresh_every, self.cap, self.values = eta, refresh_every, cap, values
+        self.dtype = VALUE_DTYPES[values]
+        self.tau: torch.Tensor | None = None
+        self.step = 0  # training forwards seen
+        self.refreshes = 0
+
+    def budget(self, width: int) -> int:
+        """Entries a sample may send of an owner's ``width``: ``ceil(cap * eta * width)``,
+        at least 1 and at most ``width`` (0 for an empty block)."""
+        if width == 0:
+            return 0
+        return min(width, max(1, math.ceil(self.cap * self.eta * width - 1e-9)))
+
+    def threshold(self) -> float | None:
+        return None if self.tau is None else float(self.tau)
+
+    def select(self, x: torch.Tensor, training: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """``x [rows, W]`` -> ``(idx [rows, cap_k] int64, keep [rows, cap_k] bool)``: per row
+        the candidate columns by decreasing magnitude and which of them are sent."""
+        rows, width = x.shape
+        kc = self.budget(width)
+        if rows == 0 or kc == 0:
+            return x.new_zeros(rows, kc, dtype=torch.int64), x.new_zeros(rows, kc, dtype=torch.bool)
+        mag = x.detach().abs()
+        thr = self.tau
+        if training and (thr is None or refresh_due(self.step, self.refresh_every, ramp=True)):
+            flat = mag.reshape(-1)
+            thr = flat.topk(keep_count(self.eta, flat.numel()), sorted=False).values.min()
+            self.refreshes += 1
+            self.tau = thr if float(thr) > 0 else None  # a zero threshold is not held
+        elif thr is None:  # evaluation before any training step: this batch's own threshold
+            flat = mag.reshape(-1)
+            thr = flat.topk(keep_count(self.eta, flat.numel()), sorted=False).values.min()
+        if training:
+            self.step += 1
+        passing = torch.where(mag >= thr, mag, torch.zeros_like(mag))  # exact zeros stay 0
+        top = passing.topk(kc, dim=1)
+        return top.indices, top.values > 0
+
+
+def _col_tables(layout: EmbeddingLayout, owner: int) -> tuple[list[str | None], torch.Tensor]:
+    """``(tables, col_to_table [W])`` of an owner's block: which table every column is of."""
+    pieces = layout.blocks[owner].pieces
+    tables = [p.table for p in pieces]
+    ids = torch.repeat_interleave(torch.arange(len(pieces)), torch.tensor([p.width for p in pieces],
+                                                                          dtype=torch.int64))
+    return tables, ids
+
+
+def _table_entries(layout: EmbeddingLayout, owner: int, cols: torch.Tensor) -> dict[str | None, int]:
+    """Kept entries per table of ``owner``'s block, from their columns."""
+    tables, ids = _col_tables(layout, owner)
+    if not tables:
+        return {}
+    n = torch.bincount(ids[cols], minlength=len(tables)).tolist()
+    out: dict[str | None, int] = {}
+    for t, k in zip(tables, n):
+        out[t] = out.get(t, 0) + k
+    return out
+
+
+def _table_widths(layout: EmbeddingLayout, owner: int) -> dict[str | None, int]:
+    out: dict[str | None, int] = {}
+    for p in layout.blocks[owner].pieces:
+        out[p.table] = out.get(p.table, 0) + p.width
+    return out
+
+
+class _Ledger:
+    """Accumulates one hop's per-table bytes, then records them."""
+
+    def __init__(self) -> None:
+        self.acc: dict[str | None, list[int]] = {}
+
+    def add(self, table, *, sent=0, received=0, original=0) -> None:
+        a = self.acc.setdefault(table, [0, 0, 0])
+        a[0] += sent
+        a[1] += received
+        a[2] += original
+
+    def record(self, ledger: CommLedger | None, direction: str) -> None:
+        if ledger is None:
+            return
+        for table in sorted(self.acc, key=lambda t: t or ""):
+            s, r, o = self.acc[table]
+            ledger.record("output_dist", table=table, direction=direction, sent=s, received=r, original=o)
+
+
+class ThresholdAllToAll(torch.autograd.Function):
+    """``pooled [total_B, W_rank]`` -> every owner's decoded block for this rank's samples,
+    side by side ``[b, sum W_o]`` (owners in rank order); backward sends the gradients of the
+    kept entries back. See the module docstring."""
+
+    @staticmethod
+    def forward(ctx, pooled, layout: EmbeddingLayout, batch_sizes: list[int], topo: Topology,
+                ledger, state: ThresholdMP, training: bool):
+        me, world, b = topo.rank, topo.world_size, batch_sizes[topo.rank]
+        x = pooled.detach()
+        width = x.shape[1]
+        vb = _item(state.dtype)
+        idx, keep = state.select(x, training)
+        kc = idx.shape[1]
+        cdt, idt = count_dtype(kc), index_dtype(max(width, 1))
+        cb, ib = _item(cdt), _item(idt)
+        msgs, sent_pos, book = [], [], _Ledger()
+        widths = _table_widths(layout, me)
+        start = 0
+        for d, n in enumerate(batch_sizes):
+            if width == 0:
+                msgs.append(torch.empty(0, dtype=torch.uint8))
+                sent_pos.append((torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.int64)))
+                start += n
+                continue
+            rows_x, rows_i, rows_k = x[start:start + n], idx[start:start + n], keep[start:start + n]
+            counts = rows_k.sum(1)
+            cols = rows_i[rows_k]  # row-major: each row's kept columns in turn
+            rows = torch.repeat_interleave(torch.arange(n), counts)
+            vals = rows_x[rows, cols]
+            msgs.append(torch.cat([to_bytes(counts.to(cdt)), to_bytes(vals.to(state.dtype)),
+                                   to_bytes(cols.to(idt))]))
+            sent_pos.append((rows + start, cols))
+            if d != me:
+                for t, k in _table_entries(layout, me, cols).items():
+                    book.add(t, sent=k * (vb + ib), original=n * widths[t] * 4)
+                book.add(None, sent=n * cb + SIZE_BYTES)
+            start += n
+        in_splits = [m.numel() for m in msgs]
+        sizes = torch.empty(world, dtype=torch.int64)
+        topo.all_to_all(sizes, torch.tensor(in_splits, dtype=torch.int64), [1] * world, [1] * world)
+        out_splits = sizes.tolist()
+        recv = torch.empty(sum(out_splits), dtype=torch.uint8)
+        topo.all_to_all(recv, torch.cat(msgs), out_splits, in_splits)
+        blocks, recv_pos = [], []
+        for o, part in enumerate(torch.split(recv, out_splits)):
+            w_o = layout.blocks[o].width
+            if w_o == 0:
+                blocks.append(torch.zeros(b, 0))
+                recv_pos.append((torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.int64)))
+                continue
+            kc_o = state.budget(w_o)
+            cdt_o, idt_o = count_dtype(kc_o), index_dtype(w_o)
+            counts = from_bytes(part[: b * _item(cdt_o)], cdt_o).to(torch.int64)
+            nnz = int(counts.sum())
+            at = b * _item(cdt_o)
+            vals = from_bytes(part[at: at + nnz * vb], state.dtype).to(torch.float32)
+            cols = from_bytes(part[at + nnz * vb:], idt_o).to(torch.int64)
+            if cols.numel() != nnz:
+                raise ValueError(f"threshold hop: rank {o} sent {cols.numel()} positions for {nnz} values")
+            rows = torch.repeat_interleave(torch.arange(b), counts)
+            out = torch.zeros(b, w_o)
+            out[rows, cols] = vals
+            blocks.append(out)
+            recv_pos.append((rows, cols))
+            if o != me:
+                for t, k in _table_entries(layout, o, cols).items():
+                    book.add(t, received=k * (vb + _item(idt_o)))
+                book.add(None, received=b * _item(cdt_o) + SIZE_BYTES)
+        book.record(ledger, "fwd")
+        ctx.meta = (layout, batch_sizes, topo, ledger, state.dtype, width, sent_pos, recv_pos)
+        return torch.cat(blocks, dim=1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        layout, batch_sizes, topo, ledger, dtype, width, sent_pos, recv_pos = ctx.meta
+        me, world = topo.rank, topo.world_size
+        vb = _item(dtype)
+        parts = torch.split(grad, [layout.blocks[o].width for o in range(world)], dim=1)
+        book = _Ledger()
+        msgs = []
+        for o, (g, (rows, cols)) in enumerate(zip(parts, recv_pos)):
+            msgs.append(to_bytes(g[rows, cols].to(dtype)))
+            if o != me:
+                for t, k in _table_entries(layout, o, cols).items():
+                    book.add(t, sent=k * vb, original=g.shape[0] * _table_widths(layout, o)[t] * 4)
+        in_splits = [m.numel() for m in msgs]
+        out_splits = [r.numel() * vb for r, _ in sent_pos]
+        recv = torch.empty(sum(out_splits), dtype=torch.uint8)
+        topo.all_to_all(recv, torch.cat(msgs), out_splits, in_splits)
+        gx = grad.new_zeros(sum(batch_sizes), width)
+        for d, (part, (rows, cols)) in enumerate(zip(torch.split(recv, out_splits), sent_pos)):
+            if rows.numel():
+                gx[rows, cols] = from_bytes(part, dtype).to(grad.dtype)
+            if d != me:
+                for t, k in _table_entries(layout, me, cols).items():
+                    book.add(t, received=k * vb)
+        book.record(ledger, "bwd")
+        return gx, None, None, None, None, None, None
