@@ -94,7 +94,18 @@ class CompressedAllReduce:
         fut = dist.all_reduce(flat, group=group, async_op=True).get_future()
         return fut.then(lambda f: buf.copy_(f.value()[0]))
 
-    def _sparse(self, group, buf, msg: SparseGrad) -> torch.futures.Future:
+    def sum_sparse(self, group: dist.ProcessGroup, key: str, grad: torch.Tensor) -> torch.Tensor:
+        """The sum over ``group`` of every rank's compressed ``grad`` (``[n]``, compressed under
+        ``key``; the compressor must send sparse messages): a blocking exchange of the encoded
+        messages, added in rank order (identical on every rank). Replicated tables' gradients,
+        which are summed, not averaged."""
+        msg = self.compressor.compress(key, grad)
+        if not isinstance(msg, SparseGrad):
+            msg = SparseGrad.from_dense(msg.to(grad.dtype))
+        buf = torch.empty_like(grad.reshape(-1))
+        return self._sparse(group, buf, msg, mean=False).wait()
+
+    def _sparse(self, group, buf, msg: SparseGrad, *, mean: bool = True) -> torch.futures.Future:
         rank, world = group.rank(), group.size()
         encoded = sm.encode(msg)
         sizes = sm.exchange_sizes(encoded.numel(), group)  # blocks: the splits are needed
@@ -107,7 +118,7 @@ class CompressedAllReduce:
             for r in range(world):  # rank order on every rank: the replicas stay identical
                 part = msg if r == rank else sm.decode(others[r], buf.numel(), msg.values.dtype)
                 part.add_to(buf)
-            return buf.div_(world)
+            return buf.div_(world) if mean else buf
 
         return fut.then(finish)
 

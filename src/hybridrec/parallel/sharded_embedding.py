@@ -52,6 +52,7 @@ import torch.distributed as dist
 from torch import nn
 
 from hybridrec.comm.codecs import Codec
+from hybridrec.comm.ddp_hooks import CompressedAllReduce
 from hybridrec.parallel.threshold_dist import ThresholdMP
 from hybridrec.comm.ledger import CommLedger, ring_allreduce_bytes, tensor_nbytes
 from hybridrec.model.embedding import (
@@ -128,7 +129,8 @@ class ShardedEmbeddingBagCollection(nn.Module):
 
     def __init__(self, tables: list[TableConfig], plan: ShardingPlan, topo: Topology, *,
                  seed: int = 0, ledger: CommLedger | None = None,
-                 codecs: Mapping[str, Codec] | None = None, threshold: ThresholdMP | None = None) -> None:
+                 codecs: Mapping[str, Codec] | None = None, threshold: ThresholdMP | None = None,
+                 dp_reducer: CompressedAllReduce | None = None) -> None:
         super().__init__()
         if plan.world_size != topo.world_size:
             raise ValueError(f"plan is for {plan.world_size} ranks, the world has {topo.world_size}")
@@ -138,6 +140,9 @@ class ShardedEmbeddingBagCollection(nn.Module):
         if threshold is not None and self.codecs:
             raise ValueError("a threshold hop codes every table: give codecs or a threshold, not both")
         self.threshold = threshold  # DCT-MP with a threshold (parallel/threshold_dist.py)
+        # Replicated tables' gradients through a sparsifying compressor instead of the dense
+        # all-reduce (compress.dense_replicated); its state is per rank (checkpointed by the run).
+        self.dp_reducer = dp_reducer
         self.layout: EmbeddingLayout = build_layout(tables, plan, self.codecs)
         if threshold is not None and (any(b.width for b in self.layout.host_blocks)
                                       or any(b.has_fm for b in self.layout.blocks)):
@@ -277,7 +282,12 @@ class ShardedEmbeddingBagCollection(nn.Module):
         optimizers see exactly the rows the global batch touched), then the touched rows,
         ``unique=True``. Summed, not averaged: the forward already scaled these gradients
         by 1/world. A collective: every rank calls it every step (it runs with no rows
-        too); without replicated tables it returns ``grads``."""
+        too); without replicated tables it returns ``grads``.
+
+        With ``dp_reducer`` (``compress.dense_replicated`` with a sparsifying
+        ``compress.dense``): per group the ``[rows, dim]`` gradient is compressed (error
+        feedback keyed ``replicated.<group>``) and the ranks' sparse messages are summed; the
+        touched rows are those with a nonzero entry in the sum."""
         rep = self.replicated
         if rep is None:
             return grads
@@ -285,6 +295,19 @@ class ShardedEmbeddingBagCollection(nn.Module):
         for group, ids, rows, _ in grads.get(REPLICATED, []):
             entries[group].append((ids, rows))
         reduced = []
+        if self.dp_reducer is not None:
+            for group, parts in entries.items():
+                weight = rep.group_weight(group)
+                dense = weight.new_zeros(weight.shape)
+                for ids, rows in parts:
+                    dense.index_add_(0, ids, rows)
+                total = self.dp_reducer.sum_sparse(self.topo.group, f"replicated.{group}",
+                                                   dense.reshape(-1)).view_as(dense)
+                # Touched: rows with a nonzero entry in the sum (rows held back in the residual
+                # are updated at a later step, when they are sent).
+                touched = total.ne(0).any(1).nonzero().squeeze(1)
+                reduced.append((group, touched, total[touched], True))
+            return {**grads, REPLICATED: reduced}
         for group, parts in entries.items():
             weight = rep.group_weight(group)
             d = weight.shape[1]

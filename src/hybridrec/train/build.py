@@ -102,7 +102,8 @@ def build_model(cfg: Config, meta: DatasetMeta, *, plan: ShardingPlan | None = N
     else:
         ebc = ShardedEmbeddingBagCollection(tables, plan, topo, seed=cfg.train.seed, ledger=ledger,
                                             codecs=build_embedding_codecs(cfg, tables, plan),
-                                            threshold=build_threshold_mp(cfg, plan, total_steps))
+                                            threshold=build_threshold_mp(cfg, plan, total_steps),
+                                            dp_reducer=build_replicated_reducer(cfg, plan, ledger, total_steps))
     arch = DeepFM if cfg.model.arch == "deepfm" else DLRM
     try:
         return arch(num_dense=len(meta.schema.dense), sparse=ebc, bottom_mlp=cfg.model.bottom_mlp,
@@ -132,6 +133,20 @@ def build_embedding_codecs(cfg: Config, tables: list[TableConfig],
             if plan.tables[t.name].sharding_type != "data_parallel"
             and (not c.embedding_tables or t.name in c.embedding_tables)
             and t.num_embeddings >= c.embedding_min_rows}
+
+
+def build_replicated_reducer(cfg: Config, plan: ShardingPlan, ledger: CommLedger | None,
+                             total_steps: int) -> CompressedAllReduce | None:
+    """``compress.dense_replicated`` with ``compress.dense=dct|topk`` and replicated tables: the
+    compressor their gradients go through (its own instance: its state is per group), counted
+    as ``dp_table_allreduce``; None otherwise (the dense all-reduce)."""
+    c = cfg.compress
+    if not c.dense_replicated or c.dense not in ("dct", "topk"):
+        return None
+    if not any(tp.sharding_type == "data_parallel" for tp in plan.tables.values()):
+        return None
+    return CompressedAllReduce(build_dense_compressor(c, total_steps=total_steps), ledger,
+                               category="dp_table_allreduce")
 
 
 def build_threshold_mp(cfg: Config, plan: ShardingPlan, total_steps: int) -> ThresholdMP | None:
@@ -468,6 +483,8 @@ def build_trainer(cfg: Config, *, meta: DatasetMeta | None = None, topo: Topolog
     totals = RunTotals()
     components = [Component("loader", pipeline), Component("run_totals", totals),
                   Component("dense_sync", dense_sync, per_rank=True), Component("rng", TorchRNG(), per_rank=True)]
+    if (reducer := getattr(model.sparse, "dp_reducer", None)) is not None:
+        components.append(Component("replicated_compressor", reducer, per_rank=True))
     if sync_runner is not None:
         # (hierarchical: member j's replica holds its own shards: saved per rank)
         components.append(Component("sync", sync_runner, per_rank=topo.hierarchical))
