@@ -86,3 +86,38 @@ def test_small_eta_sums_every_ranks_message_and_sends_fewer_bytes():
     again = CompressedAllReduce(TopKCompressor(0.1))
     again.load_state_dict(state)
     assert torch.equal(again.compressor.residual("replicated.0"), state["tensors"]["replicated.0"]["residual"])
+
+
+def ddp_worker(topo):
+    """Four steps of a DDP model with a DCT hook, exchanged by all_to_all and
+    by the receive-first pairwise path: the averaged gradients and the bytes of each step."""
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel
+
+    out = {}
+    for pairwise in (False, True):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(64, 512), nn.ReLU(), nn.Linear(512, 1))
+        ledger = CommLedger()
+        hooks = CompressedAllReduce(DCTCompressor(0.05, 2, ramp=True), ledger, pairwise=pairwise)
+        ddp = DistributedDataParallel(model, process_group=topo.group)
+        ddp.register_comm_hook(topo.group, hooks("m", model))
+        g = torch.Generator().manual_seed(topo.rank)
+        steps = []
+        for _ in range(4):
+            ddp.zero_grad()
+            ddp(torch.randn(16, 64, generator=g)).square().mean().backward()
+            ledger.step_end()
+            t = ledger.totals(scope="last_step")
+            steps.append(([p.grad.clone() for p in model.parameters()], (t.sent, t.received, t.calls)))
+        out[pairwise] = steps
+    return out
+
+
+@pytest.mark.distributed
+def test_pairwise_exchange_gives_the_same_sums_and_bytes():
+    for out in run_ranks(ddp_worker, 2):
+        for (grads, counted), (grads_p, counted_p) in zip(out[False], out[True]):
+            assert counted == counted_p
+            for a, b in zip(grads, grads_p):
+                assert torch.equal(a, b)

@@ -52,12 +52,15 @@ class CompressedAllReduce:
     """
 
     def __init__(self, compressor: GradientCompressor, ledger: CommLedger | None = None, *,
-                 category: str = CATEGORY, direction: str = "bwd") -> None:
+                 category: str = CATEGORY, direction: str = "bwd", pairwise: bool = False) -> None:
         """``category``/``direction``: where the ledger counts the bytes (a synchronizer's
-        compressed rounds count as ``sync``)."""
+        compressed rounds count as ``sync``). ``pairwise``: sparse messages (and their sizes)
+        travel by receive-first isend/irecv (``dist.exchange=pairwise``) instead of
+        ``all_to_all_single``; the same bytes, the same sums."""
         self.compressor = compressor
         self.ledger = ledger
         self.category, self.direction = category, direction
+        self.pairwise = pairwise
 
     def __call__(self, arch: str, module: torch.nn.Module) -> CommHook:
         # id() of a Parameter is stable, and GradBucket.parameters() returns the same objects.
@@ -108,8 +111,14 @@ class CompressedAllReduce:
     def _sparse(self, group, buf, msg: SparseGrad, *, mean: bool = True) -> torch.futures.Future:
         rank, world = group.rank(), group.size()
         encoded = sm.encode(msg)
-        sizes = sm.exchange_sizes(encoded.numel(), group)  # blocks: the splits are needed
-        fut, received = sm.start_exchange(encoded, sizes, group)
+        # The sizes block (the splits are needed): one small exchange, a round trip; the
+        # messages then travel while backward goes on (the future completes when they are in).
+        if self.pairwise:
+            sizes = sm.pairwise_sizes(encoded.numel(), group)
+            fut, received = sm.start_pairwise_exchange(encoded, sizes, group)
+        else:
+            sizes = sm.exchange_sizes(encoded.numel(), group)
+            fut, received = sm.start_exchange(encoded, sizes, group)
         self._record(*sm.exchange_bytes(sizes, rank), buf, world)
 
         def finish(_):

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import threading
+
 import torch
 import torch.distributed as dist
 
@@ -193,6 +195,44 @@ def start_exchange(message: torch.Tensor, sizes: list[int], group: dist.ProcessG
     send = message.repeat(world - 1)  # one copy per destination, as all_to_all_single wants
     work = dist.all_to_all_single(received, send, out_splits, in_splits, group=group, async_op=True)
     return work.get_future(), received
+
+
+def pairwise_sizes(size: int, group: dist.ProcessGroup) -> list[int]:
+    """:func:`exchange_sizes` through the receive-first pairwise exchange
+    (:mod:`hybridrec.comm.exchange`, ``dist.exchange=pairwise``)."""
+    from hybridrec.comm.exchange import PairwiseExchange
+
+    rank, world = group.rank(), group.size()
+    out = torch.empty(world, dtype=torch.int64)
+    PairwiseExchange([group], rank=rank, world_size=world).all_to_all_single(
+        out, torch.full((world,), size, dtype=torch.int64)).wait()
+    return out.tolist()
+
+
+def start_pairwise_exchange(message: torch.Tensor, sizes: list[int], group: dist.ProcessGroup):
+    """:func:`start_exchange` as pairwise isend/irecv, every receive posted before any send
+    (:mod:`hybridrec.comm.exchange`), the same buffer sent to every peer (no copy per
+    destination). gloo's point-to-point works have no future: a thread waits for them and
+    completes the returned one. Same ``(future, received)`` as :func:`start_exchange`."""
+    rank, world = group.rank(), group.size()
+    received = torch.empty(sum(n for r, n in enumerate(sizes) if r != rank), dtype=torch.uint8)
+    parts = split_received(received, sizes, rank)
+    works = [dist.irecv(part, group=group, group_src=p) for p, part in parts.items() if part.numel()]
+    if message.numel():
+        works += [dist.isend(message, group=group, group_dst=p) for p in range(world) if p != rank]
+    fut: torch.futures.Future = torch.futures.Future()
+
+    def wait() -> None:
+        try:
+            for w in works:
+                w.wait()
+        except Exception as e:  # noqa: BLE001 - handed to whoever waits on the future
+            fut.set_exception(e)
+        else:
+            fut.set_result(None)
+
+    threading.Thread(target=wait, name="sparse-exchange", daemon=True).start()
+    return fut, received
 
 
 def split_received(received: torch.Tensor, sizes: list[int], rank: int) -> dict[int, torch.Tensor]:

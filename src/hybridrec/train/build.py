@@ -146,7 +146,7 @@ def build_replicated_reducer(cfg: Config, plan: ShardingPlan, ledger: CommLedger
     if not any(tp.sharding_type == "data_parallel" for tp in plan.tables.values()):
         return None
     return CompressedAllReduce(build_dense_compressor(c, total_steps=total_steps), ledger,
-                               category="dp_table_allreduce")
+                               category="dp_table_allreduce", pairwise=cfg.dist.exchange == "pairwise")
 
 
 def build_threshold_mp(cfg: Config, plan: ShardingPlan, total_steps: int) -> ThresholdMP | None:
@@ -311,7 +311,7 @@ def build_dense_compressor(c: CompressConfig, *, total_steps: int = 0) -> Gradie
 
 
 def build_dense_hooks(c: CompressConfig, ledger: CommLedger, *, seed: int = 0,
-                      total_steps: int = 0) -> HookFactory | None:
+                      total_steps: int = 0, pairwise: bool = False) -> HookFactory | None:
     """The DDP comm hooks of the dense arches from ``compress.dense`` (None: the plain
     all-reduce). PowerSGD starts after at least 2 steps: DDP rebuilds its buckets after
     the first, and PyTorch's PowerSGD keys its error by bucket index."""
@@ -320,23 +320,25 @@ def build_dense_hooks(c: CompressConfig, ledger: CommLedger, *, seed: int = 0,
     if c.dense == "powersgd":
         return PowerSGDHooks(rank=c.powersgd_rank, warmup_steps=max(2, c.dense_warmup_steps),
                              error_feedback=c.dense_error_feedback, seed=seed, ledger=ledger)
-    return CompressedAllReduce(build_dense_compressor(c, total_steps=total_steps), ledger)
+    return CompressedAllReduce(build_dense_compressor(c, total_steps=total_steps), ledger, pairwise=pairwise)
 
 
 def build_dense_sync(cfg: Config, topo: Topology, ledger: CommLedger, *, total_steps: int = 0) -> DenseSync:
     """The dense-synchronization strategy of ``dist.dense_sync`` (one process, or a
     synchronizer of replicas (``sync.algorithm``): none)."""
     kind = cfg.dist.dense_sync
+    pairwise = cfg.dist.exchange == "pairwise"
     if topo.world_size == 1 or kind == "none" or (cfg.sync.algorithm != "none" and not topo.hierarchical):
         return NoSync()  # (hierarchical: the synchronizer works across groups, DDP inside one)
     if kind == "ddp":
         return DDPSync(topo, hooks=build_dense_hooks(cfg.compress, ledger, seed=cfg.train.seed,
-                                                     total_steps=total_steps), ledger=ledger)
+                                                     total_steps=total_steps, pairwise=pairwise), ledger=ledger)
     if cfg.compress.dense == "powersgd":
         raise ConfigError("compress.dense=powersgd runs as a DDP comm hook: use dist.dense_sync=ddp")
     plain = cfg.compress.dense == "none"
     compressor = NoCompression() if plain else build_dense_compressor(cfg.compress, total_steps=total_steps)
-    return AllReduceSync(topo, CompressedAllReduce(compressor, ledger), ledger=ledger, predict=plain)
+    return AllReduceSync(topo, CompressedAllReduce(compressor, ledger, pairwise=pairwise), ledger=ledger,
+                         predict=plain)
 
 
 def build_sync_runner(cfg: Config, topo: Topology, model: torch.nn.Module, ledger: CommLedger) -> SyncRunner | None:
