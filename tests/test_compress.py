@@ -314,6 +314,8 @@ SETTINGS = {
     "dct_eta1": ["compress.dense=dct", "compress.dense_ratio=1", "compress.dense_refresh_every=2"],
     "topk_eta1": ["compress.dense=topk", "compress.dense_ratio=1"],
     "dct": ["compress.dense=dct", "compress.dense_ratio=0.05", "compress.dense_refresh_every=3"],
+    "dct_pairwise": ["compress.dense=dct", "compress.dense_ratio=0.05", "compress.dense_refresh_every=3",
+                     "dist.exchange=pairwise"],
     "topk": ["compress.dense=topk", "compress.dense_ratio=0.05"],
     "fp16": ["compress.dense=fp16"],
     "bf16": ["compress.dense=bf16"],
@@ -362,6 +364,10 @@ def test_every_compressor_through_the_config_on_two_ranks(dataset, tmp_path):
         assert r0[name]["losses"] == r0["none"]["losses"]
         for k, v in r0["none"]["dense"].items():
             assert torch.equal(v, r0[name]["dense"][k]), (name, k)
+    # The receive-first pairwise exchange moves the same bytes to the same sums.
+    assert r0["dct_pairwise"]["losses"] == r0["dct"]["losses"] and r0["dct_pairwise"]["comm"] == r0["dct"]["comm"]
+    for k, v in r0["dct"]["dense"].items():
+        assert torch.equal(v, r0["dct_pairwise"]["dense"][k]), k
     ratio = {name: res["comm"].ratio for name, res in r0.items()}
     assert ratio["none"] == 1.0
     assert ratio["fp16"] == ratio["bf16"] == 2.0

@@ -20,14 +20,15 @@ are what this hook's own collectives put on and took off the wire.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState, powerSGD_hook
 
+from hybridrec.comm import sparse_message as sm
 from hybridrec.comm.compress import GradientCompressor
 from hybridrec.comm.ledger import CommLedger, ring_allreduce_bytes
-from hybridrec.comm import sparse_message as sm
 from hybridrec.comm.sparse_message import SparseGrad
 
 CommHook = Callable[[dist.ProcessGroup, dist.GradBucket], torch.futures.Future]
@@ -43,48 +44,118 @@ def _done(value: torch.Tensor) -> torch.futures.Future:
     return fut
 
 
+@dataclass
+class _Message:
+    """One buffer's encoded sparse message, its size exchange under way."""
+
+    buf: torch.Tensor
+    msg: SparseGrad
+    encoded: torch.Tensor
+    sizes: sm.PendingSizes
+    mean: bool
+    original: int | None
+    out: torch.futures.Future | None = None
+    """The future a DDP hook returned for it (completed with ``buf`` once summed)."""
+
+
+def _settle(out: torch.futures.Future, fut: torch.futures.Future) -> None:
+    try:
+        out.set_result(fut.value())
+    except Exception as e:  # noqa: BLE001 - handed to whoever waits on ``out``
+        out.set_exception(e)
+
+
 class CompressedAllReduce:
     """Hook factory: every parameter of a bucket goes through ``compressor``; the bucket
     is then averaged by an all-reduce (dense payloads: warm-up, fp16/bf16 casting, no
     compression) or by exchanging encoded sparse messages (top-k, DCT).
 
     One instance serves every arch, so ``state_dict`` covers all of them.
+
+    A sparse exchange is two steps: the message sizes (one int64 per rank pair), then the
+    messages (their splits need the sizes, a host read). In a DDP hook (``overlap``) they
+    are spread over two hooks so that no hook waits for the peers to reach its own bucket:
+    the hook of bucket ``i`` compresses it and *starts* its size exchange, and returns a
+    future this class completes; the hook of bucket ``i + 1`` waits for those sizes (by
+    then usually in: the peers started theirs while this rank computed bucket ``i + 1``'s
+    gradients), starts bucket ``i``'s messages, then starts bucket ``i + 1``'s sizes; the
+    last bucket's hook (``bucket.is_last()``) waits for its own sizes and starts its
+    messages. Every collective is issued from a hook, i.e. on the autograd thread, where
+    DDP calls the hooks in bucket order: the order of collectives is the same on every
+    rank (never from a completion callback, which gloo runs on its own threads). The
+    completion of the messages (any thread) decodes them and sums them into the bucket in
+    rank order, as the blocking order does: the same compressor state, the same sums, bit
+    for bit. :meth:`reduce` (no DDP: ``AllReduceSync``, synchronizers) and
+    :meth:`sum_sparse` keep the blocking order (sizes, wait, messages).
     """
 
     def __init__(self, compressor: GradientCompressor, ledger: CommLedger | None = None, *,
-                 category: str = CATEGORY, direction: str = "bwd", pairwise: bool = False) -> None:
+                 category: str = CATEGORY, direction: str = "bwd", pairwise: bool = False,
+                 overlap: bool = True) -> None:
         """``category``/``direction``: where the ledger counts the bytes (a synchronizer's
         compressed rounds count as ``sync``). ``pairwise``: sparse messages (and their sizes)
         travel by receive-first isend/irecv (``dist.exchange=pairwise``) instead of
-        ``all_to_all_single``; the same bytes, the same sums."""
+        ``all_to_all_single``; the same bytes, the same sums. ``overlap``: DDP hooks defer
+        each bucket's messages to the next bucket's hook (see the class doc); False: each
+        hook exchanges sizes and starts its messages at once (the same results)."""
         self.compressor = compressor
         self.ledger = ledger
         self.category, self.direction = category, direction
         self.pairwise = pairwise
+        self.overlap = overlap
 
     def __call__(self, arch: str, module: torch.nn.Module) -> CommHook:
         # id() of a Parameter is stable, and GradBucket.parameters() returns the same objects.
         names = {id(p): f"{arch}.{n}" for n, p in module.named_parameters()}
+        waiting: list[_Message] = []  # this module's bucket whose size exchange is under way
 
         def hook(process_group, bucket):  # no annotations: DDP checks them as objects, not strings
-            return self.reduce(process_group, bucket.buffer(),
-                               [names[id(p)] for p in bucket.parameters()], bucket.gradients())
+            keys = [names[id(p)] for p in bucket.parameters()]
+            if not self.overlap:
+                return self.reduce(process_group, bucket.buffer(), keys, bucket.gradients())
+            if bucket.index() == 0 and waiting:  # a backward that ended early (an error)
+                waiting.pop().out.set_exception(RuntimeError("backward ended before this bucket's messages left"))
+            if waiting:  # the previous bucket's sizes: its messages go now, before this bucket's sizes
+                self._send_into(process_group, waiting.pop())
+            buf = bucket.buffer()
+            payload = self._payload(buf, keys, bucket.gradients())
+            if isinstance(payload, list):
+                return self._dense(process_group, buf, payload)
+            m = self._start_sizes(process_group, buf, payload)
+            m.out = torch.futures.Future()
+            if bucket.is_last():  # no later hook in this backward: DDP waits for every bucket after it
+                self._send_into(process_group, m)
+            else:
+                waiting.append(m)
+            return m.out
 
         return hook
+
+    def _payload(self, buf: torch.Tensor, keys: list[str],
+                 grads: list[torch.Tensor]) -> list[torch.Tensor] | SparseGrad:
+        """Compresses every tensor of a buffer (updates the compressor's state): the dense
+        payloads (all dense, one dtype) or the buffer's one sparse message."""
+        payloads = [self.compressor.compress(k, g) for k, g in zip(keys, grads)]
+        if all(isinstance(p, torch.Tensor) for p in payloads) and len({p.dtype for p in payloads}) == 1:
+            return payloads
+        sparse = [p if isinstance(p, SparseGrad) else SparseGrad.from_dense(p.to(buf.dtype)) for p in payloads]
+        return SparseGrad.cat(sparse)
 
     def reduce(self, group: dist.ProcessGroup, buf: torch.Tensor, keys: list[str],
                grads: list[torch.Tensor]) -> torch.futures.Future:
         """Averages ``buf`` (``[n]``, the bucket: ``grads`` are views of it, back to back,
-        named ``keys``) over ``group``; the future resolves to ``buf``."""
-        payloads = [self.compressor.compress(k, g) for k, g in zip(keys, grads)]
-        if all(isinstance(p, torch.Tensor) for p in payloads) and len({p.dtype for p in payloads}) == 1:
-            return self._dense(group, buf, payloads)
-        sparse = [p if isinstance(p, SparseGrad) else SparseGrad.from_dense(p.to(buf.dtype)) for p in payloads]
-        return self._sparse(group, buf, SparseGrad.cat(sparse))
+        named ``keys``) over ``group``; the future resolves to ``buf``. A sparse message's
+        size exchange is waited for here (a round trip), its bytes travel after return."""
+        payload = self._payload(buf, keys, grads)
+        if isinstance(payload, list):
+            return self._dense(group, buf, payload)
+        return self._send(group, self._start_sizes(group, buf, payload))
 
-    def _record(self, sent: int, received: int, buf: torch.Tensor, world: int) -> None:
+    def _record(self, sent: int, received: int, buf: torch.Tensor, world: int,
+                original: int | None = None) -> None:
         if self.ledger is not None:
-            original = ring_allreduce_bytes(buf.numel() * buf.element_size(), world)
+            if original is None:
+                original = ring_allreduce_bytes(buf.numel() * buf.element_size(), world)
             self.ledger.record(self.category, sent=sent, received=received, direction=self.direction,
                                original=original)
 
@@ -97,29 +168,34 @@ class CompressedAllReduce:
         fut = dist.all_reduce(flat, group=group, async_op=True).get_future()
         return fut.then(lambda f: buf.copy_(f.value()[0]))
 
-    def sum_sparse(self, group: dist.ProcessGroup, key: str, grad: torch.Tensor) -> torch.Tensor:
+    def sum_sparse(self, group: dist.ProcessGroup, key: str, grad: torch.Tensor, *,
+                   original: int | None = None) -> torch.Tensor:
         """The sum over ``group`` of every rank's compressed ``grad`` (``[n]``, compressed under
         ``key``; the compressor must send sparse messages): a blocking exchange of the encoded
         messages, added in rank order (identical on every rank). Replicated tables' gradients,
-        which are summed, not averaged."""
+        which are summed, not averaged. ``original``: the ledger's uncompressed bytes (default:
+        a ring all-reduce of ``grad``)."""
         msg = self.compressor.compress(key, grad)
         if not isinstance(msg, SparseGrad):
             msg = SparseGrad.from_dense(msg.to(grad.dtype))
         buf = torch.empty_like(grad.reshape(-1))
-        return self._sparse(group, buf, msg, mean=False).wait()
+        return self._send(group, self._start_sizes(group, buf, msg, mean=False, original=original)).wait()
 
-    def _sparse(self, group, buf, msg: SparseGrad, *, mean: bool = True) -> torch.futures.Future:
-        rank, world = group.rank(), group.size()
+    def _start_sizes(self, group, buf, msg: SparseGrad, *, mean: bool = True,
+                     original: int | None = None) -> _Message:
         encoded = sm.encode(msg)
-        # The sizes block (the splits are needed): one small exchange, a round trip; the
-        # messages then travel while backward goes on (the future completes when they are in).
-        if self.pairwise:
-            sizes = sm.pairwise_sizes(encoded.numel(), group)
-            fut, received = sm.start_pairwise_exchange(encoded, sizes, group)
-        else:
-            sizes = sm.exchange_sizes(encoded.numel(), group)
-            fut, received = sm.start_exchange(encoded, sizes, group)
-        self._record(*sm.exchange_bytes(sizes, rank), buf, world)
+        return _Message(buf, msg, encoded, sm.start_sizes(encoded.numel(), group, pairwise=self.pairwise),
+                        mean, original)
+
+    def _send(self, group, m: _Message) -> torch.futures.Future:
+        """Waits for ``m``'s sizes and starts its messages; the future resolves to ``m.buf``
+        holding the sum (``mean``: the average) of every rank's message."""
+        rank, world = group.rank(), group.size()
+        sizes = m.sizes.wait()
+        start = sm.start_pairwise_exchange if self.pairwise else sm.start_exchange
+        fut, received = start(m.encoded, sizes, group)
+        self._record(*sm.exchange_bytes(sizes, rank), m.buf, world, m.original)
+        buf, msg, mean = m.buf, m.msg, m.mean
 
         def finish(_):
             others = sm.split_received(received, sizes, rank)
@@ -130,6 +206,10 @@ class CompressedAllReduce:
             return buf.div_(world) if mean else buf
 
         return fut.then(finish)
+
+    def _send_into(self, group, m: _Message) -> None:
+        """:meth:`_send`, completing the future a hook already returned for ``m``."""
+        self._send(group, m).add_done_callback(lambda f: _settle(m.out, f))
 
     def state_dict(self) -> dict:
         return self.compressor.state_dict()

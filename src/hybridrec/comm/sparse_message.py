@@ -12,19 +12,22 @@ Values are in ascending index order in both layouts. The decoder is told ``numel
 the value dtype (every rank knows the tensor it is decoding); ``k`` follows from the
 message length, so the whole header is the one tag byte.
 
-:func:`exchange_sizes` and :func:`start_exchange` send one rank's encoded message to
+:func:`start_sizes` and :func:`start_exchange` send one rank's encoded message to
 every other rank with two all-to-alls (the sizes, then the bytes with uneven splits),
-so each rank receives exactly the other ranks' messages and nothing is padded.
+so each rank receives exactly the other ranks' messages and nothing is padded;
+:func:`start_pairwise_exchange` sends the bytes by receive-first isend/irecv instead
+(``dist.exchange=pairwise``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import threading
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+from hybridrec.comm.exchange import PairwiseExchange
 
 TAG_BITMAP = 0
 TAG_INDEX_LIST = 1
@@ -170,14 +173,36 @@ def decode(buf: torch.Tensor, numel: int, value_dtype: torch.dtype) -> SparseGra
     return SparseGrad(indices, _view(raw_values, value_dtype), numel)
 
 
-def exchange_sizes(size: int, group: dist.ProcessGroup) -> list[int]:
-    """Every rank's message size, by rank: an all-to-all of one int64 per rank pair.
+class PendingSizes:
+    """A size exchange under way (:func:`start_sizes`); :meth:`wait` gives the sizes."""
 
-    Blocks, and reads the result on the host: the byte exchange needs its splits."""
+    def __init__(self, work, out: torch.Tensor, send: torch.Tensor) -> None:
+        self._work, self._out, self._send = work, out, send  # both buffers live until the wait
+        self._sizes: list[int] | None = None
+
+    def wait(self) -> list[int]:
+        """Every rank's message size, by rank (blocks until they are in; a host read)."""
+        if self._sizes is None:
+            self._work.wait()
+            self._sizes = self._out.tolist()
+            self._work = self._send = None
+        return self._sizes
+
+
+def start_sizes(size: int, group: dist.ProcessGroup, *, pairwise: bool = False) -> PendingSizes:
+    """Starts the exchange of every rank's message size: an all-to-all of one int64 per
+    rank pair (``pairwise``: through the receive-first isend/irecv exchange of
+    :mod:`hybridrec.comm.exchange`, ``dist.exchange=pairwise``). Does not block; the
+    byte exchange needs the result (its splits), so a caller that has other work first
+    starts this, does the work, then waits."""
     world = group.size()
     out = torch.empty(world, dtype=torch.int64)
-    dist.all_to_all_single(out, torch.full((world,), size, dtype=torch.int64), group=group)
-    return out.tolist()
+    send = torch.full((world,), size, dtype=torch.int64)
+    if pairwise:
+        work = PairwiseExchange([group], rank=group.rank(), world_size=world).all_to_all_single(out, send)
+    else:
+        work = dist.all_to_all_single(out, send, group=group, async_op=True)
+    return PendingSizes(work, out, send)
 
 
 def start_exchange(message: torch.Tensor, sizes: list[int], group: dist.ProcessGroup):
@@ -195,18 +220,6 @@ def start_exchange(message: torch.Tensor, sizes: list[int], group: dist.ProcessG
     send = message.repeat(world - 1)  # one copy per destination, as all_to_all_single wants
     work = dist.all_to_all_single(received, send, out_splits, in_splits, group=group, async_op=True)
     return work.get_future(), received
-
-
-def pairwise_sizes(size: int, group: dist.ProcessGroup) -> list[int]:
-    """:func:`exchange_sizes` through the receive-first pairwise exchange
-    (:mod:`hybridrec.comm.exchange`, ``dist.exchange=pairwise``)."""
-    from hybridrec.comm.exchange import PairwiseExchange
-
-    rank, world = group.rank(), group.size()
-    out = torch.empty(world, dtype=torch.int64)
-    PairwiseExchange([group], rank=rank, world_size=world).all_to_all_single(
-        out, torch.full((world,), size, dtype=torch.int64)).wait()
-    return out.tolist()
 
 
 def start_pairwise_exchange(message: torch.Tensor, sizes: list[int], group: dist.ProcessGroup):

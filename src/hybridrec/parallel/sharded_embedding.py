@@ -287,7 +287,10 @@ class ShardedEmbeddingBagCollection(nn.Module):
         With ``dp_reducer`` (``compress.dense_replicated`` with a sparsifying
         ``compress.dense``): per group the ``[rows, dim]`` gradient is compressed (error
         feedback keyed ``replicated.<group>``) and the ranks' sparse messages are summed; the
-        touched rows are those with a nonzero entry in the sum."""
+        touched rows are those with a nonzero entry in the sum (a row held back in a residual
+        is updated at the step it is sent; ``eta = 1`` gives the rows of the dense path, but
+        for rows whose gradient is exactly 0). Ledger: ``dp_table_allreduce``, ``original``
+        the dense ``[rows, dim + 1]`` all-reduce it replaces."""
         rep = self.replicated
         if rep is None:
             return grads
@@ -301,8 +304,11 @@ class ShardedEmbeddingBagCollection(nn.Module):
                 dense = weight.new_zeros(weight.shape)
                 for ids, rows in parts:
                     dense.index_add_(0, ids, rows)
+                # original: the dense [rows, dim + 1] all-reduce this exchange replaces.
+                plain = ring_allreduce_bytes(dense.shape[0] * (dense.shape[1] + 1) * dense.element_size(),
+                                             self.topo.world_size)
                 total = self.dp_reducer.sum_sparse(self.topo.group, f"replicated.{group}",
-                                                   dense.reshape(-1)).view_as(dense)
+                                                   dense.reshape(-1), original=plain).view_as(dense)
                 # Touched: rows with a nonzero entry in the sum (rows held back in the residual
                 # are updated at a later step, when they are sent).
                 touched = total.ne(0).any(1).nonzero().squeeze(1)
