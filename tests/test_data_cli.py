@@ -50,7 +50,8 @@ def test_synth_preprocess_inspect(tmp_path, capsys):
         )
         == 0
     )
-    assert "wrote 4500 rows (3 parts)" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "wrote 4500 rows (3 parts)" in out and "eval split: day_2.tsv" in out
     meta = DatasetMeta.load(ds)
     assert meta.num_embeddings["C9"] == 3 and meta.num_embeddings["C1"] == 1000
     assert meta.splits["eval"] == ["part-00002"]
@@ -142,3 +143,31 @@ def test_synth_rerun_names_the_cli_option(tmp_path, capsys):
                  "--eval-parts", "none"]) == 2
     assert capsys.readouterr().err == (
         f"hybridrec: error: {tmp_path / 'ds'}: already exists (use --overwrite to replace it)\n")
+
+
+def test_text_ordered_day_files_get_a_note(tmp_path, capsys):
+    """day_*.tsv from a shell glob lists day_10 before day_2: the default eval split would be
+    day_9, so preprocess says so (and says nothing when the days are in order)."""
+    from pathlib import Path
+
+    from hybridrec.data.inputs import text_order_note
+
+    globbed = [Path(f"raw/day_{d}.tsv") for d in sorted(range(11), key=str)]
+    note = text_order_note(globbed)
+    assert note is not None and "day_9.tsv is last" in note and "--eval-parts day_10.tsv" in note
+    assert text_order_note([Path(f"raw/day_{d}.tsv") for d in range(11)]) is None
+    assert text_order_note([Path("a.tsv"), Path("b3.tsv")]) is None  # not one numbered stem
+    assert text_order_note([Path("day_3.tsv")]) is None
+
+    raw = tmp_path / "raw"
+    assert main(["data", "synth", "--out", str(raw), "--days", "11", "--rows-per-day", "50",
+                 "--max-cardinality", "50"]) == 0
+    capsys.readouterr()
+    files = [str(raw / f"day_{d}.tsv") for d in sorted(range(11), key=str)]
+    assert main(["data", "preprocess", *files, "--out", str(tmp_path / "ds")]) == 0
+    captured = capsys.readouterr()
+    assert "eval split: day_9.tsv" in captured.out
+    assert captured.err.count("\n") == 1 and "note: inputs are not in numeric order" in captured.err
+    assert main(["data", "preprocess", *files, "--out", str(tmp_path / "ds2"), "--eval-parts", "day_10.tsv"]) == 0
+    captured = capsys.readouterr()
+    assert "eval split: day_10.tsv" in captured.out and captured.err == ""

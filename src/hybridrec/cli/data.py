@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 from hybridrec.errors import ConfigError
 
@@ -193,7 +194,14 @@ def _synth(args: argparse.Namespace) -> int:
 
 
 def _preprocess(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from hybridrec.data.inputs import text_order_note
     from hybridrec.data.preprocess import preprocess_criteo, preprocess_tabular
+
+    note = None if args.eval_parts is not None else text_order_note([Path(p) for p in args.inputs])
+    if note is not None:
+        print(f"note: {note}", file=sys.stderr)
 
     common = {
         "table_size": args.table_size,
@@ -223,6 +231,10 @@ def _preprocess(args: argparse.Namespace) -> int:
     )
     for example in r["bad_line_examples"]:
         print(f"  skipped: {example}")
+    held = {p.name: p.source for p in meta.parts}
+    for split, names in meta.splits.items():
+        if split != "train":
+            print(f"{split} split: " + ", ".join(Path(held[n]).name for n in names))
     return 0
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import gzip
 import os
+import re
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
@@ -67,3 +68,30 @@ def check_inputs(inputs: list[str | os.PathLike]) -> list[Path]:
         if not p.is_file():
             raise DataError(f"{p}: input is not a file")
     return paths
+
+
+_NUMBERED = re.compile(r"^(.*?)(\d+)(\D*)$")
+
+
+def text_order_note(inputs: list[Path]) -> str | None:
+    """A note when numbered inputs (``day_0.tsv`` .. ``day_10.tsv``) are given in text order
+    rather than by number, as a shell glob lists them: the order decides which input is last
+    (the default eval split) and the order of the parts. ``None`` when they are in numeric
+    order, not all numbered alike, or fewer than two."""
+    if len(inputs) < 2:
+        return None
+    keys = []
+    for p in inputs:
+        m = _NUMBERED.match(p.name)
+        if m is None:
+            return None
+        keys.append((m.group(1), int(m.group(2)), m.group(3)))
+    if len({(a, c) for a, _, c in keys}) != 1:  # not one stem with a varying number
+        return None
+    numbers = [n for _, n, _ in keys]
+    if numbers == sorted(numbers):
+        return None
+    last = max(range(len(inputs)), key=lambda i: numbers[i])
+    return (f"inputs are not in numeric order ({inputs[-1].name} is last, {inputs[last].name} "
+            f"has the highest number); a shell glob sorts them as text. The last input is the "
+            f"default eval split: pass the files in day order, or --eval-parts {inputs[last].name}")
