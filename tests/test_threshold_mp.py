@@ -22,12 +22,10 @@ def test_selection_keeps_what_passes_within_the_budget():
     x[3] = 0.0  # an all-zero row sends nothing
     x[5, :] = 10.0  # a row that passes everywhere is capped at its budget
     st = ThresholdMP(0.1, 4, cap=2.0)
-    idx, keep = st.select(x, training=True)
-    assert st.budget(40) == 8 and idx.shape == (64, 8)
+    kept = st.select(x, training=True)
+    assert st.budget(40) == 8 and kept.shape == (64, 40) and kept.dtype == torch.bool
     tau = x.abs().reshape(-1).topk(256).values.min()  # K = ceil(0.1 * 64 * 40)
     assert st.threshold() == pytest.approx(float(tau))
-    kept = torch.zeros_like(x, dtype=torch.bool)
-    kept[torch.arange(64).unsqueeze(1).expand_as(idx)[keep], idx[keep]] = True
     assert not kept[3].any() and kept[5].sum() == 8
     passing = (x.abs() >= tau) & (x != 0)
     assert not (kept & ~passing).any()  # only entries at or above tau

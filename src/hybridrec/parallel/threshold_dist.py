@@ -25,9 +25,9 @@ top-k codec (:class:`~hybridrec.comm.codecs.TopKCodec`: every piece of every sam
 
       [b_d counts: uint8 (cap_k < 256) / int16 / int32][nnz values: fp32/fp16/bf16][nnz indices: uint8/int16/int32]
 
-  counts per row, then the kept values row after row, then their column positions in the
-  owner's block (the smallest integer type holding ``W - 1``). The sizes vary per step, so
-  every forward first exchanges them: one all-to-all of one int64 per rank pair.
+  counts per row, then the kept values row after row (in column order), then their column
+  positions in the owner's block (the smallest integer type holding ``W - 1``). The sizes vary
+  per step, so every forward first exchanges them: one all-to-all of one int64 per rank pair.
 - **Backward.** The receiver sends each owner the gradients at the positions it received
   (values dtype, same order); the owner knows the sizes, so no size is exchanged, and
   scatters them: ``dL/dx = mask * dL/dx_hat``, exact by the chain rule. No residual: the
@@ -109,13 +109,15 @@ class ThresholdMP:
     def threshold(self) -> float | None:
         return None if self.tau is None else float(self.tau)
 
-    def select(self, x: torch.Tensor, training: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """``x [rows, W]`` -> ``(idx [rows, cap_k] int64, keep [rows, cap_k] bool)``: per row
-        the candidate columns by decreasing magnitude and which of them are sent."""
+    def select(self, x: torch.Tensor, training: bool) -> torch.Tensor:
+        """``x [rows, W]`` -> ``keep [rows, W]`` bool: the entries each row sends. Every
+        entry with ``|x| >= tau`` and ``x != 0``; a row with more than its budget keeps the
+        budget's largest (a top-k of those rows only: most rows are under it, so the common
+        case is one comparison and no sort)."""
         rows, width = x.shape
         kc = self.budget(width)
         if rows == 0 or kc == 0:
-            return x.new_zeros(rows, kc, dtype=torch.int64), x.new_zeros(rows, kc, dtype=torch.bool)
+            return x.new_zeros(rows, width, dtype=torch.bool)
         mag = x.detach().abs()
         thr = self.tau
         if training and (thr is None or refresh_due(self.step, self.refresh_every, ramp=True)):
@@ -128,9 +130,15 @@ class ThresholdMP:
             thr = flat.topk(keep_count(self.eta, flat.numel()), sorted=False).values.min()
         if training:
             self.step += 1
-        passing = torch.where(mag >= thr, mag, torch.zeros_like(mag))  # exact zeros stay 0
-        top = passing.topk(kc, dim=1)
-        return top.indices, top.values > 0
+        keep = mag >= thr if float(thr) > 0 else mag > 0  # exact zeros are never sent
+        over = (keep.sum(1) > kc).nonzero().squeeze(1)
+        if over.numel():  # over the budget: the largest passing entries
+            passing = torch.where(keep[over], mag[over], torch.zeros(()))
+            top = passing.topk(kc, dim=1)
+            capped = torch.zeros(over.numel(), width, dtype=torch.bool)
+            capped.scatter_(1, top.indices, top.values > 0)
+            keep[over] = capped
+        return keep
 
 
 def _col_tables(layout: EmbeddingLayout, owner: int) -> tuple[list[str | None], torch.Tensor]:
@@ -193,9 +201,8 @@ class ThresholdAllToAll(torch.autograd.Function):
         x = pooled.detach()
         width = x.shape[1]
         vb = _item(state.dtype)
-        idx, keep = state.select(x, training)
-        kc = idx.shape[1]
-        cdt, idt = count_dtype(kc), index_dtype(max(width, 1))
+        keep = state.select(x, training)
+        cdt, idt = count_dtype(state.budget(width)), index_dtype(max(width, 1))
         cb, ib = _item(cdt), _item(idt)
         msgs, sent_pos, book = [], [], _Ledger()
         widths = _table_widths(layout, me)
@@ -206,11 +213,10 @@ class ThresholdAllToAll(torch.autograd.Function):
                 sent_pos.append((torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.int64)))
                 start += n
                 continue
-            rows_x, rows_i, rows_k = x[start:start + n], idx[start:start + n], keep[start:start + n]
+            rows_x, rows_k = x[start:start + n], keep[start:start + n]
             counts = rows_k.sum(1)
-            cols = rows_i[rows_k]  # row-major: each row's kept columns in turn
-            rows = torch.repeat_interleave(torch.arange(n), counts)
-            vals = rows_x[rows, cols]
+            rows, cols = rows_k.nonzero().unbind(1)  # row-major: each row's kept columns in turn
+            vals = rows_x[rows_k]
             msgs.append(torch.cat([to_bytes(counts.to(cdt)), to_bytes(vals.to(state.dtype)),
                                    to_bytes(cols.to(idt))]))
             sent_pos.append((rows + start, cols))
