@@ -133,9 +133,9 @@ class ThresholdMP:
         keep = mag >= thr if float(thr) > 0 else mag > 0  # exact zeros are never sent
         over = (keep.sum(1) > kc).nonzero().squeeze(1)
         if over.numel():  # over the budget: the largest passing entries
-            passing = torch.where(keep[over], mag[over], torch.zeros(()))
+            passing = torch.where(keep[over], mag[over], mag.new_zeros(()))
             top = passing.topk(kc, dim=1)
-            capped = torch.zeros(over.numel(), width, dtype=torch.bool)
+            capped = keep.new_zeros(over.numel(), width)
             capped.scatter_(1, top.indices, top.values > 0)
             keep[over] = capped
         return keep
