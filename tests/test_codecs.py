@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from synth_data import synth_dataset
 from distributed import run_ranks
 from hybridrec.comm.codecs import (
+    TOPK_IMPLS,
     CastCodec,
     Int8RowwiseCodec,
     TopKCodec,
@@ -18,6 +19,8 @@ from hybridrec.comm.codecs import (
     index_dtype,
     make_codec,
     round_trip,
+    row_topk,
+    tune_topk,
 )
 from hybridrec.comm.ledger import CommLedger
 from hybridrec.model.dlrm import DLRM
@@ -102,6 +105,45 @@ def test_sizes_by_formula():
         make_codec("fp8")
     with pytest.raises(ValueError):
         TopKCodec(0.0)
+
+
+@pytest.mark.parametrize("impl", TOPK_IMPLS)
+def test_row_topk_keeps_the_largest_entries_of_every_row(impl):
+    mag = torch.randn(50, 3, 64, generator=torch.Generator().manual_seed(0)).abs()  # no ties
+    idx = row_topk(mag, 4, impl)
+    assert idx.shape == (50, 3, 4) and idx.dtype == torch.int64
+    assert torch.equal(idx.sort(-1).values, mag.topk(4, -1).indices.sort(-1).values)
+    # Ties: k distinct positions holding the row's k largest magnitudes.
+    tied = torch.tensor([[1.0, 2.0, 2.0, 2.0, 0.0, 3.0]])
+    got = row_topk(tied, 3, impl)[0]
+    assert got.unique().numel() == 3 and sorted(tied[0, got].tolist()) == [2.0, 2.0, 3.0]
+    assert torch.equal(row_topk(mag[..., :4], 4, impl).sort(-1).values, torch.arange(4).expand(50, 3, 4))
+    half = row_topk(mag.half(), 4, impl)  # numpy takes float32 only: the others go to torch.topk
+    assert torch.equal(half.sort(-1).values, mag.half().topk(4, -1).indices.sort(-1).values)
+
+
+def test_codec_encodes_the_same_with_either_selection():
+    x = torch.randn(32, 5, 16, generator=torch.Generator().manual_seed(1))
+    codec = TopKCodec(0.2, "fp16")
+    out = {}
+    for impl in TOPK_IMPLS:
+        codec.impls[16] = impl
+        out[impl] = codec.decode(codec.encode(x)[0], 16)[0]
+    assert torch.equal(out["torch"], out["numpy"])
+
+
+def test_tune_topk_chooses_by_measurement_and_caches(tmp_path, monkeypatch):
+    monkeypatch.setenv("HYBRIDREC_CACHE_DIR", str(tmp_path))
+    codec = TopKCodec(0.05, "fp16")
+    (choice,) = tune_topk([(codec, 512, 64)])
+    assert choice.source == "measured" and set(choice.seconds) == set(TOPK_IMPLS)
+    assert choice.impl == min(TOPK_IMPLS, key=lambda i: (choice.seconds[i], TOPK_IMPLS.index(i)))
+    assert codec.impls == {64: choice.impl} and choice.key == "row_topk cpu 512x64 k4"
+    other = TopKCodec(0.05)
+    (again,) = tune_topk([(other, 512, 64)])
+    assert again.source == "cached" and other.impls == {64: choice.impl}
+    (remeasured,) = tune_topk([(other, 512, 64)], mode="measure")
+    assert remeasured.source == "measured"
 
 
 def test_from_bytes_at_an_unaligned_offset():

@@ -38,6 +38,13 @@ Codecs (name: forward row bytes / backward row bytes):
 
 Example, ``C = 16``, ``eta = 0.05``: ``k = 1``; one row costs ``4 + 1 = 5`` bytes forward
 (uncompressed: 64, ratio 12.8) and 4 bytes backward (ratio 16).
+
+The selection is the costly part of a DCT hop on CPU: a per-row top-k of ``rows x n`` short
+rows. It has two implementations (:func:`row_topk`): ``torch.topk`` (any device) and
+numpy's ``argpartition`` (CPU, float32; about 3x faster than ``torch.topk`` on 64-wide rows
+on the processors measured so far). Which one a codec runs, per width, is chosen by
+measurement at start-up on the shapes it will code (:func:`tune_topk`, cached with the
+MLP kernels' choices); both return a valid top-k and differ only in how ties are broken.
 """
 
 from __future__ import annotations
@@ -45,7 +52,10 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import numpy as np
 import torch
+
+from hybridrec.model.kernels import Choice, choose, race
 
 VALUE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 """Value types a codec may put on the wire, by config name."""
@@ -181,6 +191,31 @@ class Int8RowwiseCodec(Codec):
         return from_bytes(payload, self.GRAD).to(torch.float32)
 
 
+TOPK_IMPLS = ("torch", "numpy")
+"""Implementations of :func:`row_topk`, in order of preference when timings tie."""
+
+
+def row_topk(mag: torch.Tensor, k: int, impl: str = "torch") -> torch.Tensor:
+    """Positions of the ``k`` largest entries of every row of ``mag`` ``[..., C]``: int64
+    ``[..., k]``, in no particular order. ``impl``: ``torch`` (``torch.topk``) or ``numpy``
+    (``numpy.argpartition``; taken for float32 CPU tensors, else ``torch``)."""
+    cols = mag.shape[-1]
+    if k >= cols:
+        return torch.arange(cols, device=mag.device).expand(*mag.shape[:-1], cols).contiguous()
+    if impl == "numpy" and mag.device.type == "cpu" and mag.dtype == torch.float32:
+        part = np.argpartition(mag.contiguous().numpy(), cols - k, axis=-1)[..., cols - k:]
+        return torch.from_numpy(np.ascontiguousarray(part))
+    return mag.topk(k, dim=-1, sorted=False).indices
+
+
+def time_row_topk(rows: int, cols: int, k: int, impls: list[str], *, device: str = "cpu",
+                  reps: int = 5, budget_s: float = 0.2) -> dict[str, float]:
+    """Seconds of one :func:`row_topk` of ``[rows, cols]`` magnitudes with each of ``impls``."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    mag = torch.randn(rows, cols, device=device, generator=gen).abs_()
+    return race(impls, lambda impl: row_topk(mag, k, impl), device=device, reps=reps, budget_s=budget_s)
+
+
 class TopKCodec(Codec):
     """DCT-MP: every row keeps its ``k = ceil(eta * C)`` entries of largest magnitude.
 
@@ -199,6 +234,7 @@ class TopKCodec(Codec):
         if values not in VALUE_DTYPES:
             raise ValueError(f"values {values!r}: one of {sorted(VALUE_DTYPES)}")
         self.eta, self.values, self.dtype = eta, values, VALUE_DTYPES[values]
+        self.impls: dict[int, str] = {}
 
     def k(self, cols: int) -> int:
         """Entries kept per row (at least 1, at most ``cols``)."""
@@ -212,7 +248,7 @@ class TopKCodec(Codec):
 
     def encode(self, x):
         cols = x.shape[-1]
-        idx = x.abs().topk(self.k(cols), dim=-1, sorted=False).indices
+        idx = row_topk(x.abs(), self.k(cols), self.impls.get(cols, "torch"))
         vals = x.gather(-1, idx).to(self.dtype)
         return torch.cat([to_bytes(vals), to_bytes(idx.to(index_dtype(cols)))], dim=-1), idx
 
@@ -232,6 +268,26 @@ class TopKCodec(Codec):
 
     def __repr__(self) -> str:
         return f"TopKCodec(eta={self.eta}, values={self.values})"
+
+
+def tune_topk(uses: list[tuple[TopKCodec, int, int]], *, mode: str = "auto",
+              device: str = "cpu") -> list[Choice]:
+    """Each ``(codec, rows, cols)`` (a codec that will encode ``[rows, cols]`` blocks, pieces
+    flattened into rows): its selection's implementation for that width, by measurement
+    (:func:`~hybridrec.model.kernels.choose`: cached per machine and shape; ``mode``
+    ``measure`` measures again, the linears' ``torch``/``onednn`` overrides leave it
+    measured). Sets ``codec.impls[cols]``; returns the choices."""
+    cands = [i for i in TOPK_IMPLS if i == "torch" or torch.device(device).type == "cpu"]
+    keys = {}
+    for codec, rows, cols in uses:
+        keys[(id(codec), cols)] = (f"row_topk {device} {rows}x{cols} k{codec.k(cols)}", rows, cols, codec.k(cols))
+    shapes = {key: (rows, cols, k) for key, rows, cols, k in keys.values()}
+    got = choose([(key, cands, None) for key in shapes],
+                 lambda key, cs, budget: time_row_topk(*shapes[key], cs, device=device, budget_s=budget),
+                 mode="auto" if mode in ("torch", "onednn") else mode, budget_s=0.3)
+    for codec, _, cols in uses:
+        codec.impls[cols] = got[keys[(id(codec), cols)][0]].impl
+    return [got[key] for key in shapes]
 
 
 CODECS = ("none", "dct", "fp16", "bf16", "int8")

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 import hybridrec
-from hybridrec.comm.codecs import Codec, make_codec
+from hybridrec.comm.codecs import Codec, TopKCodec, make_codec, tune_topk
 from hybridrec.comm.compress import (
     CastCompressor,
     DCTCompressor,
@@ -549,9 +549,18 @@ def tune_kernels(cfg: Config, model: torch.nn.Module, topo: Topology,
                              agree=agree)
     rows = (sparse_opt.tune_kernels(cfg.data.batch_size * topo.world_size, mode=cfg.train.kernels)
             if sparse_opt is not None else [])
-    return {"mode": cfg.train.kernels, "machine": machine_id(), "cache": str(cache_path()),
-            "linear": [c.to_dict() for c in choices], "interaction": [c.to_dict() for c in dots],
-            "embedding_update": [c.to_dict() for c in rows]}
+    out = {"mode": cfg.train.kernels, "machine": machine_id(), "cache": str(cache_path()),
+           "linear": [c.to_dict() for c in choices], "interaction": [c.to_dict() for c in dots],
+           "embedding_update": [c.to_dict() for c in rows]}
+    ebc = getattr(model, "sparse", None)
+    if isinstance(ebc, ShardedEmbeddingBagCollection) and ebc.layout.coded is not None:
+        # DCT-MP's per-row top-k over this rank's pieces, every rank's samples at once
+        total = cfg.data.batch_size * topo.world_size
+        uses = [(g.codec, total * g.n, g.cols) for g in ebc.layout.coded_of(topo.rank).groups
+                if isinstance(g.codec, TopKCodec)]
+        if uses:
+            out["dct_topk"] = [c.to_dict() for c in tune_topk(uses, mode=cfg.train.kernels, device=device)]
+    return out
 
 
 RUN_FILES = ("summary.json", "eval.json", "plan.json", "metrics.jsonl", "failure_injected.json", EVENTS)
