@@ -91,7 +91,7 @@ def test_balanced_owners_by_hand():
     tables = (TableConfig(name="a", num_embeddings=10, embedding_dim=4, features=["f", "g"]),
               TableConfig(name="b", num_embeddings=5, embedding_dim=2))
     (o, *_rest) = balanced_owners(tables, 2, {"f": 3.0})
-    assert o.ids == ((1 + 3) + (1 + 1) + (1 + 1)) * 8 / 2     # f: 3 ids, g and b: 1
+    assert o.ids == ((1 + 3) + (1 + 1) + (1 + 1)) * 4 / 2     # f: 3 ids, g and b: 1; int32
     assert o.fwd == o.bwd == (16 + 16 + 8) / 2                 # two features of a, one of b
     assert o.weights == (10 * 4 + 5 * 2) * 4 / 2
 
@@ -102,9 +102,9 @@ def test_plan_owners_by_hand():
     plan = P.ShardingPlan(world_size=2, local_world_size=2, tables={
         "a": P.table_wise("a", 10, 4, 0), "b": P.row_wise("b", 6, 2, [0, 1])})
     o0, o1 = plan_owners(tables, plan, 2.0)
-    # rank 0: a whole (1 + 2 ids) * 8, b's rows 0-2 (1 + 2 * 3/6) * 8; pieces 4 + 2 floats
-    assert o0 == Owner(24 + 16, 24, 24, (40 + 6) * 4)
-    assert o1 == Owner(16, 8, 8, 6 * 4)
+    # rank 0: a whole (1 + 2 ids) * 4, b's rows 0-2 (1 + 2 * 3/6) * 4 (int32); pieces 4 + 2 floats
+    assert o0 == Owner(12 + 8, 24, 24, (40 + 6) * 4)
+    assert o1 == Owner(8, 8, 8, 6 * 4)
     codec = make_codec("fp16", eta=1.0, values="fp32")
     c0, _ = plan_owners(tables, plan, 2.0, {"a": codec, "b": codec})
     assert c0.fwd == c0.bwd == 12
@@ -176,9 +176,9 @@ def test_dlrm_dense_params_by_hand():
 def test_worked_example_flat_and_hierarchical():
     flat = predict_step(toy(), SLOW, 2, 1, hierarchical=False)
     assert (flat.input_s, flat.output_fwd_s, flat.output_bwd_s, flat.dense_s) == pytest.approx(
-        (1.76, 1.6, 1.6, 4.0))
-    assert flat.step_s == pytest.approx(9.96) and flat.samples_per_s == pytest.approx(20 / 9.96)
-    assert flat.cross_bytes_per_step == 2 * (176 + 160 + 160 + 400)
+        (0.96, 1.6, 1.6, 4.0))  # input: 10 x (4 + 4) int32 lengths and ids + 16 count bytes
+    assert flat.step_s == pytest.approx(9.16) and flat.samples_per_s == pytest.approx(20 / 9.16)
+    assert flat.cross_bytes_per_step == 2 * (96 + 160 + 160 + 400)
     hier = predict_step(toy(), SLOW, 2, 1, hierarchical=True, sync=SyncSpec())
     assert (hier.step_s, hier.a2a_s, hier.dense_s) == (1.0, 0.0, 0.0)
     assert hier.replica_bytes == 720 and hier.round_s == pytest.approx(7.2)

@@ -47,6 +47,16 @@ def test_layout_is_frozen_data_of_tuples():
     assert lay.coded is None
 
 
+def test_ids_travel_as_int32_unless_a_sharded_table_is_too_large():
+    assert build_layout(tables(), plan()).id_dtype == torch.int32
+    big = [TableConfig(name="a", num_embeddings=2**31 + 1, embedding_dim=4, features=["fa"])]
+    big_plan = P.ShardingPlan(world_size=2, local_world_size=2,
+                              tables={"a": P.table_wise("a", 2**31 + 1, 4, 1)})
+    assert build_layout(big, big_plan).id_dtype == torch.int64
+    edge = P.ShardingPlan(world_size=2, local_world_size=2, tables={"a": P.table_wise("a", 2**31, 4, 1)})
+    assert build_layout([dataclasses.replace(big[0], num_embeddings=2**31)], edge).id_dtype == torch.int32
+
+
 def test_bytes_per_row_come_from_the_codec():
     dct = make_codec("dct", eta=0.25)
     lay = build_layout(tables(), plan(), {"a": dct})

@@ -106,7 +106,7 @@ def test_worked_example_and_conservation():
     plan = P.ShardingPlan(world_size=2, local_world_size=2,
                           tables={"t": P.table_wise("t", 10, 4, 1)})
     p0 = predict_step_bytes(plan, [t], rank=0, batch_sizes=[3, 3])
-    assert p0[("input_dist", "fwd")] == (48, 0)
+    assert p0[("input_dist", "fwd")] == (24, 0)  # (3 lengths + 3 ids) x int32
     assert p0[("output_dist", "fwd")] == (0, 48)
     assert p0[("output_dist", "bwd")] == (48, 0)
     assert p0[("input_dist_counts", "fwd")] == (16, 16)

@@ -11,8 +11,9 @@ static expectation for the planner and ``hybridrec plan`` (ids from a mean pooli
 factor). A *slot* is (feature, shard of its table); for a slot on owner ``o`` and every
 source rank ``r`` with local batch ``b_r`` and ``ids_r`` ids for the slot:
 
-- ``input_dist`` fwd: ``r`` sends ``o`` the slot's bag lengths and ids, int64:
-  ``(b_r + ids_r) * 8`` bytes (row shards: only the ids in the shard's row range).
+- ``input_dist`` fwd: ``r`` sends ``o`` the slot's bag lengths and ids, int32 (int64 when
+  a sharded table has more than 2^31 rows, ``layout.id_dtype``): ``(b_r + ids_r) * 4``
+  bytes (row shards: only the ids in the shard's row range).
 - ``output_dist`` fwd: ``o`` sends ``r`` every piece of its block: ``b_r * piece.fwd_bytes``;
   bwd: ``r`` sends ``o`` their gradients, ``b_r * piece.bwd_bytes`` (float32: ``4 * width``;
   with a codec, :mod:`hybridrec.comm.codecs`, its fixed bytes per row). DeepFM's FM piece
@@ -36,7 +37,7 @@ share ``shard_rows / table_rows`` of them; exact when a batch's ids are spread t
 way, an expectation otherwise (the per-step prediction uses the real counts).
 
 Worked example, one table-wise table of dim 4 on rank 1, one-hot, 2 ranks with
-local batch 3: rank 0 sends rank 1 ``(3 + 3) * 8 = 48`` input bytes and gets back
+local batch 3: rank 0 sends rank 1 ``(3 + 3) * 4 = 24`` input bytes and gets back
 ``3 * 4 * 4 = 48`` output bytes forward; it sends ``48`` gradient bytes backward.
 The same table table_row_wise on host 0 of 4 ranks in hosts of 2, local batch 3: rank
 0 sends rank 1 the partials of ranks 1 and 3 (``trw_intra``, ``6 * 16 = 96`` bytes) and
@@ -49,14 +50,17 @@ from __future__ import annotations
 
 from collections.abc import Collection, Iterator, Mapping
 
+import torch
+
 from hybridrec.comm.codecs import Codec
 from hybridrec.comm.ledger import ring_allreduce_bytes
 from hybridrec.model.embedding import TableConfig
 from hybridrec.parallel.layout import ROW_SPLIT, EmbeddingLayout, build_layout
 from hybridrec.parallel.plan import Shard, ShardingPlan, TablePlan
 
-ID_BYTES = 8
-"""input_dist ships bag lengths and ids as int64."""
+COUNT_BYTES = 16
+"""input_dist's counts: two int64 per rank pair. Its bag lengths and ids travel as
+``layout.id_dtype`` (int32 unless a sharded table has more than 2^31 rows)."""
 VALUE_BYTES = 4
 """Weights, pooled partials and their gradients are float32."""
 
@@ -135,13 +139,14 @@ def flows(layout: EmbeddingLayout, batch_sizes: list[int], ids: IdCounts, *,
     runs)."""
     if not layout.has_shards:
         return
+    item = torch.empty(0, dtype=layout.id_dtype).element_size()
     for src, b in enumerate(batch_sizes):
         for o in range(layout.world_size):
             if src == o or (rank is not None and rank not in (src, o)):
                 continue
-            yield src, o, "input_dist_counts", None, "fwd", 2 * ID_BYTES
+            yield src, o, "input_dist_counts", None, "fwd", COUNT_BYTES
             for j, s in enumerate(layout.slots[o]):
-                yield src, o, "input_dist", s.table, "fwd", (b + ids[(src, o, j)]) * ID_BYTES
+                yield src, o, "input_dist", s.table, "fwd", (b + ids[(src, o, j)]) * item
             for i in layout.segments(o, src):
                 for p in layout.all_blocks[i].pieces:
                     yield o, src, "output_dist", p.table, "fwd", b * p.fwd_bytes

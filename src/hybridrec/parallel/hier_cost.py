@@ -36,10 +36,10 @@ step), and the 8-byte per-step agreement of a group's members on background roun
 
 Worked example (the tests' hand case): 2 tables of 10 x 4 one-hot, batch 10 per rank, 400
 dense bytes, 1 s compute, intra 1000 B/s, cross 100 B/s, flat on 2 groups of 1 rank,
-balanced: each rank owns one table; per step a rank sends the other ``10 * (8 + 8) + 16 =
-176`` input bytes (counts included), 160 output bytes and 160 gradient bytes, all across the
-cross link: 1.76 + 1.6 + 1.6 s, plus a 400-byte ring all-reduce (4 s): 9.96 s, 20 / 9.96
-samples/s. Hierarchical 2 x 1: no all-to-all or all-reduce (1 s steps); a round sends
+balanced: each rank owns one table; per step a rank sends the other ``10 * (4 + 4) + 16 =
+96`` input bytes (int32 lengths and ids, int64 counts), 160 output bytes and 160 gradient
+bytes, all across the cross link: 0.96 + 1.6 + 1.6 s, plus a 400-byte ring all-reduce (4 s):
+9.16 s, 20 / 9.16 samples/s. Hierarchical 2 x 1: no all-to-all or all-reduce (1 s steps); a round sends
 ``400 + 320 = 720`` bytes each way over the cross link (7.2 s), in the background every
 ``7.2 / (0.5 * 1) = 14.4`` steps at duty 0.5, free for the step.
 """
@@ -56,15 +56,13 @@ import torch
 from hybridrec.comm.codecs import Codec
 from hybridrec.comm.sparse_message import encoded_size
 from hybridrec.model.embedding import TableConfig
-from hybridrec.parallel.cost_model import ID_BYTES, VALUE_BYTES
-from hybridrec.parallel.layout import build_layout
+from hybridrec.parallel.cost_model import COUNT_BYTES, VALUE_BYTES
+from hybridrec.parallel.layout import build_layout, id_bytes
 from hybridrec.parallel.plan import ShardingPlan
 
 MODES = ("background", "foreground")
 ALGORITHMS = ("ma", "easgd", "bmuf")
 SYNC_COMPRESS = ("none", "fp16", "bf16", "dct")
-COUNT_BYTES = 2 * ID_BYTES
-"""input_dist_counts: every rank sends every other rank two int64 per step."""
 
 
 # -- inputs ------------------------------------------------------------------------------
@@ -156,7 +154,8 @@ class Owner:
     """One rank of a sharding group, per sample of every source rank."""
 
     ids: float
-    """input_dist bytes a source sends it per sample (bag lengths and ids, int64)."""
+    """input_dist bytes a source sends it per sample (bag lengths and ids, int32 unless a
+    table has more than 2^31 rows)."""
     fwd: float
     """output_dist bytes it sends a source per sample (its pieces, as encoded)."""
     bwd: float
@@ -175,14 +174,15 @@ def balanced_owners(tables: Sequence[TableConfig], n: int,
                     ids_per_bag: float | Mapping[str, float] = 1.0) -> list[Owner]:
     """An ideal table-wise sharding over ``n`` ranks: each owns ``1/n`` of every table
     (fractional tables allowed), float32:
-    ``ids = sum_f (1 + ids_f) * 8 / n``, ``fwd = bwd = sum_f 4 k_f / n``,
+    ``ids = sum_f (1 + ids_f) * 4 / n`` (8 with a table over 2^31 rows), ``fwd = bwd = sum_f 4 k_f / n``,
     ``weights = sum_t 4 rows_t k_t / n``. With n > number of tables this is the balance no
     real plan reaches (a column split sends a feature's ids to every column owner)."""
     ids = _ids(tables, ids_per_bag)
-    id_bytes = sum((1 + ids[f]) * ID_BYTES for t in tables for f in t.features)
+    item = id_bytes(max((t.num_embeddings for t in tables), default=0))
+    id_total = sum((1 + ids[f]) * item for t in tables for f in t.features)
     pooled = sum(VALUE_BYTES * t.embedding_dim for t in tables for _ in t.features)
     weights = sum(VALUE_BYTES * t.num_embeddings * t.embedding_dim for t in tables)
-    return [Owner(id_bytes / n, pooled / n, pooled / n, weights / n)] * n
+    return [Owner(id_total / n, pooled / n, pooled / n, weights / n)] * n
 
 
 def plan_owners(tables: Sequence[TableConfig], plan: ShardingPlan,
@@ -190,12 +190,13 @@ def plan_owners(tables: Sequence[TableConfig], plan: ShardingPlan,
                 codecs: Mapping[str, Codec] | None = None) -> list[Owner]:
     """The owners of ``plan``, from its layout (:func:`~hybridrec.parallel.layout.build_layout`,
     the bytes :func:`~hybridrec.parallel.cost_model.flows` predicts): per slot
-    ``(1 + ids_f * share) * 8`` input bytes (row shards: their ``share`` of the rows), per
+    ``(1 + ids_f * share) * 4`` input bytes (8 with a table over 2^31 rows) (row shards: their ``share`` of the rows), per
     piece its ``fwd_bytes`` / ``bwd_bytes``. Data-parallel tables are not modelled."""
     layout = build_layout(list(tables), plan, codecs)
     if layout.replicated_tables:
         raise ValueError(f"data-parallel tables are not modelled: {layout.replicated_tables}")
     ids = _ids(tables, ids_per_bag)
+    item = torch.empty(0, dtype=layout.id_dtype).element_size()
     weights = [0.0] * plan.world_size
     for tp in plan.tables.values():
         for s in tp.shards:
@@ -204,9 +205,9 @@ def plan_owners(tables: Sequence[TableConfig], plan: ShardingPlan,
     for o in range(plan.world_size):
         shares = [(s, s.shard.num_rows / s.table_rows if s.row_split else 1.0)
                   for s in layout.slots[o]]
-        id_bytes = sum((1 + ids[s.feature] * share) * ID_BYTES for s, share in shares)
+        id_total = sum((1 + ids[s.feature] * share) * item for s, share in shares)
         pieces = layout.blocks[o].pieces
-        out.append(Owner(id_bytes, sum(p.fwd_bytes for p in pieces),
+        out.append(Owner(id_total, sum(p.fwd_bytes for p in pieces),
                          sum(p.bwd_bytes for p in pieces), weights[o]))
     return out
 

@@ -2,7 +2,9 @@
 
 Two collectives per batch: an all-to-all of counts (two int64 per rank pair: the local
 batch size and the buffer size; tiny and synchronous, both sides need them to size
-the ids), then one of lengths+ids in one int64 buffer per rank pair (asynchronous).
+the ids), then one of lengths+ids in one buffer per rank pair (asynchronous), int32 when
+every sharded table has at most 2^31 rows (``layout.id_dtype``; both sides derive it from
+the layout), else int64. The owner's batch holds int64 ids again.
 Row-wise slots carry only the ids in the shard's row range, rebased (table_row_wise slots
 too: they differ from row-wise only on the way back, :mod:`hybridrec.parallel.host_reduce`).
 
@@ -24,10 +26,6 @@ from hybridrec.comm.ledger import CommLedger
 from hybridrec.parallel.layout import EmbeddingLayout
 from hybridrec.parallel.topology import Topology
 from hybridrec.sparse.keyed_jagged import KeyedJagged
-
-ID_BYTES = 8
-"""Lengths and ids travel as int64."""
-
 
 def bucketize(values: torch.Tensor, lengths: torch.Tensor, rows: tuple[int, int]):
     """The ids of a bag list that fall in ``[rows)``, rebased, and the new bag lengths
@@ -73,7 +71,7 @@ class PendingInput:
         """The handle of a layout without shards: nothing travels, nothing is recorded."""
         world = layout.world_size
         return cls(layout=layout, rank=rank, ledger=None, local_batch=local_batch,
-                   batch_sizes=[0] * world, sizes=[0] * world, recv=torch.empty(0, dtype=torch.int64),
+                   batch_sizes=[0] * world, sizes=[0] * world, recv=torch.empty(0, dtype=layout.id_dtype),
                    work=None, sent_ids={}, sent_bytes={}, count_bytes=0)
 
     def discard(self) -> None:
@@ -106,8 +104,9 @@ class PendingInput:
         received: dict[str, int] = {}
         from_others = (per_slot.sum(0) - per_slot[me]).tolist()
         bags = sum(self.batch_sizes) - self.batch_sizes[me]
+        item = self.recv.element_size()
         for j, s in enumerate(self.layout.slots[me]):
-            received[s.table] = received.get(s.table, 0) + (bags + from_others[j]) * ID_BYTES
+            received[s.table] = received.get(s.table, 0) + (bags + from_others[j]) * item
         for table in sorted(set(received) | set(self.sent_bytes)):
             led.record("input_dist", table=table, direction="fwd", sent=self.sent_bytes.get(table, 0),
                        received=received.get(table, 0))
@@ -120,6 +119,8 @@ def start_input_dist(kjt: KeyedJagged, layout: EmbeddingLayout, topo: Topology,
     the same order (the collectives are matched in call order)."""
     parts = kjt.split_by_key()
     b, world, me = kjt.batch_size, topo.world_size, topo.rank
+    wire = layout.id_dtype
+    item = torch.empty(0, dtype=wire).element_size()
     bufs, counts, sent_ids, sent_bytes = [], [], {}, {}
     for d in range(world):
         lengths, values = [], []
@@ -127,12 +128,12 @@ def start_input_dist(kjt: KeyedJagged, layout: EmbeddingLayout, topo: Topology,
             v, ln = parts[s.feature]
             if s.row_split:
                 v, ln = bucketize(v, ln, s.shard.rows)
-            lengths.append(ln.to(torch.int64))
-            values.append(v)
+            lengths.append(ln.to(wire))
+            values.append(v.to(wire))
             sent_ids[(me, d, j)] = v.numel()
             if d != me:
-                sent_bytes[s.table] = sent_bytes.get(s.table, 0) + (ln.numel() + v.numel()) * ID_BYTES
-        bufs.append(torch.cat(lengths + values) if lengths else torch.empty(0, dtype=torch.int64))
+                sent_bytes[s.table] = sent_bytes.get(s.table, 0) + (ln.numel() + v.numel()) * item
+        bufs.append(torch.cat(lengths + values) if lengths else torch.empty(0, dtype=wire))
         counts += [b, bufs[-1].numel()]
     send_counts = torch.tensor(counts, dtype=torch.int64)
     recv_counts = send_counts.new_empty(2 * world)
@@ -167,6 +168,6 @@ def owner_kjt(recv: torch.Tensor, sizes: list[int], batch_sizes: list[int],
     out_start = torch.cumsum(run_len, 0) - run_len
     total = int(run_len.sum())
     src = torch.repeat_interleave(run_start - out_start, run_len) + torch.arange(total)
-    kjt = KeyedJagged([s.name for s in mine], recv.index_select(0, src),
+    kjt = KeyedJagged([s.name for s in mine], recv.index_select(0, src).to(torch.int64),
                       torch.cat(lengths, dim=1).reshape(-1).to(torch.int32))
     return kjt, per_slot

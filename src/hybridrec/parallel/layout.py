@@ -253,6 +253,17 @@ class BlockLayout:
         return s
 
 
+def id_dtype(max_rows: int) -> torch.dtype:
+    """input_dist's wire type for bag lengths and ids when the largest sharded table has
+    ``max_rows`` rows: int32 (4 bytes) when every id fits, else int64."""
+    return torch.int32 if max_rows <= 2**31 else torch.int64
+
+
+def id_bytes(max_rows: int) -> int:
+    """Bytes of one id or bag length on input_dist's wire (:func:`id_dtype`)."""
+    return 4 if id_dtype(max_rows) == torch.int32 else 8
+
+
 @dataclass(frozen=True)
 class EmbeddingLayout:
     """Everything a :class:`~hybridrec.parallel.sharded_embedding.ShardedEmbeddingBagCollection`
@@ -278,6 +289,11 @@ class EmbeddingLayout:
     @property
     def has_shards(self) -> bool:
         return any(self.slots)
+
+    @cached_property
+    def id_dtype(self) -> torch.dtype:
+        """input_dist's wire type for bag lengths and ids (:func:`id_dtype`)."""
+        return id_dtype(max((s.table_rows for slots in self.slots for s in slots), default=0))
 
     @property
     def widths(self) -> tuple[int, ...]:
