@@ -192,97 +192,104 @@ class _Ledger:
 class ThresholdAllToAll(torch.autograd.Function):
     """``pooled [total_B, W_rank]`` -> every owner's decoded block for this rank's samples,
     side by side ``[b, sum W_o]`` (owners in rank order); backward sends the gradients of the
-    kept entries back. See the module docstring."""
+    kept entries back. See the module docstring.
+
+    Positions are kept as flat indices (``row * width + column``), ascending: one
+    ``nonzero`` of the whole mask finds every destination's entries in row-major order, and
+    each side gathers and scatters with one ``index_select`` / ``index_copy_`` per owner."""
 
     @staticmethod
     def forward(ctx, pooled, layout: EmbeddingLayout, batch_sizes: list[int], topo: Topology,
                 ledger, state: ThresholdMP, training: bool):
         me, world, b = topo.rank, topo.world_size, batch_sizes[topo.rank]
-        x = pooled.detach()
+        x = pooled.detach().contiguous()
         width = x.shape[1]
         vb = _item(state.dtype)
         keep = state.select(x, training)
         cdt, idt = count_dtype(state.budget(width)), index_dtype(max(width, 1))
         cb, ib = _item(cdt), _item(idt)
-        msgs, sent_pos, book = [], [], _Ledger()
+        counts = keep.sum(1)  # [total_B]
+        flat = keep.reshape(-1).nonzero().squeeze(1)  # ascending: row after row, columns in order
+        per_dest = [int(c) for c in torch.stack([c.sum() for c in torch.split(counts, batch_sizes)])] \
+            if width else [0] * world
+        vals_all = x.reshape(-1).index_select(0, flat).to(state.dtype)
+        cols_all = flat % max(width, 1)
+        msgs, book = [], _Ledger()
         widths = _table_widths(layout, me)
-        start = 0
-        for d, n in enumerate(batch_sizes):
+        for d, (n, cnt, vals, cols) in enumerate(zip(batch_sizes, torch.split(counts, batch_sizes),
+                                                     torch.split(vals_all, per_dest),
+                                                     torch.split(cols_all, per_dest))):
             if width == 0:
                 msgs.append(torch.empty(0, dtype=torch.uint8))
-                sent_pos.append((torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.int64)))
-                start += n
                 continue
-            rows_x, rows_k = x[start:start + n], keep[start:start + n]
-            counts = rows_k.sum(1)
-            rows, cols = rows_k.nonzero().unbind(1)  # row-major: each row's kept columns in turn
-            vals = rows_x[rows_k]
-            msgs.append(torch.cat([to_bytes(counts.to(cdt)), to_bytes(vals.to(state.dtype)),
-                                   to_bytes(cols.to(idt))]))
-            sent_pos.append((rows + start, cols))
+            msgs.append(torch.cat([to_bytes(cnt.to(cdt)), to_bytes(vals), to_bytes(cols.to(idt))]))
             if d != me:
                 for t, k in _table_entries(layout, me, cols).items():
                     book.add(t, sent=k * (vb + ib), original=n * widths[t] * 4)
                 book.add(None, sent=n * cb + SIZE_BYTES)
-            start += n
         in_splits = [m.numel() for m in msgs]
         sizes = torch.empty(world, dtype=torch.int64)
         topo.all_to_all(sizes, torch.tensor(in_splits, dtype=torch.int64), [1] * world, [1] * world)
         out_splits = sizes.tolist()
         recv = torch.empty(sum(out_splits), dtype=torch.uint8)
         topo.all_to_all(recv, torch.cat(msgs), out_splits, in_splits)
-        blocks, recv_pos = [], []
+        total_w = sum(layout.blocks[o].width for o in range(world))
+        out = torch.zeros(b * total_w)
+        recv_pos, at_col = [], 0
         for o, part in enumerate(torch.split(recv, out_splits)):
             w_o = layout.blocks[o].width
             if w_o == 0:
-                blocks.append(torch.zeros(b, 0))
-                recv_pos.append((torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.int64)))
+                recv_pos.append(torch.empty(0, dtype=torch.int64))
                 continue
             kc_o = state.budget(w_o)
             cdt_o, idt_o = count_dtype(kc_o), index_dtype(w_o)
-            counts = from_bytes(part[: b * _item(cdt_o)], cdt_o).to(torch.int64)
-            nnz = int(counts.sum())
+            cnt = from_bytes(part[: b * _item(cdt_o)], cdt_o).to(torch.int64)
+            nnz = int(cnt.sum())
             at = b * _item(cdt_o)
             vals = from_bytes(part[at: at + nnz * vb], state.dtype).to(torch.float32)
             cols = from_bytes(part[at + nnz * vb:], idt_o).to(torch.int64)
             if cols.numel() != nnz:
                 raise ValueError(f"threshold hop: rank {o} sent {cols.numel()} positions for {nnz} values")
-            rows = torch.repeat_interleave(torch.arange(b), counts)
-            out = torch.zeros(b, w_o)
-            out[rows, cols] = vals
-            blocks.append(out)
-            recv_pos.append((rows, cols))
+            rows = torch.repeat_interleave(torch.arange(b), cnt)
+            pos = rows * total_w + (cols + at_col)  # flat positions in the received [b, total_w]
+            out.index_copy_(0, pos, vals)
+            recv_pos.append(pos)
+            at_col += w_o
             if o != me:
                 for t, k in _table_entries(layout, o, cols).items():
                     book.add(t, received=k * (vb + _item(idt_o)))
                 book.add(None, received=b * _item(cdt_o) + SIZE_BYTES)
         book.record(ledger, "fwd")
+        sent_pos = (flat, per_dest)
         ctx.meta = (layout, batch_sizes, topo, ledger, state.dtype, width, sent_pos, recv_pos)
-        return torch.cat(blocks, dim=1)
+        return out.view(b, total_w)
 
     @staticmethod
     def backward(ctx, grad):
-        layout, batch_sizes, topo, ledger, dtype, width, sent_pos, recv_pos = ctx.meta
+        layout, batch_sizes, topo, ledger, dtype, width, (flat, per_dest), recv_pos = ctx.meta
         me, world = topo.rank, topo.world_size
         vb = _item(dtype)
-        parts = torch.split(grad, [layout.blocks[o].width for o in range(world)], dim=1)
+        g_flat = grad.contiguous().reshape(-1)
         book = _Ledger()
         msgs = []
-        for o, (g, (rows, cols)) in enumerate(zip(parts, recv_pos)):
-            msgs.append(to_bytes(g[rows, cols].to(dtype)))
-            if o != me:
-                for t, k in _table_entries(layout, o, cols).items():
-                    book.add(t, sent=k * vb, original=g.shape[0] * _table_widths(layout, o)[t] * 4)
+        at_col = 0
+        for o, pos in enumerate(recv_pos):
+            msgs.append(to_bytes(g_flat.index_select(0, pos).to(dtype)))
+            if o != me and pos.numel():
+                for t, k in _table_entries(layout, o, pos % grad.shape[1] - at_col).items():
+                    book.add(t, sent=k * vb, original=grad.shape[0] * _table_widths(layout, o)[t] * 4)
+            at_col += layout.blocks[o].width
         in_splits = [m.numel() for m in msgs]
-        out_splits = [r.numel() * vb for r, _ in sent_pos]
+        out_splits = [n * vb for n in per_dest]
         recv = torch.empty(sum(out_splits), dtype=torch.uint8)
         topo.all_to_all(recv, torch.cat(msgs), out_splits, in_splits)
-        gx = grad.new_zeros(sum(batch_sizes), width)
-        for d, (part, (rows, cols)) in enumerate(zip(torch.split(recv, out_splits), sent_pos)):
-            if rows.numel():
-                gx[rows, cols] = from_bytes(part, dtype).to(grad.dtype)
-            if d != me:
-                for t, k in _table_entries(layout, me, cols).items():
-                    book.add(t, received=k * vb)
+        gx = grad.new_zeros(sum(batch_sizes) * width)
+        if flat.numel():
+            gx.index_copy_(0, flat, from_bytes(recv, dtype).to(grad.dtype))
+        if width:
+            for d, pos in enumerate(torch.split(flat, per_dest)):
+                if d != me:
+                    for t, k in _table_entries(layout, me, pos % width).items():
+                        book.add(t, received=k * vb)
         book.record(ledger, "bwd")
-        return gx, None, None, None, None, None, None
+        return gx.view(sum(batch_sizes), width), None, None, None, None, None, None
