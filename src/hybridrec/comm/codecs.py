@@ -278,16 +278,14 @@ def tune_topk(uses: list[tuple[TopKCodec, int, int]], *, mode: str = "auto",
     ``measure`` measures again, the linears' ``torch``/``onednn`` overrides leave it
     measured). Sets ``codec.impls[cols]``; returns the choices."""
     cands = [i for i in TOPK_IMPLS if i == "torch" or torch.device(device).type == "cpu"]
-    keys = {}
-    for codec, rows, cols in uses:
-        keys[(id(codec), cols)] = (f"row_topk {device} {rows}x{cols} k{codec.k(cols)}", rows, cols, codec.k(cols))
-    shapes = {key: (rows, cols, k) for key, rows, cols, k in keys.values()}
+    shapes = {f"row_topk {device} {rows}x{cols} k{codec.k(cols)}": (rows, cols, codec.k(cols))
+              for codec, rows, cols in uses}
     got = choose([(key, cands, None) for key in shapes],
                  lambda key, cs, budget: time_row_topk(*shapes[key], cs, device=device, budget_s=budget),
-                 mode="auto" if mode in ("torch", "onednn") else mode, budget_s=0.3)
-    for codec, _, cols in uses:
-        codec.impls[cols] = got[keys[(id(codec), cols)][0]].impl
-    return [got[key] for key in shapes]
+                 mode=mode, budget_s=0.3)
+    for codec, rows, cols in uses:
+        codec.impls[cols] = got[f"row_topk {device} {rows}x{cols} k{codec.k(cols)}"].impl
+    return list(got.values())
 
 
 CODECS = ("none", "dct", "fp16", "bf16", "int8")

@@ -50,8 +50,6 @@ from __future__ import annotations
 
 from collections.abc import Collection, Iterator, Mapping
 
-import torch
-
 from hybridrec.comm.codecs import Codec
 from hybridrec.comm.ledger import ring_allreduce_bytes
 from hybridrec.model.embedding import TableConfig
@@ -139,7 +137,7 @@ def flows(layout: EmbeddingLayout, batch_sizes: list[int], ids: IdCounts, *,
     runs)."""
     if not layout.has_shards:
         return
-    item = torch.empty(0, dtype=layout.id_dtype).element_size()
+    item = layout.id_dtype.itemsize
     for src, b in enumerate(batch_sizes):
         for o in range(layout.world_size):
             if src == o or (rank is not None and rank not in (src, o)):

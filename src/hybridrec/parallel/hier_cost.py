@@ -57,7 +57,7 @@ from hybridrec.comm.codecs import Codec
 from hybridrec.comm.sparse_message import encoded_size
 from hybridrec.model.embedding import TableConfig
 from hybridrec.parallel.cost_model import COUNT_BYTES, VALUE_BYTES
-from hybridrec.parallel.layout import build_layout, id_bytes
+from hybridrec.parallel.layout import build_layout, id_dtype
 from hybridrec.parallel.plan import ShardingPlan
 
 MODES = ("background", "foreground")
@@ -178,7 +178,7 @@ def balanced_owners(tables: Sequence[TableConfig], n: int,
     ``weights = sum_t 4 rows_t k_t / n``. With n > number of tables this is the balance no
     real plan reaches (a column split sends a feature's ids to every column owner)."""
     ids = _ids(tables, ids_per_bag)
-    item = id_bytes(max((t.num_embeddings for t in tables), default=0))
+    item = id_dtype(max((t.num_embeddings for t in tables), default=0)).itemsize
     id_total = sum((1 + ids[f]) * item for t in tables for f in t.features)
     pooled = sum(VALUE_BYTES * t.embedding_dim for t in tables for _ in t.features)
     weights = sum(VALUE_BYTES * t.num_embeddings * t.embedding_dim for t in tables)
@@ -196,7 +196,7 @@ def plan_owners(tables: Sequence[TableConfig], plan: ShardingPlan,
     if layout.replicated_tables:
         raise ValueError(f"data-parallel tables are not modelled: {layout.replicated_tables}")
     ids = _ids(tables, ids_per_bag)
-    item = torch.empty(0, dtype=layout.id_dtype).element_size()
+    item = layout.id_dtype.itemsize
     weights = [0.0] * plan.world_size
     for tp in plan.tables.values():
         for s in tp.shards:

@@ -120,7 +120,7 @@ def start_input_dist(kjt: KeyedJagged, layout: EmbeddingLayout, topo: Topology,
     parts = kjt.split_by_key()
     b, world, me = kjt.batch_size, topo.world_size, topo.rank
     wire = layout.id_dtype
-    item = torch.empty(0, dtype=wire).element_size()
+    item = wire.itemsize
     bufs, counts, sent_ids, sent_bytes = [], [], {}, {}
     for d in range(world):
         lengths, values = [], []

@@ -255,13 +255,8 @@ class BlockLayout:
 
 def id_dtype(max_rows: int) -> torch.dtype:
     """input_dist's wire type for bag lengths and ids when the largest sharded table has
-    ``max_rows`` rows: int32 (4 bytes) when every id fits, else int64."""
+    ``max_rows`` rows: int32 (4 bytes) when every id fits, else int64 (``.itemsize``: bytes)."""
     return torch.int32 if max_rows <= 2**31 else torch.int64
-
-
-def id_bytes(max_rows: int) -> int:
-    """Bytes of one id or bag length on input_dist's wire (:func:`id_dtype`)."""
-    return 4 if id_dtype(max_rows) == torch.int32 else 8
 
 
 @dataclass(frozen=True)

@@ -210,8 +210,7 @@ class ThresholdAllToAll(torch.autograd.Function):
         cb, ib = _item(cdt), _item(idt)
         counts = keep.sum(1)  # [total_B]
         flat = keep.reshape(-1).nonzero().squeeze(1)  # ascending: row after row, columns in order
-        per_dest = [int(c) for c in torch.stack([c.sum() for c in torch.split(counts, batch_sizes)])] \
-            if width else [0] * world
+        per_dest = [int(c.sum()) for c in torch.split(counts, batch_sizes)]  # entries per destination
         vals_all = x.reshape(-1).index_select(0, flat).to(state.dtype)
         cols_all = flat % max(width, 1)
         msgs, book = [], _Ledger()
@@ -267,7 +266,7 @@ class ThresholdAllToAll(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         layout, batch_sizes, topo, ledger, dtype, width, (flat, per_dest), recv_pos = ctx.meta
-        me, world = topo.rank, topo.world_size
+        me = topo.rank
         vb = _item(dtype)
         g_flat = grad.contiguous().reshape(-1)
         book = _Ledger()
