@@ -45,6 +45,8 @@ def parse_args(argv=None):
     p.add_argument("--top", type=int, default=15, help="operators listed")
     p.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
                    help="another config override (repeatable)")
+    p.add_argument("--shapes", action="store_true",
+                   help="group the operators by input shapes (records shapes; adds overhead)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--data", help=argparse.SUPPRESS)
     return p.parse_args(argv)
@@ -67,7 +69,7 @@ def worker(args) -> dict | None:
     it = trainer.pipeline.batches(args.warmup + args.steps)
     for _ in range(args.warmup):
         trainer.train_step(*next(it))
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=args.shapes) as prof:
         start = time.perf_counter()
         for _ in range(args.steps):
             trainer.train_step(*next(it))
@@ -75,8 +77,8 @@ def worker(args) -> dict | None:
     if trainer.topo.rank != 0:
         return None
     n = args.steps
-    avg = prof.key_averages()
-    by_name = {e.key: e for e in avg}
+    by_name = {e.key: e for e in prof.key_averages()}
+    avg = prof.key_averages(group_by_input_shape=True) if args.shapes else by_name.values()
     phases = {k: by_name[k].cpu_time_total / 1e3 / n for k in PHASES if k in by_name}
     step_ms = wall * 1e3 / n
     top_level = sum(v for k, v in phases.items() if k not in NESTED)
@@ -87,7 +89,7 @@ def worker(args) -> dict | None:
         "threads": torch.get_num_threads(), "step_ms": step_ms,
         "samples_per_sec": args.batch_size * trainer.topo.world_size / (wall / n),
         "phases_ms": phases, "outside_phases_ms": step_ms - top_level,
-        "ops": [{"op": e.key, "self_ms": e.self_cpu_time_total / 1e3 / n, "calls": e.count / n} for e in ops],
+        "ops": [{"op": e.key + (f" {e.input_shapes}" if args.shapes else ""), "self_ms": e.self_cpu_time_total / 1e3 / n, "calls": e.count / n} for e in ops],
         "kernels": trainer.kernels,
     }
 
@@ -128,6 +130,7 @@ def main(argv=None) -> int:
         cmd = [*launcher, __file__, "--worker", "--data", str(data), "--out", str(out),
                "--batch-size", str(args.batch_size), "--steps", str(args.steps), "--warmup",
                str(args.warmup), "--top", str(args.top), "--precision", precision,
+               *(["--shapes"] if args.shapes else []),
                *[a for o in args.override for a in ("--override", o)]]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:

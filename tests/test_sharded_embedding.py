@@ -29,7 +29,8 @@ def make_plan(kind, world):
     lw = 2 if kind == "table_row_wise" else world  # two host groups of 2 when world is 4
     tp = {}
     for i, (n, rows) in enumerate(TABLES):
-        k = kind if kind != "mixed" else ["row_wise", "column_wise", "data_parallel"][i]
+        k = {"mixed": ["row_wise", "column_wise", "data_parallel"],  # the receiver adds row-wise partials
+             "mixed_placed": ["table_wise", "column_wise", "data_parallel"]}.get(kind, [kind] * 3)[i]
         if k == "table_wise":
             tp[n] = P.table_wise(n, rows, DIM, i % world)
         elif k == "row_wise":

@@ -146,11 +146,12 @@ def _from_peers(flat: torch.Tensor, own_cols: int, red_cols: int, layout: Embedd
 
 
 def _bytes_by_table(layout: EmbeddingLayout, segments: tuple[int, ...], nbytes: int,
-                    direction: str) -> dict[str | None, tuple[int, int]]:
+                    direction: str, value_bytes: int = 4) -> dict[str | None, tuple[int, int]]:
     """``nbytes`` moved between two ranks, whole rows of ``segments`` side by side ->
-    ``{table: (bytes as encoded, bytes as float32)}``."""
+    ``{table: (bytes as encoded, bytes as float32)}``. ``value_bytes``: of an uncoded
+    value on the wire (2 for the bf16 wire); the layout counts 4."""
     blocks = [layout.all_blocks[i] for i in segments]
-    per_row = sum(blk.row_bytes(direction) for blk in blocks)
+    per_row = sum(blk.row_bytes(direction) for blk in blocks) * value_bytes // 4
     rows, rest = divmod(nbytes, per_row) if per_row else (0, nbytes)
     if rest:
         raise ValueError(f"{nbytes} bytes are not whole rows of {per_row} bytes")
@@ -158,15 +159,16 @@ def _bytes_by_table(layout: EmbeddingLayout, segments: tuple[int, ...], nbytes: 
     for blk in blocks:
         for table, (enc, orig) in blk.bytes_by_table(rows * blk.row_bytes(direction), direction).items():
             e, o = out.get(table, (0, 0))
-            out[table] = (e + enc, o + orig)
+            out[table] = (e + enc * value_bytes // 4, o + orig)
     return out
 
 
 def record_hop(ledger: CommLedger | None, layout: EmbeddingLayout, direction: str, rank: int,
-               sent: list[int], received: list[int]) -> None:
+               sent: list[int], received: list[int], value_bytes: int = 4) -> None:
     """Ledger entries of one exchange: ``sent[r]`` / ``received[r]`` bytes moved to / from
     rank ``r``. Forward a rank sends ``segments(rank, r)`` and receives ``segments(r,
-    rank)``; backward the reverse. Every table of the segments gets an entry."""
+    rank)``; backward the reverse. Every table of the segments gets an entry.
+    ``value_bytes``: as :func:`_bytes_by_table`."""
     if ledger is None:
         return
     acc: dict[str | None, list[int]] = {}
@@ -176,10 +178,10 @@ def record_hop(ledger: CommLedger | None, layout: EmbeddingLayout, direction: st
         out_segs, in_segs = layout.segments(rank, r), layout.segments(r, rank)
         if direction != "fwd":
             out_segs, in_segs = in_segs, out_segs
-        for table, (enc, orig) in _bytes_by_table(layout, out_segs, sent[r], direction).items():
+        for table, (enc, orig) in _bytes_by_table(layout, out_segs, sent[r], direction, value_bytes).items():
             a = acc.setdefault(table, [0, 0, 0])
             a[0], a[2] = a[0] + enc, a[2] + orig
-        for table, (enc, _) in _bytes_by_table(layout, in_segs, received[r], direction).items():
+        for table, (enc, _) in _bytes_by_table(layout, in_segs, received[r], direction, value_bytes).items():
             acc.setdefault(table, [0, 0, 0])[1] += enc
     for table in sorted(acc, key=lambda t: t or ""):
         s, r, o = acc[table]
@@ -189,12 +191,13 @@ def record_hop(ledger: CommLedger | None, layout: EmbeddingLayout, direction: st
 def _exchange(send: torch.Tensor, out_splits: list[int], in_splits: list[int], topo: Topology,
               layout: EmbeddingLayout, ledger: CommLedger | None, direction: str) -> torch.Tensor:
     """One ``all_to_all_single`` of a flat buffer (``in_splits[r]`` elements to rank ``r``,
-    ``out_splits[r]`` from it), recorded as moved."""
+    ``out_splits[r]`` from it), recorded as moved: encoded bytes (uint8), or values of
+    the buffer's dtype (float32, or bf16 on the bf16 wire)."""
     out = send.new_empty(sum(out_splits))
     topo.all_to_all(out, send, out_splits, in_splits)
     item = send.element_size()
     record_hop(ledger, layout, direction, topo.rank, [n * item for n in in_splits],
-               [n * item for n in out_splits])
+               [n * item for n in out_splits], value_bytes=4 if send.dtype == torch.uint8 else item)
     return out
 
 

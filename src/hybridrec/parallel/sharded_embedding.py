@@ -18,7 +18,8 @@ model reads too. The pieces of one step:
   one int64 buffer; :meth:`start_input_dist` returns the handle the forward waits on.
 - lookup: this rank's own :class:`EmbeddingBagCollection` over its shards (``self.local``).
 - output_dist (:mod:`hybridrec.parallel.coded_dist`): the pooled partials forward and
-  their gradients backward, float32 or through codecs (``codecs={table: codec}``). The
+  their gradients backward, float32 or through codecs (``codecs={table: codec}``), or
+  bf16 (``wire_dtype``, below). The
   row-wise reduce-scatter is this all-to-all of partials followed by a local sum (the
   same bytes per rank as a reduce-scatter, and one collective carries every table); its
   backward sends every row shard the pooled gradient (the all-gather).
@@ -37,6 +38,16 @@ by step. Inside ``ledger.suspended()`` (evaluation) neither is recorded.
 Data-parallel tables are replicated (``self.replicated``): looked up locally; their row
 gradients are summed over ranks by :meth:`reduce_sparse_grads`, an explicit collective,
 before the (identical) sparse update on every rank.
+
+bf16 on the wire (``wire_dtype=torch.bfloat16``, what ``train.precision=bf16`` passes):
+the dense arches compute in bf16 and cast the pooled embeddings to it first, so the
+owners cast their blocks before the all-to-all instead (half the bytes, and the output is
+assembled in bf16); the gradients come back in bf16, which they already were. Taken only
+where the receiver just places the values (no codecs or threshold, no row-wise partials
+to add, no FM pieces, no mean pooling): there, what the dense arches see is bit for bit
+what they see with float32 on the wire (with a world size that is not a power of two the
+gradients' ``1/world`` scale rounds once more, in bf16). Elsewhere ``self.wire_dtype`` is
+None and the hop stays float32.
 
 Gradient scale: each rank's loss is a mean over its local batch, so gradients
 reaching a shard owner are divided by the world size: N ranks compute what one
@@ -130,7 +141,8 @@ class ShardedEmbeddingBagCollection(nn.Module):
     def __init__(self, tables: list[TableConfig], plan: ShardingPlan, topo: Topology, *,
                  seed: int = 0, ledger: CommLedger | None = None,
                  codecs: Mapping[str, Codec] | None = None, threshold: ThresholdMP | None = None,
-                 dp_reducer: CompressedAllReduce | None = None) -> None:
+                 dp_reducer: CompressedAllReduce | None = None,
+                 wire_dtype: torch.dtype | None = None) -> None:
         super().__init__()
         if plan.world_size != topo.world_size:
             raise ValueError(f"plan is for {plan.world_size} ranks, the world has {topo.world_size}")
@@ -151,6 +163,15 @@ class ShardedEmbeddingBagCollection(nn.Module):
         self.local = _shard_collection(self.layout.slots[topo.rank], self.tables, seed)
         dp = [self.tables[n] for n in self.layout.replicated_tables]
         self.replicated = EmbeddingBagCollection(dp, seed=seed) if dp else None
+        self.wire_dtype = wire_dtype if wire_dtype not in (None, torch.float32) and self._places_only() else None
+
+    def _places_only(self) -> bool:
+        """Whether the receiver only places the blocks' values (nothing added, scaled or
+        coded on the way): the condition for a low-precision wire (module docstring)."""
+        layout = self.layout
+        return (not self.codecs and self.threshold is None and not any(layout.row_split)
+                and not layout.mean_features
+                and not any(b.has_fm for b in (*layout.blocks, *layout.host_blocks)))
 
     @property
     def feature_names(self) -> list[str]:
@@ -192,6 +213,8 @@ class ShardedEmbeddingBagCollection(nn.Module):
             blocks.append(layout.replicated.encode(local))
         else:
             blocks.append(torch.empty(b, 0))
+        if self.wire_dtype is not None:  # the output is assembled in the wire's dtype
+            blocks[-1] = blocks[-1].to(self.wire_dtype)
         out, fm = self._combine(blocks + hosts, b)
         out = scale_grad(out, 1.0 / world)
         if fm is not None:
@@ -214,14 +237,19 @@ class ShardedEmbeddingBagCollection(nn.Module):
         else:  # still joins the collectives, forward and backward
             pooled = torch.zeros(sum(sizes), 0, requires_grad=self.training and torch.is_grad_enabled())
         reduced = pooled.new_zeros(0, 0) if reduced is None else reduced
+        if self.wire_dtype is not None:  # cast where the dense arches would (module docstring)
+            pooled, reduced = pooled.to(self.wire_dtype), reduced.to(self.wire_dtype)
         owners, hosts = output_all_to_all(pooled, reduced, layout, sizes, self.topo, self.ledger,
                                           threshold=self.threshold, training=self.training)
         if self.ledger is not None:  # the formula's bytes of this step, beside the counted ones
             pred = step_bytes(layout, rank, list(owner.batch_sizes), owner.ids,
                               backward=pooled.requires_grad)
+            item = pooled.element_size()  # the layout counts float32 values
             for (category, table, direction), (sent, received) in pred.items():
                 if self.threshold is not None and category == "output_dist":
                     continue  # the threshold's bytes depend on the activations: not predicted
+                if category == "output_dist":
+                    sent, received = sent * item // 4, received * item // 4
                 self.ledger.predict(category, table=table, direction=direction, sent=sent, received=received)
         return owners, hosts
 

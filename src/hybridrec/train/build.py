@@ -35,7 +35,7 @@ from hybridrec.model.deepfm import DeepFM
 from hybridrec.model.dlrm import DLRM
 from hybridrec.model.embedding import EmbeddingBagCollection, TableConfig
 from hybridrec.model.interaction import make_interaction, tune_interactions
-from hybridrec.model.kernels import cache_path, machine_id
+from hybridrec.model.kernels import PRECISIONS, cache_path, machine_id
 from hybridrec.model.mlp import tune_mlps
 from hybridrec.train.config import CompressConfig, Config, workers_problem
 from hybridrec.train.optim import (
@@ -103,7 +103,8 @@ def build_model(cfg: Config, meta: DatasetMeta, *, plan: ShardingPlan | None = N
         ebc = ShardedEmbeddingBagCollection(tables, plan, topo, seed=cfg.train.seed, ledger=ledger,
                                             codecs=build_embedding_codecs(cfg, tables, plan),
                                             threshold=build_threshold_mp(cfg, plan, total_steps),
-                                            dp_reducer=build_replicated_reducer(cfg, plan, ledger, total_steps))
+                                            dp_reducer=build_replicated_reducer(cfg, plan, ledger, total_steps),
+                                            wire_dtype=PRECISIONS[cfg.train.precision])
     arch = DeepFM if cfg.model.arch == "deepfm" else DLRM
     try:
         return arch(num_dense=len(meta.schema.dense), sparse=ebc, bottom_mlp=cfg.model.bottom_mlp,
