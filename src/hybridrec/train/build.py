@@ -36,6 +36,7 @@ from hybridrec.model.dlrm import DLRM
 from hybridrec.model.embedding import EmbeddingBagCollection, TableConfig
 from hybridrec.model.interaction import make_interaction, tune_interactions
 from hybridrec.model.kernels import PRECISIONS, cache_path, machine_id
+from hybridrec.train.allocator import configure_allocator
 from hybridrec.model.mlp import tune_mlps
 from hybridrec.train.config import CompressConfig, Config, workers_problem
 from hybridrec.train.optim import (
@@ -445,6 +446,7 @@ def build_ps_model(cfg: Config, meta: DatasetMeta, topo: Topology, ledger: CommL
 def build_trainer(cfg: Config, *, meta: DatasetMeta | None = None, topo: Topology | None = None) -> Trainer:
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
+    allocator = configure_allocator(cfg.train.allocator)  # before the model and the loaders allocate
     if not cfg.train.run_dir:
         raise ConfigError("train.run_dir is not set (hybridrec train picks a new runs/<time> itself)")
     meta = meta or load_dataset(cfg)
@@ -478,7 +480,7 @@ def build_trainer(cfg: Config, *, meta: DatasetMeta | None = None, topo: Topolog
     sparse_opt = (CombinedSparseOptimizer({"ps": PushOptimizer(model.sparse, name=cfg.optim.sparse,
                                                                 lr=cfg.optim.sparse_lr)})
                   if servers else build_sparse_optimizers(cfg, model.sparse))
-    kernels = tune_kernels(cfg, model, topo, sparse_opt)
+    kernels = {**tune_kernels(cfg, model, topo, sparse_opt), "allocator": allocator}
     pipeline = TrainPipeline(train_loader, model.sparse, enabled=cfg.dist.pipeline)
     schedule = LRSchedule(cfg.optim.warmup_steps, cfg.optim.decay, cfg.optim.decay_start, total_steps)
     scheduler = LRScheduler(schedule, dense_opt, sparse_opt,
