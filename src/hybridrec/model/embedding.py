@@ -9,6 +9,14 @@ Gradients never materialise a dense ``[rows, dim]`` table gradient. The pooled
 output is an autograd leaf; after ``backward`` its gradient, together with the
 ids the forward recorded, is what :meth:`pop_sparse_grads` hands to a sparse
 optimizer, which updates only the touched rows (hybridrec.train.sparse_optim).
+
+Storage dtype (``weight_dtype``, ``model.embedding_dtype``): float32, or bfloat16 for half
+the memory of the tables and of the lookups' reads. A bf16 table is read as it is (the
+bags are pooled by ``embedding_bag`` in bf16 and cast to ``output_dtype``) and updated in
+float32: the optimizers add their float32 deltas to the touched rows in float32 and store
+the sums with :func:`stochastic_round` (an update far below a bf16 step is kept in
+expectation, where rounding to nearest would drop it every time). The optimizer state
+(row-wise Adagrad's sums, Adam's moments) stays float32.
 """
 
 from __future__ import annotations
@@ -124,6 +132,29 @@ def group_ids(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
     return unique.to(torch.int64), offsets, perm
 
 
+WEIGHT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+"""``model.embedding_dtype``: the storage dtype of the embedding tables."""
+
+
+def stochastic_round(x: torch.Tensor, dtype: torch.dtype = torch.bfloat16,
+                     generator: torch.Generator | None = None) -> torch.Tensor:
+    """float32 ``x`` -> bfloat16, rounded up or down to a neighbour with the probability
+    that makes the result unbiased (``E[out] = x``): a random 16-bit integer is added to
+    the bits that bf16 drops, then they are cut. Sign-magnitude bits make this the same
+    for negative values (the magnitude is rounded); a value within a step of the largest
+    float32 may round to infinity, NaN stays NaN. Draws from ``generator`` (default: torch's
+    global generator, which checkpoints save per rank)."""
+    if dtype != torch.bfloat16:
+        raise ValueError(f"stochastic rounding to {dtype}: only torch.bfloat16")
+    if x.dtype != torch.float32:
+        raise ValueError(f"stochastic rounding of {x.dtype}: float32 only")
+    bits = x.contiguous().view(torch.int32)
+    noise = torch.randint(0, 1 << 16, x.shape, dtype=torch.int32, device=x.device, generator=generator)
+    cut = bits.add(noise).bitwise_and_(-65536)  # the low 16 bits (what bf16 drops) cleared
+    cut = torch.where(torch.isnan(x), bits, cut)  # (NaN's payload could carry into the sign)
+    return cut.view(torch.float32).to(torch.bfloat16)  # exact: nothing left to round
+
+
 def aggregate_rows(ids: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Sum the rows of repeated ids.
 
@@ -207,14 +238,21 @@ class EmbeddingBagCollection(nn.Module):
 
     def __init__(
         self, tables: list[TableConfig], *, device: torch.device | None = None, seed: int = 0,
-        init=None,
+        init=None, weight_dtype: torch.dtype = torch.float32, output_dtype: torch.dtype = torch.float32,
     ) -> None:
         """``init(table, weight)`` fills a table's weight in place (default: the seeded
         :func:`init_table_block` of that table). With FM tables (``fm_cols``) the output
-        also carries every bag's sum of squared embedding norms, with its gradient."""
+        also carries every bag's sum of squared embedding norms, with its gradient.
+        ``weight_dtype``: float32 or bfloat16 storage (module docstring; FM tables: float32
+        only); ``output_dtype``: of the pooled output and so of its gradient."""
         super().__init__()
+        if weight_dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"embedding weight dtype {weight_dtype}: torch.float32 or torch.bfloat16")
+        if weight_dtype != torch.float32 and any(t.fm_cols is not None for t in tables):
+            raise ValueError("FM tables (model.arch=deepfm) are stored in float32 only")
         self.seed = seed
         self._init = init
+        self.weight_dtype, self.output_dtype = weight_dtype, output_dtype
         self.tables = {t.name: t for t in tables}
         if len(self.tables) != len(tables):
             raise ValueError("duplicate table names")
@@ -232,7 +270,7 @@ class EmbeddingBagCollection(nn.Module):
                 feats += t.features
                 offs += [rows] * len(t.features)
                 rows += t.num_embeddings
-            weight = torch.empty(rows, dim, device=device)
+            weight = torch.empty(rows, dim, device=device, dtype=self.weight_dtype)
             self.register_parameter(f"_fused_{gi}", nn.Parameter(weight, requires_grad=False))
             self._groups.append(_Group(dim, pooling, fm_cols, ts, feats, offs, col))
             col += dim * len(feats)
@@ -306,6 +344,8 @@ class EmbeddingBagCollection(nn.Module):
             ids, lengths, offsets = self._group_ids(g, kjt)
             weight = self.group_weight(gi)
             pooled = F.embedding_bag(ids, weight, offsets, mode=g.pooling, include_last_offset=True)
+            if pooled.dtype != self.output_dtype:  # (bf16 storage, float32 output)
+                pooled = pooled.to(self.output_dtype)
             blocks.append(pooled.view(b, len(g.features) * g.dim))
             lookups.append((gi, ids, lengths))
             if self.has_fm:  # ordinary tables' features get zeros (they are not in the FM term)
@@ -362,7 +402,8 @@ class EmbeddingBagCollection(nn.Module):
     def pop_sparse_grads(self) -> list[tuple[int, torch.Tensor, torch.Tensor, bool]]:
         """Row gradients of the calling thread's lookups since its last call.
 
-        Returns ``[(group, ids [n], grad_rows [n, dim], unique)]``. With one id per
+        Returns ``[(group, ids [n], grad_rows [n, dim], unique)]``, float32 whatever
+        the output's dtype. With one id per
         bag (``unique=False``) these are the bags' gradients, one row per occurrence,
         and an id may repeat (optimizers add them up). With multi-id bags the rows are
         already summed per distinct id (``unique=True``, ids ascending), so no
@@ -381,6 +422,8 @@ class EmbeddingBagCollection(nn.Module):
         b, nf = lk.batch_size, len(g.features)
         block = lk.pooled.grad[:, g.col_start : g.col_start + g.dim * nf]
         bag_grads = block.reshape(b * nf, g.dim)  # sample-major bags, like the ids
+        if bag_grads.dtype != torch.float32:  # (a bf16 output): the updates are float32
+            bag_grads = bag_grads.float()
         sq_grads = None  # d loss / d (bag's sum of squared norms), [B * F_g]
         if g.fm_cols and lk.square_sums is not None and lk.square_sums.grad is not None:
             sq_grads = lk.square_sums.grad[:, lk.feature_start : lk.feature_start + nf].reshape(-1)

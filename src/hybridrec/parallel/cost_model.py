@@ -86,18 +86,19 @@ def optimizer_state_bytes(optimizer: str, rows: int, cols: int) -> int:
     raise ValueError(f"unknown optimizer {optimizer!r}; choose from {OPTIMIZERS}")
 
 
-def shard_memory_bytes(shard: Shard, optimizer: str) -> int:
-    """Weights plus optimizer state of one shard (activations and buffers not counted)."""
-    return shard.num_rows * shard.num_cols * VALUE_BYTES + optimizer_state_bytes(
+def shard_memory_bytes(shard: Shard, optimizer: str, weight_bytes: int = VALUE_BYTES) -> int:
+    """Weights (``weight_bytes`` per value: 2 for bf16 tables) plus optimizer state (float32)
+    of one shard (activations and buffers not counted)."""
+    return shard.num_rows * shard.num_cols * weight_bytes + optimizer_state_bytes(
         optimizer, shard.num_rows, shard.num_cols)
 
 
-def memory_by_rank(plan: ShardingPlan, optimizer: str) -> list[int]:
+def memory_by_rank(plan: ShardingPlan, optimizer: str, weight_bytes: int = VALUE_BYTES) -> list[int]:
     """Embedding bytes every rank holds under ``plan`` (weights + optimizer state)."""
     out = [0] * plan.world_size
     for tp in plan.tables.values():
         for s in tp.shards:
-            out[s.rank] += shard_memory_bytes(s, optimizer)
+            out[s.rank] += shard_memory_bytes(s, optimizer, weight_bytes)
     return out
 
 

@@ -89,7 +89,7 @@ RowGrads = list[tuple[int, torch.Tensor, torch.Tensor, bool]]
 
 
 def _shard_collection(slots: tuple[Slot, ...], tables: Mapping[str, TableConfig],
-                      seed: int) -> EmbeddingBagCollection | None:
+                      seed: int, **dtypes) -> EmbeddingBagCollection | None:
     """The lookup of one rank's shards (one local table ``table@i`` per shard)."""
     if not slots:
         return None
@@ -100,7 +100,7 @@ def _shard_collection(slots: tuple[Slot, ...], tables: Mapping[str, TableConfig]
         s = shard_of[shard_table.name]
         init_table_block(tables[s.table], seed, s.shard.rows, s.shard.cols, out=weight)
 
-    return EmbeddingBagCollection(local_tables(slots, tables), seed=seed, init=init)
+    return EmbeddingBagCollection(local_tables(slots, tables), seed=seed, init=init, **dtypes)
 
 
 def _check_hosts(layout: EmbeddingLayout, topo: Topology) -> None:
@@ -142,7 +142,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
                  seed: int = 0, ledger: CommLedger | None = None,
                  codecs: Mapping[str, Codec] | None = None, threshold: ThresholdMP | None = None,
                  dp_reducer: CompressedAllReduce | None = None,
-                 wire_dtype: torch.dtype | None = None) -> None:
+                 wire_dtype: torch.dtype | None = None, weight_dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
         if plan.world_size != topo.world_size:
             raise ValueError(f"plan is for {plan.world_size} ranks, the world has {topo.world_size}")
@@ -160,10 +160,13 @@ class ShardedEmbeddingBagCollection(nn.Module):
                                       or any(b.has_fm for b in self.layout.blocks)):
             raise ValueError("the threshold hop takes no table_row_wise tables and no FM pieces")
         _check_hosts(self.layout, topo)
-        self.local = _shard_collection(self.layout.slots[topo.rank], self.tables, seed)
-        dp = [self.tables[n] for n in self.layout.replicated_tables]
-        self.replicated = EmbeddingBagCollection(dp, seed=seed) if dp else None
         self.wire_dtype = wire_dtype if wire_dtype not in (None, torch.float32) and self._places_only() else None
+        # bf16 tables pool into the wire's dtype directly (no float32 copy between)
+        dtypes = {"weight_dtype": weight_dtype,
+                  "output_dtype": self.wire_dtype if weight_dtype != torch.float32 and self.wire_dtype else torch.float32}
+        self.local = _shard_collection(self.layout.slots[topo.rank], self.tables, seed, **dtypes)
+        dp = [self.tables[n] for n in self.layout.replicated_tables]
+        self.replicated = EmbeddingBagCollection(dp, seed=seed, **dtypes) if dp else None
 
     def _places_only(self) -> bool:
         """Whether the receiver only places the blocks' values (nothing added, scaled or
@@ -329,7 +332,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
         if self.dp_reducer is not None:
             for group, parts in entries.items():
                 weight = rep.group_weight(group)
-                dense = weight.new_zeros(weight.shape)
+                dense = weight.new_zeros(weight.shape, dtype=torch.float32)  # (gradients: float32)
                 for ids, rows in parts:
                     dense.index_add_(0, ids, rows)
                 # original: the dense [rows, dim + 1] all-reduce this exchange replaces.
@@ -345,7 +348,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
         for group, parts in entries.items():
             weight = rep.group_weight(group)
             d = weight.shape[1]
-            dense = weight.new_zeros(weight.shape[0], d + 1)
+            dense = weight.new_zeros(weight.shape[0], d + 1, dtype=torch.float32)  # (bf16 tables too)
             for ids, rows in parts:
                 dense[:, :d].index_add_(0, ids, rows)
                 dense[:, d].index_add_(0, ids, torch.ones_like(ids, dtype=rows.dtype))

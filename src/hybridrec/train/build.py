@@ -33,7 +33,7 @@ from hybridrec.metrics.logger import MetricLogger, write_text_atomic
 from hybridrec.metrics.throughput import RunTotals
 from hybridrec.model.deepfm import DeepFM
 from hybridrec.model.dlrm import DLRM
-from hybridrec.model.embedding import EmbeddingBagCollection, TableConfig
+from hybridrec.model.embedding import WEIGHT_DTYPES, EmbeddingBagCollection, TableConfig
 from hybridrec.model.interaction import make_interaction, tune_interactions
 from hybridrec.model.kernels import PRECISIONS, cache_path, machine_id
 from hybridrec.train.allocator import configure_allocator
@@ -98,14 +98,17 @@ def build_model(cfg: Config, meta: DatasetMeta, *, plan: ShardingPlan | None = N
     tables = build_tables(meta, cfg)
     if sparse is not None:
         ebc = sparse
-    elif plan is None:
-        ebc = EmbeddingBagCollection(tables, seed=cfg.train.seed)
+    elif plan is None:  # (bf16 tables pool into bf16 for a bf16 model: no cast between)
+        weight = WEIGHT_DTYPES[cfg.model.embedding_dtype]
+        out = weight if PRECISIONS[cfg.train.precision] == weight else torch.float32
+        ebc = EmbeddingBagCollection(tables, seed=cfg.train.seed, weight_dtype=weight, output_dtype=out)
     else:
         ebc = ShardedEmbeddingBagCollection(tables, plan, topo, seed=cfg.train.seed, ledger=ledger,
                                             codecs=build_embedding_codecs(cfg, tables, plan),
                                             threshold=build_threshold_mp(cfg, plan, total_steps),
                                             dp_reducer=build_replicated_reducer(cfg, plan, ledger, total_steps),
-                                            wire_dtype=PRECISIONS[cfg.train.precision])
+                                            wire_dtype=PRECISIONS[cfg.train.precision],
+                                            weight_dtype=WEIGHT_DTYPES[cfg.model.embedding_dtype])
     arch = DeepFM if cfg.model.arch == "deepfm" else DLRM
     try:
         return arch(num_dense=len(meta.schema.dense), sparse=ebc, bottom_mlp=cfg.model.bottom_mlp,
@@ -610,7 +613,8 @@ def memory_per_rank(cfg: Config, meta: DatasetMeta, world_size: int,
     else:
         shape = Topology(0, world_size, 0, local_world_size, torch.device("cpu"), "none", None, None)
         plan = build_plan(cfg, tables, shape, meta)
-    return memory_by_rank(plan, cfg.optim.sparse), dense_model_bytes(cfg, meta, world_size)
+    weight = WEIGHT_DTYPES[cfg.model.embedding_dtype].itemsize
+    return memory_by_rank(plan, cfg.optim.sparse, weight), dense_model_bytes(cfg, meta, world_size)
 
 
 def memory_problem(cfg: Config, meta: DatasetMeta, *, world_size: int = 1, local_world_size: int = 1,

@@ -50,6 +50,11 @@ class ModelConfig:
     """``dot`` (pairwise dot products) or ``cat``."""
     pooling: str = "sum"
     """Pooling of multi-hot bags: ``sum`` or ``mean``."""
+    embedding_dtype: str = "fp32"
+    """Storage of the embedding tables: ``fp32``, or ``bf16`` (half the memory and the
+    lookups' reads; updates computed in fp32 and stored with stochastic rounding, optimizer
+    state fp32; not with DeepFM's FM tables, parameter servers or sync.algorithm).
+    docs/design.md, "bf16 tables"."""
 
 
 @dataclass(kw_only=True)
@@ -588,6 +593,14 @@ def _checkpoint_checks(t: TrainConfig) -> list[tuple[bool, str]]:
     ]
 
 
+def _bf16_tables_conflict(cfg: Config) -> str | None:
+    """What keeps bf16 tables out of ``cfg`` (None: nothing)."""
+    return ("model.arch=deepfm (its FM tables are float32)" if cfg.model.arch == "deepfm" else
+            "dist.num_ps (the servers' tables are float32)" if cfg.dist.num_ps else
+            f"sync.algorithm={cfg.sync.algorithm} (it averages float32 replicas)"
+            if cfg.sync.algorithm != "none" else None)
+
+
 def recovery_problem(cfg: Config) -> str | None:
     """Why ``train.recovery=partial`` cannot run with ``cfg`` (None: it can, or it is ``full``)."""
     t, d = cfg.train, cfg.dist
@@ -632,12 +645,16 @@ def validate(cfg: Config) -> None:
     from hybridrec.train.faults import injection_problem
 
     m, o, d, t, c = cfg.model, cfg.optim, cfg.data, cfg.train, cfg.compress
+    bf16_conflict = _bf16_tables_conflict(cfg) if m.embedding_dtype == "bf16" else None
     checks = [
         (d.batch_size > 0, "data.batch_size must be positive"),
         (d.eval_batch_size > 0, "data.eval_batch_size must be positive"),
         (m.arch in ("dlrm", "deepfm"), f"model.arch {m.arch!r}: dlrm or deepfm"),
         (m.interaction in ("dot", "cat"), f"model.interaction {m.interaction!r}: dot or cat"),
         (m.pooling in ("sum", "mean"), f"model.pooling {m.pooling!r}: sum or mean"),
+        (m.embedding_dtype in ("fp32", "bf16"), f"model.embedding_dtype {m.embedding_dtype!r}: fp32 or bf16"),
+        (not bf16_conflict,
+         f"model.embedding_dtype=bf16 is not supported with {bf16_conflict}; use model.embedding_dtype=fp32"),
         (m.arch != "deepfm" or m.pooling == "sum", "model.arch=deepfm needs model.pooling=sum (the FM term)"),
         (bool(m.top_mlp) and m.top_mlp[-1] == 1, f"model.top_mlp must end in 1, got {m.top_mlp}"),
         (bool(m.bottom_mlp) and m.bottom_mlp[-1] == m.embedding_dim,

@@ -14,6 +14,10 @@ table gradient restricted to the touched rows:
   with the global step.
 
 Here ``g[r]`` is the summed gradient of row ``r`` over its occurrences.
+
+bf16 tables (``model.embedding_dtype=bf16``): the touched rows are read, the float32 delta
+added in float32, and the sums stored with stochastic rounding
+(:func:`~hybridrec.model.embedding.stochastic_round`; repeated ids are summed first).
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from collections.abc import Mapping
 
 import torch
 
-from hybridrec.model.embedding import aggregate_rows
+from hybridrec.model.embedding import aggregate_rows, stochastic_round
 from hybridrec.model.kernels import Choice, choose_rows_add, rows_add_
 from hybridrec.parallel.sharded_embedding import REPLICATED, SHARDS
 
@@ -45,13 +49,23 @@ class SparseOptimizer:
         """Time the row updates on each fused table with ``rows_per_feature`` rows added per
         feature and step (an estimate: the ids of a one-hot batch) and keep the faster."""
         c = self.collection
+        fp32 = [g for g in range(c.num_groups) if c.group_weight(g).dtype == torch.float32]
         got = choose_rows_add([(c.group_weight(g), rows_per_feature * len(c.group_features(g)))
-                               for g in range(c.num_groups)], mode=mode)
-        self.row_adds = [ch.impl for ch in got]
+                               for g in fp32], mode=mode)  # (bf16 tables: stochastic rounding)
+        for g, ch in zip(fp32, got):
+            self.row_adds[g] = ch.impl
         return got
 
-    def _add_rows(self, group: int, weight: torch.Tensor, ids: torch.Tensor, delta: torch.Tensor) -> None:
-        rows_add_(weight, ids, delta, self.row_adds[group])
+    def _add_rows(self, group: int, weight: torch.Tensor, ids: torch.Tensor, delta: torch.Tensor,
+                  unique: bool) -> None:
+        """``weight[ids] += delta`` (float32 ``delta``; ``unique``: no id repeats)."""
+        if weight.dtype == torch.float32:
+            rows_add_(weight, ids, delta, self.row_adds[group])
+            return
+        if not unique:  # one read-modify-write per row
+            ids, delta = aggregate_rows(ids, delta)
+        new = weight.index_select(0, ids).float().add_(delta)
+        weight.index_copy_(0, ids, stochastic_round(new, weight.dtype))
 
     def step(self, grads: list[tuple[int, torch.Tensor, torch.Tensor, bool]]) -> None:
         """Apply ``grads`` (``(group, ids [n], rows [n, dim], unique)`` per fused group of
@@ -92,7 +106,7 @@ class SparseSGD(SparseOptimizer):
     name = "sgd"
 
     def _update(self, group, weight, ids, rows, unique):
-        self._add_rows(group, weight, ids, rows.mul_(-self.lr))  # rows is ours to overwrite
+        self._add_rows(group, weight, ids, rows.mul_(-self.lr), unique)  # rows is ours to overwrite
 
 
 class RowWiseAdagrad(SparseOptimizer):
@@ -116,7 +130,7 @@ class RowWiseAdagrad(SparseOptimizer):
         new_acc = acc.index_select(0, unique) + grad.pow(2).mean(1)
         acc.index_copy_(0, unique, new_acc)
         delta = grad.div_(new_acc.sqrt_().add_(self.eps).unsqueeze(1)).mul_(-self.lr)
-        self._add_rows(group, weight, unique, delta)
+        self._add_rows(group, weight, unique, delta, True)
 
 
 class LazyAdam(SparseOptimizer):
@@ -126,8 +140,11 @@ class LazyAdam(SparseOptimizer):
         super().__init__(collection, lr=lr)
         self.beta1, self.beta2 = betas
         self.eps = eps
-        self._m = [torch.zeros_like(collection.group_weight(g)) for g in range(collection.num_groups)]
-        self._v = [torch.zeros_like(collection.group_weight(g)) for g in range(collection.num_groups)]
+        # (float32 whatever the tables' storage)
+        self._m = [torch.zeros_like(collection.group_weight(g), dtype=torch.float32)
+                   for g in range(collection.num_groups)]
+        self._v = [torch.zeros_like(collection.group_weight(g), dtype=torch.float32)
+                   for g in range(collection.num_groups)]
 
     def row_state(self, group):
         return {"exp_avg": self._m[group], "exp_avg_sq": self._v[group]}
@@ -141,7 +158,7 @@ class LazyAdam(SparseOptimizer):
         t = self.step_count
         step_size = self.lr / (1 - self.beta1**t)
         denom = v.div_(1 - self.beta2**t).sqrt_().add_(self.eps)
-        self._add_rows(group, weight, unique, m.div_(denom).mul_(-step_size))
+        self._add_rows(group, weight, unique, m.div_(denom).mul_(-step_size), True)
 
 
 SPARSE_OPTIMIZERS = {c.name: c for c in (SparseSGD, RowWiseAdagrad, LazyAdam)}
