@@ -3,7 +3,6 @@ float32 tables with the same values, updates in float32 stored with stochastic r
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from distributed import run_ranks
 from hybridrec.model.embedding import EmbeddingBagCollection, TableConfig, stochastic_round
