@@ -31,13 +31,18 @@ def test_stochastic_round_picks_a_neighbour_and_is_unbiased():
         r = stochastic_round(x, generator=g).float()
         assert ((r == down) | (r == up)).all()
     # unbiased: 1 + 2^-10 lies 1/8 of the way from 1.0 to the next bf16 (1 + 2^-7)
-    v = torch.full((400_000,), 1.0 + 2**-10)
-    r = stochastic_round(v, generator=g).float()
+    v = torch.full((50_000,), 1.0 + 2**-10)  # (fewer than NOISE_SIZE: one number each)
+    r = torch.cat([stochastic_round(v, generator=g).float() for _ in range(8)])  # fresh every call
     p_up = (r > 1.0).double().mean().item()
     assert abs(p_up - 0.125) < 4 * (0.125 * 0.875 / 400_000) ** 0.5
     assert set(r.unique().tolist()) == {1.0, 1.0 + 2**-7}
     # the same for negative values (the magnitude is rounded)
-    assert abs((stochastic_round(-v, generator=g).float() < -1.0).double().mean().item() - 0.125) < 0.003
+    assert abs((stochastic_round(-v, generator=g).float() < -1.0).double().mean().item() - 0.125) < 0.006
+    # a tensor larger than NOISE_SIZE: still a neighbour, still unbiased
+    big = torch.full((300, 1000), 1.0 + 2**-10)
+    r = torch.stack([stochastic_round(big, generator=g).float() for _ in range(20)])
+    assert set(r.unique().tolist()) == {1.0, 1.0 + 2**-7}
+    assert abs((r > 1.0).double().mean().item() - 0.125) < 0.006
     special = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0, 1.0, -2.0])
     out = stochastic_round(special).float()
     assert out[0].isnan() and out[1:].tolist() == [float("inf"), -float("inf"), 0.0, 1.0, -2.0]
