@@ -17,7 +17,7 @@ EXPECTED = {
     "eval": {"--checkpoint", "--data"},
     "demo": {"--out", "--days", "--rows-per-day", "--seed"},
     "plan": {"--nproc", "--nnodes", "--data", "--tables", "--dim", "--batch-size", "--memory-per-rank",
-             "--bandwidth", "--optimizer", "--pin", "--partition-dense", "--out"},
+             "--bandwidth", "--optimizer", "--embedding-dtype", "--pin", "--partition-dense", "--out"},
     "bench compression": {"--data", "--out", "--nproc", "--recipe", "--setting", "--dense",
                           "--embedding", "--cross", "--seeds", "--max-steps", "--overwrite"},
     "report": {"--out"},

@@ -51,6 +51,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--optimizer", default=OptimConfig().sparse, metavar="NAME",
                    help=f"sparse optimizer (as optim.sparse), its state counts as memory "
                         f"[{OptimConfig().sparse}]")
+    p.add_argument("--embedding-dtype", default="fp32", choices=["fp32", "bf16"],
+                   help="storage of the tables (model.embedding_dtype): bf16 counts 2 bytes per value, "
+                        "the optimizer state 4 [fp32]")
     p.add_argument("--pin", action="append", default=[], metavar="NAME=TYPE[@RANKS]",
                    help="constrain a table (repeatable)")
     p.add_argument("--partition-dense", action="append", default=[], metavar="MODULE",
@@ -72,21 +75,23 @@ def _plan(args: argparse.Namespace) -> int:
     tables, stats, num_dense = _load_tables(args)
     world = args.nproc * args.nnodes
     memory = None if args.memory_per_rank in (None, "none") else parse_size(args.memory_per_rank)
+    weight_bytes = 2 if args.embedding_dtype == "bf16" else 4
     bandwidth = parse_bandwidth(args.bandwidth)
     try:
         plan = plan_sharding(tables, world_size=world, local_world_size=args.nproc, stats=stats,
                              batch_size_per_rank=args.batch_size, memory_per_rank_bytes=memory,
                              bandwidth_bytes_per_s=bandwidth, optimizer=args.optimizer,
-                             constraints=parse_pins(args.pin))
+                             constraints=parse_pins(args.pin), weight_bytes=weight_bytes)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     modules = default_dense_modules(num_dense, tables)
     plan.dense = _plan_dense(modules, args.partition_dense, world)
     report = describe_plan(plan, tables, batch_sizes=[args.batch_size] * world,
-                           ids_per_bag=ids_per_sample(tables, stats), optimizer=args.optimizer)
+                           ids_per_bag=ids_per_sample(tables, stats), optimizer=args.optimizer,
+                           weight_bytes=weight_bytes)
     cap = "none" if memory is None else fmt_bytes(memory)
     print(f"{world} ranks ({args.nnodes} host group(s) of {args.nproc}), "
-          f"batch {args.batch_size}/rank, optimizer {args.optimizer}, memory cap {cap}, "
+          f"batch {args.batch_size}/rank, optimizer {args.optimizer}, {args.embedding_dtype} tables, memory cap {cap}, "
           f"bandwidth {args.bandwidth} ({bandwidth:,.0f} B/s)")
     print("\n".join(format_ranks(report, bandwidth)))
     print("(bytes per step exclude the dense all-reduce: 2(W-1)/W x the replicated dense parameters' "

@@ -332,18 +332,18 @@ def table_traffic(tp: TablePlan, table: TableConfig, batch_sizes: list[int],
     return sent, received
 
 
-def table_memory(tp: TablePlan, optimizer: str, world: int) -> list[int]:
+def table_memory(tp: TablePlan, optimizer: str, world: int, weight_bytes: int = VALUE_BYTES) -> list[int]:
     """Bytes each rank holds for one table (weights + optimizer state)."""
     out = [0] * world
     for s in tp.shards:
-        out[s.rank] += shard_memory_bytes(s, optimizer)
+        out[s.rank] += shard_memory_bytes(s, optimizer, weight_bytes)
     return out
 
 
 # -- report --------------------------------------------------------------------
 def describe_plan(plan: ShardingPlan, tables: list[TableConfig], *, batch_sizes: list[int],
                   ids_per_bag: Mapping[str, float] | float = 1.0, optimizer: str = "sgd",
-                  dense_param_bytes: list[int] = ()) -> dict:
+                  dense_param_bytes: list[int] = (), weight_bytes: int = VALUE_BYTES) -> dict:
     """JSON-ready report: per rank memory, lookup work and predicted bytes per step
     (``"category/direction": {"sent", "received"}``); per table its sharding.
 
@@ -359,7 +359,7 @@ def describe_plan(plan: ShardingPlan, tables: list[TableConfig], *, batch_sizes:
     ids = _ids_map(tables, ids_per_bag)
     pred = predict_all_ranks(plan, tables, batch_sizes=batch_sizes, ids_per_bag=ids,
                              dense_param_bytes=dense_param_bytes)
-    memory = memory_by_rank(plan, optimizer)
+    memory = memory_by_rank(plan, optimizer, weight_bytes)
     work = [0.0] * plan.world_size
     for t in tables:
         for r, w in enumerate(lookup_work(plan.tables[t.name], t, batch_sizes, ids)):
@@ -380,7 +380,7 @@ def describe_plan(plan: ShardingPlan, tables: list[TableConfig], *, batch_sizes:
         out_tables.append({"table": t.name, "sharding_type": tp.sharding_type,
                            "rows": tp.num_embeddings, "dim": tp.embedding_dim,
                            "ranks": sorted({s.rank for s in tp.shards}),
-                           "memory_bytes": sum(table_memory(tp, optimizer, plan.world_size))})
+                           "memory_bytes": sum(table_memory(tp, optimizer, plan.world_size, weight_bytes))})
     return {"world_size": plan.world_size, "local_world_size": plan.local_world_size,
             "batch_sizes": list(batch_sizes), "optimizer": optimizer, "ranks": ranks,
             "tables": out_tables}

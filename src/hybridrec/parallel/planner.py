@@ -88,7 +88,8 @@ def plan_sharding(tables: list[TableConfig], *, world_size: int, local_world_siz
                   memory_per_rank_bytes: int | None = None, bandwidth_bytes_per_s: float,
                   optimizer: str = "sgd", constraints: Mapping[str, TableConstraint] | None = None,
                   dp_max_rows: int = DP_MAX_ROWS,
-                  lookup_bytes_per_s: float = LOOKUP_BYTES_PER_S) -> ShardingPlan:
+                  lookup_bytes_per_s: float = LOOKUP_BYTES_PER_S,
+                  weight_bytes: int = VALUE_BYTES) -> ShardingPlan:
     """A validated plan for ``tables`` on ``world_size`` ranks (see the module docstring).
 
     Args:
@@ -104,6 +105,7 @@ def plan_sharding(tables: list[TableConfig], *, world_size: int, local_world_siz
         constraints: ``{table: TableConstraint}`` pins.
         dp_max_rows: largest table tried data-parallel.
         lookup_bytes_per_s: see :data:`LOOKUP_BYTES_PER_S`.
+        weight_bytes: of a table's value (2 for bf16 tables; their state stays float32).
 
     Raises:
         ValueError: bad arguments or constraints, or a table that fits nowhere
@@ -115,7 +117,7 @@ def plan_sharding(tables: list[TableConfig], *, world_size: int, local_world_siz
     _check_constraints(constraints, tables, world_size, local_world_size)
     model = _CostModel(batch=[batch_size_per_rank] * world_size, ids=ids_per_sample(tables, stats),
                        optimizer=optimizer, bandwidth=bandwidth_bytes_per_s,
-                       lookup_bytes_per_s=lookup_bytes_per_s)
+                       lookup_bytes_per_s=lookup_bytes_per_s, weight_bytes=weight_bytes)
     # Pinned tables first (the others then balance around them), then largest first.
     order = sorted(tables, key=lambda t: (t.name not in constraints,
                                           -t.num_embeddings * t.embedding_dim, t.name))
@@ -127,11 +129,11 @@ def plan_sharding(tables: list[TableConfig], *, world_size: int, local_world_siz
         remaining -= base
         c = constraints.get(t.name, TableConstraint())
         cands = list(_candidates(t, c, loads, world_size, local_world_size, optimizer,
-                                 memory_per_rank_bytes, dp_max_rows, refs))
+                                 memory_per_rank_bytes, dp_max_rows, refs, weight_bytes))
         best = _best_candidate(t, cands, loads, model, refs, remaining, memory_per_rank_bytes)
         if best is None:
             raise ValueError(_no_fit_message(t, c, len(cands), optimizer, memory_per_rank_bytes,
-                                             loads))
+                                             loads, weight_bytes))
         chosen[t.name], loads = best
     plan = ShardingPlan(world_size=world_size, local_world_size=local_world_size,
                         tables={t.name: chosen[t.name] for t in tables})
@@ -148,13 +150,14 @@ class _CostModel:
     optimizer: str
     bandwidth: float
     lookup_bytes_per_s: float
+    weight_bytes: int = VALUE_BYTES
 
     def cost(self, tp: TablePlan, t: TableConfig) -> tuple[list[int], list[float]]:
         sent, received = table_traffic(tp, t, self.batch, self.ids)
         work = lookup_work(tp, t, self.batch, self.ids)
         time = [(s + r) / self.bandwidth + 2 * VALUE_BYTES * w / self.lookup_bytes_per_s
                 for s, r, w in zip(sent, received, work)]
-        return table_memory(tp, self.optimizer, len(self.batch)), time
+        return table_memory(tp, self.optimizer, len(self.batch), self.weight_bytes), time
 
 
 def _ideal_share(tables: list[TableConfig],
@@ -237,11 +240,12 @@ def _check_constraints(constraints, tables, world, local_world) -> None:
 
 
 def _candidates(t: TableConfig, c: TableConstraint, loads: _Loads, world: int, local_world: int,
-                optimizer: str, cap: int | None, dp_max_rows: int, refs: tuple[float, float]):
+                optimizer: str, cap: int | None, dp_max_rows: int, refs: tuple[float, float],
+                weight_bytes: int = VALUE_BYTES):
     """Candidate placements of one table, in a fixed order (earlier wins ties)."""
     n, d = t.num_embeddings, t.embedding_dim
     types = set(c.sharding_types or SHARDING_TYPES)
-    if cap is not None and sum(table_memory(_whole(t), optimizer, 1)) > cap:
+    if cap is not None and sum(table_memory(_whole(t), optimizer, 1, weight_bytes)) > cap:
         types &= {"row_wise", "table_row_wise"}  # too big for one rank: split the rows
     ranks = sorted(c.ranks) if c.ranks is not None else list(range(world))
     pinned_type = c.sharding_types is not None
@@ -307,8 +311,8 @@ def _host_groups(ranks: list[int], world: int, local_world: int, *, explicit: bo
         yield list(range(h * local_world, (h + 1) * local_world))
 
 
-def _no_fit_message(t, c, tried, optimizer, cap, loads) -> str:
-    whole = sum(table_memory(_whole(t), optimizer, 1))
+def _no_fit_message(t, c, tried, optimizer, cap, loads, weight_bytes=VALUE_BYTES) -> str:
+    whole = sum(table_memory(_whole(t), optimizer, 1, weight_bytes))
     what = (f"table {t.name!r} ({t.num_embeddings:,} x {t.embedding_dim}, {whole:,} bytes with "
             f"{optimizer} state)")
     pins = f" under {c}" if (c.sharding_types or c.ranks) else ""

@@ -264,7 +264,8 @@ def build_plan(cfg: Config, tables: list[TableConfig], topo: Topology,
     if cfg.dist.sharding == "auto":
         return plan_sharding(tables, world_size=topo.world_size, local_world_size=topo.local_world_size,
                              stats=meta.stats if meta else None, batch_size_per_rank=cfg.data.batch_size,
-                             bandwidth_bytes_per_s=AUTO_PLAN_BANDWIDTH, optimizer=cfg.optim.sparse)
+                             bandwidth_bytes_per_s=AUTO_PLAN_BANDWIDTH, optimizer=cfg.optim.sparse,
+                             weight_bytes=WEIGHT_DTYPES[cfg.model.embedding_dtype].itemsize)
     return uniform_plan(cfg.dist.sharding, tables, topo.world_size, topo.local_world_size)
 
 
