@@ -16,6 +16,8 @@ the first --peer-batches batches that the same loader yields (dumped to .npz,
 cycled in memory, as TorchRec's own benchmarks do with random batches).
 Each framework runs in its own process (peak RSS is per process); rounds
 alternate hybridrec / TorchRec so that drift of the machine hits both.
+hybridrec's runs also report the minor page faults per step and rank of the timed
+steps (``--variant system=train.allocator=system`` against the default ``retain``).
 The TorchRec environment is made by benchmarks/peers/setup_torchrec.sh.
 """
 
@@ -134,27 +136,29 @@ def worker_hybridrec(args) -> dict:
     total = args.warmup + args.steps
     # Through the trainer's pipeline (dist.pipeline: the next batch's ids travel during a step).
     it = trainer.pipeline.batches(total)
-    start = None
+    start = faults = None
     for i in range(total):
         if i == args.warmup:
             start = time.perf_counter()
+            faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         item = next(it, None)
         if item is None:  # a new pass over the data
             it = trainer.pipeline.batches(total - i)
             item = next(it)
         trainer.train_step(*item)  # (batch, its input_dist handle when pipelined)
     secs = time.perf_counter() - start
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    if world > 1:  # total peak RSS over the ranks, like the peer reports
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    rss, faults = usage.ru_maxrss * 1024, (usage.ru_minflt - faults) / args.steps
+    if world > 1:  # total peak RSS over the ranks, like the peer reports; faults: per rank
         import torch.distributed as dist
 
-        t = torch.tensor([rss, secs], dtype=torch.float64)
+        t = torch.tensor([rss, secs, faults], dtype=torch.float64)
         dist.all_reduce(t, op=dist.ReduceOp.SUM)
-        rss, secs = int(t[0]), float(t[1]) / world
+        rss, secs, faults = int(t[0]), float(t[1]) / world, float(t[2]) / world
     return {"framework": "hybridrec", "kernels": trainer.kernels, "world_size": world,
             "samples_per_sec": args.steps * args.batch_size * world / secs, "steps": args.steps,
             "batch_size": args.batch_size, "threads": torch.get_num_threads(),
-            "peak_rss_bytes": rss, "rank": trainer.topo.rank}
+            "peak_rss_bytes": rss, "page_faults_per_step": faults, "rank": trainer.topo.rank}
 
 
 def run_json(cmd: list[str], env=None) -> dict:
@@ -254,6 +258,8 @@ def summarize(runs: dict, args, data: Path) -> dict:
         sps = [r["samples_per_sec"] for r in rs]
         rows[name] = {"median_samples_per_sec": statistics.median(sps), "runs": sps,
                       "peak_rss_mib": max(r["peak_rss_bytes"] for r in rs) / 2**20}
+        if all("page_faults_per_step" in r for r in rs):  # (hybridrec's runs; minor faults per rank)
+            rows[name]["page_faults_per_step"] = statistics.median(r["page_faults_per_step"] for r in rs)
     if "torchrec" in rows:
         base = rows["torchrec"]["median_samples_per_sec"]
         for v in rows.values():
@@ -279,12 +285,14 @@ def machine() -> str:
 
 def format_report(rep: dict) -> str:
     lines = [f"machine: {rep['machine']}   date: {rep['date']}", "",
-             "| run | samples/s (median) | runs | peak RSS | vs TorchRec |", "|---|---|---|---|---|"]
+             "| run | samples/s (median) | runs | peak RSS | page faults/step | vs TorchRec |",
+             "|---|---|---|---|---|---|"]
     for name, v in rep["results"].items():
         ratio = f"{v['vs_torchrec']:.2f}x" if "vs_torchrec" in v else "-"
         runs = ", ".join(f"{x:,.0f}" for x in v["runs"])
+        faults = f"{v['page_faults_per_step']:,.0f}" if "page_faults_per_step" in v else "-"
         lines.append(f"| {name} | {v['median_samples_per_sec']:,.0f} | {runs} | "
-                     f"{v['peak_rss_mib']:,.0f} MiB | {ratio} |")
+                     f"{v['peak_rss_mib']:,.0f} MiB | {faults} | {ratio} |")
     return "\n".join(lines)
 
 
