@@ -36,8 +36,8 @@ from hybridrec.model.dlrm import DLRM
 from hybridrec.model.embedding import WEIGHT_DTYPES, EmbeddingBagCollection, TableConfig
 from hybridrec.model.interaction import make_interaction, tune_interactions
 from hybridrec.model.kernels import PRECISIONS, cache_path, machine_id
-from hybridrec.train.allocator import configure_allocator
 from hybridrec.model.mlp import tune_mlps
+from hybridrec.train.allocator import configure_allocator
 from hybridrec.train.config import CompressConfig, Config, workers_problem
 from hybridrec.train.optim import (
     LRSchedule,
