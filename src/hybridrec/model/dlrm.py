@@ -30,7 +30,8 @@ class DLRM(nn.Module):
         interaction: ``dot`` (DLRM) or ``cat``.
         precision: ``fp32`` or ``bf16``: the compute dtype of the MLPs and the
             interaction (:func:`~hybridrec.model.kernels.precision_scope`); the
-            parameters, the embeddings and the logits stay fp32.
+            parameters and the logits stay fp32, and so do the embedding tables unless
+            the collection stores them in bf16 (``model.embedding_dtype``).
 
     ``forward(batch, *, sparse_input=None)`` returns logits ``[B]``.
     """
