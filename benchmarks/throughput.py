@@ -67,8 +67,9 @@ def parse_args(argv=None):
                    help="another hybridrec configuration in every round, e.g. "
                         "nopipe=dist.pipeline=false (repeatable)")
     p.add_argument("--baseline-rev", metavar="REV",
-                   help="also run hybridrec as of this git revision (e.g. HEAD~1) in every round: "
-                        "its source is exported under --out and run with its own worker")
+                   help="also run hybridrec as of this git revision (e.g. HEAD~1) in every round, "
+                        "as it is and with every --variant: its source is exported under --out and "
+                        "run with its own worker")
     p.add_argument("--override", action="append", default=[], help=argparse.SUPPRESS)
     p.add_argument("--worker", choices=["hybridrec"], help=argparse.SUPPRESS)
     p.add_argument("--data", help=argparse.SUPPRESS)
@@ -200,8 +201,10 @@ def main(argv=None) -> int:
     baseline = baseline_command(args, me) if args.baseline_rev else None
     runs: dict[str, list[dict]] = {"hybridrec": [], **{k: [] for k in variants},
                                    "hybridrec (torch F.linear)": [], "torchrec": []}
-    if baseline:
+    if baseline:  # the revision as it is, and with every variant
         runs[baseline[0]] = []
+        for name in variants:
+            runs[f"{name} @ {baseline[0].split(' @ ')[1]}"] = []
     peer = None
     if args.peer:
         npz = dump_peer_batches(data, args)
@@ -214,6 +217,9 @@ def main(argv=None) -> int:
             runs[name].append(run_json([*me, *extra]))
         if baseline:
             runs[baseline[0]].append(run_json(baseline[1], env=baseline[2]))
+            for name, extra in variants.items():
+                runs[f"{name} @ {baseline[0].split(' @ ')[1]}"].append(
+                    run_json([*baseline[1], *extra], env=baseline[2]))
         if args.ablation:
             runs["hybridrec (torch F.linear)"].append(
                 run_json([*me, "--override", "train.kernels=torch"]))
