@@ -201,10 +201,11 @@ def main(argv=None) -> int:
     baseline = baseline_command(args, me) if args.baseline_rev else None
     runs: dict[str, list[dict]] = {"hybridrec": [], **{k: [] for k in variants},
                                    "hybridrec (torch F.linear)": [], "torchrec": []}
+    at_base = {}  # variant -> its run name on the baseline
     if baseline:  # the revision as it is, and with every variant
         runs[baseline[0]] = []
-        for name in variants:
-            runs[f"{name} @ {baseline[0].split(' @ ')[1]}"] = []
+        at_base = {name: f"{name} @ {baseline[0].split(' @ ')[1]}" for name in variants}
+        runs.update({run: [] for run in at_base.values()})
     peer = None
     if args.peer:
         npz = dump_peer_batches(data, args)
@@ -218,8 +219,7 @@ def main(argv=None) -> int:
         if baseline:
             runs[baseline[0]].append(run_json(baseline[1], env=baseline[2]))
             for name, extra in variants.items():
-                runs[f"{name} @ {baseline[0].split(' @ ')[1]}"].append(
-                    run_json([*baseline[1], *extra], env=baseline[2]))
+                runs[at_base[name]].append(run_json([*baseline[1], *extra], env=baseline[2]))
         if args.ablation:
             runs["hybridrec (torch F.linear)"].append(
                 run_json([*me, "--override", "train.kernels=torch"]))

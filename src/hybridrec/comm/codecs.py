@@ -278,13 +278,13 @@ def tune_topk(uses: list[tuple[TopKCodec, int, int]], *, mode: str = "auto",
     ``measure`` measures again, the linears' ``torch``/``onednn`` overrides leave it
     measured). Sets ``codec.impls[cols]``; returns the choices."""
     cands = [i for i in TOPK_IMPLS if i == "torch" or torch.device(device).type == "cpu"]
-    shapes = {f"row_topk {device} {rows}x{cols} k{codec.k(cols)}": (rows, cols, codec.k(cols))
-              for codec, rows, cols in uses}
+    keys = [f"row_topk {device} {rows}x{cols} k{codec.k(cols)}" for codec, rows, cols in uses]
+    shapes = {key: (rows, cols, codec.k(cols)) for key, (codec, rows, cols) in zip(keys, uses)}
     got = choose([(key, cands, None) for key in shapes],
                  lambda key, cs, budget: time_row_topk(*shapes[key], cs, device=device, budget_s=budget),
                  mode=mode, budget_s=0.3)
-    for codec, rows, cols in uses:
-        codec.impls[cols] = got[f"row_topk {device} {rows}x{cols} k{codec.k(cols)}"].impl
+    for key, (codec, _, cols) in zip(keys, uses):
+        codec.impls[cols] = got[key].impl
     return list(got.values())
 
 
