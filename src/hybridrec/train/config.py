@@ -161,7 +161,9 @@ class TrainConfig:
     resumes it; one that holds a run of an incompatible config is refused."""
     resume: bool = True
     """Resume from the newest checkpoint in run_dir if there is one; false: start over,
-    deleting the directory's checkpoints, metrics and summary first."""
+    deleting the directory's checkpoints, metrics and summary first. The ranks the
+    launcher starts again after a failure (``dist.max_restarts``) resume the run this
+    command started, either way."""
     reevaluate: bool = False
     """A finished run named again (its summary and final checkpoint at the planned step)
     is left alone; true: evaluate its final checkpoint again and rewrite its summary."""

@@ -99,6 +99,8 @@ def _train(cfg: Config, meta, topo, shown: str, started_at: str, clock: float, e
     if problem := injection_problem(cfg.train.inject_failure, world):  # (torchrun: dist.nproc is 1)
         raise ConfigError(problem)
     restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    if restarts and not cfg.train.resume:  # (false started this launch over; its restarts resume it)
+        cfg.train.resume = True
     if restarts and rank == 0:  # dist.max_restarts: the agent started the ranks again
         print(f"restarted the ranks after a failure ({restarts} of dist.max_restarts="
               f"{os.environ.get('TORCHELASTIC_MAX_RESTARTS', '?')}); resuming {cfg.train.run_dir or 'the run'}",
