@@ -150,3 +150,12 @@ def test_model_package_never_imports_torch_distributed():
             names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
                      [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
             assert not any(n.startswith("torch.distributed") for n in names), path.name
+
+
+def test_ebc_built_as_zeros_then_reset_equals_the_drawn_tables():
+    tables = [TableConfig(name=n, num_embeddings=30 + i, embedding_dim=4) for i, n in enumerate("pqr")]
+    drawn, zeros = EmbeddingBagCollection(tables, seed=3), EmbeddingBagCollection(tables, seed=3, init_values=False)
+    assert all(zeros.table_weight(n).count_nonzero() == 0 for n in "pqr")
+    zeros.reset_parameters()
+    for n in "pqr":
+        assert torch.equal(drawn.table_weight(n), zeros.table_weight(n)) and drawn.table_weight(n).abs().sum() > 0

@@ -233,3 +233,24 @@ def test_row_gradients_popped_locally_then_reduced_explicitly():
     total = sum(own for own, _ in results)
     for _, reduced in results:
         torch.testing.assert_close(reduced, total)
+
+
+def zero_start_worker(topo, kind):
+    from hybridrec.parallel.sharded_embedding import ShardedEmbeddingBagCollection
+
+    plan = make_plan(kind, topo.world_size)
+    drawn = ShardedEmbeddingBagCollection(tables(), plan, topo, seed=7)
+    zeros = ShardedEmbeddingBagCollection(tables(), plan, topo, seed=7, init_values=False)
+    parts = [(a, b) for a, b in ((drawn.local, zeros.local), (drawn.replicated, zeros.replicated)) if a is not None]
+    assert parts and all(b.group_weight(g).count_nonzero() == 0 for _, b in parts for g in range(b.num_groups))
+    zeros.reset_parameters()
+    return all(torch.equal(a.group_weight(g), b.group_weight(g)) and a.group_weight(g).count_nonzero() > 0
+               for a, b in parts for g in range(a.num_groups))
+
+
+@pytest.mark.parametrize("kind", ["mixed", "table_wise"])
+def test_tables_built_as_zeros_then_reset_get_the_drawn_values(kind):
+    """``init_values=False`` (a resumed run: its checkpoint overwrites the tables) leaves
+    every shard and replica zero; ``reset_parameters`` then draws exactly the values of
+    the tables built with them."""
+    assert run_ranks(zero_start_worker, 2, kind) == [True, True]

@@ -259,12 +259,15 @@ class EmbeddingBagCollection(nn.Module):
     def __init__(
         self, tables: list[TableConfig], *, device: torch.device | None = None, seed: int = 0,
         init=None, weight_dtype: torch.dtype = torch.float32, output_dtype: torch.dtype = torch.float32,
+        init_values: bool = True,
     ) -> None:
         """``init(table, weight)`` fills a table's weight in place (default: the seeded
         :func:`init_table_block` of that table). With FM tables (``fm_cols``) the output
         also carries every bag's sum of squared embedding norms, with its gradient.
         ``weight_dtype``: float32 or bfloat16 storage (module docstring; FM tables: float32
-        only); ``output_dtype``: of the pooled output and so of its gradient."""
+        only); ``output_dtype``: of the pooled output and so of its gradient.
+        ``init_values`` False: the tables start as zeros (a checkpoint about to be restored
+        overwrites them; :meth:`reset_parameters` draws them)."""
         super().__init__()
         if weight_dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"embedding weight dtype {weight_dtype}: torch.float32 or torch.bfloat16")
@@ -280,6 +283,12 @@ class EmbeddingBagCollection(nn.Module):
         self._table_rows: dict[str, tuple[int, int]] = {}  # name -> (group, first row)
         self._pending_by_thread: dict[int, list[_Lookup]] = {}  # lookups not popped yet, see the class
         self._build_groups(tables, device)
+        if init_values:
+            self.reset_parameters()
+        else:  # (a checkpoint is about to overwrite them; its caller resets them if none does)
+            with torch.no_grad():
+                for gi in range(self.num_groups):
+                    self.group_weight(gi).zero_()
 
     def _build_groups(self, tables: list[TableConfig], device) -> None:
         col = 0
@@ -300,9 +309,9 @@ class EmbeddingBagCollection(nn.Module):
         self.feature_dims = [g.dim for g in self._groups for _ in g.features]
         if len(set(self.feature_names)) != len(self.feature_names):
             raise ValueError("a feature may read only one table")
-        self.reset_parameters()
 
     def reset_parameters(self) -> None:
+        """Every table's initial values (:func:`init_table_block`, or the collection's ``init``)."""
         with torch.no_grad():
             for name, t in self.tables.items():
                 if self._init is None:

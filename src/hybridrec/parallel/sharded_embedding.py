@@ -89,7 +89,7 @@ RowGrads = list[tuple[int, torch.Tensor, torch.Tensor, bool]]
 
 
 def _shard_collection(slots: tuple[Slot, ...], tables: Mapping[str, TableConfig],
-                      seed: int, **dtypes) -> EmbeddingBagCollection | None:
+                      seed: int, **kwargs) -> EmbeddingBagCollection | None:
     """The lookup of one rank's shards (one local table ``table@i`` per shard)."""
     if not slots:
         return None
@@ -100,7 +100,7 @@ def _shard_collection(slots: tuple[Slot, ...], tables: Mapping[str, TableConfig]
         s = shard_of[shard_table.name]
         init_table_block(tables[s.table], seed, s.shard.rows, s.shard.cols, out=weight)
 
-    return EmbeddingBagCollection(local_tables(slots, tables), seed=seed, init=init, **dtypes)
+    return EmbeddingBagCollection(local_tables(slots, tables), seed=seed, init=init, **kwargs)
 
 
 def _check_hosts(layout: EmbeddingLayout, topo: Topology) -> None:
@@ -142,7 +142,10 @@ class ShardedEmbeddingBagCollection(nn.Module):
                  seed: int = 0, ledger: CommLedger | None = None,
                  codecs: Mapping[str, Codec] | None = None, threshold: ThresholdMP | None = None,
                  dp_reducer: CompressedAllReduce | None = None,
-                 wire_dtype: torch.dtype | None = None, weight_dtype: torch.dtype = torch.float32) -> None:
+                 wire_dtype: torch.dtype | None = None, weight_dtype: torch.dtype = torch.float32,
+                 init_values: bool = True) -> None:
+        """``init_values`` False: the tables start as zeros, for a checkpoint to overwrite
+        (:meth:`reset_parameters` draws their initial values if none does)."""
         super().__init__()
         if plan.world_size != topo.world_size:
             raise ValueError(f"plan is for {plan.world_size} ranks, the world has {topo.world_size}")
@@ -164,9 +167,16 @@ class ShardedEmbeddingBagCollection(nn.Module):
         # bf16 tables pool into the wire's dtype directly (no float32 copy between)
         dtypes = {"weight_dtype": weight_dtype,
                   "output_dtype": self.wire_dtype if weight_dtype != torch.float32 and self.wire_dtype else torch.float32}
-        self.local = _shard_collection(self.layout.slots[topo.rank], self.tables, seed, **dtypes)
+        self.local = _shard_collection(self.layout.slots[topo.rank], self.tables, seed, init_values=init_values,
+                                       **dtypes)
         dp = [self.tables[n] for n in self.layout.replicated_tables]
-        self.replicated = EmbeddingBagCollection(dp, seed=seed, **dtypes) if dp else None
+        self.replicated = EmbeddingBagCollection(dp, seed=seed, init_values=init_values, **dtypes) if dp else None
+
+    def reset_parameters(self) -> None:
+        """This rank's shards and replicas: their initial values (those of the whole tables)."""
+        for part in (self.local, self.replicated):
+            if part is not None:
+                part.reset_parameters()
 
     def _places_only(self) -> bool:
         """Whether the receiver only places the blocks' values (nothing added, scaled or

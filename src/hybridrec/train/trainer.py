@@ -138,7 +138,11 @@ class Trainer:
         early_stop: EarlyStopping | None = None,
         kernels: dict | None = None,
         recovery: Recovery | None = None,
+        tables_drawn: bool = True,
     ) -> None:
+        """``tables_drawn`` False: the embedding tables were built as zeros for the run's
+        checkpoint to overwrite; :meth:`maybe_resume` draws their initial values if no
+        checkpoint is restored."""
         self.cfg = cfg
         self.model = model
         self.dense_opt = dense_opt
@@ -164,6 +168,7 @@ class Trainer:
         # train.recovery: the survivors' snapshots (partial) and what a recovery lost (None: off).
         self.recovery = recovery
         self.recovered: dict | None = None  # this invocation's recovery (Recovery.restore's record)
+        self.tables_drawn = tables_drawn
         self.step = 0
         self._saved_step: int | None = None  # step of the newest checkpoint on disk
         every = cfg.train.checkpoint_every
@@ -209,6 +214,9 @@ class Trainer:
         """Restore the newest checkpoint that passes its checks (newer ones that fail are
         renamed aside, with a warning each); None: nothing to resume."""
         found = self.checkpointer.restore_newest() if self.cfg.train.resume else None
+        if found is None and not self.tables_drawn:  # (none passed its checks: the initial values)
+            self.model.sparse.reset_parameters()
+            self.tables_drawn = True
         if found is not None:
             self.step, self.resumed_path = found
             self._saved_step = self.step
