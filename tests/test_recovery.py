@@ -162,3 +162,40 @@ def test_full_recovery_equals_the_uninterrupted_run(dataset, tmp_path):
     a, b = _weights(dataset, ref, 8), _weights(dataset, run, 8)
     for k in a:
         assert torch.equal(a[k], b[k]), k
+
+
+@pytest.mark.distributed
+def test_a_snapshot_from_before_the_machine_restarted_is_not_used(dataset, tmp_path):
+    """A survivor's snapshot is not synced to disk: its ``rank-R.json`` records the boot it
+    was written in, and after another boot that rank rolls back like the failed one (here
+    none is left: a full recovery)."""
+    run = tmp_path / "run"
+    common = ["train.max_steps=6", "train.checkpoint_every=4", "train.recovery=partial", "train.inject_failure=1:6"]
+    argv = [sys.executable, "-m", "hybridrec", "train", "--recipe", "demo", f"data.path={dataset}",
+            f"train.run_dir={run}", "dist.nproc=2", *SMALL, *common]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=240)
+    assert proc.returncode != 0 and "kills itself" in proc.stderr, proc.stderr[-3000:]
+    progress = run / "recovery" / "rank-00000.json"
+    written = json.loads(progress.read_text())
+    assert written["snapshot"] and written["step"] == 6 and written["boot"]
+    progress.write_text(json.dumps({**written, "boot": "another-boot"}))
+    err = _train(dataset, run, 2, *common)  # (the injection is recorded: it does not happen again)
+    assert "written before the machine restarted" in err, err[-3000:]
+    (event,) = json.loads((run / "summary.json").read_text())["recovery"]["events"]
+    assert (event["survivors"], event["resumed_at_step"]) == ([], 4)  # no survivor: every rank from step 4
+    assert {s["steps_lost"] for s in event["shards"]} == {2}
+
+
+@pytest.mark.distributed
+def test_restarted_ranks_keep_the_interval_chosen_before_the_failure(dataset, tmp_path):
+    """``train.checkpoint_every=auto``: the first invocation saves at its probe step (10)
+    and chooses (here the whole run: a long MTBF); the ranks restarted after the failure
+    take that choice instead of probing with one more save (which would be at step 20)."""
+    run = tmp_path / "run"
+    err = _train(dataset, run, 2, "train.max_steps=24", "train.epochs=20", "train.checkpoint_every=auto",
+                 "train.mtbf_hours=1000", "train.inject_failure=0:15", "dist.max_restarts=1")
+    assert "resumed from step 10" in err and "as chosen before the restart" in err, err[-3000:]
+    saves = [r["step"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
+             if r.get("split") == "checkpoint"]
+    assert saves == [10, 24]
+    assert json.loads((run / "summary.json").read_text())["checkpoint_interval"]["steps"] == 24

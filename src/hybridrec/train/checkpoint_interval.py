@@ -39,12 +39,23 @@ checkpoint's worth of rows) gives the Young/Daly analogue
 The trainer measures both: the steps of the first :data:`PROBE_STEPS` of an invocation
 (between the first and the last of them; logging and evaluation excluded) and the save of
 a checkpoint at the last of them; rank 0 chooses and every rank takes its choice. A
-resumed run measures again.
+resumed run measures again, except the ranks the launcher restarts after a failure
+(``dist.max_restarts``): they take the choice made before it (``RUN/checkpoint_interval.json``,
+when made for the same settings), on the same machines seconds later, rather than pay
+for one more save per failure.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
 import math
+from pathlib import Path
+
+from hybridrec.metrics.logger import write_json_atomic
+
+CHOICE_FILE = "checkpoint_interval.json"
+"""In the run directory: the newest choice (``{"inputs", "choice"}``)."""
 
 PROBE_STEPS = 10
 """Steps an invocation trains (and times) before its first, measured, checkpoint."""
@@ -122,3 +133,18 @@ def partial_recovery_interval(*, save_s: float, step_s: float, mtbf_s: float, to
     if expected is None:
         expected = min(1.0, steps * step_s / (2.0 * ranks * mtbf_s)) if mtbf_s > 0 else 0.0
     return {**yd, "steps": int(steps), "reason": why, "lost_fraction": expected}
+
+
+def save_choice(run_dir: str | Path, choice: dict, inputs: dict) -> None:
+    """Keep ``choice`` (made for the settings ``inputs``) for the run's restarted ranks."""
+    write_json_atomic(Path(run_dir) / CHOICE_FILE, {"inputs": inputs, "choice": choice})
+
+
+def restarted_choice(run_dir: str | Path, inputs: dict) -> dict | None:
+    """The choice :func:`save_choice` kept for the same ``inputs`` (None: none, or other settings)."""
+    with contextlib.suppress(OSError, ValueError):
+        kept = json.loads((Path(run_dir) / CHOICE_FILE).read_text())
+        if isinstance(kept, dict) and kept.get("inputs") == inputs and isinstance(kept.get("choice"), dict) \
+                and isinstance(kept["choice"].get("steps"), int) and kept["choice"]["steps"] >= 1:
+            return kept["choice"]
+    return None

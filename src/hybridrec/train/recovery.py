@@ -21,6 +21,10 @@ share of the run), but no step is trained again.
    thread is blocked in a collective; it waits for a step's update to finish first. Then
    ``RUN/recovery/rank-R.json`` says which step it holds (written last: a snapshot without
    it is not used). A rank killed outright (SIGKILL, a lost machine) writes nothing.
+   The snapshot is written as the state is, without a copy (no update runs meanwhile),
+   and not synced to disk (the page cache serves the restart on this machine, in a
+   fraction of the time): ``rank-R.json`` records the kernel's boot id, and a snapshot
+   written before the machine restarted is not used (that rank rolls back).
 3. The restarted run (``dist.max_restarts``, or the same command again) first restores the
    newest checkpoint on every rank, as full recovery does; then each rank with a snapshot
    loads its own shards from it, and every rank loads the dense part, the loader position
@@ -72,7 +76,13 @@ from hybridrec.parallel.checkpoint_io import (
     tensor_slots,
     write_json,
 )
-from hybridrec.parallel.checkpoint_layout import dense_opt_state, dense_tensors, load_dense_opt, local_weights
+from hybridrec.parallel.checkpoint_layout import (
+    dense_opt_state,
+    dense_tensors,
+    load_dense_opt,
+    local_weights,
+    own_storage,
+)
 from hybridrec.parallel.sharded_embedding import REPLICATED
 from hybridrec.parallel.topology import Topology
 from hybridrec.train.deltas import ShardDeltas, plan_json
@@ -80,6 +90,7 @@ from hybridrec.train.deltas import ShardDeltas, plan_json
 RECOVERY_DIR = "recovery"
 EVENTS = "recovery.jsonl"
 SNAPSHOT_KIND = "survivor-snapshot"
+BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
 LOCK_WAIT_S = 20.0
 """How long a SIGTERM'd rank waits for its step's update to finish (the agent's grace
 period before SIGKILL is 30 s)."""
@@ -117,6 +128,19 @@ def survivors_step(run_dir: str | Path) -> int | None:
             if isinstance(data, dict) and data.get("snapshot") and isinstance(data.get("step"), int):
                 steps.append(data["step"])
     return max(steps) if steps else None
+
+
+def elastic_restarts() -> int:
+    """How many times the launcher's agent has started the ranks again (``dist.max_restarts``)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+
+
+def boot_id() -> str | None:
+    """This boot of the machine's kernel (None: not known, e.g. not Linux)."""
+    try:
+        return BOOT_ID.read_text().strip() or None
+    except OSError:
+        return None
 
 
 def read_events(run_dir: str | Path) -> list[dict]:
@@ -293,6 +317,7 @@ class Recovery:
         rank = self.topo.rank
         start = time.perf_counter()
         snapshot = self.mode == "partial" and not self._torn
+        boot = boot_id()  # (None: the files are synced to disk instead)
         if snapshot:
             tensors: dict[str, torch.Tensor] = {}
             skeleton = encode_skeleton(self._state(), "s", tensors)
@@ -301,8 +326,8 @@ class Recovery:
             tmp.mkdir()
             try:
                 with quiet():
-                    dcp.save({k: v.detach() for k, v in tensors.items()}, storage_writer=dcp.FileSystemWriter(tmp),
-                             no_dist=True)
+                    dcp.save({k: own_storage(v) for k, v in tensors.items()},
+                             storage_writer=dcp.FileSystemWriter(tmp, sync_files=boot is None), no_dist=True)
                 write_json(tmp / MANIFEST, {"format": FORMAT, "kind": SNAPSHOT_KIND, "rank": rank,
                                             "world_size": self.topo.world_size, "step": self.step,
                                             "plan": plan_json(self.ckpt.model.sparse), "state": skeleton})
@@ -313,7 +338,7 @@ class Recovery:
             os.replace(tmp, final)
         write_json_atomic(_progress_file(self.run_dir, rank), {
             "rank": rank, "step": self.step, "snapshot": snapshot, "time": time.time(),
-            "seconds": time.perf_counter() - start, "pid": os.getpid()})
+            "seconds": time.perf_counter() - start, "pid": os.getpid(), "boot": boot})
         if snapshot:  # (full recovery: the step reached is for the record only, said after the restart)
             self._note(f"the run stopped at step {self.step}: wrote its state to {_snapshot_dir(self.run_dir, rank)}")
 
@@ -325,9 +350,9 @@ class Recovery:
         comps = {x.name: (self._loader_state if x.name == "loader" and self._loader_state is not None
                           else x.obj.state_dict()) for x in c.components}
         return {"step": self.step,
-                "weights": {k: w.detach().clone() for k, w in local_weights(model.sparse).items()},
+                "weights": {k: w.detach() for k, w in local_weights(model.sparse).items()},
                 "sparse_opt": c.sparse_opt.state_dict(),
-                "dense": {k: v.detach().clone() for k, v in dense_tensors(model).items()},
+                "dense": {k: v.detach() for k, v in dense_tensors(model).items()},
                 "dense_opt": dense_opt_state(c.dense_opt, model),
                 "components": comps,
                 "deltas": self.deltas.state_dict() if self.deltas is not None else None}
@@ -345,7 +370,7 @@ class Recovery:
         err = None
         try:
             if progress is not None and progress.get("snapshot") and self.mode == "partial":
-                mine = self._check_snapshot(progress["step"])
+                mine = self._check_snapshot(progress)
         except Exception as e:  # noqa: BLE001 - a snapshot that does not fit: this rank rolls back
             self._note(f"its recovery snapshot is not used ({e})")
         everyone = gather(self.topo, (progress, mine is not None))
@@ -396,8 +421,10 @@ class Recovery:
             self._record(event)
         return event
 
-    def _check_snapshot(self, step: int) -> dict:
-        path = _snapshot_dir(self.run_dir, self.topo.rank)
+    def _check_snapshot(self, progress: dict) -> dict:
+        path, step = _snapshot_dir(self.run_dir, self.topo.rank), progress["step"]
+        if progress.get("boot") is not None and progress["boot"] != boot_id():
+            raise CheckpointError(f"{path}: written before the machine restarted, and not synced to disk")
         if not is_complete(path):
             raise CheckpointError(f"{path}: not a complete snapshot")
         meta = json.loads((path / MANIFEST).read_text())

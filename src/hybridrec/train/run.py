@@ -48,7 +48,7 @@ from hybridrec.train.build import (
 from hybridrec.train.config import Config, apply_dict, validate
 from hybridrec.train.early_stop import early_stop_problem, resolve_checkpoint
 from hybridrec.train.faults import injection_problem
-from hybridrec.train.recovery import read_events
+from hybridrec.train.recovery import elastic_restarts, read_events
 from hybridrec.train.trainer import evaluate_model
 
 RUNS_ROOT = "runs"
@@ -98,7 +98,7 @@ def _train(cfg: Config, meta, topo, shown: str, started_at: str, clock: float, e
     world, rank = (topo.world_size, topo.rank) if topo is not None else _world_and_rank()
     if problem := injection_problem(cfg.train.inject_failure, world):  # (torchrun: dist.nproc is 1)
         raise ConfigError(problem)
-    restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    restarts = elastic_restarts()
     if restarts and not cfg.train.resume:  # (false started this launch over; its restarts resume it)
         cfg.train.resume = True
     if restarts and rank == 0:  # dist.max_restarts: the agent started the ranks again

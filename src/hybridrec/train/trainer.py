@@ -26,14 +26,20 @@ from hybridrec.parallel.sharded_embedding import ShardedEmbeddingBagCollection
 from hybridrec.parallel.topology import Topology
 from hybridrec.sparse.keyed_jagged import Batch
 from hybridrec.sync.runners import SyncRunner
-from hybridrec.train.checkpoint_interval import IntervalProbe, partial_recovery_interval, young_daly_interval
+from hybridrec.train.checkpoint_interval import (
+    IntervalProbe,
+    partial_recovery_interval,
+    restarted_choice,
+    save_choice,
+    young_daly_interval,
+)
 from hybridrec.train.checkpointer import Checkpointer
 from hybridrec.train.config import Config
 from hybridrec.train.early_stop import EarlyStopping
 from hybridrec.train.faults import FailureInjector
 from hybridrec.train.optim import LRScheduler
 from hybridrec.train.pipeline import TrainPipeline
-from hybridrec.train.recovery import Recovery
+from hybridrec.train.recovery import Recovery, elastic_restarts
 from hybridrec.train.sparse_optim import CombinedSparseOptimizer
 
 
@@ -244,7 +250,8 @@ class Trainer:
             print(f"resumed from step {resumed} ({where})", file=sys.stderr, flush=True)
         first_step = self.step
         injector = FailureInjector(t.inject_failure, rank=self.topo.global_rank, run_dir=self.run_dir)
-        if t.checkpoint_every == "auto" and t.save_checkpoints and self.step < self.total_steps:
+        if t.checkpoint_every == "auto" and t.save_checkpoints and self.step < self.total_steps \
+                and not self._restarted_interval():
             self.probe = IntervalProbe(first_step=self.step, total_steps=self.total_steps)
         running = RunningLoss()
         meter = Throughput(warmup=min(5, max(0, self.total_steps // 10)), totals=self.totals)
@@ -379,9 +386,39 @@ class Trainer:
                   young_daly_interval(save_s=save_s, step_s=step_s, mtbf_s=mtbf_s, total_steps=self.total_steps))
         self.checkpoint_every, self.checkpoint_interval, self.probe = choice["steps"], choice, None
         if self.topo.lead:
+            save_choice(self.run_dir, choice, self._interval_inputs())
+        if self.topo.lead:
             print(f"checkpoint interval: every {choice['steps']:,} steps (train.checkpoint_every=auto, "
                   f"train.mtbf_hours={self.cfg.train.mtbf_hours:g}: {choice['reason']})",
                   file=sys.stderr, flush=True)
+
+    def _interval_inputs(self) -> dict:
+        """The settings a checkpoint interval is chosen for (a kept choice serves the same)."""
+        t = self.cfg.train
+        return {"mtbf_hours": t.mtbf_hours, "recovery": t.recovery, "lost_fraction": t.lost_fraction,
+                "shard_delta_every": t.shard_delta_every, "shard_delta_rows": t.shard_delta_rows,
+                "shard_delta_hot": t.shard_delta_hot, "world_size": self.topo.global_world_size,
+                "total_steps": self.total_steps}
+
+    def _restarted_interval(self) -> bool:
+        """``train.checkpoint_every=auto`` in ranks the launcher started again after a
+        failure: take the interval chosen before it, if one was for these settings (rank
+        0's file; every rank takes its answer). True: taken, no probe."""
+        if not elastic_restarts():
+            return False
+        choice = restarted_choice(self.run_dir, self._interval_inputs()) if self.topo.lead else None
+        if self.topo.global_world_size > 1:
+            box = [choice]
+            dist.broadcast_object_list(box, group=self.topo.run_group, group_src=0)
+            choice = box[0]
+        if choice is None:
+            return False
+        choice = {**choice, "reason": f"{choice['reason']} (chosen before the restart)"}
+        self.checkpoint_every, self.checkpoint_interval = choice["steps"], choice
+        if self.topo.lead:
+            print(f"checkpoint interval: every {choice['steps']:,} steps, as chosen before the restart "
+                  f"(train.checkpoint_every=auto)", file=sys.stderr, flush=True)
+        return True
 
     def _early_stop(self, metrics: dict) -> bool:
         """Count an evaluation for ``train.early_stop``: a new best AUC is saved at once (the
