@@ -199,3 +199,21 @@ def test_restarted_ranks_keep_the_interval_chosen_before_the_failure(dataset, tm
              if r.get("split") == "checkpoint"]
     assert saves == [10, 24]
     assert json.loads((run / "summary.json").read_text())["checkpoint_interval"]["steps"] == 24
+
+
+@pytest.mark.distributed
+def test_incremental_saves_outlive_a_recovery_and_serve_the_next_failure(dataset, tmp_path):
+    """Rank 1 fails at step 5, rank 0 at 6 (rank 1 survives it, its delta of step 6
+    written), rank 1 again at 7: its shards roll back to that delta of step 6, which the
+    recovery at 6 must not have deleted, and lose one step (not the two since its recovery at 5)."""
+    run = tmp_path / "run"
+    err = _train(dataset, run, 2, "dist.sharding=table_wise", "train.max_steps=8", "train.checkpoint_every=4",
+                 "train.recovery=partial", "train.shard_delta_every=1", "train.inject_failure=1:5,0:6,1:7",
+                 "dist.max_restarts=3")
+    events = json.loads((run / "summary.json").read_text())["recovery"]["events"]
+    assert [(e["failed_ranks"], e["failed_at_step"], e["resumed_at_step"]) for e in events] == \
+        [([1], 5, 5), ([0], 6, 6), ([1], 7, 7)], err[-3000:]
+    last = events[-1]
+    assert last["deltas"]["1"]["step"] == 6
+    assert {s["steps_lost"] for s in last["shards"] if s["rank"] == 1} == {1}
+    assert {s["steps_lost"] for s in last["shards"] if s["rank"] == 0} == {0}

@@ -31,7 +31,8 @@ share of the run), but no step is trained again.
    and the other global state from the snapshot of one survivor (the lowest rank among
    those at the newest step), so the replicas agree. Training goes on from the survivors'
    step; the failed rank's shards hold the checkpoint's values. The snapshots are deleted
-   once loaded.
+   once loaded (the shards' incremental saves, ``RUN/recovery/deltas/``, stay for the
+   next failure).
 
 What a recovery lost is appended to ``RUN/recovery.jsonl`` and summary.json ``recovery``:
 per shard, the steps of updates it lost (``failed_at_step - checkpoint_step`` for the shards
@@ -497,7 +498,7 @@ class Recovery:
             f.write(json.dumps(event) + "\n")
             f.flush()
             os.fsync(f.fileno())
-        shutil.rmtree(recovery_dir(self.run_dir), ignore_errors=True)  # consumed
+        _clear_snapshots(self.run_dir)  # consumed (the incremental saves stay: they serve the next failure)
         what = (f"partial: the survivors {event['survivors']} kept their state at step {event['resumed_at_step']}, "
                 f"the shards of rank(s) {event['failed_ranks']} rolled back to step {event['checkpoint_step'] or 0} "
                 f"({event['failed_at_step'] - (event['checkpoint_step'] or 0)} steps of their updates lost)"
@@ -505,6 +506,18 @@ class Recovery:
                 f"{event['mode']}: every rank resumed from step {event['resumed_at_step']}; "
                 f"steps {event['resumed_at_step'] + 1}..{event['failed_at_step']} are trained again")
         print(f"recovered from a failure at step {event['failed_at_step']} ({what})", file=sys.stderr, flush=True)
+
+
+def _clear_snapshots(run_dir: Path) -> None:
+    """Every rank's snapshot and record of the run's stop (``RUN/recovery/rank-*``, and any
+    left half-written), not the shards' incremental saves (``RUN/recovery/deltas/``)."""
+    d = recovery_dir(run_dir)
+    for p in list(d.glob("rank-*")) + list(d.glob(".tmp-rank-*")) if d.is_dir() else []:
+        if p.is_dir():
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            with contextlib.suppress(OSError):
+                p.unlink()
 
 
 def _read(path: Path, meta: dict, parts: tuple[str, ...], weights=None, sparse_opt=None) -> dict:
