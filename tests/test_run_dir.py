@@ -238,3 +238,18 @@ def test_two_ranks_agree_on_a_new_run_dir_and_both_refuse_another_config(dataset
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
     assert "global batch" in proc.stderr and "launching" not in proc.stderr
     assert _snapshot(run) == before
+
+
+def test_starting_over_removes_what_the_old_run_wrote(tmp_path):
+    from hybridrec.train.build import start_over
+
+    run = tmp_path / "run"
+    names = ["summary.json", "eval.json", "plan.json", "metrics.jsonl", "failure_injected.json", "recovery.jsonl",
+             "checkpoint_interval.json"]
+    for d in ("checkpoints/step-00000004", "recovery/deltas/rank-00000", "tensorboard"):
+        (run / d).mkdir(parents=True)
+    for n in names:
+        (run / n).write_text("{}")
+    (run / "config.json").write_text("{}")
+    start_over(run)
+    assert sorted(p.name for p in run.iterdir()) == ["config.json"]

@@ -63,6 +63,7 @@ from hybridrec.sync import BackgroundRunner, ForegroundRunner, SyncRunner, make_
 from hybridrec.sync.algorithms import CATEGORY as SYNC_CATEGORY, GroupMean
 from hybridrec.sync.compressed import CompressedMean
 from hybridrec.sync.grouped import GroupedBackgroundRunner
+from hybridrec.train.checkpoint_interval import CHOICE_FILE
 from hybridrec.train.checkpointer import Checkpointer, Component, TorchRNG
 from hybridrec.train.early_stop import COMPONENT as EARLY_STOP, EarlyStopping
 from hybridrec.train.pipeline import TrainPipeline
@@ -581,7 +582,7 @@ def tune_kernels(cfg: Config, model: torch.nn.Module, topo: Topology,
     return out
 
 
-RUN_FILES = ("summary.json", "eval.json", "plan.json", "metrics.jsonl", "failure_injected.json", EVENTS)
+RUN_FILES = ("summary.json", "eval.json", "plan.json", "metrics.jsonl", "failure_injected.json", EVENTS, CHOICE_FILE)
 """What a run writes besides config.json and its directories (checkpoints/, tensorboard/)."""
 
 
