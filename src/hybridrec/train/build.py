@@ -482,8 +482,8 @@ def build_trainer(cfg: Config, *, meta: DatasetMeta | None = None, topo: Topolog
     servers = None
     # A checkpoint to resume from overwrites the tables: they start as zeros rather than
     # drawn (0.3 s per 330 MB of a restart); the trainer draws them if none is restored.
-    # (Synchronizers take the tables' values when built: drawn.)
-    init_tables = not latest or cfg.sync.algorithm != "none"
+    # (Synchronizers take the tables' values when built, parameter servers hold their own: drawn.)
+    init_tables = not latest or cfg.sync.algorithm != "none" or bool(cfg.dist.num_ps)
     if cfg.dist.num_ps:
         model, servers = build_ps_model(cfg, meta, topo, ledger, dense_sync, run_dir)
     elif topo.world_size == 1:
@@ -531,7 +531,7 @@ def build_trainer(cfg: Config, *, meta: DatasetMeta | None = None, topo: Topolog
                    scheduler=scheduler, pipeline=pipeline, eval_loader=eval_loader,
                    checkpointer=checkpointer, logger=logger, ledger=ledger, run_dir=run_dir,
                    total_steps=total_steps, topo=topo, sync_runner=sync_runner, totals=totals, early_stop=early_stop,
-                   kernels=kernels, recovery=recovery, tables_drawn=init_tables or bool(servers))
+                   kernels=kernels, recovery=recovery, tables_drawn=init_tables)
 
 
 def build_shard_deltas(cfg: Config, topo: Topology, model, sparse_opt, run_dir: Path) -> ShardDeltas | None:

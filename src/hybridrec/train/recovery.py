@@ -512,7 +512,7 @@ def _clear_snapshots(run_dir: Path) -> None:
     """Every rank's snapshot and record of the run's stop (``RUN/recovery/rank-*``, and any
     left half-written), not the shards' incremental saves (``RUN/recovery/deltas/``)."""
     d = recovery_dir(run_dir)
-    for p in list(d.glob("rank-*")) + list(d.glob(".tmp-rank-*")) if d.is_dir() else []:
+    for p in [*d.glob("rank-*"), *d.glob(".tmp-rank-*")]:  # (none when the directory is not there)
         if p.is_dir():
             shutil.rmtree(p, ignore_errors=True)
         else:

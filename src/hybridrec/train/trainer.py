@@ -387,7 +387,6 @@ class Trainer:
         self.checkpoint_every, self.checkpoint_interval, self.probe = choice["steps"], choice, None
         if self.topo.lead:
             save_choice(self.run_dir, choice, self._interval_inputs())
-        if self.topo.lead:
             print(f"checkpoint interval: every {choice['steps']:,} steps (train.checkpoint_every=auto, "
                   f"train.mtbf_hours={self.cfg.train.mtbf_hours:g}: {choice['reason']})",
                   file=sys.stderr, flush=True)
