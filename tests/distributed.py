@@ -7,10 +7,34 @@ import io
 import os
 import socket
 import traceback
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+
+def launched_ranks(launcher: int) -> dict[int, int]:
+    """``{rank: pid}`` of the ranks `hybridrec train` started under the process
+    ``launcher`` (forked from its fork server, so grandchildren; each names itself
+    ``hybridrec-rRANK``, Linux's /proc/PID/comm)."""
+    out: dict[int, int] = {}
+    todo = [launcher]
+    while todo:
+        parent = todo.pop()
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                stat = Path(f"/proc/{pid}/stat").read_text()
+                ppid = int(stat.rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            if ppid != parent:
+                continue
+            todo.append(int(pid))
+            name = stat[stat.index("(") + 1:stat.rindex(")")]
+            if name.startswith("hybridrec-r") and name[len("hybridrec-r"):].isdigit():
+                out[int(name[len("hybridrec-r"):])] = int(pid)
+    return out
 
 
 def free_port() -> int:

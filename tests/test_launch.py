@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from synth_data import synth_dataset
-from distributed import free_port
+from distributed import free_port, launched_ranks
 from hybridrec.cli.launch import PEER_LOST
 from hybridrec.cli.main import main
 
@@ -62,26 +62,21 @@ def test_two_ranks_train_end_to_end(two_rank_run):
     assert ev["count"] == 2000 and abs(ev["auc"] - summary["eval"]["auc"]) < 1e-6
 
 
-def _children(pid):
-    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
-    return [int(x) for x in out.split()]
-
-
 def test_a_dead_rank_ends_the_run_with_an_error(dataset, tmp_path):
     proc = subprocess.Popen(_cmd(dataset, tmp_path / "run", "train.epochs=50", "dist.timeout_s=30"),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     # Wait until the launcher (torch's elastic agent, in the hybridrec process) has started
     # its workers and they are training.
     deadline = time.monotonic() + 120
-    workers = []
+    workers = {}
     while time.monotonic() < deadline and proc.poll() is None:
-        workers = [w for w in _children(proc.pid) if "hybridrec" in _cmdline(w)]
+        workers = launched_ranks(proc.pid)
         if len(workers) == 2 and (tmp_path / "run" / "plan.json").exists():
             break
         time.sleep(0.2)
-    assert len(workers) == 2, "workers did not start"
-    victim = workers[1]
-    rank = _environ(victim)["RANK"]
+    assert sorted(workers) == [0, 1], "workers did not start"
+    rank = 1
+    victim = workers[rank]
     time.sleep(2)
     os.kill(victim, signal.SIGKILL)
     try:
@@ -123,19 +118,6 @@ def test_a_rank_that_loses_its_peer_says_so_in_one_line(dataset, tmp_path):
     assert ranks[0].returncode == PEER_LOST, err[-3000:]
     assert err.splitlines() == ["hybridrec: error: lost the connection to another rank: it exited or "
                                 "was killed (its own error, or its launcher's report, says why)"], err[-3000:]
-
-
-def _cmdline(pid) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-    except OSError:
-        return ""
-
-
-def _environ(pid) -> dict[str, str]:
-    """A running process's environment (Linux /proc)."""
-    raw = Path(f"/proc/{pid}/environ").read_bytes()
-    return dict(kv.split("=", 1) for kv in raw.decode(errors="replace").split("\0") if "=" in kv)
 
 
 def _load_single(dataset, run):

@@ -16,6 +16,7 @@ import torch
 
 from hybridrec.cli.main import main
 from hybridrec.train.run import load_run_model
+from distributed import launched_ranks
 from synth_data import synth_dataset
 
 SMALL = ["model.bottom_mlp=[32,16]", "model.top_mlp=[32,1]", "data.batch_size=256", "data.prefetch=0",
@@ -83,20 +84,13 @@ def _launch(data: Path, run: Path, *extra: str) -> subprocess.Popen:
 
 
 def _process_of_rank(parent: int, rank: int) -> int:
-    """The pid of the launched process with RANK=rank (a child of ``parent``)."""
+    """The pid of the launched process with RANK=rank (under the launcher ``parent``)."""
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
-        for pid in filter(str.isdigit, os.listdir("/proc")):
-            try:
-                ppid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-                env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-            except (OSError, IndexError, ValueError):
-                continue
-            if ppid == parent and f"RANK={rank}".encode() in env:
-                return int(pid)
+        if (pid := launched_ranks(parent).get(rank)) is not None:
+            return pid
         time.sleep(0.2)
     raise AssertionError(f"no process of rank {rank}")
-
 
 def _wait_for_training(proc: subprocess.Popen, run: Path) -> list[str]:
     lines = []

@@ -9,6 +9,13 @@ others (SIGTERM) and :func:`run_local_ranks` prints one line naming the rank tha
 and how: ``hybridrec: error: rank 1 exited with code 2 (see above)``. The agent's own log
 and tracebacks show only with ``--debug`` / ``HYBRIDREC_DEBUG=1``.
 
+The ranks are forked from one server process that has imported torch and hybridrec's
+training code once (multiprocessing's ``forkserver`` with a preload, torch's elastic agent
+starting a function rather than a new interpreter): a restart after a failure
+(``dist.max_restarts``) then costs no interpreter start-up and no imports, which were
+most of a restart's seconds. Each rank still runs the command as ``python -m hybridrec``
+would, with this launcher's environment under the agent's own variables.
+
 A rank's error line is also written, before the error leaves ``train`` (see
 :func:`hybridrec.errors.records_errors`), to the error file torch's agent gives each rank
 (``TORCHELASTIC_ERROR_FILE``, read back into ``ProcessFailure.error_file_data``). What
@@ -23,11 +30,13 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
+import multiprocessing
 import os
 import re
 import signal
 import sys
 import tempfile
+import time
 import uuid
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -39,6 +48,9 @@ only lost its peers, or was interrupted, stays quiet."""
 PEER_LOST = 3
 """The exit status of a rank that stopped because another rank went away."""
 
+PEER_LOST_WAIT_S = 10.0
+"""How long a rank that lost its peer waits for the agent to stop it (see :func:`rank_main`)."""
+
 BROKEN_PIPE = 128 + 13  # as cli.main: output cut short by a closed pipe
 INTERRUPTED = 130
 
@@ -47,6 +59,13 @@ _PEER_GONE = ("Connection reset by peer", "Connection closed by peer", "Broken p
 _TIMED_OUT = re.compile(r"Timed out waiting \d+ ?ms[^.\n]*|timed out after [^.\n]*|Socket Timeout",
                         re.IGNORECASE)
 _COMM_MARKS = ("gloo", "c10d", "ProcessGroup", "TCPStore", "nccl", "NCCL")
+
+PRELOAD = ("torch", "torch.distributed.checkpoint", "hybridrec.cli.main", "hybridrec.cli.train",
+           "hybridrec.train.run")
+"""What the server the ranks are forked from imports once (see the module's docstring)."""
+
+_BASE_ENV = dict(os.environ)
+"""The environment this module was imported with: in a forked rank, the fork server's."""
 
 
 def run_local_ranks(nproc: int, argv: Sequence[str], *, servers: int = 0, port: int = 0,
@@ -89,9 +108,11 @@ def run_local_ranks(nproc: int, argv: Sequence[str], *, servers: int = 0, port: 
             # of every attempt hosts a new store instead.
             env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
         with _environ(env), _signal_handlers_kept(), _agent_quiet(not debug_enabled()):
-            config, entrypoint, entry_args = torchrun.config_from_args(args)
+            config, _, _ = torchrun.config_from_args(args)
+            config.start_method = "forkserver"
+            multiprocessing.get_context("forkserver").set_forkserver_preload(list(PRELOAD))
             try:
-                elastic_launch(config=config, entrypoint=entrypoint)(*entry_args)
+                elastic_launch(config=config, entrypoint=rank_main)(list(argv), dict(os.environ))
             except ChildFailedError as e:
                 if debug_enabled():
                     print(e, file=sys.stderr)
@@ -109,6 +130,35 @@ def run_local_ranks(nproc: int, argv: Sequence[str], *, servers: int = 0, port: 
                     _say(f"hybridrec: error: stopped by {signal.Signals(e.sigval).name}")
                 return 128 + int(e.sigval)
     return 0
+
+
+def rank_main(argv: list[str], environ: dict[str, str]) -> None:
+    """One rank of :func:`run_local_ranks`: ``python -m hybridrec ARGV`` in a process forked
+    from the preloaded server. Its environment is the launcher's (``environ``, as a new
+    interpreter would inherit it; the server's is the first launch's) with the variables
+    the agent set for this rank on top; output is unbuffered, as ``python -u``. The
+    process is named ``hybridrec-rRANK`` (what ``top`` and ``ps -o comm`` show)."""
+    from hybridrec.cli.main import main
+
+    agent = {k: v for k, v in os.environ.items() if _BASE_ENV.get(k) != v}
+    os.environ.clear()
+    os.environ.update(environ)
+    os.environ.update(agent)
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(AttributeError, ValueError):
+            stream.reconfigure(write_through=True)
+    # multiprocessing's default start method as a new interpreter has it, not the server's
+    # (named semaphores a killed rank would leave to the launcher's resource tracker)
+    multiprocessing.set_start_method(None, force=True)
+    with contextlib.suppress(OSError):  # Linux; at most 15 characters
+        Path("/proc/self/comm").write_text(f"hybridrec-r{os.environ.get('RANK', '')}"[:15])
+    status = main(argv)
+    if status == PEER_LOST:
+        # The agent reports the first failed rank it finds, one only, for ranks that are
+        # functions: this one lost its peer, so the peer, dead or exiting with its own
+        # error, is the one to find. The agent's SIGTERM ends the wait.
+        time.sleep(PEER_LOST_WAIT_S)
+    raise SystemExit(status)
 
 
 def check_port_free(port: int) -> None:
