@@ -4,6 +4,7 @@ and rolls back only the failed rank's shards; full recovery equals the uninterru
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -165,9 +166,13 @@ def test_full_recovery_equals_the_uninterrupted_run(dataset, tmp_path):
 
 
 @pytest.mark.distributed
-def test_a_snapshot_from_before_the_machine_restarted_is_not_used(dataset, tmp_path):
-    """A survivor's snapshot is not synced to disk: its ``rank-R.json`` records the boot it
-    was written in, and after another boot that rank rolls back like the failed one (here
+@pytest.mark.parametrize("rebooted", [False, True])
+def test_the_same_command_again_recovers_from_the_snapshot_the_launcher_kept(dataset, tmp_path, rebooted):
+    """The survivor writes its snapshot to the launcher's directory in /dev/shm; the run
+    fails for good (no restarts), and the launcher moves the snapshot into RUN/recovery/
+    and removes its directory. The same command again recovers partially from it. A
+    snapshot is not synced to disk: its ``rank-R.json`` records the boot it was written in,
+    and after another boot (``rebooted``) that rank rolls back like the failed one (here
     none is left: a full recovery)."""
     run = tmp_path / "run"
     common = ["train.max_steps=6", "train.checkpoint_every=4", "train.recovery=partial", "train.inject_failure=1:6"]
@@ -178,12 +183,22 @@ def test_a_snapshot_from_before_the_machine_restarted_is_not_used(dataset, tmp_p
     progress = run / "recovery" / "rank-00000.json"
     written = json.loads(progress.read_text())
     assert written["snapshot"] and written["step"] == 6 and written["boot"]
-    progress.write_text(json.dumps({**written, "boot": "another-boot"}))
+    fast = Path(written["path"]).parent
+    if Path("/dev/shm").is_dir():
+        assert fast.parent == Path("/dev/shm") and fast.name.startswith("hybridrec-"), written["path"]
+    assert not Path(written["path"]).exists() and (run / "recovery" / "rank-00000" / ".metadata").is_file()
+    assert fast == run / "recovery" or not fast.exists()  # nothing is left in memory
+    if rebooted:
+        progress.write_text(json.dumps({**written, "boot": "another-boot"}))
     err = _train(dataset, run, 2, *common)  # (the injection is recorded: it does not happen again)
-    assert "written before the machine restarted" in err, err[-3000:]
     (event,) = json.loads((run / "summary.json").read_text())["recovery"]["events"]
-    assert (event["survivors"], event["resumed_at_step"]) == ([], 4)  # no survivor: every rank from step 4
-    assert {s["steps_lost"] for s in event["shards"]} == {2}
+    if rebooted:
+        assert "written before the machine restarted" in err, err[-3000:]
+        assert (event["survivors"], event["resumed_at_step"]) == ([], 4)  # no survivor: every rank from step 4
+        assert {s["steps_lost"] for s in event["shards"]} == {2}
+    else:
+        assert (event["survivors"], event["failed_ranks"], event["resumed_at_step"]) == ([0], [1], 6), err[-3000:]
+    assert not (run / "recovery" / "rank-00000").exists()  # consumed
 
 
 @pytest.mark.distributed

@@ -201,8 +201,8 @@ def failure_line(failures: dict, servers_from: int | None = None,
         return f"parameter server ps{r - servers_from} (rank {r})" if servers_from is not None and r >= servers_from \
             else f"rank {r}"
 
-    def stopped(f) -> bool:
-        return f.exitcode == PEER_LOST or f.exitcode == -signal.SIGTERM
+    def stopped(f) -> bool:  # (128 + 15: a survivor that ended itself after its snapshot)
+        return f.exitcode in (PEER_LOST, -signal.SIGTERM, 128 + signal.SIGTERM)
 
     ranked = sorted(failures.items(), key=lambda kv: (kv[1].timestamp, kv[0]))
     recorded = [(r, rec[1]) for r, f in ranked if (rec := recorded_error(f)) is not None]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import sys
@@ -133,9 +134,12 @@ def _launch(cfg, args) -> int:
         f", restarted up to {cfg.dist.max_restarts} times" if cfg.dist.max_restarts else "")
     print(f"launching {what}: hybridrec {' '.join(argv)}", file=sys.stderr, flush=True)
     from hybridrec.train.faults import MARKER
+    from hybridrec.train.recovery import fast_snapshots
 
-    return run_local_ranks(nproc, argv, servers=servers, port=cfg.dist.port, max_restarts=cfg.dist.max_restarts,
-                           injection_marker=os.path.join(cfg.train.run_dir, MARKER))
+    # partial recovery: the survivors' snapshots on this machine's memory while it runs
+    with fast_snapshots(run_dir) if cfg.train.recovery == "partial" else contextlib.nullcontext():
+        return run_local_ranks(nproc, argv, servers=servers, port=cfg.dist.port, max_restarts=cfg.dist.max_restarts,
+                               injection_marker=os.path.join(cfg.train.run_dir, MARKER))
 
 
 def _eval(args) -> int:

@@ -68,7 +68,7 @@ from hybridrec.train.checkpointer import Checkpointer, Component, TorchRNG
 from hybridrec.train.early_stop import COMPONENT as EARLY_STOP, EarlyStopping
 from hybridrec.train.pipeline import TrainPipeline
 from hybridrec.train.deltas import ShardDeltas, deltas_dir, plan_json
-from hybridrec.train.recovery import EVENTS, Recovery, recovery_dir, survivors_step
+from hybridrec.train.recovery import EVENTS, Recovery, clear_snapshots, recovery_dir, survivors_step
 from hybridrec.train.trainer import Trainer
 
 
@@ -591,6 +591,7 @@ def start_over(run_dir: Path) -> None:
     go, so that nothing of it is resumed or mixed into the new run's files later."""
     shutil.rmtree(ckpt.checkpoint_dir(run_dir), ignore_errors=True)
     shutil.rmtree(run_dir / "tensorboard", ignore_errors=True)
+    clear_snapshots(run_dir)  # (also those on the launcher's local memory)
     shutil.rmtree(recovery_dir(run_dir), ignore_errors=True)
     for name in RUN_FILES:
         (run_dir / name).unlink(missing_ok=True)

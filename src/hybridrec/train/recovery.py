@@ -19,8 +19,9 @@ share of the run), but no step is trained again.
    checkpointed component (loader, RNG, ...), the step. A thread waits for SIGTERM on
    :func:`signal.set_wakeup_fd`'s pipe, so the snapshot is written even while the main
    thread is blocked in a collective; it waits for a step's update to finish first. Then
-   ``RUN/recovery/rank-R.json`` says which step it holds (written last: a snapshot without
-   it is not used). A rank killed outright (SIGKILL, a lost machine) writes nothing.
+   ``RUN/recovery/rank-R.json`` says which step it holds and where (written last: a
+   snapshot without it is not used). Under the local launcher the snapshot goes to
+   ``/dev/shm`` instead (:func:`fast_snapshots`). A rank killed outright (SIGKILL, a lost machine) writes nothing.
    The snapshot is written as the state is, without a copy (no update runs meanwhile),
    and not synced to disk (the page cache serves the restart on this machine, in a
    fraction of the time): ``rank-R.json`` records the kernel's boot id, and a snapshot
@@ -89,6 +90,10 @@ from hybridrec.parallel.topology import Topology
 from hybridrec.train.deltas import ShardDeltas, plan_json
 
 RECOVERY_DIR = "recovery"
+FAST_DIR_ENV = "HYBRIDREC_SNAPSHOT_DIR"
+"""Set by the local launcher (:func:`fast_snapshots`): where the ranks write their snapshots,
+on local memory-backed storage, instead of ``RUN/recovery/``."""
+SHM = Path("/dev/shm")
 EVENTS = "recovery.jsonl"
 SNAPSHOT_KIND = "survivor-snapshot"
 BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
@@ -107,6 +112,59 @@ def _progress_file(run_dir: Path, rank: int) -> Path:
 
 def _snapshot_dir(run_dir: Path, rank: int) -> Path:
     return recovery_dir(run_dir) / f"rank-{rank:05d}"
+
+
+def _fast_dir() -> Path | None:
+    """The launcher's directory for snapshots on local memory (None: not launched so)."""
+    d = os.environ.get(FAST_DIR_ENV)
+    return Path(d) if d else None
+
+
+def _written_at(progress: dict, run_dir: Path, rank: int) -> Path:
+    """Where the snapshot ``progress`` speaks of is: where it was written, or in
+    ``RUN/recovery/`` once the launcher moved it there (see :func:`fast_snapshots`)."""
+    where = progress.get("path")
+    if isinstance(where, str) and Path(where).is_dir():
+        return Path(where)
+    return _snapshot_dir(run_dir, rank)
+
+
+@contextlib.contextmanager
+def fast_snapshots(run_dir: str | Path):
+    """Around a local launch of partial recovery (every rank on this machine): the
+    survivors write their snapshots to a directory of ``/dev/shm`` (memory: 0.24 s for a
+    rank's 318 MB where ``RUN/recovery/`` on disk took 0.8 s), named for the run and handed
+    to the ranks in :data:`FAST_DIR_ENV`. When the launch ends, the snapshots still there (the
+    run failed for good) move into ``RUN/recovery/``, so the same command again still
+    recovers partially, and the directory goes: nothing is left in memory. Without a
+    writable ``/dev/shm`` the snapshots go to ``RUN/recovery/``."""
+    import hashlib
+
+    key = hashlib.sha256(str(Path(run_dir).resolve()).encode()).hexdigest()[:16]
+    d = SHM / f"hybridrec-{key}"
+    try:
+        d.mkdir(exist_ok=True)
+    except OSError:
+        yield None
+        return
+    before = os.environ.get(FAST_DIR_ENV)
+    os.environ[FAST_DIR_ENV] = str(d)
+    try:
+        yield d
+    finally:
+        if before is None:
+            os.environ.pop(FAST_DIR_ENV, None)
+        else:
+            os.environ[FAST_DIR_ENV] = before
+        try:
+            for p in sorted(d.glob("rank-*")):
+                if p.is_dir() and is_complete(p):
+                    target = _snapshot_dir(Path(run_dir), int(p.name.split("-")[1]))
+                    target.parent.mkdir(parents=True, exist_ok=True)
+                    shutil.rmtree(target, ignore_errors=True)
+                    shutil.move(str(p), str(target))
+        finally:
+            shutil.rmtree(d, ignore_errors=True)
 
 
 def read_progress(run_dir: str | Path, rank: int) -> dict | None:
@@ -269,10 +327,14 @@ class Recovery:
                 return
             if signal.SIGTERM in data:
                 self.on_failure(wait_s=LOCK_WAIT_S)
-                with contextlib.suppress(OSError, ValueError):  # end as the agent's SIGTERM would
-                    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-                os.kill(os.getpid(), signal.SIGTERM)
-                return
+                # End as the agent's SIGTERM would have (its status, 128 + 15). Not by
+                # signalling this process again: from this thread SIGTERM's handler cannot be
+                # put back, and the main thread would go on (training to its next
+                # collective, or waiting to be stopped, see cli.launch.rank_main).
+                with contextlib.suppress(OSError, ValueError):
+                    sys.stdout.flush()
+                    sys.stderr.flush()
+                os._exit(128 + signal.SIGTERM)
 
     def on_failure(self, wait_s: float = 0.0) -> None:
         """The run stops under this rank: write what it has, once (the main thread's error
@@ -322,7 +384,8 @@ class Recovery:
         if snapshot:
             tensors: dict[str, torch.Tensor] = {}
             skeleton = encode_skeleton(self._state(), "s", tensors)
-            final, tmp = _snapshot_dir(self.run_dir, rank), d / f".tmp-rank-{rank:05d}-{os.getpid()}"
+            root = self._snapshot_root(d, sum(t.numel() * t.element_size() for t in tensors.values()))
+            final, tmp = root / f"rank-{rank:05d}", root / f".tmp-rank-{rank:05d}-{os.getpid()}"
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir()
             try:
@@ -339,9 +402,21 @@ class Recovery:
             os.replace(tmp, final)
         write_json_atomic(_progress_file(self.run_dir, rank), {
             "rank": rank, "step": self.step, "snapshot": snapshot, "time": time.time(),
-            "seconds": time.perf_counter() - start, "pid": os.getpid(), "boot": boot})
+            "seconds": time.perf_counter() - start, "pid": os.getpid(), "boot": boot,
+            **({"path": str(final)} if snapshot else {})})
         if snapshot:  # (full recovery: the step reached is for the record only, said after the restart)
-            self._note(f"the run stopped at step {self.step}: wrote its state to {_snapshot_dir(self.run_dir, rank)}")
+            self._note(f"the run stopped at step {self.step}: wrote its state to {final}")
+
+    @staticmethod
+    def _snapshot_root(run_recovery: Path, nbytes: int) -> Path:
+        """The launcher's local-memory directory when it has room for ``nbytes`` (and a
+        quarter more), else ``RUN/recovery/``."""
+        fast = _fast_dir()
+        if fast is not None:
+            with contextlib.suppress(OSError):
+                if fast.is_dir() and shutil.disk_usage(fast).free > nbytes * 1.25:
+                    return fast
+        return run_recovery
 
     def _loader(self):
         return next((c for c in self.ckpt.components if c.name == "loader"), None)
@@ -392,7 +467,8 @@ class Recovery:
                                                                                   for s in survivors))
             resumed_at = everyone[donor][0]["step"]
             try:
-                self._load(mine, donor)
+                self._load(mine and _written_at(progress, self.run_dir, self.topo.rank), mine,
+                           _written_at(everyone[donor][0], self.run_dir, donor))
                 if mine is not None:
                     held = (progress["step"], None)
                 elif self.deltas is not None:  # a failed rank: its shards' incremental saves
@@ -423,7 +499,7 @@ class Recovery:
         return event
 
     def _check_snapshot(self, progress: dict) -> dict:
-        path, step = _snapshot_dir(self.run_dir, self.topo.rank), progress["step"]
+        path, step = _written_at(progress, self.run_dir, self.topo.rank), progress["step"]
         if progress.get("boot") is not None and progress["boot"] != boot_id():
             raise CheckpointError(f"{path}: written before the machine restarted, and not synced to disk")
         if not is_complete(path):
@@ -439,12 +515,12 @@ class Recovery:
             raise CheckpointError(f"{path}: its shards are not this rank's ({sorted(have)} vs {sorted(want)})")
         return meta
 
-    def _load(self, mine: dict | None, donor: int) -> None:
-        """This rank's shards from its own snapshot (when it has one); the replicated state
-        from the donor's."""
+    def _load(self, path: Path | None, mine: dict | None, dpath: Path) -> None:
+        """This rank's shards from its own snapshot (``path``, its manifest ``mine``; None:
+        none); the replicated state from the donor's (``dpath``)."""
         model, c = self.ckpt.model, self.ckpt
         if mine is not None:
-            state = _read(_snapshot_dir(self.run_dir, self.topo.rank), mine,
+            state = _read(path, mine,
                           ("weights", "sparse_opt", "components", "deltas"))
             if self.deltas is not None and state["deltas"] is not None:  # (rows still pending stay so)
                 self.deltas.load_state_dict(state["deltas"])
@@ -457,7 +533,6 @@ class Recovery:
             for x in c.components:
                 if x.per_rank and x.name in state["components"]:
                     x.obj.load_state_dict(state["components"][x.name])
-        dpath = _snapshot_dir(self.run_dir, donor)
         dmeta = json.loads((dpath / MANIFEST).read_text())
         state = _read(dpath, dmeta, ("dense", "dense_opt", "components", "weights", "sparse_opt"),
                       weights=lambda k: k.endswith("@*"), sparse_opt=lambda k: k == REPLICATED)
@@ -498,7 +573,7 @@ class Recovery:
             f.write(json.dumps(event) + "\n")
             f.flush()
             os.fsync(f.fileno())
-        _clear_snapshots(self.run_dir)  # consumed (the incremental saves stay: they serve the next failure)
+        clear_snapshots(self.run_dir)  # consumed (the incremental saves stay: they serve the next failure)
         what = (f"partial: the survivors {event['survivors']} kept their state at step {event['resumed_at_step']}, "
                 f"the shards of rank(s) {event['failed_ranks']} rolled back to step {event['checkpoint_step'] or 0} "
                 f"({event['failed_at_step'] - (event['checkpoint_step'] or 0)} steps of their updates lost)"
@@ -508,11 +583,15 @@ class Recovery:
         print(f"recovered from a failure at step {event['failed_at_step']} ({what})", file=sys.stderr, flush=True)
 
 
-def _clear_snapshots(run_dir: Path) -> None:
-    """Every rank's snapshot and record of the run's stop (``RUN/recovery/rank-*``, and any
-    left half-written), not the shards' incremental saves (``RUN/recovery/deltas/``)."""
-    d = recovery_dir(run_dir)
-    for p in [*d.glob("rank-*"), *d.glob(".tmp-rank-*")]:  # (none when the directory is not there)
+def clear_snapshots(run_dir: Path) -> None:
+    """Every rank's snapshot and record of the run's stop (``RUN/recovery/rank-*``, the
+    launcher's local-memory directory's snapshots, and any left half-written), not the
+    shards' incremental saves (``RUN/recovery/deltas/``)."""
+    d, fast = recovery_dir(run_dir), _fast_dir()
+    found = [*d.glob("rank-*"), *d.glob(".tmp-rank-*")]  # (none when the directory is not there)
+    if fast is not None:
+        found += [*fast.glob("rank-*"), *fast.glob(".tmp-rank-*")]
+    for p in found:
         if p.is_dir():
             shutil.rmtree(p, ignore_errors=True)
         else:
