@@ -60,8 +60,8 @@ _TIMED_OUT = re.compile(r"Timed out waiting \d+ ?ms[^.\n]*|timed out after [^.\n
                         re.IGNORECASE)
 _COMM_MARKS = ("gloo", "c10d", "ProcessGroup", "TCPStore", "nccl", "NCCL")
 
-PRELOAD = ("torch", "torch.distributed.checkpoint", "hybridrec.cli.main", "hybridrec.cli.train",
-           "hybridrec.train.run")
+PRELOAD = ("torch", "torch.distributed.checkpoint", "torch.nn.parallel", "torch._dynamo", "numpy.random",
+           "hybridrec.cli.main", "hybridrec.cli.train", "hybridrec.train.run")
 """What the server the ranks are forked from imports once (see the module's docstring)."""
 
 _BASE_ENV = dict(os.environ)
