@@ -61,8 +61,9 @@ _TIMED_OUT = re.compile(r"Timed out waiting \d+ ?ms[^.\n]*|timed out after [^.\n
 _COMM_MARKS = ("gloo", "c10d", "ProcessGroup", "TCPStore", "nccl", "NCCL")
 
 PRELOAD = ("torch", "torch.distributed.checkpoint", "torch.nn.parallel", "torch._dynamo", "numpy.random",
-           "hybridrec.cli.main", "hybridrec.cli.train", "hybridrec.train.run")
-"""What the server the ranks are forked from imports once (see the module's docstring)."""
+           "hybridrec.cli.launch", "hybridrec.cli.main", "hybridrec.cli.train", "hybridrec.train.run")
+"""What the server the ranks are forked from imports once (see the module's docstring); this
+module among them, so that :data:`_BASE_ENV` is the server's environment."""
 
 _BASE_ENV = dict(os.environ)
 """The environment this module was imported with: in a forked rank, the fork server's."""
