@@ -92,6 +92,7 @@ def _process_of_rank(parent: int, rank: int) -> int:
         time.sleep(0.2)
     raise AssertionError(f"no process of rank {rank}")
 
+
 def _wait_for_training(proc: subprocess.Popen, run: Path) -> list[str]:
     lines = []
     deadline = time.monotonic() + 90

@@ -21,7 +21,8 @@ share of the run), but no step is trained again.
    thread is blocked in a collective; it waits for a step's update to finish first. Then
    ``RUN/recovery/rank-R.json`` says which step it holds and where (written last: a
    snapshot without it is not used). Under the local launcher the snapshot goes to
-   ``/dev/shm`` instead (:func:`fast_snapshots`). A rank killed outright (SIGKILL, a lost machine) writes nothing.
+   ``/dev/shm`` instead (:func:`fast_snapshots`). A rank killed outright (SIGKILL, a lost
+   machine) writes nothing.
    The snapshot is written as the state is, without a copy (no update runs meanwhile),
    and not synced to disk (the page cache serves the restart on this machine, in a
    fraction of the time): ``rank-R.json`` records the kernel's boot id, and a snapshot
@@ -440,13 +441,14 @@ class Recovery:
         recovery's record, or None when the run did not stop under any rank."""
         start = time.perf_counter()
         progress = read_progress(self.run_dir, self.topo.rank)
-        mine = None
+        mine = path = None  # (this rank's snapshot: its manifest, where it is)
         if progress is not None and progress["step"] < (checkpoint_step or 0):
             progress = None  # (older than the checkpoint: of a recovery long done)
         err = None
         try:
             if progress is not None and progress.get("snapshot") and self.mode == "partial":
-                mine = self._check_snapshot(progress)
+                path = _written_at(progress, self.run_dir, self.topo.rank)
+                mine = self._check_snapshot(progress, path)
         except Exception as e:  # noqa: BLE001 - a snapshot that does not fit: this rank rolls back
             self._note(f"its recovery snapshot is not used ({e})")
         everyone = gather(self.topo, (progress, mine is not None))
@@ -467,8 +469,7 @@ class Recovery:
                                                                                   for s in survivors))
             resumed_at = everyone[donor][0]["step"]
             try:
-                self._load(mine and _written_at(progress, self.run_dir, self.topo.rank), mine,
-                           _written_at(everyone[donor][0], self.run_dir, donor))
+                self._load(path, mine, _written_at(everyone[donor][0], self.run_dir, donor))
                 if mine is not None:
                     held = (progress["step"], None)
                 elif self.deltas is not None:  # a failed rank: its shards' incremental saves
@@ -498,8 +499,8 @@ class Recovery:
             self._record(event)
         return event
 
-    def _check_snapshot(self, progress: dict) -> dict:
-        path, step = _written_at(progress, self.run_dir, self.topo.rank), progress["step"]
+    def _check_snapshot(self, progress: dict, path: Path) -> dict:
+        step = progress["step"]
         if progress.get("boot") is not None and progress["boot"] != boot_id():
             raise CheckpointError(f"{path}: written before the machine restarted, and not synced to disk")
         if not is_complete(path):
