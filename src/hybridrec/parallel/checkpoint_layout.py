@@ -233,7 +233,8 @@ def add_targets(plan: LoadPlan, g: dict[str, GlobalTensor], topo: Topology) -> N
 
 
 def model_targets(plan: LoadPlan, model: nn.Module, stored: dict, topo: Topology, parts: str = "all") -> None:
-    """``parts``: ``all``, ``tables`` or ``dense``."""
+    """``parts``: ``all``, ``tables`` or ``dense`` (the tables a checkpoint also holds are
+    then not read)."""
     ebc, g = model.sparse, {}
     if parts != "dense":
         for name, w in local_weights(ebc).items():
@@ -241,7 +242,7 @@ def model_targets(plan: LoadPlan, model: nn.Module, stored: dict, topo: Topology
     dense = dense_tensors(model) if parts != "tables" else {}
     saved = {k for k in stored if k.startswith("model.")}
     missing = sorted((dense.keys() | g.keys()) - saved)
-    allowed = dense.keys() | ({table_key(t) for t in ebc.tables} if parts != "dense" else set())
+    allowed = dense.keys() | {table_key(t) for t in ebc.tables}
     unexpected = sorted(saved - allowed)
     if missing or unexpected:
         raise CheckpointError(f"the model does not match the checkpoint: missing {missing[:5]}, "

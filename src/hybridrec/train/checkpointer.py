@@ -114,6 +114,9 @@ class Checkpointer:
         self.background = background
         self._pending: PendingSave | None = None  # the save being written in the background
         self._group = None  # its process group (made at the first background save)
+        # True while a rank that takes its shards from its own recovery snapshot restores
+        # (partial recovery): the checkpoint's tables and sparse optimizer state are not read
+        self.dense_only = False
 
     def _sparse_opts(self) -> list:
         return list(self.sparse_opt.optimizers.values())
@@ -196,7 +199,8 @@ class Checkpointer:
         if self.servers is not None:
             self.servers.load(Path(path))
         loaded = load_state(path, model=self.model, dense_opt=self.dense_opt,
-                            sparse_opts=self._sparse_opts(), topo=self.topo)
+                            sparse_opts=None if self.dense_only else self._sparse_opts(), topo=self.topo,
+                            parts="dense" if self.dense_only else "all")
         for c in self.components:
             if not c.per_rank and c.name not in loaded.extra:  # e.g. saved before it existed
                 self._warn(f"{c.name}: not in the checkpoint {path}; it starts from its initial state")

@@ -27,11 +27,14 @@ share of the run), but no step is trained again.
    and not synced to disk (the page cache serves the restart on this machine, in a
    fraction of the time): ``rank-R.json`` records the kernel's boot id, and a snapshot
    written before the machine restarted is not used (that rank rolls back).
-3. The restarted run (``dist.max_restarts``, or the same command again) first restores the
-   newest checkpoint on every rank, as full recovery does; then each rank with a snapshot
-   loads its own shards from it, and every rank loads the dense part, the loader position
-   and the other global state from the snapshot of one survivor (the lowest rank among
-   those at the newest step), so the replicas agree. Training goes on from the survivors'
+3. The restarted run (``dist.max_restarts``, or the same command again) restores the
+   newest checkpoint on every rank, as full recovery does, except that a rank with a usable
+   snapshot of its own reads only the checkpoint's dense part: a thread reads its shards
+   and their optimizer state from its snapshot meanwhile (in place, into the tables), while
+   the ranks that roll back read the checkpoint's tables (:meth:`Recovery.own_snapshot`).
+   Then every rank loads the dense part, the loader position and the other global state
+   from the snapshot of one survivor (the lowest rank among those at the newest step), so
+   the replicas agree. Training goes on from the survivors'
    step; the failed rank's shards hold the checkpoint's values. The snapshots are deleted
    once loaded (the shards' incremental saves, ``RUN/recovery/deltas/``, stay for the
    next failure).
@@ -88,6 +91,7 @@ from hybridrec.parallel.checkpoint_layout import (
 )
 from hybridrec.parallel.sharded_embedding import REPLICATED
 from hybridrec.parallel.topology import Topology
+from hybridrec.train.checkpoint import list_checkpoints
 from hybridrec.train.deltas import ShardDeltas, plan_json
 
 RECOVERY_DIR = "recovery"
@@ -233,6 +237,10 @@ class Recovery:
         self._watcher: threading.Thread | None = None
         self._old: tuple | None = None  # (SIGTERM handler, wakeup fd) to put back
         self._pipe: tuple[int, int] | None = None
+        self._own: tuple | None = None  # (progress, path, manifest or None: not usable), as own_snapshot found them
+        self._own_error: BaseException | None = None  # (reading its shards from it failed)
+        self._own_reader: threading.Thread | None = None
+        self._own_start = 0.0
 
     # -- while training ------------------------------------------------------------------
     @contextlib.contextmanager
@@ -435,22 +443,64 @@ class Recovery:
                 "deltas": self.deltas.state_dict() if self.deltas is not None else None}
 
     # -- after a restart ------------------------------------------------------------------
+    def own_snapshot(self) -> bool:
+        """Collective, before the checkpoint is restored: whether this rank takes its shards
+        and their optimizer state from its own snapshot (partial recovery, a snapshot that
+        passes its checks, of a step not older than the newest checkpoint rank 0 sees). Such
+        a rank needs only the checkpoint's dense part (its tables would be overwritten);
+        :meth:`restore` then uses this same snapshot. Its shards and their optimizer state
+        are read by a thread that starts here, while the checkpoint is restored (the ranks
+        that roll back read its tables meanwhile); :meth:`restore` waits for it and raises
+        an error of it on every rank."""
+        self._own = self._own_error = None
+        if self.mode != "partial":
+            return False
+        found = list_checkpoints(self.run_dir) if self.topo.rank == 0 else []
+        newest = gather(self.topo, found[-1][0] if found else None)[0]
+        progress = read_progress(self.run_dir, self.topo.rank)
+        if progress is None or not progress.get("snapshot") or progress["step"] < (newest or 0):
+            return False
+        path = _written_at(progress, self.run_dir, self.topo.rank)
+        try:
+            self._own = (progress, path, self._check_snapshot(progress, path))
+        except Exception as e:  # noqa: BLE001 - a snapshot that does not fit: this rank rolls back
+            self._note(f"its recovery snapshot is not used ({e})")
+            self._own = (progress, path, None)
+            return False
+        self._own_start = time.perf_counter()
+
+        def read() -> None:
+            try:
+                self._load_shards(path, self._own[2])
+            except BaseException as e:  # noqa: BLE001 - every rank learns of it in restore()
+                self._own_error = e
+
+        self._own_reader = threading.Thread(target=read, name="hybridrec-snapshot-read", daemon=True)
+        self._own_reader.start()
+        return True
+
     def restore(self, checkpoint_step: int | None) -> dict | None:
         """Collective, after the newest checkpoint (of ``checkpoint_step``; None: none) was
         restored on every rank. Loads the survivors' snapshots (partial) and returns the
         recovery's record, or None when the run did not stop under any rank."""
-        start = time.perf_counter()
-        progress = read_progress(self.run_dir, self.topo.rank)
-        mine = path = None  # (this rank's snapshot: its manifest, where it is)
-        if progress is not None and progress["step"] < (checkpoint_step or 0):
-            progress = None  # (older than the checkpoint: of a recovery long done)
+        start, early = time.perf_counter(), False
+        if self._own is not None:  # (as own_snapshot found them)
+            (progress, path, mine), self._own = self._own, None
+            if mine is not None:  # (its shards are being read: the checkpoint's tables were not)
+                self._own_reader.join()
+                start, early = self._own_start, True
+        else:
+            progress = read_progress(self.run_dir, self.topo.rank)
+            mine = path = None  # (this rank's snapshot: its manifest, where it is)
+            if progress is not None and progress["step"] < (checkpoint_step or 0):
+                progress = None  # (older than the checkpoint: of a recovery long done)
+            try:
+                if progress is not None and progress.get("snapshot") and self.mode == "partial":
+                    path = _written_at(progress, self.run_dir, self.topo.rank)
+                    mine = self._check_snapshot(progress, path)
+            except Exception as e:  # noqa: BLE001 - a snapshot that does not fit: this rank rolls back
+                self._note(f"its recovery snapshot is not used ({e})")
         err = None
-        try:
-            if progress is not None and progress.get("snapshot") and self.mode == "partial":
-                path = _written_at(progress, self.run_dir, self.topo.rank)
-                mine = self._check_snapshot(progress, path)
-        except Exception as e:  # noqa: BLE001 - a snapshot that does not fit: this rank rolls back
-            self._note(f"its recovery snapshot is not used ({e})")
         everyone = gather(self.topo, (progress, mine is not None))
         if all(p is None for p, _ in everyone):
             return None
@@ -469,7 +519,9 @@ class Recovery:
                                                                                   for s in survivors))
             resumed_at = everyone[donor][0]["step"]
             try:
-                self._load(path, mine, _written_at(everyone[donor][0], self.run_dir, donor))
+                if early and self._own_error is not None:
+                    raise self._own_error
+                self._load(path, mine, _written_at(everyone[donor][0], self.run_dir, donor), shards=not early)
                 if mine is not None:
                     held = (progress["step"], None)
                 elif self.deltas is not None:  # a failed rank: its shards' incremental saves
@@ -516,21 +568,31 @@ class Recovery:
             raise CheckpointError(f"{path}: its shards are not this rank's ({sorted(have)} vs {sorted(want)})")
         return meta
 
-    def _load(self, path: Path | None, mine: dict | None, dpath: Path) -> None:
-        """This rank's shards from its own snapshot (``path``, its manifest ``mine``; None:
-        none); the replicated state from the donor's (``dpath``)."""
+    def _load_shards(self, path: Path, mine: dict) -> None:
+        """This rank's shards, their sparse optimizer state and its deltas' counts from its
+        own snapshot (``path``, its manifest ``mine``)."""
+        c = self.ckpt
+        live = {k: w.detach() for k, w in local_weights(c.model.sparse).items()
+                if not k.endswith("@*")}  # (replicated tables: the donor's, in _load)
+        state = _read(path, mine, ("weights", "sparse_opt", "deltas"),
+                      weights=lambda k: not k.endswith("@*"), into=live)
+        if self.deltas is not None and state["deltas"] is not None:  # (rows still pending stay so)
+            self.deltas.load_state_dict(state["deltas"])
+        with torch.no_grad():
+            for k, v in state["weights"].items():
+                if v is not live[k]:  # (read in place when it could be)
+                    live[k].copy_(v)
+        c.sparse_opt.load_state_dict(state["sparse_opt"])
+
+    def _load(self, path: Path | None, mine: dict | None, dpath: Path, *, shards: bool = True) -> None:
+        """This rank's state from its own snapshot (``path``, its manifest ``mine``; None:
+        none; ``shards`` False: its shards were read already); the replicated state from
+        the donor's (``dpath``)."""
         model, c = self.ckpt.model, self.ckpt
         if mine is not None:
-            state = _read(path, mine,
-                          ("weights", "sparse_opt", "components", "deltas"))
-            if self.deltas is not None and state["deltas"] is not None:  # (rows still pending stay so)
-                self.deltas.load_state_dict(state["deltas"])
-            live = local_weights(model.sparse)
-            with torch.no_grad():
-                for k, v in state["weights"].items():
-                    if not k.endswith("@*"):  # (replicated tables: the donor's, below)
-                        live[k].copy_(v)
-            c.sparse_opt.load_state_dict(state["sparse_opt"])
+            if shards:
+                self._load_shards(path, mine)
+            state = _read(path, mine, ("components",))
             for x in c.components:
                 if x.per_rank and x.name in state["components"]:
                     x.obj.load_state_dict(state["components"][x.name])
@@ -600,10 +662,12 @@ def clear_snapshots(run_dir: Path) -> None:
                 p.unlink()
 
 
-def _read(path: Path, meta: dict, parts: tuple[str, ...], weights=None, sparse_opt=None) -> dict:
+def _read(path: Path, meta: dict, parts: tuple[str, ...], weights=None, sparse_opt=None,
+          into: dict[str, torch.Tensor] | None = None) -> dict:
     """The parts of a snapshot's state (``weights``: which of its weights, ``sparse_opt``:
     whose tensors of the sparse optimizers; None: all). The sparse optimizers' steps and
-    learning rates are read in any case."""
+    learning rates are read in any case. ``into``: live weights (by name) that the saved
+    ones of the same shape and dtype are read into in place, with no copy in between."""
     skeleton = {k: meta["state"][k] for k in parts}
     if weights is not None:
         skeleton["weights"] = {k: v for k, v in skeleton["weights"].items() if weights(k)}
@@ -612,6 +676,10 @@ def _read(path: Path, meta: dict, parts: tuple[str, ...], weights=None, sparse_o
                                   for k, v in skeleton["sparse_opt"].items()}
     targets: dict[str, torch.Tensor] = {}
     tensor_slots(skeleton, targets)
+    for name, slot in (skeleton.get("weights") or {}).items() if into else ():
+        t, key = into.get(name), slot["__tensor__"]
+        if t is not None and t.is_contiguous() and t.shape == targets[key].shape and t.dtype == targets[key].dtype:
+            targets[key] = t
     if targets:
         with quiet():
             dcp.load(targets, storage_reader=SafeFileSystemReader(path), no_dist=True)
