@@ -32,10 +32,13 @@ Per seed:
    partial: the failed rank's shards from it, the rest from the survivors' state).
 
 Reported per run: wall time; overhead = wall time - the reference's wall time, as a share of
-the reference's training seconds; and its parts: checkpoint saves (seconds, count), lost work
-(steps trained again, and those steps at the reference's step time), restart + reload
-(from the kill to the resumed run's first step), the rest (``other``: what the parts do not
-explain, e.g. noise of a shared machine and the auto interval's measured probe steps), the
+the reference's training seconds; and its parts: checkpoint saves (seconds, count), the
+incremental saves of the shards (``--delta-every``: the seconds each held training up, to
+stage its rows, and count; their writing runs in a background thread), lost work (steps
+trained again, and those steps at the reference's step time), restart + reload (from the
+kill to the resumed run's first step), the rest (``other``: what the parts do not explain,
+e.g. noise of a shared machine, the auto interval's measured probe steps, the background
+writing of incremental saves and the counting of lookups CPR-MFU needs), the
 failures, and for partial recovery ``lost_fraction``: the embedding updates lost, as a share of
 the run's (sum over failures of the steps a shard lost x its share of the embedding rows,
 over the run's steps); plus the held-out AUC (summary.json ``eval.auc``).
@@ -44,7 +47,8 @@ Where the numbers come from, best first:
 - checkpoint saves: metrics.jsonl records ``{"split": "checkpoint", "save_seconds"}`` (one
   per save); without them an estimate from stderr: the saves the auto interval implies
   (the probe's, every interval, the last) x that invocation's measured save
-  (``checkpoint interval: ... save X s``);
+  (``checkpoint interval: ... save X s``); incremental saves: metrics.jsonl records
+  ``{"split": "checkpoint", "delta_seconds"}`` (rank 0's, one per save);
 - failures and recoveries: summary.json ``recovery.events``, else metrics.jsonl records of
   ``"split": "recovery"``, else ``RUN/recovery.jsonl``, else stderr (``injecting a failure:
   ... after step F`` and the next ``resumed from step C``); the kill time from
@@ -277,6 +281,14 @@ def checkpoint_saves(run_dir: Path, stderr: list[tuple[float, str]], failures: l
     return {"seconds": seconds, "count": count, "source": "estimated from stderr (no checkpoint records)"}
 
 
+def delta_saves(run_dir: Path) -> dict:
+    """``{"seconds", "count"}`` of the incremental saves of rank 0's shards: the seconds each
+    held training up (metrics.jsonl ``checkpoint`` records with ``delta_seconds``)."""
+    recs = [r["delta_seconds"] for r in _jsonl(run_dir / "metrics.jsonl") if r.get("split") == "checkpoint"
+            and isinstance(r.get("delta_seconds"), (int, float))]
+    return {"seconds": sum(recs), "count": len(recs)}
+
+
 def recovery_events(run_dir: Path, summary: dict) -> tuple[list[dict], str]:
     """The run's recovery records, oldest first, and where they came from (empty: none
     recorded; stderr is then the source, see :func:`failures_of`)."""
@@ -388,16 +400,18 @@ def measure_run(name: str, run: dict, run_dir: Path, ref: dict | None, total_ste
         return res
     failures, source = failures_of(run_dir, summary, run["stderr"])
     saves = checkpoint_saves(run_dir, run["stderr"], failures, total_steps)
+    deltas = delta_saves(run_dir)
     step_s = ref["step_seconds"]
     redone = sum(max(0, f["failed_at_step"] - f["resumed_at_step"]) for f in failures)
     restart = sum(max(0.0, f["resumed_time"] - f["kill_time"]) for f in failures)
     overhead = res["wall_seconds"] - ref["wall_seconds"]
     base = ref["train_seconds"]
-    parts = saves["seconds"] + redone * step_s + restart
+    parts = saves["seconds"] + deltas["seconds"] + redone * step_s + restart
     res.update(
         failures=len(failures), failure_records=failures, failures_source=source,
         overhead_seconds=overhead, overhead_share=overhead / base,
         save_seconds=saves["seconds"], saves=saves["count"], saves_source=saves["source"],
+        delta_seconds=deltas["seconds"], deltas=deltas["count"],
         lost_steps=redone, lost_seconds=redone * step_s, restart_seconds=restart,
         restore_seconds=(sum(f["restore_seconds"] for f in failures)
                          if failures and all(f["restore_seconds"] is not None for f in failures) else None),
@@ -426,18 +440,20 @@ def format_report(rep: dict) -> str:
         lines.append(f"seed {seed['seed']}: reference {ref['wall_seconds']:.1f} s wall, "
                      f"{ref['train_seconds']:.1f} s training ({ref['step_seconds'] * 1000:.1f} ms/step); "
                      f"failures (rank:step) {seed['inject_failure'] or 'none'}")
-    lines += ["", ("| run | seed | failures | wall s | overhead s | overhead % | saves s (n) | lost work steps "
-                   "(s) | restart+reload s | other s | CPR overhead % | lost_fraction | AUC | AUC vs reference |"),
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines += ["", ("| run | seed | failures | wall s | overhead s | overhead % | saves s (n) | deltas s (n) | "
+                   "lost work steps (s) | restart+reload s | other s | CPR overhead % | lost_fraction | AUC | "
+                   "AUC vs reference |"),
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for seed in rep["seeds"]:
         ref = seed["reference"]
         lines.append(f"| reference | {seed['seed']} | 0 | {ref['wall_seconds']:.1f} | - | - | - | - | - | - | - "
-                     f"| - | {_fmt(ref['auc'], '.5f')} | - |")
+                     f"| - | - | {_fmt(ref['auc'], '.5f')} | - |")
         for r in seed["runs"]:
             lines.append(
                 f"| {r['name']} | {seed['seed']} | {r['failures']} | {r['wall_seconds']:.1f} | "
                 f"{r['overhead_seconds']:.1f} | {100 * r['overhead_share']:.1f} | "
-                f"{r['save_seconds']:.1f} ({r['saves']}) | {r['lost_steps']} ({r['lost_seconds']:.1f}) | "
+                f"{r['save_seconds']:.1f} ({r['saves']}) | {r.get('delta_seconds', 0.0):.1f} ({r.get('deltas', 0)}) | "
+                f"{r['lost_steps']} ({r['lost_seconds']:.1f}) | "
                 f"{r['restart_seconds']:.1f} | {r['other_seconds']:.1f} | {100 * r['cpr_overhead_share']:.1f} | "
                 f"{_fmt(r['lost_fraction'], '.4f')} | {_fmt(r['auc'], '.5f')} | "
                 f"{_fmt(r['auc_vs_reference'], '+.5f')} |")
@@ -451,7 +467,8 @@ def format_report(rep: dict) -> str:
     sources = sorted({f"{r['name']}: saves from {r['saves_source']}, failures from {r['failures_source']}"
                       for seed in rep["seeds"] for r in seed["runs"]})
     lines += ["", ("overhead = wall - the reference's wall, % of the reference's training seconds; CPR "
-                   "overhead = saves + lost work + restart+reload, % of the same; other = overhead - those."),
+                   "overhead = saves + deltas + lost work + restart+reload, % of the same; other = overhead - "
+                   "those."),
               *sources]
     return "\n".join(lines)
 

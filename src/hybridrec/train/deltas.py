@@ -113,10 +113,11 @@ class ShardDeltas:
         saved = pending = 0
         for g, c in enumerate(self.counts):
             touched = c.nonzero().squeeze(1)
-            if self.rows == "hot" and touched.numel():
-                k = max(1, math.ceil(self.hot * touched.numel()))
+            n = touched.numel()
+            if self.rows == "hot" and n:
+                k = max(1, math.ceil(self.hot * n))
                 touched = touched[c.index_select(0, touched).topk(k, sorted=False).indices]
-            pending += int(c.count_nonzero()) - touched.numel()
+            pending += n - touched.numel()
             saved += touched.numel()
             if not touched.numel():
                 continue

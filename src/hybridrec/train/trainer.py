@@ -345,7 +345,10 @@ class Trainer:
                 self.save_checkpoint()
                 meter.start()
             elif self.recovery is not None and self.recovery.delta_due(self.step):
+                start = time.perf_counter()
                 self.recovery.save_delta(self.step)  # (this rank's shards alone; written in the background)
+                if self.logger:  # (the seconds it held training up: the failure-schedule benchmark's)
+                    self.logger.log(self.step, {"delta_seconds": time.perf_counter() - start}, split="checkpoint")
             if may_save and self.probe is not None and self.step == self.probe.at:
                 self._choose_checkpoint_interval()
                 meter.start()
