@@ -273,7 +273,8 @@ def checkpoint_saves(run_dir: Path, stderr: list[tuple[float, str]], failures: l
         if i >= len(intervals) or intervals[i] is None or probe > end or (probe == end and not last):
             continue  # died before its probe's save (its seconds: in "other")
         n, save_s = intervals[i]
-        saved = {probe, *range(n * (probe // n + 1), end + (1 if last else 0), n)}
+        saved = {probe, *(s for s in range(n * (probe // n + 1), end + (1 if last else 0), n)
+                          if total_steps - s >= n / 2)}  # (none less than half an interval before the end)
         if last:
             saved.add(total_steps)
         seconds += len(saved) * save_s

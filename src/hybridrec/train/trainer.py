@@ -340,8 +340,7 @@ class Trainer:
                 meter.start()  # evaluation time is not training time
             # early stopping: the last step's checkpoint is saved after its evaluation (below)
             may_save = self.early_stop is None or self.step < self.total_steps
-            if (may_save and t.save_checkpoints and self.checkpoint_every
-                    and self.step % self.checkpoint_every == 0 and self._saved_step != self.step):
+            if may_save and t.save_checkpoints and self._periodic_save_due():
                 self.save_checkpoint()
                 meter.start()
             elif self.recovery is not None and self.recovery.delta_due(self.step):
@@ -372,6 +371,18 @@ class Trainer:
             for batch, pending in self.pipeline.batches(self.total_steps - self.step):
                 loss = self.train_step(batch, pending)
                 yield loss, batch.batch_size * self.topo.global_world_size  # global samples
+
+    def _periodic_save_due(self) -> bool:
+        """A checkpoint is due at this step by the interval. Under
+        ``train.checkpoint_every=auto`` one due less than half an interval before the end is
+        skipped (the run's final checkpoint follows): by the first-order model that chose the
+        interval, a save pays only if the training after it, until the next save, is at least
+        half an interval (its cost C against the work a failure there would lose, R T / MTBF,
+        with T = sqrt(2 C MTBF))."""
+        every = self.checkpoint_every
+        if not every or self.step % every or self._saved_step == self.step:
+            return False
+        return not (self.cfg.train.checkpoint_every == "auto" and self.total_steps - self.step < every / 2)
 
     def _choose_checkpoint_interval(self) -> None:
         """``train.checkpoint_every=auto`` at the probe step: save a checkpoint (timed), then
