@@ -11,9 +11,13 @@ import torch
 
 from synth_data import synth_dataset
 from hybridrec.errors import ConfigError
+from hybridrec.model.embedding import EmbeddingBagCollection, TableConfig
+from hybridrec.parallel.sharded_embedding import SHARDS
 from hybridrec.train.checkpoint_interval import partial_recovery_interval, young_daly_interval
 from hybridrec.train.config import build_config
+from hybridrec.train.deltas import ShardDeltas
 from hybridrec.train.run import load_run_model
+from hybridrec.train.sparse_optim import RowWiseAdagrad
 
 SMALL = ["model.embedding_dim=8", "model.bottom_mlp=16,8", "model.top_mlp=16,1",
          "data.batch_size=64", "data.eval_batch_size=1000", "train.progress=false",
@@ -214,6 +218,44 @@ def test_restarted_ranks_keep_the_interval_chosen_before_the_failure(dataset, tm
              if r.get("split") == "checkpoint"]
     assert saves == [10, 24]
     assert json.loads((run / "summary.json").read_text())["checkpoint_interval"]["steps"] == 24
+
+
+def test_deltas_read_ahead_apply_as_one_by_one(tmp_path):
+    """A rank that rolls back reads its deltas while the checkpoint restores (newest first,
+    keeping of each only the rows no newer delta has): the tables and the optimizer state
+    it ends with are those of applying every delta in turn, oldest first."""
+    torch.manual_seed(0)
+    ebc = EmbeddingBagCollection([TableConfig(name="t0", num_embeddings=50, embedding_dim=4),
+                                  TableConfig(name="t1", num_embeddings=30, embedding_dim=8)], seed=0)
+    opt = RowWiseAdagrad(ebc, lr=0.1)
+    deltas = ShardDeltas(ebc, opt, directory=tmp_path / "d", plan=None, every=1, rows="hot", hot=0.6)
+    deltas.checkpointed(3)
+    start = [ebc.group_weight(g).clone() for g in range(ebc.num_groups)]
+    for step in range(4, 9):  # overlapping rows from delta to delta, some in every one
+        for g in range(ebc.num_groups):
+            w = ebc.group_weight(g)
+            ids = torch.cat([torch.tensor([0, 1]), torch.randint(0, w.shape[0], (12,))]).unique()
+            with torch.no_grad():
+                w.index_add_(0, ids, torch.randn(ids.numel(), w.shape[1]))
+                for v in opt.row_state(g).values():
+                    v.index_add_(0, ids, torch.rand(ids.numel(), *v.shape[1:]))
+            deltas.track({SHARDS: [(g, ids, None, None)]})
+        deltas.save(step)
+    deltas.wait()
+    results = []
+    for ahead in (False, True):
+        with torch.no_grad():
+            for g in range(ebc.num_groups):
+                ebc.group_weight(g).copy_(start[g])
+                for v in opt.row_state(g).values():
+                    v.zero_()
+        if ahead:
+            deltas.prefetch(3)
+        assert deltas.apply(3, 8)[0] == 8
+        results.append([t.clone() for g in range(ebc.num_groups)
+                        for t in (ebc.group_weight(g), *opt.row_state(g).values())])
+    assert all(torch.equal(a, b) for a, b in zip(*results, strict=True))
+    assert any(not torch.equal(a, b) for a, b in zip(results[0][::2], start))  # (the deltas did apply)
 
 
 @pytest.mark.distributed

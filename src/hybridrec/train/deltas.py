@@ -21,7 +21,9 @@ thread while training goes on, one delta at a time. A full checkpoint makes the 
 older deltas obsolete: they are deleted and every row counts as saved.
 
 The counts of lookups are part of a survivor's snapshot, so rows touched since a survivor's
-last delta stay pending after a partial recovery.
+last delta stay pending after a partial recovery. A rank that rolls back reads its deltas in
+a thread while the checkpoint is restored (:meth:`ShardDeltas.prefetch`), newest first,
+keeping of each only the rows no newer delta has, then writes them over the checkpoint's.
 """
 
 from __future__ import annotations
@@ -73,6 +75,7 @@ class ShardDeltas:
         self._writer: threading.Thread | None = None
         self._error: BaseException | None = None
         self.saved = {"deltas": 0, "rows": 0, "bytes": 0, "stage_seconds": 0.0, "write_seconds": 0.0}
+        self._prefetch: dict | None = None  # deltas read ahead of apply(): see prefetch()
 
     # -- while training -------------------------------------------------------------------
     def track(self, grads: dict) -> None:
@@ -198,27 +201,83 @@ class ShardDeltas:
         found = [(int(m.group(1)), p) for p in self.dir.iterdir() if (m := _NAME.match(p.name)) and is_complete(p)]
         return sorted(found)
 
-    def apply(self, checkpoint_step: int, until: int) -> tuple[int | None, int]:
-        """After the checkpoint of ``checkpoint_step`` was loaded: apply this rank's deltas
-        that follow it, up to step ``until``, oldest first. Returns ``(the newest applied
-        delta's step or None, rows of it that were still pending)``. A delta of another
-        plan or checkpoint is not applied."""
-        newest, pending = None, 0
+    def _usable(self, checkpoint_step: int, until: int | None) -> list[tuple[int, Path, dict]]:
+        """This rank's deltas that follow the checkpoint of ``checkpoint_step`` (up to step
+        ``until``; None: any), of this plan, oldest first, with their manifests."""
+        out = []
         for step, path in self.list():
-            if step <= checkpoint_step or step > until:
+            if step <= checkpoint_step or (until is not None and step > until):
                 continue
             meta = json.loads((path / MANIFEST).read_text())
-            if (meta.get("kind"), meta.get("base_step"), meta.get("plan")) != (DELTA_KIND, checkpoint_step, self.plan):
-                continue
-            targets: dict[str, torch.Tensor] = {}
-            reader = SafeFileSystemReader(path)
-            md = reader.read_metadata().state_dict_metadata
-            for k, m in md.items():
-                if k != "empty":
-                    targets[k] = torch.empty(tuple(m.size), dtype=m.properties.dtype)
-            if targets:
-                with quiet():
-                    dcp.load(targets, storage_reader=SafeFileSystemReader(path), no_dist=True)
+            if (meta.get("kind"), meta.get("base_step"), meta.get("plan")) == (DELTA_KIND, checkpoint_step, self.plan):
+                out.append((step, path, meta))
+        return out
+
+    @staticmethod
+    def _read(path: Path) -> dict[str, torch.Tensor]:
+        targets: dict[str, torch.Tensor] = {}
+        md = SafeFileSystemReader(path).read_metadata().state_dict_metadata
+        for k, m in md.items():
+            if k != "empty":
+                targets[k] = torch.empty(tuple(m.size), dtype=m.properties.dtype)
+        if targets:
+            with quiet():
+                dcp.load(targets, storage_reader=SafeFileSystemReader(path), no_dist=True)
+        return targets
+
+    def prefetch(self, checkpoint_step: int) -> None:
+        """A rank about to roll back to the checkpoint of ``checkpoint_step``: read its deltas
+        that follow it in a thread, while the checkpoint is restored, newest first, keeping of
+        each only the rows no newer delta has (what :meth:`apply` would leave of it). At
+        most the rows touched since the checkpoint are held."""
+        box: dict = {"checkpoint_step": checkpoint_step, "error": None, "deltas": [], "rows": {}}
+
+        def read() -> None:
+            try:
+                seen: dict[int, torch.Tensor] = {}
+                for step, path, meta in reversed(self._usable(checkpoint_step, None)):
+                    t = self._read(path)
+                    for g in meta["groups"]:
+                        ids = t[f"g{g}.ids"]
+                        mask = seen.setdefault(g, torch.zeros(self.counts[g].shape[0], dtype=torch.bool))
+                        keep = ~mask[ids]
+                        mask[ids] = True
+                        rows = {"ids": ids[keep], "weight": t[f"g{g}.weight"][keep],
+                                **{f"state.{k}": t[f"g{g}.state.{k}"][keep] for k in self.optimizer.row_state(g)}}
+                        box["rows"].setdefault(g, []).append(rows)
+                    box["deltas"].append((step, int(meta["pending_rows"])))
+            except BaseException as e:  # noqa: BLE001 - apply() reads them again itself
+                box["error"] = e
+
+        box["thread"] = threading.Thread(target=read, name="hybridrec-delta-read", daemon=True)
+        box["thread"].start()
+        self._prefetch = box
+
+    def apply(self, checkpoint_step: int, until: int) -> tuple[int | None, int]:
+        """After the checkpoint of ``checkpoint_step`` was loaded: apply this rank's deltas
+        that follow it, up to step ``until``, oldest first (those :meth:`prefetch` read, when
+        they are these). Returns ``(the newest applied delta's step or None, rows of it that
+        were still pending)``. A delta of another plan or checkpoint is not applied."""
+        box, self._prefetch = self._prefetch, None
+        if box is not None:
+            box["thread"].join()
+            steps = [s for s, _ in box["deltas"]]
+            if (box["error"] is None and box["checkpoint_step"] == checkpoint_step
+                    and all(s <= until for s in steps)
+                    and sorted(steps) == [s for s, _, _ in self._usable(checkpoint_step, until)]):
+                with torch.no_grad():
+                    for g, parts in box["rows"].items():
+                        for rows in parts:
+                            w = self.collection.group_weight(g)
+                            w.index_copy_(0, rows["ids"].to(w.device), rows["weight"].to(w.device))
+                            for k, v in self.optimizer.row_state(g).items():
+                                v.index_copy_(0, rows["ids"].to(v.device), rows[f"state.{k}"].to(v.device))
+                newest, pending = box["deltas"][0] if box["deltas"] else (None, 0)
+                self.base_step, self.last_step = checkpoint_step, newest
+                return newest, pending
+        newest, pending = None, 0
+        for step, path, meta in self._usable(checkpoint_step, until):
+            targets = self._read(path)
             with torch.no_grad():
                 for g in meta["groups"]:
                     w = self.collection.group_weight(g)

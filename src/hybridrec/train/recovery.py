@@ -458,15 +458,19 @@ class Recovery:
         found = list_checkpoints(self.run_dir) if self.topo.rank == 0 else []
         newest = gather(self.topo, found[-1][0] if found else None)[0]
         progress = read_progress(self.run_dir, self.topo.rank)
-        if progress is None or not progress.get("snapshot") or progress["step"] < (newest or 0):
+        if progress is not None and progress.get("snapshot") and progress["step"] >= (newest or 0):
+            path = _written_at(progress, self.run_dir, self.topo.rank)
+            try:
+                self._own = (progress, path, self._check_snapshot(progress, path))
+            except Exception as e:  # noqa: BLE001 - a snapshot that does not fit: this rank rolls back
+                self._note(f"its recovery snapshot is not used ({e})")
+                self._own = (progress, path, None)
+        mine = self._own is not None and self._own[2] is not None
+        if any(gather(self.topo, mine)) and not mine and self.deltas is not None and newest is not None:
+            self.deltas.prefetch(newest)  # (a rank that rolls back: its deltas read while the checkpoint is)
+        if not mine:
             return False
-        path = _written_at(progress, self.run_dir, self.topo.rank)
-        try:
-            self._own = (progress, path, self._check_snapshot(progress, path))
-        except Exception as e:  # noqa: BLE001 - a snapshot that does not fit: this rank rolls back
-            self._note(f"its recovery snapshot is not used ({e})")
-            self._own = (progress, path, None)
-            return False
+        path = self._own[1]
         self._own_start = time.perf_counter()
 
         def read() -> None:
