@@ -108,7 +108,8 @@ class TrainConfig:
     """Save a checkpoint every N steps (0 = only at the end), or ``auto``: after a measured
     first checkpoint, every N steps with N from the Young/Daly optimum
     ``sqrt(2 * save seconds * train.mtbf_hours)`` over the measured step time, clamped to
-    [1, total steps] (printed, and in summary.json ``checkpoint_interval``)."""
+    [1, total steps] (printed, and in summary.json ``checkpoint_interval``); none less than
+    half an interval before the final checkpoint."""
     mtbf_hours: float = 24.0
     """``train.checkpoint_every=auto``: the mean time between failures of the whole job, in
     hours (a job of many machines fails more often than one machine)."""
