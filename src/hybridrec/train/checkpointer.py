@@ -114,9 +114,6 @@ class Checkpointer:
         self.background = background
         self._pending: PendingSave | None = None  # the save being written in the background
         self._group = None  # its process group (made at the first background save)
-        # True while a rank that takes its shards from its own recovery snapshot restores
-        # (partial recovery): the checkpoint's tables and sparse optimizer state are not read
-        self.dense_only = False
 
     def _sparse_opts(self) -> list:
         return list(self.sparse_opt.optimizers.values())
@@ -170,19 +167,20 @@ class Checkpointer:
     def latest(self) -> Path | None:
         return ckpt.latest_checkpoint(self.run_dir)
 
-    def restore_newest(self) -> tuple[int, Path] | None:
+    def restore_newest(self, *, dense_only: bool = False) -> tuple[int, Path] | None:
         """Collective: restore the newest checkpoint that passes its checks and loads
         (:func:`hybridrec.train.checkpoint.load_newest`, every rank the same one); returns
         ``(step, path)``, or None when the run has no checkpoint. Each newer one that failed
         is renamed aside (``step-N.bad``, by rank 0) with a warning naming it and why;
-        when none loads, :class:`CheckpointError` and nothing is renamed."""
+        when none loads, :class:`CheckpointError` and nothing is renamed. ``dense_only``:
+        see :meth:`restore` (this rank's; others may differ)."""
         self.wait()
         found = [p for _, p in reversed(ckpt.list_checkpoints(self.run_dir))]
         if self.topo.world_size == 1 and not found:
             return None
         if not gather(self.topo, bool(found))[0]:  # rank 0's listing decides
             return None
-        path, step, skipped = ckpt.load_newest(found, self.restore, self.topo)
+        path, step, skipped = ckpt.load_newest(found, lambda p: self.restore(p, dense_only=dense_only), self.topo)
         for bad, why in skipped:
             if not self.topo.lead:
                 continue
@@ -193,14 +191,16 @@ class Checkpointer:
             self._warn(f"skipped the checkpoint {bad} ({why}); {where}; resuming from {path.name}")
         return step, path
 
-    def restore(self, path: str | Path) -> int:
-        """Load ``path`` into every component; returns the step it was saved at."""
+    def restore(self, path: str | Path, *, dense_only: bool = False) -> int:
+        """Load ``path`` into every component; returns the step it was saved at.
+        ``dense_only``: not the tables and their sparse optimizer state (a rank that takes
+        them from its own recovery snapshot, partial recovery)."""
         self.wait()
         if self.servers is not None:
             self.servers.load(Path(path))
         loaded = load_state(path, model=self.model, dense_opt=self.dense_opt,
-                            sparse_opts=None if self.dense_only else self._sparse_opts(), topo=self.topo,
-                            parts="dense" if self.dense_only else "all")
+                            sparse_opts=None if dense_only else self._sparse_opts(), topo=self.topo,
+                            parts="dense" if dense_only else "all")
         for c in self.components:
             if not c.per_rank and c.name not in loaded.extra:  # e.g. saved before it existed
                 self._warn(f"{c.name}: not in the checkpoint {path}; it starts from its initial state")

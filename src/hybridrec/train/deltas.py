@@ -253,6 +253,16 @@ class ShardDeltas:
         box["thread"].start()
         self._prefetch = box
 
+    def _write_rows(self, g: int, rows: dict[str, torch.Tensor], prefix: str) -> None:
+        """Write saved rows of group ``g`` over the live ones: ``rows[prefix + "ids"]``,
+        ``... + "weight"`` and ``... + "state.<name>"`` for the optimizer's row state."""
+        w = self.collection.group_weight(g)
+        ids = rows[prefix + "ids"].to(w.device)
+        with torch.no_grad():
+            w.index_copy_(0, ids, rows[prefix + "weight"].to(w.device))
+            for k, v in self.optimizer.row_state(g).items():
+                v.index_copy_(0, ids.to(v.device), rows[f"{prefix}state.{k}"].to(v.device))
+
     def apply(self, checkpoint_step: int, until: int) -> tuple[int | None, int]:
         """After the checkpoint of ``checkpoint_step`` was loaded: apply this rank's deltas
         that follow it, up to step ``until``, oldest first (those :meth:`prefetch` read, when
@@ -263,28 +273,18 @@ class ShardDeltas:
             box["thread"].join()
             steps = [s for s, _ in box["deltas"]]
             if (box["error"] is None and box["checkpoint_step"] == checkpoint_step
-                    and all(s <= until for s in steps)
                     and sorted(steps) == [s for s, _, _ in self._usable(checkpoint_step, until)]):
-                with torch.no_grad():
-                    for g, parts in box["rows"].items():
-                        for rows in parts:
-                            w = self.collection.group_weight(g)
-                            w.index_copy_(0, rows["ids"].to(w.device), rows["weight"].to(w.device))
-                            for k, v in self.optimizer.row_state(g).items():
-                                v.index_copy_(0, rows["ids"].to(v.device), rows[f"state.{k}"].to(v.device))
+                for g, parts in box["rows"].items():
+                    for rows in parts:
+                        self._write_rows(g, rows, "")
                 newest, pending = box["deltas"][0] if box["deltas"] else (None, 0)
                 self.base_step, self.last_step = checkpoint_step, newest
                 return newest, pending
         newest, pending = None, 0
         for step, path, meta in self._usable(checkpoint_step, until):
             targets = self._read(path)
-            with torch.no_grad():
-                for g in meta["groups"]:
-                    w = self.collection.group_weight(g)
-                    ids = targets[f"g{g}.ids"].to(w.device)
-                    w.index_copy_(0, ids, targets[f"g{g}.weight"].to(w.device))
-                    for k, v in self.optimizer.row_state(g).items():
-                        v.index_copy_(0, ids, targets[f"g{g}.state.{k}"].to(v.device))
+            for g in meta["groups"]:
+                self._write_rows(g, targets, f"g{g}.")
             newest, pending = step, int(meta["pending_rows"])
         self.base_step, self.last_step = checkpoint_step, newest
         return newest, pending

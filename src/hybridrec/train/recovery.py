@@ -459,12 +459,7 @@ class Recovery:
         newest = gather(self.topo, found[-1][0] if found else None)[0]
         progress = read_progress(self.run_dir, self.topo.rank)
         if progress is not None and progress.get("snapshot") and progress["step"] >= (newest or 0):
-            path = _written_at(progress, self.run_dir, self.topo.rank)
-            try:
-                self._own = (progress, path, self._check_snapshot(progress, path))
-            except Exception as e:  # noqa: BLE001 - a snapshot that does not fit: this rank rolls back
-                self._note(f"its recovery snapshot is not used ({e})")
-                self._own = (progress, path, None)
+            self._own = (progress, *self._usable_snapshot(progress))
         mine = self._own is not None and self._own[2] is not None
         if any(gather(self.topo, mine)) and not mine and self.deltas is not None and newest is not None:
             self.deltas.prefetch(newest)  # (a rank that rolls back: its deltas read while the checkpoint is)
@@ -498,12 +493,8 @@ class Recovery:
             mine = path = None  # (this rank's snapshot: its manifest, where it is)
             if progress is not None and progress["step"] < (checkpoint_step or 0):
                 progress = None  # (older than the checkpoint: of a recovery long done)
-            try:
-                if progress is not None and progress.get("snapshot") and self.mode == "partial":
-                    path = _written_at(progress, self.run_dir, self.topo.rank)
-                    mine = self._check_snapshot(progress, path)
-            except Exception as e:  # noqa: BLE001 - a snapshot that does not fit: this rank rolls back
-                self._note(f"its recovery snapshot is not used ({e})")
+            if progress is not None and progress.get("snapshot") and self.mode == "partial":
+                path, mine = self._usable_snapshot(progress)
         err = None
         everyone = gather(self.topo, (progress, mine is not None))
         if all(p is None for p, _ in everyone):
@@ -554,6 +545,16 @@ class Recovery:
         if self.topo.lead:
             self._record(event)
         return event
+
+    def _usable_snapshot(self, progress: dict) -> tuple[Path, dict | None]:
+        """Where this rank's snapshot of ``progress`` is, and its manifest if it passes
+        :meth:`_check_snapshot` (None, said on stderr: this rank rolls back)."""
+        path = _written_at(progress, self.run_dir, self.topo.rank)
+        try:
+            return path, self._check_snapshot(progress, path)
+        except Exception as e:  # noqa: BLE001 - a snapshot that does not fit: this rank rolls back
+            self._note(f"its recovery snapshot is not used ({e})")
+            return path, None
 
     def _check_snapshot(self, progress: dict, path: Path) -> dict:
         step = progress["step"]

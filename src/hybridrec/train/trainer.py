@@ -222,11 +222,7 @@ class Trainer:
         # A rank with its own recovery snapshot (partial) reads its shards from it, and only
         # the dense part of the checkpoint.
         own = self.recovery is not None and self.cfg.train.resume and self.recovery.own_snapshot()
-        self.checkpointer.dense_only = own
-        try:
-            found = self.checkpointer.restore_newest() if self.cfg.train.resume else None
-        finally:
-            self.checkpointer.dense_only = False
+        found = self.checkpointer.restore_newest(dense_only=own) if self.cfg.train.resume else None
         if found is None and not self.tables_drawn and not own:  # (none passed its checks: the initial values)
             self.model.sparse.reset_parameters()
             self.tables_drawn = True
