@@ -62,7 +62,19 @@ def test_partial_recovery_interval_keeps_the_lost_fraction():
     d = partial_recovery_interval(save_s=2.0, step_s=0.1, mtbf_s=3600.0, total_steps=100_000, ranks=4,
                                   lost_fraction=0.02, delta_steps=50, delta_share=0.25)
     assert d["steps"] == 3795 and d["lost_fraction"] == pytest.approx(5 / (2 * 4 * 3600))
-    assert "incremental saves every 50 steps" in d["reason"]
+    assert "incremental saves every 50 steps" in d["reason"] and d["replay_s"] is None
+    # A replay measured at 0.01 s (a quarter of the rows would cost 0.5 s at the save's rate):
+    # sqrt(2 x 5 s x 3600 s x 2 s / 0.01 s) = 2,683.3 s
+    m = partial_recovery_interval(save_s=2.0, step_s=0.1, mtbf_s=3600.0, total_steps=100_000, ranks=4,
+                                  lost_fraction=0.02, delta_steps=50, delta_share=0.25, replay_s=0.01)
+    assert m["steps"] == 26833 and m["replay_s"] == 0.01 and "measured" in m["reason"]
+    # priced at exactly a share of the save, the two agree
+    same = partial_recovery_interval(save_s=2.0, step_s=0.1, mtbf_s=3600.0, total_steps=100_000, ranks=4,
+                                     lost_fraction=0.02, delta_steps=50, replay_s=0.25 * 2.0)
+    assert same["steps"] == d["steps"]
+    with pytest.raises(ValueError, match="replay_s"):
+        partial_recovery_interval(save_s=1, step_s=1, mtbf_s=1, total_steps=1, ranks=2, lost_fraction=0.1,
+                                  delta_steps=1, replay_s=0.0)
     with pytest.raises(ValueError, match="lost_fraction"):
         partial_recovery_interval(save_s=1, step_s=1, mtbf_s=1, total_steps=1, ranks=2, lost_fraction=1.5)
 
@@ -218,6 +230,49 @@ def test_restarted_ranks_keep_the_interval_chosen_before_the_failure(dataset, tm
              if r.get("split") == "checkpoint"]
     assert saves == [10, 24]
     assert json.loads((run / "summary.json").read_text())["checkpoint_interval"]["steps"] == 24
+
+
+@pytest.mark.distributed
+def test_auto_interval_prices_a_replay_at_a_measured_read(dataset, tmp_path):
+    """``checkpoint_every=auto`` with partial recovery and deltas: the probe's choice (a
+    replay priced at a share of the save), then, at the delta after the first one that
+    saved rows, the interval again from that delta's timed read-back (rank 0's): the
+    summary's choice is the arithmetic on its own recorded inputs."""
+    run = tmp_path / "run"
+    err = _train(dataset, run, 2, "train.max_steps=40", "train.epochs=20", "train.checkpoint_every=auto",
+                 "train.mtbf_hours=0.05", "train.recovery=partial", "train.shard_delta_every=5")
+    lines = [ln for ln in err.splitlines() if ln.startswith("checkpoint interval: every")]
+    assert len(lines) == 2 and "of the rows, each replay priced" in lines[0] and "(measured)" in lines[1], err
+    choice = json.loads((run / "summary.json").read_text())["checkpoint_interval"]
+    assert choice["replay_s"] > 0
+    again = partial_recovery_interval(save_s=choice["save_s"], step_s=choice["step_s"], mtbf_s=choice["mtbf_s"],
+                                      total_steps=40, ranks=2, lost_fraction=0.02, delta_steps=5,
+                                      replay_s=choice["replay_s"])
+    assert again["steps"] == choice["steps"] and again["reason"] == choice["reason"]
+    kept = json.loads((run / "checkpoint_interval.json").read_text())["choice"]
+    assert kept["replay_s"] == choice["replay_s"]  # what restarted ranks take
+
+
+def test_deltas_time_the_read_of_the_next_delta_with_rows(tmp_path):
+    """``ShardDeltas.time_next_read``: the next delta that saves rows is read back once
+    written and timed; an empty one does not count, and only one is timed."""
+    ebc = EmbeddingBagCollection([TableConfig(name="t0", num_embeddings=40, embedding_dim=4)], seed=0)
+    opt = RowWiseAdagrad(ebc, lr=0.1)
+    deltas = ShardDeltas(ebc, opt, directory=tmp_path / "d", plan=None, every=1)
+    deltas.checkpointed(0)
+    deltas.time_next_read()
+    deltas.save(1)  # nothing touched: an empty delta
+    deltas.wait()
+    assert deltas.read_probe is None
+    deltas.counts[0][torch.tensor([3, 7, 9])] = 1
+    deltas.save(2)
+    deltas.wait()
+    assert deltas.read_probe["rows"] == 3 and deltas.read_probe["seconds"] > 0
+    first = deltas.read_probe
+    deltas.counts[0][torch.tensor([1, 2])] = 1
+    deltas.save(3)
+    deltas.wait()
+    assert deltas.read_probe is first
 
 
 def test_deltas_read_ahead_apply_as_one_by_one(tmp_path):

@@ -29,14 +29,23 @@ interval is the longest that keeps it within ``train.lost_fraction``:
 With incremental saves of the shards every ``D`` seconds (``train.shard_delta_every``) a
 failed rank loses only the updates since its newest delta (``D / (2 N MTBF)`` of them), and
 the checkpoint interval no longer bounds that; what a longer interval costs instead is the
-deltas a failed rank replays, about ``T / (2 D)`` of them per failure, each a share ``phi``
-of a checkpoint's rows (measured: the rows a delta saves over the shard's rows). Minimising
-``C / T + T phi C / (2 D MTBF)`` (saving, plus replaying at the cost of a save per
-checkpoint's worth of rows) gives the Young/Daly analogue
+deltas a failed rank replays, about ``T / (2 D)`` of them per failure, ``L`` seconds each.
+Minimising ``C / T + T L / (2 D MTBF)`` (saving, plus replaying) gives the Young/Daly
+analogue
 
-    T = max(Young/Daly's, sqrt(2 D MTBF / phi))
+    T = max(Young/Daly's, sqrt(2 D MTBF C / L))
 
-The trainer measures both: the steps of the first :data:`PROBE_STEPS` of an invocation
+``L`` is measured: the seconds of reading back one delta as a restarted rank reads it
+(:meth:`~hybridrec.train.deltas.ShardDeltas.time_next_read`, the first delta after the
+probe's checkpoint, scaled to the mean delta's rows; the writing of its rows into the
+tables, an ``index_copy``, is not timed). Until that delta is written, ``L`` is priced at
+a save per checkpoint's worth of rows, ``phi C`` (``phi``: the share of the shards' rows a
+delta saves), which gives ``sqrt(2 D MTBF / phi)``: shorter, as reading back costs a
+fraction of writing with its fsyncs. The trainer chooses again with the measured ``L`` at
+the delta after that one (every rank takes rank 0's measurement); the probe's choice holds
+until then.
+
+The trainer measures the rest: the steps of the first :data:`PROBE_STEPS` of an invocation
 (between the first and the last of them; logging and evaluation excluded) and the save of
 a checkpoint at the last of them; rank 0 chooses and every rank takes its choice. A
 resumed run measures again, except the ranks the launcher restarts after a failure
@@ -101,22 +110,35 @@ class IntervalProbe:
 
 
 def partial_recovery_interval(*, save_s: float, step_s: float, mtbf_s: float, total_steps: int, ranks: int,
-                              lost_fraction: float, delta_steps: int = 0, delta_share: float = 1.0) -> dict:
+                              lost_fraction: float, delta_steps: int = 0, delta_share: float = 1.0,
+                              replay_s: float | None = None) -> dict:
     """``train.recovery=partial``: the interval in steps, ``max(Young/Daly's, 2 * ranks * mtbf_s *
     lost_fraction / step_s)`` clamped to the run, as :func:`young_daly_interval`'s dict with
     ``lost_fraction`` (the expected share of the embedding updates lost) added. With
-    incremental saves every ``delta_steps`` steps, each saving ``delta_share`` of the shards'
-    rows: ``max(Young/Daly's, sqrt(2 * delta_steps * step_s * mtbf_s / delta_share) / step_s)``."""
+    incremental saves every ``delta_steps`` steps: ``max(Young/Daly's, sqrt(2 * D * mtbf_s *
+    save_s / replay_s) / step_s)`` with ``D = delta_steps * step_s`` and ``replay_s`` the
+    measured seconds of replaying one delta (None: priced at ``delta_share * save_s``, the
+    share of the shards' rows a delta saves; the dict's ``replay_s`` is None then)."""
     if ranks < 1 or not 0 < lost_fraction < 1:
         raise ValueError(f"ranks must be >= 1 and lost_fraction in (0, 1), got {ranks}, {lost_fraction}")
+    if replay_s is not None and replay_s <= 0:
+        raise ValueError(f"replay_s must be > 0, got {replay_s}")
     yd = young_daly_interval(save_s=save_s, step_s=step_s, mtbf_s=mtbf_s, total_steps=total_steps)
     upper = max(1, int(total_steps))
     if delta_steps > 0:
-        share = min(1.0, max(delta_share, 1e-6))
-        period = math.sqrt(2.0 * delta_steps * step_s * mtbf_s / share)
-        why_bound = (f"partial recovery with incremental saves every {delta_steps} steps of {share:.3g} of the rows: "
-                     f"sqrt(2 x {delta_steps * step_s:.3g} s x MTBF {mtbf_s:.4g} s / {share:.3g}) = {period:.3g} s")
-        expected = min(1.0, delta_steps * step_s / (2.0 * ranks * mtbf_s)) if mtbf_s > 0 else 0.0
+        d_s = delta_steps * step_s
+        if replay_s is None:
+            share = min(1.0, max(delta_share, 1e-6))
+            period = math.sqrt(2.0 * d_s * mtbf_s / share)
+            why_bound = (f"partial recovery with incremental saves every {delta_steps} steps of {share:.3g} of the "
+                         f"rows, each replay priced at that share of a save: sqrt(2 x {d_s:.3g} s x MTBF "
+                         f"{mtbf_s:.4g} s / {share:.3g}) = {period:.3g} s")
+        else:
+            period = math.sqrt(2.0 * d_s * mtbf_s * save_s / replay_s)
+            why_bound = (f"partial recovery with incremental saves every {delta_steps} steps, replayed in "
+                         f"{replay_s:.3g} s each (measured): sqrt(2 x {d_s:.3g} s x MTBF {mtbf_s:.4g} s x save "
+                         f"{save_s:.3g} s / {replay_s:.3g} s) = {period:.3g} s")
+        expected = min(1.0, d_s / (2.0 * ranks * mtbf_s)) if mtbf_s > 0 else 0.0
     else:
         period = 2.0 * ranks * mtbf_s * lost_fraction
         why_bound = (f"partial recovery: the longest interval that loses at most {lost_fraction:g} of the embedding "
@@ -132,7 +154,8 @@ def partial_recovery_interval(*, save_s: float, step_s: float, mtbf_s: float, to
         why += f", clamped to the run's {upper:,} steps"
     if expected is None:
         expected = min(1.0, steps * step_s / (2.0 * ranks * mtbf_s)) if mtbf_s > 0 else 0.0
-    return {**yd, "steps": int(steps), "reason": why, "lost_fraction": expected}
+    return {**yd, "steps": int(steps), "reason": why, "lost_fraction": expected,
+            "replay_s": None if replay_s is None else float(replay_s)}
 
 
 def save_choice(run_dir: str | Path, choice: dict, inputs: dict) -> None:

@@ -185,6 +185,9 @@ class Trainer:
             None if every == "auto" else {"mtbf_s": None, "save_s": None, "step_s": None,
                                           "steps": every or None, "reason": f"train.checkpoint_every={every}"})
         self.probe: IntervalProbe | None = None  # auto: times the first steps, until its checkpoint
+        # auto, partial recovery with deltas: the probe's inputs, until a delta's measured
+        # read-back chooses again (_replay_interval)
+        self._replay_probe: dict | None = None
         self.last_save_s = 0.0  # seconds the newest save_checkpoint took
 
     # -- one step --------------------------------------------------------------
@@ -344,6 +347,8 @@ class Trainer:
                 self.recovery.save_delta(self.step)  # (this rank's shards alone; written in the background)
                 if self.logger:  # (the seconds it held training up: the failure-schedule benchmark's)
                     self.logger.log(self.step, {"delta_seconds": time.perf_counter() - start}, split="checkpoint")
+                if self._replay_probe is not None:  # (the previous delta's read-back is measured by now)
+                    self._replay_interval()
             if may_save and self.probe is not None and self.step == self.probe.at:
                 self._choose_checkpoint_interval()
                 meter.start()
@@ -396,12 +401,41 @@ class Trainer:
             save_s, step_s, share = box.tolist()
         t = self.cfg.train
         mtbf_s = t.mtbf_hours * 3600.0
-        choice = (partial_recovery_interval(save_s=save_s, step_s=step_s, mtbf_s=mtbf_s, total_steps=self.total_steps,
-                                            ranks=self.topo.world_size, lost_fraction=t.lost_fraction,
-                                            delta_steps=deltas.every if deltas is not None else 0, delta_share=share)
-                  if t.recovery == "partial" and self.topo.world_size > 1 else
-                  young_daly_interval(save_s=save_s, step_s=step_s, mtbf_s=mtbf_s, total_steps=self.total_steps))
-        self.checkpoint_every, self.checkpoint_interval, self.probe = choice["steps"], choice, None
+        self.probe = None
+        if t.recovery == "partial" and self.topo.world_size > 1:
+            inputs = dict(save_s=save_s, step_s=step_s, mtbf_s=mtbf_s, total_steps=self.total_steps,
+                          ranks=self.topo.world_size, lost_fraction=t.lost_fraction,
+                          delta_steps=deltas.every if deltas is not None else 0, delta_share=share)
+            self._take_interval(partial_recovery_interval(**inputs))
+            if deltas is not None:  # a replay's cost, measured on the next delta, chooses again
+                deltas.time_next_read()
+                self._replay_probe = inputs
+        else:
+            self._take_interval(young_daly_interval(save_s=save_s, step_s=step_s, mtbf_s=mtbf_s,
+                                                    total_steps=self.total_steps))
+
+    def _replay_interval(self) -> None:
+        """Partial recovery with deltas, at a delta step once the delta after the probe was
+        read back (:meth:`ShardDeltas.time_next_read`, rank 0's): the interval again, with a
+        replay priced at that read, scaled to the mean delta's rows, instead of a share of a
+        save (:func:`~hybridrec.train.checkpoint_interval.partial_recovery_interval`)."""
+        deltas = self.recovery.deltas
+        measured, replay_s = deltas.read_probe, -1.0
+        if measured is not None and measured["rows"] > 0 and deltas.saved["deltas"]:
+            mean_rows = deltas.saved["rows"] / deltas.saved["deltas"]
+            replay_s = max(measured["seconds"] * mean_rows / measured["rows"], 1e-6)
+        if self.topo.global_world_size > 1:  # rank 0's measurement
+            box = torch.tensor([replay_s], dtype=torch.float64)
+            dist.broadcast(box, group=self.topo.run_group, group_src=0)
+            replay_s = box.item()
+        if replay_s <= 0:  # not read back yet: at the next delta
+            return
+        inputs, self._replay_probe = self._replay_probe, None
+        self._take_interval(partial_recovery_interval(**inputs, replay_s=replay_s))
+
+    def _take_interval(self, choice: dict) -> None:
+        """Train on with ``choice``'s interval; rank 0 keeps it for restarted ranks and says it."""
+        self.checkpoint_every, self.checkpoint_interval = choice["steps"], choice
         if self.topo.lead:
             save_choice(self.run_dir, choice, self._interval_inputs())
             print(f"checkpoint interval: every {choice['steps']:,} steps (train.checkpoint_every=auto, "
