@@ -313,6 +313,34 @@ def test_deltas_read_ahead_apply_as_one_by_one(tmp_path):
     assert any(not torch.equal(a, b) for a, b in zip(results[0][::2], start))  # (the deltas did apply)
 
 
+def test_deltas_of_the_earlier_layout_are_still_applied(tmp_path):
+    """A delta written as a torch.distributed.checkpoint directory (the layout before
+    ``rows.pt``) is found and applied like one of today's."""
+    import torch.distributed.checkpoint as dcp
+
+    from hybridrec.parallel.checkpoint_io import FORMAT, MANIFEST, quiet, write_json
+    from hybridrec.train.deltas import DELTA_KIND, ROWS
+
+    ebc = EmbeddingBagCollection([TableConfig(name="t0", num_embeddings=20, embedding_dim=4)], seed=0)
+    opt = RowWiseAdagrad(ebc, lr=0.1)
+    deltas = ShardDeltas(ebc, opt, directory=tmp_path / "d", plan=None, every=1)
+    ids = torch.tensor([2, 5, 11])
+    rows = {"g0.ids": ids, "g0.weight": torch.full((3, 4), 7.0),
+            **{f"g0.state.{k}": torch.full((3, *v.shape[1:]), 3.0) for k, v in opt.row_state(0).items()}}
+    old = deltas.dir / "step-00000004"
+    old.mkdir(parents=True)
+    with quiet():
+        dcp.save(rows, storage_writer=dcp.FileSystemWriter(old), no_dist=True)
+    write_json(old / MANIFEST, {"format": FORMAT, "kind": DELTA_KIND, "step": 4, "base_step": 2, "plan": None,
+                                "rows": 3, "pending_rows": 0, "mode": "touched", "groups": [0]})
+    assert not (old / ROWS).exists() and [s for s, _ in deltas.list()] == [4]
+    assert deltas.apply(2, 9) == (4, 0)
+    w = ebc.group_weight(0)
+    assert torch.equal(w[ids], rows["g0.weight"]) and not torch.equal(w[0], torch.full((4,), 7.0))
+    for k, v in opt.row_state(0).items():
+        assert torch.equal(v[ids], rows[f"g0.state.{k}"])
+
+
 @pytest.mark.distributed
 def test_incremental_saves_outlive_a_recovery_and_serve_the_next_failure(dataset, tmp_path):
     """Rank 1 fails at step 5, rank 0 at 6 (rank 1 survives it, its delta of step 6

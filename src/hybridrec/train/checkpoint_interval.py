@@ -4,8 +4,10 @@ CPR (Maeng et al., "CPR: Understanding and Improving Failure Tolerant Training f
 Learning Recommendation with Partial Recovery", MLSys 2021) chooses the checkpoint
 interval from the job's failure rate and the costs of saving and loading checkpoints.
 This module implements the classic first-order optimum of Young (1974) and Daly (2006),
-a simplification of CPR's model: it leaves out the load (recovery) cost and, for partial
-recovery, the accuracy lost by not reloading every part:
+a simplification of CPR's model: it leaves out the load (recovery) cost, which a failure
+pays whatever the interval (with incremental saves, below, the part of it that grows with
+the interval is measured), and, for partial recovery, the accuracy lost by not reloading
+every part:
 
     T = sqrt(2 * C * MTBF)            seconds of training between two checkpoints
     N = clamp(round(T / t_step), 1, total_steps)   the same in steps

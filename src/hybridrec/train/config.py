@@ -132,7 +132,10 @@ class TrainConfig:
     lost_fraction: float = 0.02
     """``train.recovery=partial`` with ``train.checkpoint_every=auto``: the expected fraction of
     the embedding updates a run may lose to failures (CPR's portion of lost samples); the
-    interval is the longest that keeps it, and at least Young/Daly's."""
+    interval is the longest that keeps it, and at least Young/Daly's. With
+    ``train.shard_delta_every`` the deltas bound the loss instead, and the interval weighs a
+    save against replaying deltas, timed by reading one back
+    (:mod:`hybridrec.train.checkpoint_interval`)."""
     shard_delta_every: int = 0
     """``train.recovery=partial``: besides the checkpoints, every N steps each rank saves the
     rows of its embedding shards touched since its previous save (weights and optimizer

@@ -13,9 +13,14 @@ their last save); the others stay pending until they are hot enough or the next 
 checkpoint saves them. Smaller, faster deltas; the hot rows, which carry most of the
 updates, are saved most often.
 
-Layout: ``RUN/recovery/deltas/rank-R/step-N/`` (a torch.distributed.checkpoint directory
-written by this rank alone, with ``manifest.json``: the step, the checkpoint it follows,
-the plan, the rows saved and pending), renamed into place when complete. The staging (the
+Layout: ``RUN/recovery/deltas/rank-R/step-N/`` with ``rows.pt`` (the rows' ids, weights and
+optimizer state: a dict of tensors by ``torch.save``, read back with ``torch.load(...,
+weights_only=True, mmap=True)``) and ``manifest.json`` (the step, the checkpoint it follows,
+the plan, the rows saved and pending), both synced, renamed into place when complete. A
+delta is one rank's small, unsharded file: torch.distributed.checkpoint's planning and
+metadata cost 4x its reading (81 deltas of ~25k rows x 64: 0.24-0.35 s against 0.07-0.09 s,
+and 0.02 s mapped), which a rank that rolls back pays per delta. Deltas of an earlier
+version (torch.distributed.checkpoint directories) are still read. The staging (the
 touched rows copied out) happens between two steps; the writing runs in a background
 thread while training goes on, one delta at a time. A full checkpoint makes the rank's
 older deltas obsolete: they are deleted and every row counts as saved.
@@ -46,6 +51,7 @@ from hybridrec.parallel.checkpoint_io import FORMAT, MANIFEST, SafeFileSystemRea
 from hybridrec.parallel.sharded_embedding import SHARDS, ShardedEmbeddingBagCollection
 
 DELTA_KIND = "shard-delta"
+ROWS = "rows.pt"
 READ_TIMINGS = 3
 """Reads of :meth:`ShardDeltas.time_next_read`'s delta (the fastest counts: the first may
 still find the file being written back)."""
@@ -171,12 +177,11 @@ class ShardDeltas:
             final = self.dir / f"step-{step:08d}"
             tmp = self.dir / f".tmp-step-{step:08d}-{os.getpid()}"
             tmp.mkdir(parents=True, exist_ok=True)
-            if tensors:
-                with quiet():
-                    dcp.save(tensors, storage_writer=dcp.FileSystemWriter(tmp), no_dist=True)
-            else:  # nothing touched: an empty delta still says the rows are saved up to this step
-                with quiet():
-                    dcp.save({"empty": torch.zeros(0)}, storage_writer=dcp.FileSystemWriter(tmp), no_dist=True)
+            # (nothing touched: an empty delta still says the rows are saved up to this step)
+            with open(tmp / ROWS, "wb") as f:
+                torch.save(tensors, f)
+                f.flush()
+                os.fsync(f.fileno())
             write_json(tmp / MANIFEST, meta)
             shutil.rmtree(final, ignore_errors=True)
             os.replace(tmp, final)
@@ -232,7 +237,8 @@ class ShardDeltas:
         """This rank's complete deltas, oldest first."""
         if not self.dir.is_dir():
             return []
-        found = [(int(m.group(1)), p) for p in self.dir.iterdir() if (m := _NAME.match(p.name)) and is_complete(p)]
+        found = [(int(m.group(1)), p) for p in self.dir.iterdir()
+                 if (m := _NAME.match(p.name)) and ((p / ROWS).is_file() and (p / MANIFEST).is_file() or is_complete(p))]
         return sorted(found)
 
     def _usable(self, checkpoint_step: int, until: int | None) -> list[tuple[int, Path, dict]]:
@@ -249,7 +255,9 @@ class ShardDeltas:
 
     @staticmethod
     def _read(path: Path) -> dict[str, torch.Tensor]:
-        targets: dict[str, torch.Tensor] = {}
+        if (path / ROWS).is_file():
+            return torch.load(path / ROWS, map_location="cpu", weights_only=True, mmap=True)
+        targets: dict[str, torch.Tensor] = {}  # an earlier version's: a DCP directory
         md = SafeFileSystemReader(path).read_metadata().state_dict_metadata
         for k, m in md.items():
             if k != "empty":

@@ -461,8 +461,8 @@ class Recovery:
         if progress is not None and progress.get("snapshot") and progress["step"] >= (newest or 0):
             self._own = (progress, *self._usable_snapshot(progress))
         mine = self._own is not None and self._own[2] is not None
-        if any(gather(self.topo, mine)) and not mine and self.deltas is not None and newest is not None:
-            self.deltas.prefetch(newest)  # (a rank that rolls back: its deltas read while the checkpoint is)
+        if any(gather(self.topo, mine)) and not mine and self.deltas is not None:
+            self.deltas.prefetch(newest or 0)  # (a rank that rolls back: its deltas read while the checkpoint is)
         if not mine:
             return False
         path = self._own[1]
@@ -643,12 +643,25 @@ class Recovery:
             os.fsync(f.fileno())
         clear_snapshots(self.run_dir)  # consumed (the incremental saves stay: they serve the next failure)
         what = (f"partial: the survivors {event['survivors']} kept their state at step {event['resumed_at_step']}, "
-                f"the shards of rank(s) {event['failed_ranks']} rolled back to step {event['checkpoint_step'] or 0} "
-                f"({event['failed_at_step'] - (event['checkpoint_step'] or 0)} steps of their updates lost)"
+                f"the shards of rank(s) {event['failed_ranks']} {self._rolled_back(event)}"
                 if event["survivors"] else
                 f"{event['mode']}: every rank resumed from step {event['resumed_at_step']}; "
                 f"steps {event['resumed_at_step'] + 1}..{event['failed_at_step']} are trained again")
         print(f"recovered from a failure at step {event['failed_at_step']} ({what})", file=sys.stderr, flush=True)
+
+
+    @staticmethod
+    def _rolled_back(event: dict) -> str:
+        """Where the failed ranks' shards went back to, in words: the checkpoint, or their
+        newest incremental saves (whose pending rows hold the checkpoint's values)."""
+        base = event["checkpoint_step"] or 0
+        deltas = event.get("deltas") or {}
+        if not deltas:
+            return f"rolled back to step {base} ({event['failed_at_step'] - base} steps of their updates lost)"
+        parts = [f"rank {r} to step {d['step']}" + (f" ({d['pending_rows']:,} rows to step {base})"
+                                                    if d["pending_rows"] else "")
+                 for r, d in sorted(deltas.items(), key=lambda kv: int(kv[0]))]
+        return f"rolled back to their incremental saves: {', '.join(parts)}"
 
 
 def clear_snapshots(run_dir: Path) -> None:
