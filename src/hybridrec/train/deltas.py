@@ -131,7 +131,8 @@ class ShardDeltas:
 
     def time_next_read(self) -> None:
         """Read back the next delta that saves rows once it is written, in its writing thread,
-        as :meth:`prefetch` reads one (the best of :data:`READ_TIMINGS`), into ``read_probe``:
+        as :meth:`prefetch` reads one (the file mapped, its tensors copied out; the best of
+        :data:`READ_TIMINGS`), into ``read_probe``:
         ``{"seconds", "rows"}`` (what ``train.checkpoint_every=auto`` prices a replay at)."""
         self._time_read, self.read_probe = True, None
 
@@ -193,7 +194,8 @@ class ShardDeltas:
                 seconds = []
                 for _ in range(READ_TIMINGS):
                     begin = time.perf_counter()
-                    self._read(final)
+                    for v in self._read(final).values():  # (mapped: copied out, as a replay does)
+                        v.clone()
                     seconds.append(time.perf_counter() - begin)
                 self.read_probe = {"seconds": min(seconds), "rows": int(meta["rows"])}
             if self.read_probe is None:
