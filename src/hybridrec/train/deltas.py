@@ -19,11 +19,12 @@ weights_only=True, mmap=True)``) and ``manifest.json`` (the step, the checkpoint
 the plan, the rows saved and pending), both synced, renamed into place when complete. A
 delta is one rank's small, unsharded file: torch.distributed.checkpoint's planning and
 metadata cost 4x its reading (81 deltas of ~25k rows x 64: 0.24-0.35 s against 0.07-0.09 s,
-and 0.02 s mapped), which a rank that rolls back pays per delta. Deltas of an earlier
-version (torch.distributed.checkpoint directories) are still read. The staging (the
-touched rows copied out) happens between two steps; the writing runs in a background
-thread while training goes on, one delta at a time. A full checkpoint makes the rank's
-older deltas obsolete: they are deleted and every row counts as saved.
+or 0.02 s to map them, their bytes read later as they are used), which a rank that rolls back
+pays per delta. Deltas of an earlier version (torch.distributed.checkpoint directories) are
+still read. The staging (the touched rows copied out) happens between two steps; the
+writing runs in a background thread while training goes on, one delta at a time. A full
+checkpoint makes the rank's older deltas obsolete: they are deleted and every row counts as
+saved.
 
 The counts of lookups are part of a survivor's snapshot, so rows touched since a survivor's
 last delta stay pending after a partial recovery. A rank that rolls back reads its deltas in
@@ -53,8 +54,7 @@ from hybridrec.parallel.sharded_embedding import SHARDS, ShardedEmbeddingBagColl
 DELTA_KIND = "shard-delta"
 ROWS = "rows.pt"
 READ_TIMINGS = 3
-"""Reads of :meth:`ShardDeltas.time_next_read`'s delta (the fastest counts: the first may
-still find the file being written back)."""
+"""Reads of :meth:`ShardDeltas.time_next_read`'s delta; the fastest counts."""
 _NAME = re.compile(r"^step-(\d{8})$")
 
 
