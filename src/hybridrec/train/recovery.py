@@ -649,7 +649,6 @@ class Recovery:
                 f"steps {event['resumed_at_step'] + 1}..{event['failed_at_step']} are trained again")
         print(f"recovered from a failure at step {event['failed_at_step']} ({what})", file=sys.stderr, flush=True)
 
-
     @staticmethod
     def _rolled_back(event: dict) -> str:
         """Where the failed ranks' shards went back to, in words: the checkpoint, or their
