@@ -119,3 +119,22 @@ def test_cli_errors_are_one_clear_line(args, message, capsys):
     assert main(args) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA, dist.backend=nccl trains on the GPU")
+def test_nccl_without_cuda_is_one_clear_line(dataset, tmp_path, capsys):
+    assert _train(dataset, tmp_path / "run", "dist.backend=nccl", "train.max_steps=2") == 2
+    err = capsys.readouterr().err
+    assert "dist.backend=nccl: CUDA is not available here" in err and "Traceback" not in err
+    assert not (tmp_path / "run" / "summary.json").exists()
+
+
+def test_nccl_with_several_ranks_is_refused_before_any_group(dataset, tmp_path):
+    """The multi-GPU path is not built: several ranks with dist.backend=nccl stop at once with
+    one line (each rank refuses before it joins a process group: no hang)."""
+    proc = subprocess.run([sys.executable, "-m", "hybridrec", "train", "--recipe", "demo", f"data.path={dataset}",
+                           f"train.run_dir={tmp_path / 'run'}", *SMALL, "dist.nproc=2", "dist.backend=nccl",
+                           "train.max_steps=2"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert "dist.backend=nccl with several ranks: the multi-GPU path is not built yet" in proc.stderr
+    assert not (tmp_path / "run" / "summary.json").exists()

@@ -168,6 +168,8 @@ def cuda_peak_memory_bytes(device: torch.device | int | None = None) -> int | No
     """
     if not torch.cuda.is_available() or not torch.cuda.is_initialized():
         return None
+    if isinstance(device, (str, torch.device)) and torch.device(device).type != "cuda":
+        return None  # (a CPU run in a process that used CUDA before)
     return int(torch.cuda.max_memory_allocated(device))
 
 

@@ -157,7 +157,8 @@ def machine_id() -> str:
         pass
     cpu = " ".join(info.get(k, "?") for k in ("model name", "cpu family", "model", "stepping")) \
         if info else (platform.processor() or platform.machine())
-    return f"{cpu} | torch {torch.__version__} | {torch.get_num_threads()} threads"
+    gpu = f" | {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ""
+    return f"{cpu} | torch {torch.__version__} | {torch.get_num_threads()} threads{gpu}"
 
 
 def cache_path() -> Path:

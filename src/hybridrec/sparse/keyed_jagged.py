@@ -116,6 +116,9 @@ class KeyedJagged:
             self.lengths.to(device, non_blocking=non_blocking),
         )
 
+    def pin_memory(self) -> KeyedJagged:
+        return KeyedJagged(self.keys, self.values.pin_memory(), self.lengths.pin_memory())
+
     def __repr__(self) -> str:
         return (
             f"KeyedJagged(keys={self.keys}, batch_size={self.batch_size}, "
@@ -147,3 +150,7 @@ class Batch:
             self.sparse.to(device, non_blocking=non_blocking),
             self.labels.to(device, non_blocking=non_blocking),
         )
+
+    def pin_memory(self) -> Batch:
+        """A copy in page-locked memory, for a non-blocking copy to a GPU."""
+        return Batch(self.dense.pin_memory(), self.sparse.pin_memory(), self.labels.pin_memory())

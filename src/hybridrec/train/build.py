@@ -8,6 +8,7 @@ import json
 import os
 import platform
 import shutil
+import sys
 import warnings
 from pathlib import Path
 
@@ -249,15 +250,38 @@ def build_topology(cfg: Config) -> Topology:
     with ``dist.group_size`` below the world, this rank's group (hierarchical training)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world <= 1:
-        return Topology.single()
+        return Topology.single(single_device(cfg))
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     if problem := hierarchy_problem(cfg, world, local) or plan_file_problem(cfg, group_size(cfg, world, local), world):
         raise ConfigError(problem)
-    backend = None if cfg.dist.backend == "auto" else cfg.dist.backend
-    topo = Topology.init(backend=backend, timeout_s=cfg.dist.timeout_s,
+    topo = Topology.init(backend=ranks_backend(cfg), timeout_s=cfg.dist.timeout_s,
                          group_size=group_size(cfg, world, local))
     topo.exchange = cfg.dist.exchange
     return topo
+
+
+def single_device(cfg: Config) -> torch.device:
+    """One process's device: the current GPU when CUDA is available and ``dist.backend`` is
+    not ``gloo``, else the CPU (``nccl`` without CUDA: an error)."""
+    if cfg.dist.backend != "gloo" and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    if cfg.dist.backend == "nccl":
+        raise ConfigError("dist.backend=nccl: CUDA is not available here; use dist.backend=auto or gloo")
+    return torch.device("cpu")
+
+
+def ranks_backend(cfg: Config) -> str:
+    """Several ranks' backend: gloo, with the model on the CPU. Their sharded collections and
+    collectives are built on the CPU; NCCL would need them on the GPUs (not built yet), so
+    ``nccl`` is refused and ``auto`` says once, where CUDA is available, that it is not used."""
+    if cfg.dist.backend == "nccl":
+        raise ConfigError("dist.backend=nccl with several ranks: the multi-GPU path is not built yet "
+                          "(several ranks train on the CPU with gloo); use dist.backend=auto or gloo, "
+                          "or one process (dist.nproc=1), which trains on one GPU")
+    if cfg.dist.backend == "auto" and torch.cuda.is_available() and os.environ.get("RANK", "0") == "0":
+        print("several ranks train on the CPU with gloo (the multi-GPU path is not built yet); "
+              "one process (dist.nproc=1) trains on the GPU", file=sys.stderr, flush=True)
+    return "gloo"
 
 
 def build_plan(cfg: Config, tables: list[TableConfig], topo: Topology,
@@ -487,7 +511,7 @@ def build_trainer(cfg: Config, *, meta: DatasetMeta | None = None, topo: Topolog
     if cfg.dist.num_ps:
         model, servers = build_ps_model(cfg, meta, topo, ledger, dense_sync, run_dir)
     elif topo.world_size == 1:
-        model = build_model(cfg, meta, init_tables=init_tables)
+        model = build_model(cfg, meta, init_tables=init_tables).to(topo.device)
     else:
         model = build_parallel_model(cfg, meta, topo, ledger, dense_sync, run_dir, total_steps=total_steps,
                                      init_tables=init_tables)
@@ -497,7 +521,7 @@ def build_trainer(cfg: Config, *, meta: DatasetMeta | None = None, topo: Topolog
                                                                 lr=cfg.optim.sparse_lr)})
                   if servers else build_sparse_optimizers(cfg, model.sparse))
     kernels = {**tune_kernels(cfg, model, topo, sparse_opt), "allocator": allocator}
-    pipeline = TrainPipeline(train_loader, model.sparse, enabled=cfg.dist.pipeline)
+    pipeline = TrainPipeline(train_loader, model.sparse, enabled=cfg.dist.pipeline, device=topo.device)
     schedule = LRSchedule(cfg.optim.warmup_steps, cfg.optim.decay, cfg.optim.decay_start, total_steps)
     scheduler = LRScheduler(schedule, dense_opt, sparse_opt,
                             dense_lr=cfg.optim.dense_lr, sparse_lr=cfg.optim.sparse_lr)

@@ -231,7 +231,10 @@ class DistConfig:
     plan: str = ""
     """A sharding plan JSON file (``hybridrec plan --out``); overrides ``sharding``."""
     backend: str = "auto"
-    """``auto`` (NCCL with CUDA, gloo otherwise), ``gloo`` or ``nccl``."""
+    """Where training runs. ``auto``: one process on the current GPU when CUDA is available,
+    else on the CPU; several ranks on the CPU with gloo (the multi-GPU NCCL path is not built
+    yet). ``gloo``: the CPU always. ``nccl``: one process on the GPU (refused without CUDA,
+    and with several ranks)."""
     timeout_s: float = 300.0
     """Bound on every collective: a dead peer ends the run with an error, not a hang."""
     pipeline: bool = False

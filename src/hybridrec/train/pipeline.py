@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+import torch
+
 from hybridrec.sparse.keyed_jagged import Batch
 
 
@@ -27,6 +29,9 @@ class TrainPipeline:
         sparse: the model's embedding collection; prefetching needs its
             ``start_input_dist(kjt)`` (a sharded collection); anything else disables it.
         enabled: the switch (``dist.pipeline``).
+        device: where the model is; batches for a GPU are pinned and copied without blocking
+            as they are taken (one batch ahead when prefetching, so the copy overlaps the
+            step before).
 
     ``batches(limit)`` yields at most ``limit`` ``(batch, pending)`` pairs of one pass over
     the loader: ``pending`` is the handle of the batch's input_dist under way (None when
@@ -36,8 +41,9 @@ class TrainPipeline:
     ``loader`` component.
     """
 
-    def __init__(self, loader, sparse, *, enabled: bool) -> None:
+    def __init__(self, loader, sparse, *, enabled: bool, device: torch.device | str = "cpu") -> None:
         self.loader = loader
+        self.device = torch.device(device)
         self.sparse = sparse
         self.enabled = enabled and hasattr(sparse, "start_input_dist")
         self._state: dict | None = None  # loader position after the batch being trained
@@ -80,4 +86,13 @@ class TrainPipeline:
         batch = next(it, None)
         if batch is None:
             return None
+        batch = to_device(batch, self.device)
         return batch, self.sparse.start_input_dist(batch.sparse) if self.enabled else None
+
+
+def to_device(batch: Batch, device: torch.device) -> Batch:
+    """``batch`` on ``device``: as it is for the CPU; for a GPU through pinned memory, the
+    copy queued without waiting (the step's kernels on the same stream come after it)."""
+    if device.type == "cpu":
+        return batch
+    return batch.pin_memory().to(device, non_blocking=True)

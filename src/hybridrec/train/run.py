@@ -25,7 +25,7 @@ import torch.distributed as dist
 import hybridrec
 from hybridrec.data.schema import DatasetMeta
 from hybridrec.errors import ConfigError, HybridrecError, records_errors
-from hybridrec.metrics.logger import peak_memory_bytes, write_json_atomic
+from hybridrec.metrics.logger import cuda_peak_memory_bytes, peak_memory_bytes, write_json_atomic
 from hybridrec.parallel.checkpoint import load_sharded, load_state, read_manifest
 from hybridrec.parallel.checkpoint_io import SafeFileSystemReader
 from hybridrec.parallel.checkpoint_layout import table_key
@@ -43,6 +43,7 @@ from hybridrec.train.build import (
     build_trainer,
     load_dataset,
     planned_steps,
+    ranks_backend,
     versions,
 )
 from hybridrec.train.config import Config, apply_dict, validate
@@ -79,7 +80,7 @@ def train(cfg: Config, *, extra_summary: dict | None = None) -> dict:
     if problem := hierarchy_problem(cfg, r.num_trainers, local):
         raise ConfigError(problem)
     topo = ps_world.init_world(r, timeout_s=cfg.dist.timeout_s,
-                               backend=None if cfg.dist.backend == "auto" else cfg.dist.backend,
+                               backend=ranks_backend(cfg),
                                group_size=group_size(cfg, r.num_trainers, local))
     topo.exchange = cfg.dist.exchange
     ps_world.join_rpc(r, timeout_s=cfg.dist.timeout_s, interface=cfg.dist.rpc_interface)
@@ -162,6 +163,9 @@ def run_summary(trainer, result, meta, cfg: Config, *, shown: str, started_at: s
         "peak_memory_bytes": peak_memory_bytes(),
         "peak_memory_bytes_per_rank": _gather_ints(peak_memory_bytes(), trainer.topo),
         "world_size": trainer.topo.global_world_size,
+        # Where the model trained ("cpu", or "cuda:0 NVIDIA H100 80GB HBM3"), and its peak there.
+        "device": device_name(trainer.topo.device),
+        "cuda_peak_memory_bytes": cuda_peak_memory_bytes(trainer.topo.device),
         "comm": (comm := trainer.ledger.summary()),  # this rank's (rank 0's in summary.json)
         # Hierarchical training: groups, and rank 0's bytes per step inside its group and across.
         "hierarchy": ({"groups": trainer.topo.num_groups, "group_size": trainer.topo.world_size}
@@ -197,6 +201,12 @@ def run_summary(trainer, result, meta, cfg: Config, *, shown: str, started_at: s
                       "shard_deltas": trainer.recovery.deltas.saved if trainer.recovery.deltas is not None else None}
                      if trainer.recovery is not None else None),
     }
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return f"{device} {torch.cuda.get_device_name(device)}"
+    return str(device)
 
 
 def now_iso() -> str:

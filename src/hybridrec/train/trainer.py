@@ -38,7 +38,7 @@ from hybridrec.train.config import Config
 from hybridrec.train.early_stop import EarlyStopping
 from hybridrec.train.faults import FailureInjector
 from hybridrec.train.optim import LRScheduler
-from hybridrec.train.pipeline import TrainPipeline
+from hybridrec.train.pipeline import TrainPipeline, to_device
 from hybridrec.train.recovery import Recovery, elastic_restarts
 from hybridrec.train.sparse_optim import CombinedSparseOptimizer
 
@@ -60,7 +60,9 @@ def evaluate_model(model: torch.nn.Module, loader, topo: Topology | None = None)
     was_training = model.training
     model.eval()
     metrics = BinaryMetrics()
+    device = topo.device if topo is not None else torch.device("cpu")
     for batch in loader:
+        batch = to_device(batch, device)
         metrics.update(model(batch), batch.labels)
     model.train(was_training)
     if topo is not None and topo.global_world_size > 1:  # (hierarchical: every group's rows)
