@@ -138,8 +138,11 @@ def worker_hybridrec(args) -> dict:
     # Through the trainer's pipeline (dist.pipeline: the next batch's ids travel during a step).
     it = trainer.pipeline.batches(total)
     start = faults = None
+    gpu = trainer.topo.device.type == "cuda"
     for i in range(total):
         if i == args.warmup:
+            if gpu:  # (the warm-up's kernels end before the clock starts)
+                torch.cuda.synchronize()
             start = time.perf_counter()
             faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         item = next(it, None)
@@ -147,6 +150,8 @@ def worker_hybridrec(args) -> dict:
             it = trainer.pipeline.batches(total - i)
             item = next(it)
         trainer.train_step(*item)  # (batch, its input_dist handle when pipelined)
+    if gpu:
+        torch.cuda.synchronize()
     secs = time.perf_counter() - start
     usage = resource.getrusage(resource.RUSAGE_SELF)
     rss, faults = usage.ru_maxrss * 1024, (usage.ru_minflt - faults) / args.steps
@@ -157,6 +162,7 @@ def worker_hybridrec(args) -> dict:
         dist.all_reduce(t, op=dist.ReduceOp.SUM)
         rss, secs, faults = int(t[0]), float(t[1]) / world, float(t[2]) / world
     return {"framework": "hybridrec", "kernels": trainer.kernels, "world_size": world,
+            "device": str(trainer.topo.device),
             "samples_per_sec": args.steps * args.batch_size * world / secs, "steps": args.steps,
             "batch_size": args.batch_size, "threads": torch.get_num_threads(),
             "peak_rss_bytes": rss, "page_faults_per_step": faults, "rank": trainer.topo.rank}
@@ -266,6 +272,11 @@ def summarize(runs: dict, args, data: Path) -> dict:
                       "peak_rss_mib": max(r["peak_rss_bytes"] for r in rs) / 2**20}
         if all("page_faults_per_step" in r for r in rs):  # (hybridrec's runs; minor faults per rank)
             rows[name]["page_faults_per_step"] = statistics.median(r["page_faults_per_step"] for r in rs)
+        if rs[0].get("kernels"):  # the first run's choices: what the run-time measurement picked
+            k = rs[0]["kernels"]
+            rows[name]["device"] = rs[0].get("device", "cpu")
+            rows[name]["kernels"] = {c["shape"]: c["impl"] for part in ("linear", "interaction", "embedding_update")
+                                     for c in k.get(part, []) if c.get("shape")}
     if "torchrec" in rows:
         base = rows["torchrec"]["median_samples_per_sec"]
         for v in rows.values():
@@ -278,15 +289,22 @@ def summarize(runs: dict, args, data: Path) -> dict:
 
 
 def machine() -> str:
-    model = "unknown cpu"
+    """The processor's name, family and model, and the cores this process may use (its
+    affinity: a run under ``taskset -c 0,1`` says 2 of the machine's count)."""
+    info = {}
     try:
         for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
+            k, _, v = line.partition(":")
+            if k.strip() in ("model name", "cpu family", "model") and k.strip() not in info:
+                info[k.strip()] = v.strip()
     except OSError:
         pass
-    return f"{model}, {os.cpu_count()} cores"
+    model = info.get("model name", "unknown cpu")
+    if "cpu family" in info:
+        model += f" (family {info['cpu family']}, model {info.get('model', '?')})"
+    used = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    cores = f"{used} cores" if used == os.cpu_count() else f"{used} of {os.cpu_count()} cores"
+    return f"{model}, {cores}"
 
 
 def format_report(rep: dict) -> str:
