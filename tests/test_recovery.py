@@ -15,7 +15,7 @@ from hybridrec.model.embedding import EmbeddingBagCollection, TableConfig
 from hybridrec.parallel.sharded_embedding import SHARDS
 from hybridrec.train.checkpoint_interval import partial_recovery_interval, young_daly_interval
 from hybridrec.train.config import build_config
-from hybridrec.train.deltas import ShardDeltas
+from hybridrec.train.deltas import OBSOLETE, ShardDeltas, _largest
 from hybridrec.train.run import load_run_model
 from hybridrec.train.sparse_optim import RowWiseAdagrad
 
@@ -251,6 +251,12 @@ def test_auto_interval_prices_a_replay_at_a_measured_read(dataset, tmp_path):
     assert again["steps"] == choice["steps"] and again["reason"] == choice["reason"]
     kept = json.loads((run / "checkpoint_interval.json").read_text())["choice"]
     assert kept["replay_s"] == choice["replay_s"]  # what restarted ranks take
+    # no delta where a full checkpoint follows at the same step (the probe's, periodic ones, the final one)
+    records = [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
+               if r.get("split") == "checkpoint"]
+    saved = {r["step"] for r in records if "save_seconds" in r}
+    assert {10, 40} <= saved
+    assert [r["step"] for r in records if "delta_seconds" in r] == [s for s in range(5, 40, 5) if s not in saved]
 
 
 def test_deltas_time_the_read_of_the_next_delta_with_rows(tmp_path):
@@ -273,6 +279,50 @@ def test_deltas_time_the_read_of_the_next_delta_with_rows(tmp_path):
     deltas.save(3)
     deltas.wait()
     assert deltas.read_probe is first
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_hot_rows_are_the_most_looked_up(seed):
+    """CPR-MFU's pick of a delta's rows (``_largest``): ``k`` distinct indices, ascending,
+    whose counts are the ``k`` largest (ties at the k-th: the first of them), for counts
+    with many ties, a long tail and a few large ones."""
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(50):
+        n = int(torch.randint(1, 400, (), generator=gen))
+        counts = torch.randint(0, int(torch.randint(1, 12, (), generator=gen)), (n,), generator=gen,
+                               dtype=torch.int32)
+        counts[torch.randint(0, n, (3,), generator=gen)] = 1000  # (a few hot rows: a long histogram)
+        k = int(torch.randint(0, n + 2, (), generator=gen))
+        got = _largest(counts, k)
+        want = min(k, n)
+        assert got.numel() == want and torch.equal(got, got.unique())
+        assert torch.equal(counts[got].sort(descending=True).values, counts.sort(descending=True).values[:want])
+        if 0 < want < n:  # ties at the k-th largest: the first ones
+            kth = counts[got].min()
+            assert torch.equal(got[counts[got] == kth], (counts == kth).nonzero().squeeze(1)[:int((counts[got] == kth).sum())])
+
+
+def test_a_checkpoint_deletes_the_older_deltas_off_the_training_thread(tmp_path):
+    """After a checkpoint the deltas it made obsolete are no longer listed at once, are
+    deleted by :meth:`wait`, and a leftover of a process that ended first goes on resume."""
+    ebc = EmbeddingBagCollection([TableConfig(name="t0", num_embeddings=40, embedding_dim=4)], seed=0)
+    deltas = ShardDeltas(ebc, RowWiseAdagrad(ebc, lr=0.1), directory=tmp_path / "d", plan=None, every=1)
+    deltas.checkpointed(0)
+    for step in (1, 2):
+        deltas.counts[0][torch.tensor([step, 10 + step])] = 1
+        deltas.save(step)
+    deltas.wait()
+    assert [s for s, _ in deltas.list()] == [1, 2]
+    deltas.checkpointed(2)
+    assert deltas.list() == [] and len(list((tmp_path / "d").glob(f"{OBSOLETE}*"))) <= 1
+    deltas.counts[0][torch.tensor([5])] = 1
+    deltas.save(3)
+    deltas.wait()
+    assert not list((tmp_path / "d").glob(f"{OBSOLETE}*"))
+    assert sorted(p.name for p in (tmp_path / "d").iterdir()) == ["step-00000003"]
+    (tmp_path / "d" / f"{OBSOLETE}00000002-1" / "step-00000001").mkdir(parents=True)  # (a killed process's)
+    deltas.resumed(checkpoint_step=2, step=3)
+    assert sorted(p.name for p in (tmp_path / "d").iterdir()) == ["step-00000003"]
 
 
 def test_deltas_read_ahead_apply_as_one_by_one(tmp_path):

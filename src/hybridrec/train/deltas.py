@@ -44,7 +44,6 @@ import threading
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.distributed.checkpoint as dcp
 
@@ -53,17 +52,32 @@ from hybridrec.parallel.sharded_embedding import SHARDS, ShardedEmbeddingBagColl
 
 DELTA_KIND = "shard-delta"
 ROWS = "rows.pt"
+OBSOLETE = ".obsolete-"
+"""Prefix of the directory a checkpoint's obsolete deltas are moved into to be deleted."""
 READ_TIMINGS = 3
 """Reads of :meth:`ShardDeltas.time_next_read`'s delta; the fastest counts."""
 _NAME = re.compile(r"^step-(\d{8})$")
 
 
 def _largest(values: torch.Tensor, k: int) -> torch.Tensor:
-    """Indices of ``k`` largest ``values`` in no order (ties: any of them). On the CPU numpy's
-    introselect (about 6x faster than ``topk`` on 100k counts); else ``topk``."""
-    if values.device.type != "cpu" or k >= values.numel():
-        return values.topk(k, sorted=False).indices
-    return torch.from_numpy(np.argpartition(values.numpy(), values.numel() - k)[values.numel() - k:])
+    """Indices of ``k`` largest ``values`` (counts: integers >= 0) in ascending order; of the
+    values equal to the k-th largest, the first ones. By a histogram of the counts: the
+    k-th largest is where the counts from the top reach ``k`` (one pass to count, one to
+    pick: 1.1 ms on 160k Zipf counts on a Zen 5, against 3.7 ms for numpy's introselect,
+    slowed by the many equal counts, and more for ``topk``)."""
+    n = values.numel()
+    if k >= n:
+        return torch.arange(n, device=values.device)
+    if k <= 0:
+        return torch.empty(0, dtype=torch.int64, device=values.device)
+    top = int(values.max())
+    if top > 4 * n:  # (a histogram longer than the counts: a stable sort instead)
+        return values.sort(descending=True, stable=True).indices[:k].sort().values
+    at_least = torch.bincount(values, minlength=top + 1).flip(0).cumsum(0)  # [j]: counts >= top - j
+    kth = top - int(torch.searchsorted(at_least, k))  # the k-th largest count
+    above = (values > kth).nonzero().squeeze(1)
+    ties = (values == kth).nonzero().squeeze(1)[:k - above.numel()]
+    return torch.cat([above, ties]).sort().values
 
 
 def plan_json(ebc) -> dict | None:
@@ -92,6 +106,7 @@ class ShardDeltas:
         self.base_step = 0  # the newest full checkpoint's step (what the deltas follow)
         self.last_step: int | None = None  # the newest delta's step
         self._writer: threading.Thread | None = None
+        self._cleaner: threading.Thread | None = None  # deleting the deltas a checkpoint made obsolete
         self._error: BaseException | None = None
         self.saved = {"deltas": 0, "rows": 0, "bytes": 0, "stage_seconds": 0.0, "write_seconds": 0.0}
         self._prefetch: dict | None = None  # deltas read ahead of apply(): see prefetch()
@@ -120,14 +135,30 @@ class ShardDeltas:
         return min(1.0, pending / total * self.every / covered) if covered > 0 else 1.0
 
     def checkpointed(self, step: int) -> None:
-        """A full checkpoint of ``step`` is on disk: every row is saved; older deltas go."""
+        """A full checkpoint of ``step`` is on disk: every row is saved; older deltas go. They
+        are renamed into ``.obsolete-*`` at once (no longer deltas: :meth:`list` skips them)
+        and deleted by a thread while training goes on (hundreds of them took 0.3-0.7 s to
+        delete, within the save); :meth:`wait` joins it, and :meth:`resumed` deletes any left
+        by a process that ended first."""
         self.wait()
         for c in self.counts:
             c.zero_()
         self.base_step, self.last_step = step, None
-        for s, p in self.list():
-            if s <= step:
+        old = [p for s, p in self.list() if s <= step]
+        if not old:
+            return
+        trash = self.dir / f"{OBSOLETE}{step:08d}-{os.getpid()}"
+        try:
+            trash.mkdir()
+            for p in old:
+                os.replace(p, trash / p.name)
+        except OSError:  # (cannot move them: deleted here and now)
+            for p in [*old, trash]:
                 shutil.rmtree(p, ignore_errors=True)
+            return
+        self._cleaner = threading.Thread(target=shutil.rmtree, args=(trash,), kwargs={"ignore_errors": True},
+                                         daemon=True, name="hybridrec-delta-cleanup")
+        self._cleaner.start()
 
     def time_next_read(self) -> None:
         """Read back the next delta that saves rows once it is written, in its writing thread,
@@ -147,12 +178,11 @@ class ShardDeltas:
             n = touched.numel()
             if self.rows == "hot" and n:
                 k = max(1, math.ceil(self.hot * n))
-                touched = touched[_largest(c.index_select(0, touched), k)]
+                touched = touched[_largest(c.index_select(0, touched), k)]  # (ascending, as touched)
             pending += n - touched.numel()
             saved += touched.numel()
             if not touched.numel():
                 continue
-            touched = touched.sort().values
             tensors[f"g{g}.ids"] = touched.cpu()
             tensors[f"g{g}.weight"] = self.collection.group_weight(g).index_select(0, touched).cpu()
             for k, v in self.optimizer.row_state(g).items():
@@ -202,7 +232,11 @@ class ShardDeltas:
                 self._time_read = True
 
     def wait(self) -> None:
-        """The delta being written is on disk (its error, if any, raised here)."""
+        """The delta being written is on disk (its error, if any, raised here), and the
+        obsolete ones are deleted."""
+        if self._cleaner is not None:
+            self._cleaner.join()
+            self._cleaner = None
         if self._writer is not None:
             self._writer.join()
             self._writer = None
@@ -224,6 +258,9 @@ class ShardDeltas:
         """Training resumes at ``step`` from the checkpoint of ``checkpoint_step``: deltas
         after ``step`` or of another checkpoint belong to a trajectory this run left."""
         self.base_step = checkpoint_step
+        if self.dir.is_dir():  # (left by a process that ended while deleting them)
+            for p in self.dir.glob(f"{OBSOLETE}*"):
+                shutil.rmtree(p, ignore_errors=True)
         for s, p in self.list():
             if s > step or s <= checkpoint_step:
                 shutil.rmtree(p, ignore_errors=True)

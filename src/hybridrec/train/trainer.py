@@ -312,6 +312,8 @@ class Trainer:
             if final is None:
                 final = self._eval_and_log()
             self.checkpointer.wait()  # (train.async_checkpoint: the last one published, or its error)
+            if self.recovery is not None and self.recovery.deltas is not None:
+                self.recovery.deltas.wait()  # (the obsolete deltas deleted while the run evaluated)
             if self.logger:
                 self.logger.flush()
             return FitResult(self.step, final, last_loss, meter.summary(), resumed, history)
@@ -344,7 +346,7 @@ class Trainer:
             if may_save and t.save_checkpoints and self._periodic_save_due():
                 self.save_checkpoint()
                 meter.start()
-            elif self.recovery is not None and self.recovery.delta_due(self.step):
+            elif self.recovery is not None and self.recovery.delta_due(self.step) and not self._save_follows(may_save):
                 start = time.perf_counter()
                 self.recovery.save_delta(self.step)  # (this rank's shards alone; written in the background)
                 if self.logger:  # (the seconds it held training up: the failure-schedule benchmark's)
@@ -374,6 +376,13 @@ class Trainer:
             for batch, pending in self.pipeline.batches(self.total_steps - self.step):
                 loss = self.train_step(batch, pending)
                 yield loss, batch.batch_size * self.topo.global_world_size  # global samples
+
+    def _save_follows(self, may_save: bool) -> bool:
+        """A full checkpoint of this step comes next (the probe's, or the run's final one),
+        which saves every row: an incremental save now would be redundant."""
+        if not self.cfg.train.save_checkpoints:
+            return False
+        return self.step >= self.total_steps or (may_save and self.probe is not None and self.step == self.probe.at)
 
     def _periodic_save_due(self) -> bool:
         """A checkpoint is due at this step by the interval. Under
