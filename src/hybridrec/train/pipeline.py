@@ -29,9 +29,8 @@ class TrainPipeline:
         sparse: the model's embedding collection; prefetching needs its
             ``start_input_dist(kjt)`` (a sharded collection); anything else disables it.
         enabled: the switch (``dist.pipeline``).
-        device: where the model is; batches for a GPU are pinned and copied without blocking
-            as they are taken (one batch ahead when prefetching, so the copy overlaps the
-            step before).
+        device: where the model is; a batch for a GPU is pinned and its copy queued
+            without blocking the host as it is taken (a step ahead of its training).
 
     ``batches(limit)`` yields at most ``limit`` ``(batch, pending)`` pairs of one pass over
     the loader: ``pending`` is the handle of the batch's input_dist under way (None when
