@@ -83,3 +83,9 @@ def test_resume_on_the_gpu(dataset, tmp_path):
     for k in a:
         torch.testing.assert_close(b[k], a[k], rtol=1e-4, atol=1e-5, msg=k)
     assert cut["eval"]["auc"] == pytest.approx(full["eval"]["auc"], abs=1e-3)
+
+
+def test_hogwild_threads_are_refused_on_the_gpu(dataset, tmp_path, capsys):
+    assert main(["train", "--recipe", "demo", f"data.path={dataset}", f"train.run_dir={tmp_path / 'run'}",
+                 *SMALL, "train.workers=2"]) == 2
+    assert "Hogwild threads share CPU cores and are not supported on a GPU" in capsys.readouterr().err

@@ -488,6 +488,9 @@ def build_trainer(cfg: Config, *, meta: DatasetMeta | None = None, topo: Topolog
     topo = topo or build_topology(cfg)
     if problem := workers_problem(cfg, topo.world_size):  # (launched by torchrun: dist.nproc is 1)
         raise ConfigError(problem)
+    if cfg.train.workers > 1 and topo.device.type != "cpu":
+        raise ConfigError(f"train.workers={cfg.train.workers} on {topo.device}: Hogwild threads share CPU cores "
+                          "and are not supported on a GPU; use train.workers=1, or dist.backend=gloo for the CPU")
     if not cfg.dist.num_ps:  # (a parameter-server run's trainers hold no table)
         check_memory(cfg, meta, topo)  # before the model is allocated
     ledger = CommLedger()
