@@ -88,3 +88,16 @@ def test_train_help_lists_every_config_section(capsys):
     with pytest.raises(SystemExit):
         main(["train", "--help"])
     assert " ".join(f"[{s}]" for s in SECTIONS) in capsys.readouterr().out
+
+
+def test_results_table_names_the_gpu_and_its_peak_only_for_a_gpu_run():
+    from hybridrec.cli.train import format_results
+
+    summary = {"eval": {"auc": 0.8, "log_loss": 0.4, "ne": 0.7, "calibration": 1.0, "accuracy": 0.8,
+                        "count": 100}, "throughput": {"samples_per_sec_overall": 1000.0}, "step": 10,
+               "peak_memory_bytes": 2**30, "run_dir": "runs/x", "device": "cpu", "cuda_peak_memory_bytes": None}
+    cpu = format_results(summary)
+    assert "GPU peak memory" not in cpu and "device" not in cpu and "1,024 MiB" in cpu
+    gpu = format_results({**summary, "device": "cuda:0 NVIDIA H200", "cuda_peak_memory_bytes": 208 * 2**20})
+    assert "cuda:0 NVIDIA H200" in gpu and "GPU peak memory  208 MiB" in gpu
+    assert gpu.splitlines()[-2].startswith("run directory")
