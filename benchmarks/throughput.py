@@ -291,14 +291,9 @@ def summarize(runs: dict, args, data: Path) -> dict:
 def machine() -> str:
     """The processor's name, family and model, and the cores this process may use (its
     affinity: a run under ``taskset -c 0,1`` says 2 of the machine's count)."""
-    info = {}
-    try:
-        for line in open("/proc/cpuinfo"):
-            k, _, v = line.partition(":")
-            if k.strip() in ("model name", "cpu family", "model") and k.strip() not in info:
-                info[k.strip()] = v.strip()
-    except OSError:
-        pass
+    from hybridrec.model.kernels import cpu_info
+
+    info = cpu_info()
     model = info.get("model name", "unknown cpu")
     if "cpu family" in info:
         model += f" (family {info['cpu family']}, model {info.get('model', '?')})"

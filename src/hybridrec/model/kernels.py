@@ -143,21 +143,30 @@ def candidates(shape: LinearShape) -> list[str]:
     return [i for i in IMPLS if i == "torch" or fits]
 
 
-def machine_id() -> str:
-    """The processor (model name, family, model, stepping), torch version and threads: what
-    a cached choice holds for."""
-    info = {}
+CPU_FIELDS = ("model name", "cpu family", "model", "stepping")
+
+
+def cpu_info() -> dict[str, str]:
+    """The first processor's :data:`CPU_FIELDS` from ``/proc/cpuinfo`` (empty where there is none)."""
+    info: dict[str, str] = {}
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             k, _, v = line.partition(":")
             k = k.strip()
-            if k in ("model name", "cpu family", "model", "stepping") and k not in info:
+            if k in CPU_FIELDS and k not in info:
                 info[k] = v.strip()
     except OSError:
         pass
-    cpu = " ".join(info.get(k, "?") for k in ("model name", "cpu family", "model", "stepping")) \
-        if info else (platform.processor() or platform.machine())
-    gpu = f" | {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ""
+    return info
+
+
+def machine_id() -> str:
+    """The processor (model name, family, model, stepping), torch version and threads, and
+    the GPU when this process uses CUDA: what a cached choice holds for."""
+    info = cpu_info()
+    cpu = " ".join(info.get(k, "?") for k in CPU_FIELDS) if info else (platform.processor() or platform.machine())
+    # (is_initialized: a CPU run on a machine with a GPU makes no CUDA context just to name it)
+    gpu = f" | {torch.cuda.get_device_name()}" if torch.cuda.is_initialized() else ""
     return f"{cpu} | torch {torch.__version__} | {torch.get_num_threads()} threads{gpu}"
 
 
