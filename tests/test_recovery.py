@@ -130,6 +130,8 @@ def test_partial_recovery_loses_only_the_failed_shards_updates(dataset, tmp_path
     assert (event["mode"], event["checkpoint_step"], event["failed_at_step"], event["resumed_at_step"]) == \
         ("partial", 4, 6, 6)
     assert event["failed_ranks"] == [1] and event["survivors"] == survivors and event["donor"] == 0
+    if Path("/dev/shm").is_dir():  # the survivors' shards lived in files of local memory: taken, not copied
+        assert event["shards_kept_in_memory"] == survivors
     assert not (run / "recovery" / "rank-00000").exists()  # the snapshots, consumed
     held = 4 if deltas == "none" else 5
     if deltas != "none":
@@ -214,6 +216,7 @@ def test_the_same_command_again_recovers_from_the_snapshot_the_launcher_kept(dat
         assert {s["steps_lost"] for s in event["shards"]} == {2}
     else:
         assert (event["survivors"], event["failed_ranks"], event["resumed_at_step"]) == ([0], [1], 6), err[-3000:]
+        assert event["shards_kept_in_memory"] == []  # (its shards' files were moved to disk: read back)
     assert not (run / "recovery" / "rank-00000").exists()  # consumed
 
 

@@ -259,7 +259,7 @@ class EmbeddingBagCollection(nn.Module):
     def __init__(
         self, tables: list[TableConfig], *, device: torch.device | None = None, seed: int = 0,
         init=None, weight_dtype: torch.dtype = torch.float32, output_dtype: torch.dtype = torch.float32,
-        init_values: bool = True,
+        init_values: bool | None = True,
     ) -> None:
         """``init(table, weight)`` fills a table's weight in place (default: the seeded
         :func:`init_table_block` of that table). With FM tables (``fm_cols``) the output
@@ -267,7 +267,8 @@ class EmbeddingBagCollection(nn.Module):
         ``weight_dtype``: float32 or bfloat16 storage (module docstring; FM tables: float32
         only); ``output_dtype``: of the pooled output and so of its gradient.
         ``init_values`` False: the tables start as zeros (a checkpoint about to be restored
-        overwrites them; :meth:`reset_parameters` draws them)."""
+        overwrites them; :meth:`reset_parameters` draws them); None: as allocated, untouched
+        (their caller gives them other memory, see :mod:`hybridrec.train.resident`)."""
         super().__init__()
         if weight_dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"embedding weight dtype {weight_dtype}: torch.float32 or torch.bfloat16")
@@ -285,7 +286,7 @@ class EmbeddingBagCollection(nn.Module):
         self._build_groups(tables, device)
         if init_values:
             self.reset_parameters()
-        else:  # (a checkpoint is about to overwrite them; its caller resets them if none does)
+        elif init_values is not None:  # (a checkpoint is about to overwrite them; its caller resets them if none does)
             with torch.no_grad():
                 for gi in range(self.num_groups):
                     self.group_weight(gi).zero_()

@@ -143,9 +143,11 @@ class ShardedEmbeddingBagCollection(nn.Module):
                  codecs: Mapping[str, Codec] | None = None, threshold: ThresholdMP | None = None,
                  dp_reducer: CompressedAllReduce | None = None,
                  wire_dtype: torch.dtype | None = None, weight_dtype: torch.dtype = torch.float32,
-                 init_values: bool = True) -> None:
+                 init_values: bool | None = True) -> None:
         """``init_values`` False: the tables start as zeros, for a checkpoint to overwrite
-        (:meth:`reset_parameters` draws their initial values if none does)."""
+        (:meth:`reset_parameters` draws their initial values if none does); None: this
+        rank's shards as allocated, untouched (given other memory by the caller, see
+        :mod:`hybridrec.train.resident`), the replicated tables as zeros."""
         super().__init__()
         if plan.world_size != topo.world_size:
             raise ValueError(f"plan is for {plan.world_size} ranks, the world has {topo.world_size}")
@@ -170,7 +172,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
         self.local = _shard_collection(self.layout.slots[topo.rank], self.tables, seed, init_values=init_values,
                                        **dtypes)
         dp = [self.tables[n] for n in self.layout.replicated_tables]
-        self.replicated = EmbeddingBagCollection(dp, seed=seed, init_values=init_values, **dtypes) if dp else None
+        self.replicated = EmbeddingBagCollection(dp, seed=seed, init_values=bool(init_values), **dtypes) if dp else None
 
     def reset_parameters(self) -> None:
         """This rank's shards and replicas: their initial values (those of the whole tables)."""

@@ -69,7 +69,14 @@ from hybridrec.train.checkpointer import Checkpointer, Component, TorchRNG
 from hybridrec.train.early_stop import COMPONENT as EARLY_STOP, EarlyStopping
 from hybridrec.train.pipeline import TrainPipeline
 from hybridrec.train.deltas import ShardDeltas, deltas_dir, plan_json
-from hybridrec.train.recovery import EVENTS, Recovery, clear_snapshots, recovery_dir, survivors_step
+from hybridrec.train.recovery import (
+    EVENTS,
+    Recovery,
+    clear_snapshots,
+    recovery_dir,
+    shards_go_resident,
+    survivors_step,
+)
 from hybridrec.train.trainer import Trainer
 
 
@@ -511,6 +518,10 @@ def build_trainer(cfg: Config, *, meta: DatasetMeta | None = None, topo: Topolog
     # drawn (0.3 s per 330 MB of a restart); the trainer draws them if none is restored.
     # (Synchronizers take the tables' values when built, parameter servers hold their own: drawn.)
     init_tables = not latest or cfg.sync.algorithm != "none" or bool(cfg.dist.num_ps)
+    recovering = (cfg.train.save_checkpoints and topo.world_size > 1
+                  and not (cfg.dist.num_ps or topo.hierarchical or cfg.train.workers > 1))
+    if not init_tables and recovering and shards_go_resident(cfg):
+        init_tables = None  # (not even zeroed: the trainer moves them into files of local memory first)
     if cfg.dist.num_ps:
         model, servers = build_ps_model(cfg, meta, topo, ledger, dense_sync, run_dir)
     elif topo.world_size == 1:
@@ -549,8 +560,7 @@ def build_trainer(cfg: Config, *, meta: DatasetMeta | None = None, topo: Topolog
     # config.recovery_problem).
     recovery = (Recovery(checkpointer, mode=cfg.train.recovery, global_batch=cfg.data.batch_size * topo.world_size,
                          deltas=build_shard_deltas(cfg, topo, model, sparse_opt, run_dir))
-                if cfg.train.save_checkpoints and topo.world_size > 1
-                and not (cfg.dist.num_ps or topo.hierarchical or cfg.train.workers > 1) else None)
+                if recovering else None)
     run_dir.mkdir(parents=True, exist_ok=True)
     logger = (MetricLogger(run_dir, tensorboard=cfg.train.tensorboard, keep_until=keep_until)
               if topo.lead else None)

@@ -21,7 +21,10 @@ share of the run), but no step is trained again.
    thread is blocked in a collective; it waits for a step's update to finish first. Then
    ``RUN/recovery/rank-R.json`` says which step it holds and where (written last: a
    snapshot without it is not used). Under the local launcher the snapshot goes to
-   ``/dev/shm`` instead (:func:`fast_snapshots`). A rank killed outright (SIGKILL, a lost
+   ``/dev/shm`` instead (:func:`fast_snapshots`), and there a rank's shards and their
+   sparse optimizer state live all along in files of that directory
+   (:mod:`hybridrec.train.resident`, :meth:`Recovery.start_resident`): the snapshot takes
+   those files by a rename and writes only the rest. A rank killed outright (SIGKILL, a lost
    machine) writes nothing.
    The snapshot is written as the state is, without a copy (no update runs meanwhile),
    and not synced to disk (the page cache serves the restart on this machine, in a
@@ -32,6 +35,8 @@ share of the run), but no step is trained again.
    snapshot of its own reads only the checkpoint's dense part: a thread reads its shards
    and their optimizer state from its snapshot meanwhile (in place, into the tables), while
    the ranks that roll back read the checkpoint's tables (:meth:`Recovery.own_snapshot`).
+   Shards whose files a snapshot took are not read: the restarted process maps the same
+   files (the record's ``shards_kept_in_memory`` names those ranks).
    Then every rank loads the dense part, the loader position and the other global state
    from the snapshot of one survivor (the lowest rank among those at the newest step), so
    the replicas agree. Training goes on from the survivors'
@@ -89,12 +94,14 @@ from hybridrec.parallel.checkpoint_layout import (
     local_weights,
     own_storage,
 )
-from hybridrec.parallel.sharded_embedding import REPLICATED
+from hybridrec.parallel.sharded_embedding import REPLICATED, SHARDS
 from hybridrec.parallel.topology import Topology
 from hybridrec.train.checkpoint import list_checkpoints
 from hybridrec.train.deltas import ShardDeltas, plan_json
+from hybridrec.train.resident import ResidentShards, files_fit, read_into, shard_tensors
 
 RECOVERY_DIR = "recovery"
+RESIDENT_DIR = "resident"  # (in a snapshot: its shards' files, see hybridrec.train.resident)
 FAST_DIR_ENV = "HYBRIDREC_SNAPSHOT_DIR"
 """Set by the local launcher (:func:`fast_snapshots`): where the ranks write their snapshots,
 on local memory-backed storage, instead of ``RUN/recovery/``."""
@@ -172,6 +179,12 @@ def fast_snapshots(run_dir: str | Path):
             shutil.rmtree(d, ignore_errors=True)
 
 
+def shards_go_resident(cfg) -> bool:
+    """Whether a run's ranks keep their shards in files of local memory (partial recovery
+    under the local launcher; see :meth:`Recovery.start_resident`)."""
+    return cfg.train.recovery == "partial" and _fast_dir() is not None
+
+
 def read_progress(run_dir: str | Path, rank: int) -> dict | None:
     """What rank ``rank`` wrote when the run last stopped under it (None: nothing readable)."""
     try:
@@ -241,6 +254,69 @@ class Recovery:
         self._own_error: BaseException | None = None  # (reading its shards from it failed)
         self._own_reader: threading.Thread | None = None
         self._own_start = 0.0
+        self.resident: ResidentShards | None = None  # (start_resident: this rank's shards in local memory files)
+        self._adopted = False  # (its shards are its own snapshot's files, taken at start_resident)
+
+    def _shard_parts(self):
+        """This rank's shard collection and their sparse optimizer (None: no shard here)."""
+        local = getattr(self.ckpt.model.sparse, "local", None)
+        opt = getattr(self.ckpt.sparse_opt, "optimizers", {}).get(SHARDS)
+        return (local, opt) if local is not None and opt is not None else None
+
+    def start_resident(self, *, resume: bool, drawn: bool | None) -> None:
+        """Before the restore (partial recovery under the local launcher): this rank's shards
+        move into files of the launcher's local-memory directory (hybridrec.train.resident),
+        a survivor's into its own snapshot's files. ``drawn``: True, the tables hold their
+        initial values (kept); False, zeros; None, nothing yet: they start as zeros (also
+        where the files cannot be made: then zeroed where they are)."""
+        fast, parts = _fast_dir(), self._shard_parts()
+        if self.mode != "partial" or fast is None or parts is None or self.resident is not None:
+            if drawn is None:
+                self._zero_shards()
+            return
+        resident = ResidentShards(fast, self.topo.rank, *parts)
+        try:
+            found = self._own_files(resident) if resume else None
+            if found is not None:
+                resident.adopt(*found)
+                self._adopted = True
+            elif resident.room(int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)):
+                resident.create(copy=bool(drawn))
+            else:
+                self._note(f"{fast} has no room for its shards' {resident.nbytes():,} bytes: a failure's "
+                           "snapshot writes them")
+                resident = None
+        except (OSError, RuntimeError) as e:
+            self._note(f"its shards stay in process memory ({e}): a failure's snapshot writes them")
+            resident = None
+        self.resident = resident
+        if resident is None and drawn is None:
+            self._zero_shards()
+
+    def _zero_shards(self) -> None:
+        parts = self._shard_parts()
+        with torch.no_grad():
+            for t in shard_tensors(*parts).values() if parts is not None else ():
+                t.zero_()
+
+    def _own_files(self, resident: ResidentShards) -> tuple[Path, dict] | None:
+        """This rank's snapshot's shard files, where they can be taken as they are (on the
+        launcher's local-memory file system, of this boot, fitting this rank's tensors)."""
+        progress = read_progress(self.run_dir, self.topo.rank)
+        if progress is None or not progress.get("snapshot"):
+            return None
+        path = _written_at(progress, self.run_dir, self.topo.rank)
+        if progress.get("boot") is not None and progress["boot"] != boot_id():
+            return None
+        if path.parent != resident.dir.parent or not is_complete(path):
+            return None
+        try:
+            entries = json.loads((path / MANIFEST).read_text()).get("resident")
+        except (OSError, ValueError):
+            return None
+        if not isinstance(entries, dict) or files_fit(path / RESIDENT_DIR, entries, resident.tensors()) is not None:
+            return None
+        return path / RESIDENT_DIR, entries
 
     # -- while training ------------------------------------------------------------------
     @contextlib.contextmanager
@@ -392,8 +468,10 @@ class Recovery:
         boot = boot_id()  # (None: the files are synced to disk instead)
         if snapshot:
             tensors: dict[str, torch.Tensor] = {}
-            skeleton = encode_skeleton(self._state(), "s", tensors)
-            root = self._snapshot_root(d, sum(t.numel() * t.element_size() for t in tensors.values()))
+            resident = self.resident if self.resident is not None and self.resident.intact() else None
+            skeleton = encode_skeleton(self._state(resident=resident is not None), "s", tensors)
+            root = (resident.dir.parent if resident is not None  # (its files move: the same file system)
+                    else self._snapshot_root(d, sum(t.numel() * t.element_size() for t in tensors.values())))
             final, tmp = root / f"rank-{rank:05d}", root / f".tmp-rank-{rank:05d}-{os.getpid()}"
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir()
@@ -401,9 +479,10 @@ class Recovery:
                 with quiet():
                     dcp.save({k: own_storage(v) for k, v in tensors.items()},
                              storage_writer=dcp.FileSystemWriter(tmp, sync_files=boot is None), no_dist=True)
+                extra = {"resident": resident.hand_over(tmp / RESIDENT_DIR)} if resident is not None else {}
                 write_json(tmp / MANIFEST, {"format": FORMAT, "kind": SNAPSHOT_KIND, "rank": rank,
                                             "world_size": self.topo.world_size, "step": self.step,
-                                            "plan": plan_json(self.ckpt.model.sparse), "state": skeleton})
+                                            "plan": plan_json(self.ckpt.model.sparse), "state": skeleton, **extra})
             except BaseException:
                 shutil.rmtree(tmp, ignore_errors=True)
                 raise
@@ -430,13 +509,20 @@ class Recovery:
     def _loader(self):
         return next((c for c in self.ckpt.components if c.name == "loader"), None)
 
-    def _state(self) -> dict:
+    def _state(self, *, resident: bool = False) -> dict:
+        """What a snapshot holds (``resident``: not the shards and their optimizer's tables,
+        whose files it takes instead)."""
         model, c = self.ckpt.model, self.ckpt
         comps = {x.name: (self._loader_state if x.name == "loader" and self._loader_state is not None
                           else x.obj.state_dict()) for x in c.components}
+        weights = {k: w.detach() for k, w in local_weights(model.sparse).items()
+                   if not resident or k.endswith("@*")}
+        sparse_opt = c.sparse_opt.state_dict()
+        if resident:
+            sparse_opt[SHARDS] = {**sparse_opt[SHARDS], "tables": {}}
         return {"step": self.step,
-                "weights": {k: w.detach() for k, w in local_weights(model.sparse).items()},
-                "sparse_opt": c.sparse_opt.state_dict(),
+                "weights": weights,
+                "sparse_opt": sparse_opt,
                 "dense": {k: v.detach() for k, v in dense_tensors(model).items()},
                 "dense_opt": dense_opt_state(c.dense_opt, model),
                 "components": comps,
@@ -526,6 +612,8 @@ class Recovery:
                 err = e
             agree(self.topo, err, recovery_dir(self.run_dir), "loading the survivors' snapshots")
             event["donor"] = donor
+            # (the survivors whose shards' files in local memory were taken as they were)
+            event["shards_kept_in_memory"] = [r for r, a in enumerate(gather(self.topo, self._adopted and mine is not None)) if a]
         holds = gather(self.topo, held)
         # A rank rolled back before to this same checkpoint lost the steps up to that
         # recovery then; this one loses those since.
@@ -567,10 +655,18 @@ class Recovery:
             raise CheckpointError(f"{path}: not a recovery snapshot")
         if (meta.get("world_size"), meta.get("plan"), meta.get("step")) != (self.topo.world_size, plan_json(self.ckpt.model.sparse), step):
             raise CheckpointError(f"{path}: saved by another world size, plan or step")
-        want = {k: tuple(w.shape) for k, w in local_weights(self.ckpt.model.sparse).items()}
+        resident = meta.get("resident")
+        want = {k: tuple(w.shape) for k, w in local_weights(self.ckpt.model.sparse).items()
+                if resident is None or k.endswith("@*")}
         have = {k: tuple(v["shape"]) for k, v in meta["state"]["weights"].items()}
         if want != have:
             raise CheckpointError(f"{path}: its shards are not this rank's ({sorted(have)} vs {sorted(want)})")
+        if resident is not None:
+            parts = self._shard_parts()
+            why = ("this rank has no shard" if parts is None or not isinstance(resident, dict)
+                   else files_fit(path / RESIDENT_DIR, resident, shard_tensors(*parts)))
+            if why is not None:
+                raise CheckpointError(f"{path}: its shards' files do not fit: {why}")
         return meta
 
     def _load_shards(self, path: Path, mine: dict) -> None:
@@ -588,6 +684,8 @@ class Recovery:
                 if v is not live[k]:  # (read in place when it could be)
                     live[k].copy_(v)
         c.sparse_opt.load_state_dict(state["sparse_opt"])
+        if mine.get("resident") is not None and not self._adopted:  # (its shards' files: read, not taken)
+            read_into(path / RESIDENT_DIR, mine["resident"], shard_tensors(*self._shard_parts()))
 
     def _load(self, path: Path | None, mine: dict | None, dpath: Path, *, shards: bool = True) -> None:
         """This rank's state from its own snapshot (``path``, its manifest ``mine``; None:

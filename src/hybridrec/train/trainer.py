@@ -146,11 +146,12 @@ class Trainer:
         early_stop: EarlyStopping | None = None,
         kernels: dict | None = None,
         recovery: Recovery | None = None,
-        tables_drawn: bool = True,
+        tables_drawn: bool | None = True,
     ) -> None:
         """``tables_drawn`` False: the embedding tables were built as zeros for the run's
         checkpoint to overwrite; :meth:`maybe_resume` draws their initial values if no
-        checkpoint is restored."""
+        checkpoint is restored. None: the rank's shards were not even zeroed, for
+        ``recovery`` to move into files of local memory first (:meth:`Recovery.start_resident`)."""
         self.cfg = cfg
         self.model = model
         self.dense_opt = dense_opt
@@ -224,6 +225,8 @@ class Trainer:
     def maybe_resume(self) -> int | None:
         """Restore the newest checkpoint that passes its checks (newer ones that fail are
         renamed aside, with a warning each); None: nothing to resume."""
+        if self.recovery is not None:  # (partial recovery: its shards into files of local memory first)
+            self.recovery.start_resident(resume=self.cfg.train.resume, drawn=self.tables_drawn)
         # A rank with its own recovery snapshot (partial) reads its shards from it, and only
         # the dense part of the checkpoint.
         own = self.recovery is not None and self.cfg.train.resume and self.recovery.own_snapshot()
