@@ -129,6 +129,9 @@ def parse_args(argv=None):
     p.add_argument("--out", default=str(ROOT / "benchmarks/out/failure_schedule"),
                    help="work directory (data, run directories, logs, the JSON report)")
     p.add_argument("--timeout", type=float, default=3600, help="seconds per run")
+    p.add_argument("--reference-from", metavar="REPORT",
+                   help="take each seed's reference run from this earlier report (its JSON) instead of "
+                        "running it again: the same settings, data and seeds are required")
     p.add_argument("--keep-checkpoints", action="store_true",
                    help="keep the runs' checkpoints (default: deleted once measured; ~0.7 GB each "
                         "with the bench model)")
@@ -490,6 +493,29 @@ def means(seeds: list[dict]) -> dict:
             for name, rs in by_name.items()}
 
 
+SETTINGS = ("nproc", "steps", "mtbf_s", "max_failures", "step_ms", "seeds", "recipe", "lr", "batch_size", "rows",
+            "multi_hot", "overrides")
+
+
+def earlier_references(args, data: Path) -> dict[int, dict]:
+    """``--reference-from``: each seed's reference run of an earlier report of the same
+    settings and data (a SystemExit that says what differs otherwise)."""
+    try:
+        rep = json.loads(Path(args.reference_from).read_text())
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"--reference-from {args.reference_from}: not readable as a report ({e})") from None
+    old, now = rep.get("settings", {}), {k: getattr(args, k) for k in SETTINGS}
+    differ = [f"{k} {old.get(k)!r} there, {now[k]!r} here" for k in SETTINGS if k != "seeds" and old.get(k) != now[k]]
+    if Path(rep.get("data", "")) != Path(data):
+        differ.append(f"data {rep.get('data')} there, {data} here")
+    found = {s["seed"]: s["reference"] for s in rep.get("seeds", [])}
+    missing = [s for s in args.seeds if s not in found]
+    if differ or missing:
+        raise SystemExit(f"--reference-from {args.reference_from}: " + "; ".join(
+            differ + ([f"no reference of seed(s) {missing}"] if missing else [])))
+    return found
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     out = Path(args.out)
@@ -497,13 +523,18 @@ def main(argv=None) -> int:
     args.out = str(out)  # (what throughput.prepare_data reads: out, rows, multi_hot)
     data = Path(args.data) if args.data else throughput.prepare_data(args)
     seeds = []
+    earlier = earlier_references(args, data) if args.reference_from else {}
     for seed in args.seeds:
-        run_dir = out / f"run-reference-s{seed}"
-        print(f"seed {seed}: reference run ({args.steps:,} steps, no failures, no checkpoints) ...",
-              file=sys.stderr, flush=True)
-        run = run_command(train_argv(args, data, run_dir, seed, ["train.save_checkpoints=false"]),
-                          run_dir, out / f"logs/reference-s{seed}.log", args.timeout)
-        ref = measure_run("reference", run, run_dir, None, args.steps)
+        if seed in earlier:
+            ref = earlier[seed]
+            print(f"seed {seed}: the reference run of {args.reference_from}", file=sys.stderr, flush=True)
+        else:
+            run_dir = out / f"run-reference-s{seed}"
+            print(f"seed {seed}: reference run ({args.steps:,} steps, no failures, no checkpoints) ...",
+                  file=sys.stderr, flush=True)
+            run = run_command(train_argv(args, data, run_dir, seed, ["train.save_checkpoints=false"]),
+                              run_dir, out / f"logs/reference-s{seed}.log", args.timeout)
+            ref = measure_run("reference", run, run_dir, None, args.steps)
         schedule = failure_schedule(mtbf_s=args.mtbf_s, step_s=args.step_ms / 1000 or ref["step_seconds"], steps=args.steps,
                                     nproc=args.nproc, seed=seed, max_failures=args.max_failures)
         spec = inject_spec(schedule)
@@ -529,9 +560,8 @@ def main(argv=None) -> int:
         seeds.append({"seed": seed, "schedule": schedule, "inject_failure": spec, "reference": ref, "runs": runs})
     rep = {"date": time.strftime("%Y-%m-%d"), "machine": throughput.machine(), "data": str(data),
            "command": shlex.join([Path(sys.executable).name, *sys.argv]),
-           "settings": {k: getattr(args, k) for k in ("nproc", "steps", "mtbf_s", "max_failures", "step_ms", "seeds", "recipe",
-                                                      "lr", "batch_size", "rows", "multi_hot", "overrides")}
-           | {"modes": args.mode_list},
+           "settings": {k: getattr(args, k) for k in SETTINGS} | {"modes": args.mode_list},
+           **({"reference_from": str(args.reference_from)} if args.reference_from else {}),
            "seeds": seeds, "means": means(seeds)}
     path = out / (f"failure_schedule-nproc{args.nproc}-steps{args.steps}-mtbf{args.mtbf_s:g}"
                   f"-seeds{'-'.join(map(str, args.seeds))}.json")

@@ -128,7 +128,11 @@ class TrainConfig:
     and the loader of a survivor; training goes on from the step the survivors reached, and
     the failed shards' updates since the checkpoint are lost (summary.json ``recovery``
     counts them per shard). Needs checkpoints and synchronous DES training (no sync.algorithm,
-    no parameter servers, one worker)."""
+    no parameter servers, one worker). Under ``hybridrec train``'s local launcher each rank's
+    shards then live in files of ``/dev/shm/hybridrec-<run>/`` while it trains (where there is
+    room), which a survivor's snapshot takes as they are; the launcher removes them when it
+    ends. A launcher killed outright (``kill -9``) leaves them until the same command runs
+    again (or ``rm -r /dev/shm/hybridrec-*``)."""
     lost_fraction: float = 0.02
     """``train.recovery=partial`` with ``train.checkpoint_every=auto``: the expected fraction of
     the embedding updates a run may lose to failures (CPR's portion of lost samples); the
