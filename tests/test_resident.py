@@ -136,3 +136,21 @@ def test_the_frame_name_beyond_the_stack_is_torchs_default():
 
     with launch._one_agent_rendezvous():
         assert rdzv.get_method_name(len(inspect.stack()) + 5) == "no_method_name"
+
+
+def test_a_failed_move_gives_the_tensors_process_memory_again_with_their_values(tmp_path):
+    c, opt = _shards(1)
+    r = ResidentShards(tmp_path / "shm", 0, c, opt)
+    r.create(copy=True)
+    entries = r.hand_over(tmp_path / "shm" / "snap")
+    c2, opt2 = _shards(2)
+    r2 = ResidentShards(tmp_path / "shm", 0, c2, opt2)
+    r2.adopt(tmp_path / "shm" / "snap", entries)
+    want = {k: t.clone() for k, t in shard_tensors(c2, opt2).items()}
+    r2.release()
+    assert not r2.intact() and not r2.dir.exists()
+    for k, t in shard_tensors(c2, opt2).items():
+        assert torch.equal(t, want[k]), k
+        t.zero_()  # (not into the snapshot's files)
+    for k, e in entries.items():
+        assert torch.equal(_file(tmp_path / "shm" / "snap" / e["file"], want[k]), want[k]), k

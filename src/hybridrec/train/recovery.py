@@ -288,7 +288,8 @@ class Recovery:
                 resident = None
         except (OSError, RuntimeError) as e:
             self._note(f"its shards stay in process memory ({e}): a failure's snapshot writes them")
-            resident = None
+            resident.release()
+            resident, self._adopted = None, False
         self.resident = resident
         if resident is None and drawn is None:
             self._zero_shards()

@@ -146,12 +146,25 @@ class ResidentShards:
         rank's directory (the snapshot keeps its names until it is cleared) and mapped."""
         shutil.rmtree(self.dir, ignore_errors=True)
         self.dir.mkdir(parents=True)
-        for k, t in self.tensors().items():
-            path = self.dir / f"{k}.bin"
-            os.link(snapshot / entries[k]["file"], path)
-            mapped = _map(path, t)
+        tensors = self.tensors()
+        for k in tensors:  # (every link first: a failure leaves no tensor on the snapshot's memory)
+            os.link(snapshot / entries[k]["file"], self.dir / f"{k}.bin")
+        for k, t in tensors.items():
+            mapped = _map(self.dir / f"{k}.bin", t)
             _put(t, mapped)
             self._mapped[k] = mapped
+
+    def release(self) -> None:
+        """After a failure of :meth:`create` or :meth:`adopt`: the tensors already moved
+        get process memory again, with their values, and the files go (nothing written to
+        the tensors afterwards reaches a file, a snapshot's included)."""
+        now = self.tensors()
+        with torch.no_grad():
+            for k, m in self._mapped.items():
+                if k in now and now[k].data_ptr() == m.data_ptr():
+                    _put(now[k], m.clone())
+        self._mapped.clear()
+        shutil.rmtree(self.dir, ignore_errors=True)
 
     def intact(self) -> bool:
         """Every tensor still uses its file's memory (nothing replaced its storage)."""
