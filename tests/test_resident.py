@@ -14,7 +14,8 @@ from hybridrec.train.sparse_optim import RowWiseAdagrad
 
 
 def _shards(seed: int):
-    tables = [TableConfig(name="a", num_embeddings=50, embedding_dim=4), TableConfig(name="b", num_embeddings=30, embedding_dim=4)]
+    tables = [TableConfig(name="a", num_embeddings=50, embedding_dim=4),
+              TableConfig(name="b", num_embeddings=30, embedding_dim=4)]
     c = EmbeddingBagCollection(tables, seed=seed)
     opt = RowWiseAdagrad(c, lr=0.1)
     with torch.no_grad():
@@ -91,7 +92,8 @@ def test_files_that_do_not_fit_are_refused_with_the_reason(tmp_path):
     r.create(copy=True)
     entries = r.hand_over(tmp_path / "snap")
     tensors = shard_tensors(c, opt)
-    other = EmbeddingBagCollection([TableConfig(name="a", num_embeddings=51, embedding_dim=4), TableConfig(name="b", num_embeddings=30, embedding_dim=4)], seed=0)
+    other = EmbeddingBagCollection([TableConfig(name="a", num_embeddings=51, embedding_dim=4),
+                                    TableConfig(name="b", num_embeddings=30, embedding_dim=4)], seed=0)
     assert "g0.weight is float32 [80, 4], this rank's torch.float32 [81, 4]" in files_fit(
         tmp_path / "snap", entries, shard_tensors(other, RowWiseAdagrad(other, lr=0.1)))
     with open(tmp_path / "snap" / "g0.weight.bin", "r+b") as f:

@@ -614,7 +614,8 @@ class Recovery:
             agree(self.topo, err, recovery_dir(self.run_dir), "loading the survivors' snapshots")
             event["donor"] = donor
             # (the survivors whose shards' files in local memory were taken as they were)
-            event["shards_kept_in_memory"] = [r for r, a in enumerate(gather(self.topo, self._adopted and mine is not None)) if a]
+            kept = gather(self.topo, self._adopted and mine is not None)
+            event["shards_kept_in_memory"] = [r for r, a in enumerate(kept) if a]
         holds = gather(self.topo, held)
         # A rank rolled back before to this same checkpoint lost the steps up to that
         # recovery then; this one loses those since.
