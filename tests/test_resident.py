@@ -5,6 +5,7 @@ rename and a restarted process maps them again or reads them back."""
 import inspect
 import time
 
+import pytest
 import torch
 
 from hybridrec.cli import launch
@@ -156,3 +157,42 @@ def test_a_failed_move_gives_the_tensors_process_memory_again_with_their_values(
         t.zero_()  # (not into the snapshot's files)
     for k, e in entries.items():
         assert torch.equal(_file(tmp_path / "shm" / "snap" / e["file"], want[k]), want[k]), k
+
+
+def _recovery(tmp_path, c, opt):
+    from types import SimpleNamespace
+
+    from hybridrec.parallel.sharded_embedding import SHARDS
+    from hybridrec.train.recovery import Recovery
+    from hybridrec.train.sparse_optim import CombinedSparseOptimizer
+
+    ckpt = SimpleNamespace(topo=SimpleNamespace(rank=0, world_size=2), run_dir=tmp_path / "run",
+                           model=SimpleNamespace(sparse=SimpleNamespace(local=c)),
+                           sparse_opt=CombinedSparseOptimizer({SHARDS: opt}), components=[])
+    return Recovery(ckpt, mode="partial", global_batch=64)
+
+
+@pytest.mark.parametrize("room", [True, False])
+@pytest.mark.parametrize("drawn", [True, None])
+def test_tables_left_unset_start_as_zeros_with_or_without_room(tmp_path, monkeypatch, capsys, room, drawn):
+    """A restarted rank's shards are built untouched (``drawn`` None): they start as zeros in
+    new files, or, where the directory has no room, zeroed where they are (with a note).
+    Drawn values are kept either way."""
+    from hybridrec.train import recovery, resident
+
+    monkeypatch.setenv(recovery.FAST_DIR_ENV, str(tmp_path / "shm"))
+    (tmp_path / "shm").mkdir()
+    if not room:
+        monkeypatch.setattr(resident, "ROOM", 1e12)
+    c, opt = _shards(1)
+    if drawn is None:
+        with torch.no_grad():
+            for t in shard_tensors(c, opt).values():
+                t.fill_(7.0)  # (what untouched memory may hold)
+    want = {k: (t.clone() if drawn else torch.zeros_like(t)) for k, t in shard_tensors(c, opt).items()}
+    rec = _recovery(tmp_path, c, opt)
+    rec.start_resident(resume=False, drawn=drawn)
+    assert (rec.resident is not None and rec.resident.intact()) == room
+    for k, t in shard_tensors(c, opt).items():
+        assert torch.equal(t, want[k]), k
+    assert ("has no room for its shards" in capsys.readouterr().err) == (not room)
