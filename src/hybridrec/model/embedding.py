@@ -286,7 +286,7 @@ class EmbeddingBagCollection(nn.Module):
         self._build_groups(tables, device)
         if init_values:
             self.reset_parameters()
-        elif init_values is not None:  # (a checkpoint is about to overwrite them; its caller resets them if none does)
+        elif init_values is not None:  # (a checkpoint overwrites them; its caller resets them if none does)
             with torch.no_grad():
                 for gi in range(self.num_groups):
                     self.group_weight(gi).zero_()

@@ -301,23 +301,20 @@ class Recovery:
                 t.zero_()
 
     def _own_files(self, resident: ResidentShards) -> tuple[Path, dict] | None:
-        """This rank's snapshot's shard files, where they can be taken as they are (on the
-        launcher's local-memory file system, of this boot, fitting this rank's tensors)."""
+        """This rank's snapshot's shard files, where they can be taken as they are: on the
+        launcher's local-memory file system, in a snapshot that passes
+        :meth:`_check_snapshot` (which :meth:`own_snapshot` says why of, if not)."""
         progress = read_progress(self.run_dir, self.topo.rank)
         if progress is None or not progress.get("snapshot"):
             return None
         path = _written_at(progress, self.run_dir, self.topo.rank)
-        if progress.get("boot") is not None and progress["boot"] != boot_id():
-            return None
-        if path.parent != resident.dir.parent or not is_complete(path):
+        if path.parent != resident.dir.parent:
             return None
         try:
-            entries = json.loads((path / MANIFEST).read_text()).get("resident")
-        except (OSError, ValueError):
+            entries = self._check_snapshot(progress, path).get("resident")
+        except Exception:  # noqa: BLE001 - not taken: own_snapshot checks it again and says why
             return None
-        if not isinstance(entries, dict) or files_fit(path / RESIDENT_DIR, entries, resident.tensors()) is not None:
-            return None
-        return path / RESIDENT_DIR, entries
+        return (path / RESIDENT_DIR, entries) if entries is not None else None
 
     # -- while training ------------------------------------------------------------------
     @contextlib.contextmanager
