@@ -38,6 +38,7 @@ import torch
 from hybridrec.data.schema import DatasetMeta, Schema
 from hybridrec.errors import ConfigError, DataError
 from hybridrec.sparse.keyed_jagged import Batch, KeyedJagged
+from hybridrec.threads import single_threaded
 
 
 class _Part:
@@ -328,6 +329,7 @@ class _Prefetcher:
         self._thread.start()
 
     def _run(self, source: Iterator) -> None:
+        single_threaded()  # (the step has the cores; hybridrec.threads)
         try:
             for item in source:
                 if not self._put(item):

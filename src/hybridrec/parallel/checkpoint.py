@@ -136,6 +136,7 @@ from hybridrec.parallel.checkpoint_layout import (
 )
 from hybridrec.parallel.sharded_embedding import ShardedEmbeddingBagCollection
 from hybridrec.parallel.topology import Topology
+from hybridrec.threads import single_threaded
 
 __all__ = ["CheckpointError", "LoadedState", "PendingSave", "TMP_MARK", "is_complete", "load_sharded",
            "load_state", "read_manifest", "save_sharded", "save_sharded_async"]
@@ -274,6 +275,7 @@ class PendingSave:
         self._thread.start()
 
     def _write(self, staged: dict, meta: dict, tmp: Path, topo: Topology) -> None:
+        single_threaded()  # (beside the training step: hybridrec.threads)
         start = time.perf_counter()
         try:
             write_and_publish(self.path, tmp, staged, meta, topo, background=True)

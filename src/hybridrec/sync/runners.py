@@ -51,6 +51,7 @@ import torch.distributed as dist
 
 from hybridrec.comm.ledger import CommLedger, ring_allreduce_bytes
 from hybridrec.sync.algorithms import CATEGORY, GroupMean, Mean, Synchronizer
+from hybridrec.threads import single_threaded
 
 
 class SyncRunner:
@@ -208,6 +209,7 @@ class BackgroundRunner(SyncRunner):
         self._thread.start()
 
     def _loop(self) -> None:
+        single_threaded()  # (beside the training step: hybridrec.threads)
         try:
             last: tuple[float, int, float] | None = None  # start, step at start, seconds taken
             while True:

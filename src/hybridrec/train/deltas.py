@@ -49,6 +49,7 @@ import torch.distributed.checkpoint as dcp
 
 from hybridrec.parallel.checkpoint_io import FORMAT, MANIFEST, SafeFileSystemReader, is_complete, quiet, write_json
 from hybridrec.parallel.sharded_embedding import SHARDS, ShardedEmbeddingBagCollection
+from hybridrec.threads import single_threaded
 
 DELTA_KIND = "shard-delta"
 ROWS = "rows.pt"
@@ -203,6 +204,7 @@ class ShardDeltas:
         self._writer.start()
 
     def _write(self, step: int, tensors: dict, meta: dict, timed: bool = False) -> None:
+        single_threaded()  # (beside the training step: hybridrec.threads)
         start = time.perf_counter()
         try:
             final = self.dir / f"step-{step:08d}"

@@ -1,0 +1,49 @@
+"""Background threads run their torch operations on one core.
+
+torch's CPU operators split their work over an OpenMP team of ``torch.get_num_threads()``
+threads, and every Python thread that runs a parallel operator gets a team of its own.
+GNU OpenMP lets an idle team member spin for a few milliseconds before it sleeps, so the
+next parallel operator of the same thread starts at once; but while the process has more
+OpenMP threads than CPUs, every team member spins only ~100 times and sleeps, and each
+parallel operator then waits for a wake-up in the kernel (~15-20 us). A loader thread that
+converts one batch with a parallel operator keeps a second team alive, and from then on
+each of the hundreds of parallel operators of a training step pays that wake-up: 2-3 ms of
+a 23 ms bf16 step of the benchmark DLRM on 2 cores (docs/benchmarks.md, "One OpenMP team").
+
+:func:`single_threaded` makes the calling thread's operators run without a team (its
+OpenMP thread count becomes 1; other threads keep theirs). The training loop's helper
+threads (the loader, checkpoint and delta writers, snapshot readers) call it first: their
+work is memory copies and small conversions, and the training step has the cores.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+
+
+@functools.cache
+def _omp_set_num_threads():
+    """libgomp's ``omp_set_num_threads`` of the OpenMP runtime torch loaded, or None."""
+    if "OpenMP" not in torch.__config__.parallel_info():
+        return None
+    try:  # (the name finds the library already loaded by torch, not another copy)
+        fn = ctypes.CDLL("libgomp.so.1", mode=getattr(ctypes, "RTLD_NOLOAD", 0) | ctypes.RTLD_GLOBAL).omp_set_num_threads
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes, fn.restype = [ctypes.c_int], None
+    return fn
+
+
+def single_threaded() -> bool:
+    """Run the calling thread's torch CPU operators on one thread (no OpenMP team of its
+    own); other threads are not affected. Returns whether it could (torch built with GNU
+    OpenMP); otherwise nothing changes. Call it first in a helper thread."""
+    fn = _omp_set_num_threads()
+    if fn is None:
+        return False
+    torch.get_num_threads()  # torch's own per-thread setup first: it would set the count again later
+    fn(1)
+    return torch.get_num_threads() == 1

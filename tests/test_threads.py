@@ -1,0 +1,99 @@
+"""Helper threads run their torch operators without an OpenMP team (hybridrec.threads)."""
+
+import json
+import os
+import subprocess
+import sys
+import threading
+
+import pytest
+import torch
+
+from hybridrec.data.loader import _Prefetcher
+from hybridrec.threads import single_threaded
+
+OPENMP = "OpenMP" in torch.__config__.parallel_info()
+
+
+@pytest.fixture
+def two_threads():
+    """This thread's torch on 2 threads for the test, as it was after."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.mark.skipif(not OPENMP, reason="torch without OpenMP")
+def test_single_threaded_changes_the_calling_thread_only(two_threads):
+    seen = {}
+
+    def helper():
+        seen["before"] = torch.get_num_threads()
+        seen["done"] = single_threaded()
+        seen["after"] = torch.get_num_threads()
+        seen["sum"] = int(torch.arange(1 << 20, dtype=torch.int64).sum())  # a parallel operator, run serially
+
+    th = threading.Thread(target=helper)
+    th.start()
+    th.join()
+    assert seen == {"before": 2, "done": True, "after": 1, "sum": (1 << 20) * ((1 << 20) - 1) // 2}
+    assert torch.get_num_threads() == 2  # the caller's own count is untouched
+
+
+@pytest.mark.skipif(not OPENMP, reason="torch without OpenMP")
+def test_the_loader_thread_runs_single_threaded(two_threads):
+
+    def source():
+        for _ in range(3):
+            yield torch.get_num_threads()
+
+    pf = _Prefetcher(source(), depth=2)
+    try:
+        assert list(pf) == [1, 1, 1]
+    finally:
+        pf.close()
+    assert torch.get_num_threads() == 2
+
+
+PROBE = """
+import json, resource, sys, threading
+import torch
+from hybridrec.threads import single_threaded
+torch.set_num_threads(2)
+x, y = torch.randn(256, 512), torch.empty(256, 512)
+ready, done = threading.Event(), threading.Event()
+def helper():  # one parallel operator, then the thread stays alive (and so would its team)
+    if sys.argv[1] == "single":
+        single_threaded()
+    torch.randint(0, 10, (1 << 20,), dtype=torch.int32).to(torch.int64)
+    ready.set()
+    done.wait()
+th = threading.Thread(target=helper)
+th.start()
+ready.wait()
+for _ in range(100):
+    y.copy_(x)
+before = resource.getrusage(resource.RUSAGE_SELF).ru_nvcsw
+for _ in range(2000):  # parallel operators of the main thread
+    y.copy_(x)
+after = resource.getrusage(resource.RUSAGE_SELF).ru_nvcsw
+done.set()
+th.join()
+print(json.dumps({"switches": after - before}))
+"""
+
+
+def switches(mode):
+    out = subprocess.run([sys.executable, "-c", PROBE, mode], capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])["switches"]
+
+
+@pytest.mark.skipif(not OPENMP or (os.cpu_count() or 1) < 2, reason="needs GNU OpenMP and 2 CPUs")
+def test_a_helper_threads_team_makes_every_parallel_operator_sleep_and_wake():
+    """The mechanism of the module docstring, counted: with a second team alive, the main
+    thread's team member sleeps after each of 2,000 operators (a voluntary context switch
+    each, measured 736-1,949); with the helper single-threaded it keeps spinning (0)."""
+    multi, single = switches("multi"), switches("single")
+    assert multi > 400, multi
+    assert single < 100, single
