@@ -213,7 +213,8 @@ class TrainConfig:
     and checkpoints wait until every thread has paused. One rank, or parameter-server
     trainers (dist.num_ps) without a per-step dense all-reduce. Default 1, from the
     measurement (docs/benchmarks.md): on 2 cores, 2 workers with train.threads=1 train
-    1.2-1.4x the samples/s of one worker, at a small AUC cost (demo: -0.002 on average),
+    0.99-1.14x the samples/s of one worker (1.2-1.4x before the helper threads ran
+    single-threaded), at a small AUC cost (demo: -0.002 on average),
     which does not pay for losing reproducible, bit-exact runs and resumes."""
 
 
