@@ -17,7 +17,9 @@ cycled in memory, as TorchRec's own benchmarks do with random batches).
 Each framework runs in its own process (peak RSS is per process); rounds
 alternate hybridrec / TorchRec so that drift of the machine hits both.
 hybridrec's runs also report the minor page faults per step and rank of the timed
-steps (``--variant system=train.allocator=system`` against the default ``retain``).
+steps (``--variant system=train.allocator=system`` against the default ``retain``), and
+the voluntary context switches per step and rank (threads that slept and were woken:
+an OpenMP team that sleeps between operators shows here, docs/design.md "One OpenMP team").
 The TorchRec environment is made by benchmarks/peers/setup_torchrec.sh.
 """
 
@@ -137,14 +139,15 @@ def worker_hybridrec(args) -> dict:
     total = args.warmup + args.steps
     # Through the trainer's pipeline (dist.pipeline: the next batch's ids travel during a step).
     it = trainer.pipeline.batches(total)
-    start = faults = None
+    start = faults = switches = None
     gpu = trainer.topo.device.type == "cuda"
     for i in range(total):
         if i == args.warmup:
             if gpu:  # (the warm-up's kernels end before the clock starts)
                 torch.cuda.synchronize()
             start = time.perf_counter()
-            faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+            usage = resource.getrusage(resource.RUSAGE_SELF)
+            faults, switches = usage.ru_minflt, usage.ru_nvcsw
         item = next(it, None)
         if item is None:  # a new pass over the data
             it = trainer.pipeline.batches(total - i)
@@ -155,17 +158,19 @@ def worker_hybridrec(args) -> dict:
     secs = time.perf_counter() - start
     usage = resource.getrusage(resource.RUSAGE_SELF)
     rss, faults = usage.ru_maxrss * 1024, (usage.ru_minflt - faults) / args.steps
-    if world > 1:  # total peak RSS over the ranks, like the peer reports; faults: per rank
+    switches = (usage.ru_nvcsw - switches) / args.steps
+    if world > 1:  # total peak RSS over the ranks, like the peer reports; faults, switches: per rank
         import torch.distributed as dist
 
-        t = torch.tensor([rss, secs, faults], dtype=torch.float64)
+        t = torch.tensor([rss, secs, faults, switches], dtype=torch.float64)
         dist.all_reduce(t, op=dist.ReduceOp.SUM)
-        rss, secs, faults = int(t[0]), float(t[1]) / world, float(t[2]) / world
+        rss, secs, faults, switches = int(t[0]), float(t[1]) / world, float(t[2]) / world, float(t[3]) / world
     return {"framework": "hybridrec", "kernels": trainer.kernels, "world_size": world,
             "device": str(trainer.topo.device),
             "samples_per_sec": args.steps * args.batch_size * world / secs, "steps": args.steps,
             "batch_size": args.batch_size, "threads": torch.get_num_threads(),
-            "peak_rss_bytes": rss, "page_faults_per_step": faults, "rank": trainer.topo.rank}
+            "peak_rss_bytes": rss, "page_faults_per_step": faults, "switches_per_step": switches,
+            "rank": trainer.topo.rank}
 
 
 def run_json(cmd: list[str], env=None) -> dict:
@@ -272,6 +277,8 @@ def summarize(runs: dict, args, data: Path) -> dict:
                       "peak_rss_mib": max(r["peak_rss_bytes"] for r in rs) / 2**20}
         if all("page_faults_per_step" in r for r in rs):  # (hybridrec's runs; minor faults per rank)
             rows[name]["page_faults_per_step"] = statistics.median(r["page_faults_per_step"] for r in rs)
+        if all("switches_per_step" in r for r in rs):  # (voluntary context switches per rank)
+            rows[name]["switches_per_step"] = statistics.median(r["switches_per_step"] for r in rs)
         if rs[0].get("kernels"):  # the first run's choices: what the run-time measurement picked
             k = rs[0]["kernels"]
             rows[name]["device"] = rs[0].get("device", "cpu")
@@ -304,14 +311,15 @@ def machine() -> str:
 
 def format_report(rep: dict) -> str:
     lines = [f"machine: {rep['machine']}   date: {rep['date']}", "",
-             "| run | samples/s (median) | runs | peak RSS | page faults/step | vs TorchRec |",
-             "|---|---|---|---|---|---|"]
+             "| run | samples/s (median) | runs | peak RSS | page faults/step | switches/step | vs TorchRec |",
+             "|---|---|---|---|---|---|---|"]
     for name, v in rep["results"].items():
         ratio = f"{v['vs_torchrec']:.2f}x" if "vs_torchrec" in v else "-"
         runs = ", ".join(f"{x:,.0f}" for x in v["runs"])
         faults = f"{v['page_faults_per_step']:,.0f}" if "page_faults_per_step" in v else "-"
+        switches = f"{v['switches_per_step']:,.0f}" if "switches_per_step" in v else "-"
         lines.append(f"| {name} | {v['median_samples_per_sec']:,.0f} | {runs} | "
-                     f"{v['peak_rss_mib']:,.0f} MiB | {faults} | {ratio} |")
+                     f"{v['peak_rss_mib']:,.0f} MiB | {faults} | {switches} | {ratio} |")
     return "\n".join(lines)
 
 
