@@ -20,17 +20,34 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import os
 
 import torch
 
 
+def _loaded_libgomp() -> str | None:
+    """The path of the GNU OpenMP runtime this process has loaded (torch's own copy first:
+    wheels may ship it under a hashed name such as ``libgomp-a34b3233.so.1``), or None."""
+    try:
+        with open("/proc/self/maps") as f:
+            paths = {line.split(None, 5)[5].strip() for line in f if line.count(" ") >= 5 and "libgomp" in line}
+    except OSError:
+        return None
+    paths = sorted(p for p in paths if os.path.basename(p).startswith("libgomp"))
+    torch_dir = os.path.dirname(torch.__file__)
+    return next((p for p in paths if p.startswith(torch_dir)), paths[0] if paths else None)
+
+
 @functools.cache
 def _omp_set_num_threads():
-    """libgomp's ``omp_set_num_threads`` of the OpenMP runtime torch loaded, or None."""
+    """``omp_set_num_threads`` of the OpenMP runtime torch loaded, or None."""
     if "OpenMP" not in torch.__config__.parallel_info():
         return None
-    try:  # (the name finds the library already loaded by torch, not another copy)
-        fn = ctypes.CDLL("libgomp.so.1", mode=getattr(ctypes, "RTLD_NOLOAD", 0) | ctypes.RTLD_GLOBAL).omp_set_num_threads
+    path = _loaded_libgomp()
+    if path is None:
+        return None
+    try:  # (RTLD_NOLOAD: the copy already loaded, never a second one)
+        fn = ctypes.CDLL(path, mode=getattr(os, "RTLD_NOLOAD", 0) | ctypes.RTLD_GLOBAL).omp_set_num_threads
     except (OSError, AttributeError):
         return None
     fn.argtypes, fn.restype = [ctypes.c_int], None
