@@ -39,6 +39,8 @@ def test_train_writes_run_directory_and_eval_reads_it(dataset, tmp_path, capsys)
     assert summary["eval"]["count"] == 3000  # the whole held-out day, last partial batch included
     for key in ("throughput", "peak_memory_bytes", "comm", "config", "versions"):
         assert key in summary
+    helpers = summary["kernels"]["helper_threads"]  # (hybridrec.threads)
+    assert helpers["single_threaded"] == ("OpenMP" in torch.__config__.parallel_info()), helpers
     lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert [x["step"] for x in lines if x["split"] == "train"] == [10, 20, 30]
     assert [x["step"] for x in lines if x["split"] == "eval"] == [15, 30]

@@ -64,3 +64,10 @@ def single_threaded() -> bool:
     torch.get_num_threads()  # torch's own per-thread setup first: it would set the count again later
     fn(1)
     return torch.get_num_threads() == 1
+
+
+def status() -> dict:
+    """What :func:`single_threaded` does in this process (summary.json ``kernels.helper_threads``)."""
+    if _omp_set_num_threads() is None:
+        return {"single_threaded": False, "reason": "torch without GNU OpenMP: helper threads keep torch's count"}
+    return {"single_threaded": True, "runtime": os.path.basename(_loaded_libgomp() or "")}

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 import hybridrec
+from hybridrec import threads
 from hybridrec.comm.codecs import Codec, TopKCodec, make_codec, tune_topk
 from hybridrec.comm.compress import (
     CastCompressor,
@@ -534,7 +535,8 @@ def build_trainer(cfg: Config, *, meta: DatasetMeta | None = None, topo: Topolog
     sparse_opt = (CombinedSparseOptimizer({"ps": PushOptimizer(model.sparse, name=cfg.optim.sparse,
                                                                 lr=cfg.optim.sparse_lr)})
                   if servers else build_sparse_optimizers(cfg, model.sparse))
-    kernels = {**tune_kernels(cfg, model, topo, sparse_opt), "allocator": allocator}
+    kernels = {**tune_kernels(cfg, model, topo, sparse_opt), "allocator": allocator,
+               "helper_threads": threads.status()}
     pipeline = TrainPipeline(train_loader, model.sparse, enabled=cfg.dist.pipeline, device=topo.device)
     schedule = LRSchedule(cfg.optim.warmup_steps, cfg.optim.decay, cfg.optim.decay_start, total_steps)
     scheduler = LRScheduler(schedule, dense_opt, sparse_opt,
