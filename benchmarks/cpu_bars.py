@@ -1,0 +1,125 @@
+"""The CPU throughput bars on this machine, in one command, with a verdict per bar.
+
+    .venv/bin/python benchmarks/cpu_bars.py                # 3 rounds, ~15 min on 2 cores
+    .venv/bin/python benchmarks/cpu_bars.py --rounds 1     # a first look
+
+Runs, in order, and reads back what they write:
+
+1. ``benchmarks/throughput.py --rounds R --no-ablation --variant bf16=train.precision=bf16``
+   with 1 process and with ``--nproc 2``: hybridrec fp32 and bf16 against TorchRec (fp32), the
+   benchmark DLRM (needs ``benchmarks/peers/setup_torchrec.sh``);
+2. the demo's full runs (``hybridrec demo --seed S``) in fp32 and in bf16 for each of
+   ``--seeds``, held-out AUC.
+
+and prints the bars with the measured values: fp32 >= 1.25x TorchRec (1 process and 2
+ranks); bf16 >= 2x TorchRec at an AUC within 0.001 of fp32 on every seed; bf16 >= 100,000
+samples/s in 1 process. The processor's name, family and model head the table (kernels are
+chosen by timing on the machine, so the numbers belong to it). Writes ``cpu_bars.json``
+and ``cpu_bars.md`` under ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from throughput import PEER_PY, machine  # noqa: E402
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    p.add_argument("--out", default=str(ROOT / "benchmarks" / "out" / "cpu_bars"), help="work directory")
+    p.add_argument("--rounds", type=int, default=3, help="alternating rounds of each throughput run")
+    p.add_argument("--seeds", default="0,1", help="demo seeds for the bf16 AUC check")
+    p.add_argument("--nproc", default="1,2", help="process counts of the throughput runs")
+    return p.parse_args(argv)
+
+
+def run(cmd: list[str]) -> None:
+    print("$ " + " ".join(cmd), file=sys.stderr, flush=True)
+    proc = subprocess.run(cmd, cwd=ROOT)
+    if proc.returncode:
+        raise SystemExit(f"failed ({proc.returncode}): {' '.join(cmd)}")
+
+
+def throughput(nproc: int, rounds: int, out: Path) -> dict:
+    work = out / f"throughput-{nproc}"
+    run([sys.executable, "benchmarks/throughput.py", "--rounds", str(rounds), "--no-ablation",
+         "--variant", "bf16=train.precision=bf16", "--nproc", str(nproc), "--out", str(work)])
+    rep = json.loads((work / f"throughput-nproc{nproc}-mh0.json").read_text())["results"]
+    return {name: {"samples_per_sec": v["median_samples_per_sec"], "runs": v["runs"],
+                   "vs_torchrec": v.get("vs_torchrec")} for name, v in rep.items()}
+
+
+def demo_auc(seed: int, precision: str, out: Path) -> float:
+    work = out / f"demo-seed{seed}-{precision}"
+    run([str(Path(sys.executable).with_name("hybridrec")), "demo", "--out", str(work), "--seed", str(seed),
+         f"train.precision={precision}", "train.resume=false"])
+    return json.loads((work / "run" / "summary.json").read_text())["eval"]["auc"]
+
+
+def verdicts(tp: dict, aucs: dict) -> list[tuple[str, str, bool]]:
+    """``(bar, measured, met)`` rows."""
+    rows = []
+    for n, r in sorted(tp.items()):
+        where = "1 process" if n == 1 else f"{n} ranks"
+        fp32, bf16 = r["hybridrec"]["vs_torchrec"], r["bf16"]["vs_torchrec"]
+        rows.append((f"fp32 >= 1.25x TorchRec, {where}", f"{fp32:.2f}x", fp32 >= 1.25))
+        rows.append((f"bf16 >= 2x TorchRec (fp32), {where}", f"{bf16:.2f}x", bf16 >= 2.0))
+    diffs = {s: a["bf16"] - a["fp32"] for s, a in aucs.items()}
+    rows.append(("bf16 AUC within 0.001 of fp32 (demo, every seed)",
+                 ", ".join(f"seed {s}: {d:+.5f}" for s, d in diffs.items()), all(abs(d) <= 0.001 for d in diffs.values())))
+    if 1 in tp:
+        sps = tp[1]["bf16"]["samples_per_sec"]
+        rows.append(("bf16 >= 100,000 samples/s, 1 process", f"{sps:,.0f}", sps >= 100_000))
+    return rows
+
+
+def format_md(rep: dict) -> str:
+    lines = [f"machine: {rep['machine']}   date: {rep['date']}   rounds: {rep['rounds']}", "",
+             "| run | " + " | ".join(f"{n} proc: samples/s (vs TorchRec)" for n in rep["throughput"]) + " |",
+             "|---|" + "---|" * len(rep["throughput"])]
+    names = list(next(iter(rep["throughput"].values())))
+    for name in names:
+        cells = []
+        for r in rep["throughput"].values():
+            v = r.get(name)
+            cells.append("-" if v is None else f"{v['samples_per_sec']:,.0f} ({v['vs_torchrec']:.2f}x)"
+                         if v.get("vs_torchrec") else f"{v['samples_per_sec']:,.0f}")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    lines += ["", "| demo seed | fp32 AUC | bf16 AUC |", "|---|---|---|"]
+    lines += [f"| {s} | {a['fp32']:.5f} | {a['bf16']:.5f} |" for s, a in rep["demo_auc"].items()]
+    lines += ["", "| bar | measured | |", "|---|---|---|"]
+    lines += [f"| {bar} | {got} | {'met' if ok else 'MISSED'} |" for bar, got, ok in rep["bars"]]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if not PEER_PY.exists():
+        print("TorchRec venv missing: run benchmarks/peers/setup_torchrec.sh first", file=sys.stderr)
+        return 2
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    tp = {int(n): throughput(int(n), args.rounds, out) for n in args.nproc.split(",")}
+    aucs = {int(s): {p: demo_auc(int(s), p, out) for p in ("fp32", "bf16")} for s in args.seeds.split(",")}
+    rep = {"machine": machine(), "date": str(datetime.date.today()), "rounds": args.rounds,
+           "throughput": tp, "demo_auc": aucs, "bars": verdicts(tp, aucs)}
+    (out / "cpu_bars.json").write_text(json.dumps(rep, indent=2))
+    md = format_md(rep)
+    (out / "cpu_bars.md").write_text(md + "\n")
+    print(md)
+    print(f"\nwritten: {out / 'cpu_bars.md'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
