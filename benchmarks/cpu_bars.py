@@ -1,6 +1,6 @@
 """The CPU throughput bars on this machine, in one command, with a verdict per bar.
 
-    .venv/bin/python benchmarks/cpu_bars.py                # 3 rounds, ~15 min on 2 cores
+    .venv/bin/python benchmarks/cpu_bars.py                # 3 rounds, ~10 min on 2 cores
     .venv/bin/python benchmarks/cpu_bars.py --rounds 1     # a first look
 
 Runs, in order, and reads back what they write:
