@@ -1,4 +1,4 @@
-"""Background threads run their torch operations on one core.
+"""Helper threads run their torch operators on one thread.
 
 torch's CPU operators split their work over an OpenMP team of ``torch.get_num_threads()``
 threads, and every Python thread that runs a parallel operator gets a team of its own.
@@ -11,9 +11,11 @@ each of the hundreds of parallel operators of a training step pays that wake-up:
 a 23 ms bf16 step of the benchmark DLRM on 2 cores (docs/benchmarks.md, "One OpenMP team").
 
 :func:`single_threaded` makes the calling thread's operators run without a team (its
-OpenMP thread count becomes 1; other threads keep theirs). The training loop's helper
-threads (the loader, checkpoint and delta writers, snapshot readers) call it first: their
-work is memory copies and small conversions, and the training step has the cores.
+OpenMP thread count becomes 1; other threads keep theirs). The helper threads that run
+beside the training step (the loader's prefetch thread, the async checkpoint writer, the
+incremental-save writer, the background synchronizer) call it first: their work is memory
+copies and small conversions, and the training step has the cores. The readers of a
+restart's snapshot and deltas keep their teams: the step waits for them.
 """
 
 from __future__ import annotations
