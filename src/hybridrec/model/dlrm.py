@@ -66,12 +66,17 @@ class DLRM(nn.Module):
         """Logits ``[B]``. ``sparse_input``: a handle the embedding collection takes
         beside the ids (a sharded collection's input_dist already under way); None for
         a single-device collection."""
-        sparse = batch.sparse
+        sparse, args = batch.sparse, () if sparse_input is None else (sparse_input,)
+        start = getattr(self.sparse, "start_forward", None)  # (a sharded collection's)
         with record_function("embeddings"):
-            pooled = self.sparse(sparse) if sparse_input is None else self.sparse(sparse, sparse_input)
+            pooled = start(sparse, *args) if start is not None else self.sparse(sparse, *args)
         with precision_scope(self.precision, batch.dense.device):
-            with record_function("bottom_mlp"):
+            with record_function("bottom_mlp"):  # (while the pooled rows travel: wait below)
                 x = self.bottom(batch.dense)
+        if start is not None:
+            with record_function("embeddings"):
+                pooled = pooled.wait()
+        with precision_scope(self.precision, batch.dense.device):
             with record_function("interaction"):
                 z = self.interaction(x, pooled.as_3d())
             with record_function("top_mlp"):

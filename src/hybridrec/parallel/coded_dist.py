@@ -8,7 +8,7 @@ own samples, ``[b, W_d]`` each, and every host's TRW block (below); backward run
 same exchange in reverse.
 
 Without codecs (``layout.coded`` None) the blocks travel as one float32 buffer
-(:class:`PlainAllToAll`). With codecs (:class:`CodedAllToAll`) each piece has a codec
+(:class:`_PlainStart` and :class:`_PlainFinish`, asynchronous: :func:`output_all_to_all_start`). With codecs (:class:`CodedAllToAll`) each piece has a codec
 (uncompressed pieces: the float32 identity, bit-exact); a run of neighbouring pieces
 with the same codec and width is coded at once as ``[rows, n, C]``.
 
@@ -57,6 +57,21 @@ from hybridrec.parallel.threshold_dist import ThresholdAllToAll
 from hybridrec.parallel.topology import Topology
 
 
+class Pending:
+    """Work under way: ``wait()`` finishes it and returns its result (an output exchange of
+    :func:`output_all_to_all_start`: ``(owners, hosts)``; a sharded lookup of
+    ``ShardedEmbeddingBagCollection.start_forward``: its ``KeyedTensor``). Wait exactly once."""
+
+    def __init__(self, finish) -> None:
+        self._finish = finish
+
+    def wait(self):
+        finish, self._finish = self._finish, None
+        if finish is None:
+            raise RuntimeError("already waited for")
+        return finish()
+
+
 def output_all_to_all(pooled: torch.Tensor, reduced: torch.Tensor, layout: EmbeddingLayout,
                       batch_sizes: list[int], topo: Topology,
                       ledger: CommLedger | None, *, threshold=None,
@@ -76,26 +91,47 @@ def output_all_to_all(pooled: torch.Tensor, reduced: torch.Tensor, layout: Embed
     Returns ``(owners, hosts)``: every owner's block for this rank's samples, ``[b, W_d]``
     per owner ``d``, and every host's TRW block, ``[b, W_h]`` per host (``[b, 0]`` without).
     """
+    return output_all_to_all_start(pooled, reduced, layout, batch_sizes, topo, ledger, threshold=threshold,
+                                   training=training).wait()
+
+
+def output_all_to_all_start(pooled: torch.Tensor, reduced: torch.Tensor, layout: EmbeddingLayout,
+                            batch_sizes: list[int], topo: Topology, ledger: CommLedger | None, *,
+                            threshold=None, training: bool = True) -> Pending:
+    """:func:`output_all_to_all` under way: work that does not need its result (the bottom
+    MLP) may run before ``wait()``. Only the plain exchange (no codecs, no threshold) is
+    asynchronous (:class:`_PlainStart`, :class:`_PlainFinish`); the others are done on return.
+    In backward the plain exchange of the gradients likewise travels while the autograd
+    nodes created between the start and the wait run."""
     me, b = topo.rank, batch_sizes[topo.rank]
     order = _recv_order(layout, me)
     widths = [layout.all_blocks[i].width for _, i in order]
-    if threshold is not None:
-        recv = ThresholdAllToAll.apply(pooled, layout, batch_sizes, topo, ledger, threshold, training)
-        parts = torch.split(recv, widths, dim=1)
-    elif layout.coded is not None:
-        recv = CodedAllToAll.apply(pooled, reduced, layout, batch_sizes, topo, ledger)
-        parts = torch.split(recv, widths, dim=1)
-    else:
-        recv = PlainAllToAll.apply(pooled, reduced, layout, batch_sizes, topo, ledger)
-        parts = [x.view(b, w) for x, w in zip(torch.split(recv, [b * w for w in widths]), widths)]
-    owners: list[torch.Tensor] = [pooled.new_zeros(b, 0)] * layout.world_size
-    hosts: list[torch.Tensor] = [pooled.new_zeros(b, 0)] * layout.num_hosts
-    for (o, i), x in zip(order, parts):
-        if i == o:
-            owners[o] = x
+
+    def assemble(parts) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        owners: list[torch.Tensor] = [pooled.new_zeros(b, 0)] * layout.world_size
+        hosts: list[torch.Tensor] = [pooled.new_zeros(b, 0)] * layout.num_hosts
+        for (o, i), x in zip(order, parts):
+            if i == o:
+                owners[o] = x
+            else:
+                hosts[i - layout.host_index(0)] = x
+        return owners, hosts
+
+    if threshold is not None or layout.coded is not None:
+        if threshold is not None:
+            recv = ThresholdAllToAll.apply(pooled, layout, batch_sizes, topo, ledger, threshold, training)
         else:
-            hosts[i - layout.host_index(0)] = x
-    return owners, hosts
+            recv = CodedAllToAll.apply(pooled, reduced, layout, batch_sizes, topo, ledger)
+        done = assemble(torch.split(recv, widths, dim=1))
+        return Pending(lambda: done)
+    flight = _InFlight()
+    buf = _PlainStart.apply(pooled, reduced, flight, layout, batch_sizes, topo, ledger)
+
+    def finish():
+        recv = _PlainFinish.apply(buf, flight, layout, batch_sizes, topo, ledger)
+        return assemble([x.view(b, w) for x, w in zip(torch.split(recv, [b * w for w in widths]), widths)])
+
+    return Pending(finish)
 
 
 def _recv_order(layout: EmbeddingLayout, rank: int) -> list[tuple[int, int]]:
@@ -188,38 +224,90 @@ def record_hop(ledger: CommLedger | None, layout: EmbeddingLayout, direction: st
         ledger.record("output_dist", table=table, direction=direction, sent=s, received=r, original=o)
 
 
-def _exchange(send: torch.Tensor, out_splits: list[int], in_splits: list[int], topo: Topology,
-              layout: EmbeddingLayout, ledger: CommLedger | None, direction: str) -> torch.Tensor:
-    """One ``all_to_all_single`` of a flat buffer (``in_splits[r]`` elements to rank ``r``,
-    ``out_splits[r]`` from it), recorded as moved: encoded bytes (uint8), or values of
-    the buffer's dtype (float32, or bf16 on the bf16 wire)."""
+def _exchange_start(send: torch.Tensor, out_splits: list[int], in_splits: list[int], topo: Topology,
+                    layout: EmbeddingLayout, ledger: CommLedger | None, direction: str):
+    """One ``all_to_all_single`` of a flat buffer under way (``in_splits[r]`` elements to rank
+    ``r``, ``out_splits[r]`` from it), recorded as moved: encoded bytes (uint8), or values of
+    the buffer's dtype (float32, or bf16 on the bf16 wire). Returns ``(out, handle)``: call
+    ``handle.wait()`` before reading ``out`` or changing ``send``."""
     out = send.new_empty(sum(out_splits))
-    topo.all_to_all(out, send, out_splits, in_splits)
+    handle = topo.all_to_all_start(out, send, out_splits, in_splits)
     item = send.element_size()
     record_hop(ledger, layout, direction, topo.rank, [n * item for n in in_splits],
                [n * item for n in out_splits], value_bytes=4 if send.dtype == torch.uint8 else item)
+    return out, handle
+
+
+def _exchange(send: torch.Tensor, out_splits: list[int], in_splits: list[int], topo: Topology,
+              layout: EmbeddingLayout, ledger: CommLedger | None, direction: str) -> torch.Tensor:
+    """:func:`_exchange_start`, waited for."""
+    out, handle = _exchange_start(send, out_splits, in_splits, topo, layout, ledger, direction)
+    handle.wait()
     return out
 
 
-class PlainAllToAll(torch.autograd.Function):
+class _InFlight:
+    """The plain exchange between :class:`_PlainStart` and :class:`_PlainFinish`: the
+    forward's handle and send buffer, then the backward's (kept alive until waited for)."""
+
+    __slots__ = ("handle", "send", "grad_out", "grad_handle", "grad_send")
+
+    def __init__(self) -> None:
+        self.handle = self.send = self.grad_out = self.grad_handle = self.grad_send = None
+
+
+class _PlainStart(torch.autograd.Function):
     """``pooled`` ``[total_B, W_rank]`` and ``reduced`` ``[rows, W_t]`` (see
-    :func:`output_all_to_all`) -> this rank's segments, flat, in wire order (``b * W``
-    floats each, :func:`_recv_order`); backward sends the gradients back the same way."""
+    :func:`output_all_to_all`) -> the receive buffer of this rank's segments, flat, in wire
+    order (``b * W`` floats each, :func:`_recv_order`), *being filled*: only
+    :class:`_PlainFinish` reads it, after the wait. Backward waits for the gradients'
+    exchange that :class:`_PlainFinish`'s backward started, and hands them on."""
 
     @staticmethod
-    def forward(ctx, pooled, reduced, layout: EmbeddingLayout, batch_sizes: list[int], topo: Topology,
-                ledger):
+    def forward(ctx, pooled, reduced, flight: _InFlight, layout: EmbeddingLayout, batch_sizes: list[int],
+                topo: Topology, ledger):
         to, frm = _splits(layout, batch_sizes, topo.rank, lambda i: layout.all_blocks[i].width)
-        ctx.meta = (layout, batch_sizes, topo, ledger, to, frm, pooled.shape[1], reduced.shape[1])
-        send = _by_peer(pooled, reduced, layout, batch_sizes, topo.rank)
-        return _exchange(send, frm, to, topo, layout, ledger, "fwd")
+        ctx.meta = (layout, batch_sizes, topo, pooled.shape[1], reduced.shape[1])
+        ctx.flight = flight
+        flight.send = _by_peer(pooled, reduced, layout, batch_sizes, topo.rank)
+        out, flight.handle = _exchange_start(flight.send, frm, to, topo, layout, ledger, "fwd")
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):  # (grad: what _PlainFinish sends; its exchange's result is flight.grad_out)
+        layout, batch_sizes, topo, own_cols, red_cols = ctx.meta
+        flight = ctx.flight
+        flight.grad_handle.wait()
+        g = flight.grad_out
+        flight.grad_out = flight.grad_handle = flight.grad_send = None
+        own, red = _from_peers(g, own_cols, red_cols, layout, batch_sizes, topo.rank)
+        return own, red, None, None, None, None, None
+
+
+class _PlainFinish(torch.autograd.Function):
+    """Waits for :class:`_PlainStart`'s exchange and passes its buffer on. Backward starts
+    the gradients' exchange and returns at once: the autograd nodes between the two (the
+    bottom MLP's backward, created between them in forward) run while it travels."""
+
+    @staticmethod
+    def forward(ctx, recv, flight: _InFlight, layout: EmbeddingLayout, batch_sizes: list[int],
+                topo: Topology, ledger):
+        flight.handle.wait()
+        flight.handle = flight.send = None
+        ctx.meta = (layout, batch_sizes, topo, ledger)
+        ctx.flight = flight
+        return recv.view_as(recv)
 
     @staticmethod
     def backward(ctx, grad):
-        layout, batch_sizes, topo, ledger, to, frm, own_cols, red_cols = ctx.meta
-        g = _exchange(grad.contiguous(), to, frm, topo, layout, ledger, "bwd")
-        own, red = _from_peers(g, own_cols, red_cols, layout, batch_sizes, topo.rank)
-        return own, red, None, None, None, None
+        layout, batch_sizes, topo, ledger = ctx.meta
+        flight = ctx.flight
+        to, frm = _splits(layout, batch_sizes, topo.rank, lambda i: layout.all_blocks[i].width)
+        flight.grad_send = grad.contiguous()
+        flight.grad_out, flight.grad_handle = _exchange_start(flight.grad_send, to, frm, topo, layout, ledger,
+                                                              "bwd")
+        # What _PlainStart's backward gets is not read: it takes flight.grad_out once waited for.
+        return flight.grad_send, None, None, None, None, None
 
 
 def _encode(x: torch.Tensor, layout: OwnerLayout, grad: bool, states=None):

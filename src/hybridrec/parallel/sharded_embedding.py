@@ -72,7 +72,7 @@ from hybridrec.model.embedding import (
     TableConfig,
     init_table_block,
 )
-from hybridrec.parallel.coded_dist import output_all_to_all
+from hybridrec.parallel.coded_dist import Pending, output_all_to_all_start
 from hybridrec.parallel.cost_model import dp_allreduce_bytes, step_bytes
 from hybridrec.parallel.grad_scale import scale_grad
 from hybridrec.parallel.host_reduce import host_reduce
@@ -215,32 +215,47 @@ class ShardedEmbeddingBagCollection(nn.Module):
     def forward(self, kjt: KeyedJagged, pending: PendingInput | None = None) -> KeyedTensor:
         """``kjt``: this rank's batch of ``B`` samples; ``pending``: its input_dist already
         under way (:meth:`start_input_dist`), or None to run it now."""
+        return self.start_forward(kjt, pending).wait()
+
+    def start_forward(self, kjt: KeyedJagged, pending: PendingInput | None = None) -> Pending:
+        """:meth:`forward` with its output exchange under way: ``wait()`` gives the
+        :class:`KeyedTensor`. Work that does not need it (the DLRM's bottom MLP) runs
+        between the two while the pooled rows travel, and in backward while their
+        gradients travel back (:func:`~hybridrec.parallel.coded_dist.output_all_to_all_start`)."""
         layout, world, b = self.layout, self.topo.world_size, kjt.batch_size
         if pending is not None and pending.local_batch != b:
             raise ValueError(f"the pending input_dist is of a batch of {pending.local_batch}, not {b}")
+        exchange = None
         if layout.has_shards:
             owner = pending.wait() if pending is not None else self.input_dist(kjt)
-            blocks, hosts = self._sharded_blocks(owner)
-        else:  # replicated tables only: nothing is distributed
-            blocks, hosts = [torch.empty(b, 0)] * world, [torch.empty(b, 0)] * layout.num_hosts
-        if self.replicated is not None:
+            exchange = self._sharded_blocks(owner)
+        if self.replicated is not None:  # (looked up while the exchange travels)
             local = self.replicated(kjt.select_keys(self.replicated.feature_names))
-            blocks.append(layout.replicated.encode(local))
+            replicated = layout.replicated.encode(local)
         else:
-            blocks.append(torch.empty(b, 0))
+            replicated = torch.empty(b, 0)
         if self.wire_dtype is not None:  # the output is assembled in the wire's dtype
-            blocks[-1] = blocks[-1].to(self.wire_dtype)
-        out, fm = self._combine(blocks + hosts, b)
-        out = scale_grad(out, 1.0 / world)
-        if fm is not None:
-            fm = scale_grad(fm, 1.0 / world)
-        if layout.mean_features:
-            out = self._apply_mean(out, kjt)
-        return KeyedTensor(self.feature_names, self.feature_dims, out, fm=fm)
+            replicated = replicated.to(self.wire_dtype)
 
-    def _sharded_blocks(self, owner: OwnerInput) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Lookup, the in-host sum of TRW partials, output_dist: every owner's block for this
-        rank's samples, ``[B, W_d]``, and every host's TRW block, ``[B, W_h]``."""
+        def finish() -> KeyedTensor:
+            if exchange is not None:
+                blocks, hosts = exchange.wait()
+            else:  # replicated tables only: nothing is distributed
+                blocks, hosts = [torch.empty(b, 0)] * world, [torch.empty(b, 0)] * layout.num_hosts
+            out, fm = self._combine([*blocks, replicated, *hosts], b)
+            out = scale_grad(out, 1.0 / world)
+            if fm is not None:
+                fm = scale_grad(fm, 1.0 / world)
+            if layout.mean_features:
+                out = self._apply_mean(out, kjt)
+            return KeyedTensor(self.feature_names, self.feature_dims, out, fm=fm)
+
+        return Pending(finish)
+
+    def _sharded_blocks(self, owner: OwnerInput) -> Pending:
+        """Lookup, the in-host sum of TRW partials, output_dist under way: its ``wait()``
+        gives every owner's block for this rank's samples, ``[B, W_d]``, and every host's TRW
+        block, ``[B, W_h]``."""
         layout, rank, sizes = self.layout, self.topo.rank, list(owner.batch_sizes)
         reduced = None  # this rank's in-host TRW sums (none without TRW tables on its host)
         if self.local is not None:
@@ -254,8 +269,8 @@ class ShardedEmbeddingBagCollection(nn.Module):
         reduced = pooled.new_zeros(0, 0) if reduced is None else reduced
         if self.wire_dtype is not None:  # cast where the dense arches would (module docstring)
             pooled, reduced = pooled.to(self.wire_dtype), reduced.to(self.wire_dtype)
-        owners, hosts = output_all_to_all(pooled, reduced, layout, sizes, self.topo, self.ledger,
-                                          threshold=self.threshold, training=self.training)
+        exchange = output_all_to_all_start(pooled, reduced, layout, sizes, self.topo, self.ledger,
+                                           threshold=self.threshold, training=self.training)
         if self.ledger is not None:  # the formula's bytes of this step, beside the counted ones
             pred = step_bytes(layout, rank, list(owner.batch_sizes), owner.ids,
                               backward=pooled.requires_grad)
@@ -266,7 +281,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
                 if category == "output_dist":
                     sent, received = sent * item // 4, received * item // 4
                 self.ledger.predict(category, table=table, direction=direction, sent=sent, received=received)
-        return owners, hosts
+        return exchange
 
     def _combine(self, blocks: list[torch.Tensor], b: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Every block ``[B, W_d]`` (owners, the replicated tables, then the hosts' TRW

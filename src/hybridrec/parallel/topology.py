@@ -61,13 +61,18 @@ class Topology:
     def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, out_splits: list[int],
                    in_splits: list[int]) -> None:
         """``all_to_all_single`` over :attr:`group`, synchronous, by :attr:`exchange`."""
+        self.all_to_all_start(out, inp, out_splits, in_splits).wait()
+
+    def all_to_all_start(self, out: torch.Tensor, inp: torch.Tensor, out_splits: list[int],
+                         in_splits: list[int]):
+        """:meth:`all_to_all` under way: returns a handle whose ``wait()`` must come before
+        ``out`` is read or ``inp`` changed."""
         if self.exchange == "pairwise":
-            PairwiseExchange([self.group], rank=self.rank, world_size=self.world_size).all_to_all_single(
-                out, inp, out_splits, in_splits).wait()
-        elif self.exchange == "collective":
-            dist.all_to_all_single(out, inp, out_splits, in_splits, group=self.group)
-        else:
-            raise ValueError(f"unknown exchange {self.exchange!r}: collective or pairwise")
+            return PairwiseExchange([self.group], rank=self.rank, world_size=self.world_size).all_to_all_single(
+                out, inp, out_splits, in_splits)
+        if self.exchange == "collective":
+            return dist.all_to_all_single(out, inp, out_splits, in_splits, group=self.group, async_op=True)
+        raise ValueError(f"unknown exchange {self.exchange!r}: collective or pairwise")
 
     @property
     def global_rank(self) -> int:
