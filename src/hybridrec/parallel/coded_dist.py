@@ -7,8 +7,9 @@ Every owner's partial results are ``[total_B, W]``: its block (pieces side by si
 own samples, ``[b, W_d]`` each, and every host's TRW block (below); backward runs the
 same exchange in reverse.
 
-Without codecs (``layout.coded`` None) the blocks travel as one float32 buffer
-(:class:`_PlainStart` and :class:`_PlainFinish`, asynchronous: :func:`output_all_to_all_start`). With codecs (:class:`CodedAllToAll`) each piece has a codec
+Without codecs (``layout.coded`` None) the blocks travel as one float32 buffer,
+asynchronously (:func:`output_all_to_all_start`: :class:`_PlainStart` and
+:class:`_PlainFinish`). With codecs (:class:`CodedAllToAll`) each piece has a codec
 (uncompressed pieces: the float32 identity, bit-exact); a run of neighbouring pieces
 with the same codec and width is coded at once as ``[rows, n, C]``.
 
