@@ -5,7 +5,9 @@ step by step in test_sharded_embedding and test_bf16_wire, which train through i
 import pytest
 import torch
 
+import test_deepfm as fm
 from distributed import run_ranks
+from hybridrec.model.deepfm import DeepFM
 from hybridrec.model.dlrm import DLRM
 from hybridrec.parallel.dense_sync import DDPSync
 from hybridrec.parallel.sharded_embedding import ShardedEmbeddingBagCollection
@@ -15,7 +17,7 @@ from test_sharded_embedding import DIM, GLOBAL_B, global_batches, make_plan, tab
 pytestmark = pytest.mark.distributed
 
 
-def worker(topo, kind):
+def worker(topo, kind, arch="dlrm"):
     events = []
     start = topo.all_to_all_start
 
@@ -33,18 +35,25 @@ def worker(topo, kind):
         return Logged(start(out, inp, out_splits, in_splits), n)
 
     topo.all_to_all_start = logged_start
-    ebc = ShardedEmbeddingBagCollection(tables(), make_plan(kind, topo.world_size), topo, seed=7)
-    sync = DDPSync(topo)
-    model = sync.wrap(DLRM(num_dense=3, sparse=ebc, bottom_mlp=[8, DIM], top_mlp=[6, 1]))
 
     def bottom_ran(module, args, out):
         events.append(("bottom forward", None))
         out.register_hook(lambda g: events.append(("bottom backward", None)))
 
+    per = GLOBAL_B // topo.world_size
+    if arch == "deepfm":  # one forward and backward of DeepFM's first batch (its FM pieces travel too)
+        ebc = ShardedEmbeddingBagCollection(fm.tables(), fm.make_plan(kind, topo.world_size), topo, seed=7)
+        model = DeepFM(num_dense=3, sparse=ebc, bottom_mlp=[8, fm.K], top_mlp=[6, 1])
+        model.bottom.register_forward_hook(bottom_ran)
+        batch = fm.local_batch(fm.global_batches()[0], topo.rank * per, (topo.rank + 1) * per)
+        model(batch).sum().backward()
+        return events
+    ebc = ShardedEmbeddingBagCollection(tables(), make_plan(kind, topo.world_size), topo, seed=7)
+    sync = DDPSync(topo)
+    model = sync.wrap(DLRM(num_dense=3, sparse=ebc, bottom_mlp=[8, DIM], top_mlp=[6, 1]))
     model.bottom.register_forward_hook(bottom_ran)
     dense_opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
     sparse = combined_sparse_optimizer("sgd", model.sparse, lr=0.1)
-    per = GLOBAL_B // topo.world_size
     train(model, (dense_opt, sparse), global_batches(False)[:1], topo.rank * per, (topo.rank + 1) * per,
                    sync=sync)
     return events
@@ -57,9 +66,9 @@ def spans(events, kind):
     return {n for e, n in events[at:] if e == "wait" and n in started}
 
 
-@pytest.mark.parametrize("kind", ["table_wise", "row_wise"])
-def test_the_output_exchange_travels_while_the_bottom_mlp_runs(kind):
-    for events in run_ranks(worker, 2, kind):
+@pytest.mark.parametrize("arch, kind", [("dlrm", "table_wise"), ("dlrm", "row_wise"), ("deepfm", "table_wise")])
+def test_the_output_exchange_travels_while_the_bottom_mlp_runs(arch, kind):
+    for events in run_ranks(worker, 2, kind, arch):
         assert len(spans(events, "bottom forward")) == 1, events  # the pooled rows
         assert len(spans(events, "bottom backward")) == 1, events  # their gradients
         assert spans(events, "bottom forward") != spans(events, "bottom backward")

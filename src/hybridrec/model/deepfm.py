@@ -41,7 +41,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hybridrec.model.embedding import KeyedTensor
+from hybridrec.model.embedding import KeyedTensor, lookup_during
 from hybridrec.model.interaction import make_interaction
 from hybridrec.model.kernels import check_precision, precision_scope
 from hybridrec.model.mlp import MLP
@@ -92,10 +92,12 @@ class DeepFM(nn.Module):
         self.precision = check_precision(precision)
 
     def forward(self, batch: Batch, *, sparse_input=None) -> torch.Tensor:
-        sparse = batch.sparse
-        pooled = self.sparse(sparse) if sparse_input is None else self.sparse(sparse, sparse_input)
+        def bottom() -> torch.Tensor:  # (while a sharded lookup's rows travel)
+            with precision_scope(self.precision, batch.dense.device):
+                return self.bottom(batch.dense)
+
+        pooled, x = lookup_during(self.sparse, batch.sparse, sparse_input, bottom)
         fields, z, q, s = fm_terms(pooled, self.dim)
         with precision_scope(self.precision, batch.dense.device):
-            x = self.bottom(batch.dense)
             deep = self.top(self.interaction(x, fields)).squeeze(1).float()
         return deep + z + 0.5 * (s.pow(2).sum(1) - q)

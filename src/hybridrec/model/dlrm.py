@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from torch.profiler import record_function
 
-from hybridrec.model.embedding import EmbeddingBagCollection
+from hybridrec.model.embedding import EmbeddingBagCollection, lookup_during
 from hybridrec.model.interaction import make_interaction
 from hybridrec.model.kernels import check_precision, precision_scope
 from hybridrec.model.mlp import MLP
@@ -66,16 +66,11 @@ class DLRM(nn.Module):
         """Logits ``[B]``. ``sparse_input``: a handle the embedding collection takes
         beside the ids (a sharded collection's input_dist already under way); None for
         a single-device collection."""
-        sparse, args = batch.sparse, () if sparse_input is None else (sparse_input,)
-        start = getattr(self.sparse, "start_forward", None)  # (a sharded collection's)
-        with record_function("embeddings"):
-            pooled = start(sparse, *args) if start is not None else self.sparse(sparse, *args)
-        with precision_scope(self.precision, batch.dense.device):
-            with record_function("bottom_mlp"):  # (while the pooled rows travel: wait below)
-                x = self.bottom(batch.dense)
-        if start is not None:
-            with record_function("embeddings"):
-                pooled = pooled.wait()
+        def bottom() -> torch.Tensor:  # (while a sharded lookup's rows travel)
+            with precision_scope(self.precision, batch.dense.device), record_function("bottom_mlp"):
+                return self.bottom(batch.dense)
+
+        pooled, x = lookup_during(self.sparse, batch.sparse, sparse_input, bottom)
         with precision_scope(self.precision, batch.dense.device):
             with record_function("interaction"):
                 z = self.interaction(x, pooled.as_3d())

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.profiler import record_function
 
 from hybridrec.sparse.keyed_jagged import KeyedJagged
 
@@ -477,6 +478,22 @@ class EmbeddingBagCollection(nn.Module):
             coef = F.embedding_bag(bags, sq_grads.unsqueeze(1), offsets, mode="sum", include_last_offset=True)
             rows[:, : g.fm_cols] += 2 * coef * weight[:, : g.fm_cols].index_select(0, unique)
         return unique, rows, True
+
+
+def lookup_during(collection, kjt: KeyedJagged, sparse_input, work):
+    """``(collection's KeyedTensor for kjt, work())``, with ``work`` (the bottom MLP) run while
+    the lookup's output travels when the collection can start it (a sharded collection's
+    ``start_forward``: forward, and in backward its gradients, overlap ``work``); else the
+    lookup first. ``sparse_input``: the collection's pending input_dist, or None."""
+    args = () if sparse_input is None else (sparse_input,)
+    start = getattr(collection, "start_forward", None)
+    with record_function("embeddings"):
+        pooled = start(kjt, *args) if start is not None else collection(kjt, *args)
+    done = work()
+    if start is not None:
+        with record_function("embeddings"):
+            pooled = pooled.wait()
+    return pooled, done
 
 
 def _bag_square_sums(weight: torch.Tensor, ids: torch.Tensor, offsets: torch.Tensor,
