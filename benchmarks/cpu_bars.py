@@ -61,7 +61,7 @@ def throughput(nproc: int, rounds: int, out: Path) -> dict:
 
 def demo_auc(seed: int, precision: str, out: Path) -> float:
     work = out / f"demo-seed{seed}-{precision}"
-    run([str(Path(sys.executable).with_name("hybridrec")), "demo", "--out", str(work), "--seed", str(seed),
+    run([sys.executable, "-m", "hybridrec", "demo", "--out", str(work), "--seed", str(seed),
          f"train.precision={precision}", "train.resume=false"])
     return json.loads((work / "run" / "summary.json").read_text())["eval"]["auc"]
 

@@ -41,8 +41,8 @@ def _loaded_libgomp() -> str | None:
 
 
 @functools.cache
-def _omp_set_num_threads():
-    """``omp_set_num_threads`` of the OpenMP runtime torch loaded, or None."""
+def _runtime():
+    """``(path, omp_set_num_threads)`` of the OpenMP runtime torch loaded, or None."""
     if "OpenMP" not in torch.__config__.parallel_info():
         return None
     path = _loaded_libgomp()
@@ -53,23 +53,24 @@ def _omp_set_num_threads():
     except (OSError, AttributeError):
         return None
     fn.argtypes, fn.restype = [ctypes.c_int], None
-    return fn
+    return path, fn
 
 
 def single_threaded() -> bool:
     """Run the calling thread's torch CPU operators on one thread (no OpenMP team of its
     own); other threads are not affected. Returns whether it could (torch built with GNU
     OpenMP); otherwise nothing changes. Call it first in a helper thread."""
-    fn = _omp_set_num_threads()
-    if fn is None:
+    runtime = _runtime()
+    if runtime is None:
         return False
     torch.get_num_threads()  # torch's own per-thread setup first: it would set the count again later
-    fn(1)
+    runtime[1](1)
     return torch.get_num_threads() == 1
 
 
 def status() -> dict:
     """What :func:`single_threaded` does in this process (summary.json ``kernels.helper_threads``)."""
-    if _omp_set_num_threads() is None:
+    runtime = _runtime()
+    if runtime is None:
         return {"single_threaded": False, "reason": "torch without GNU OpenMP: helper threads keep torch's count"}
-    return {"single_threaded": True, "runtime": os.path.basename(_loaded_libgomp() or "")}
+    return {"single_threaded": True, "runtime": os.path.basename(runtime[0])}

@@ -3,7 +3,7 @@ the bytes it moves.
 
 Every owner's partial results are ``[total_B, W]``: its block (pieces side by side,
 :mod:`hybridrec.parallel.layout`), rows = the samples of rank 0, then rank 1, ...
-:func:`output_all_to_all` returns, on every rank, every owner's block for the rank's
+:func:`output_all_to_all_start` returns, on every rank, every owner's block for the rank's
 own samples, ``[b, W_d]`` each, and every host's TRW block (below); backward runs the
 same exchange in reverse.
 
@@ -73,11 +73,10 @@ class Pending:
         return finish()
 
 
-def output_all_to_all(pooled: torch.Tensor, reduced: torch.Tensor, layout: EmbeddingLayout,
-                      batch_sizes: list[int], topo: Topology,
-                      ledger: CommLedger | None, *, threshold=None,
-                      training: bool = True) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """One exchange of every rank's pooled rows (autograd: the reverse hop).
+def output_all_to_all_start(pooled: torch.Tensor, reduced: torch.Tensor, layout: EmbeddingLayout,
+                            batch_sizes: list[int], topo: Topology, ledger: CommLedger | None, *,
+                            threshold=None, training: bool = True) -> Pending:
+    """One exchange of every rank's pooled rows (autograd: the reverse hop), under way.
 
     Args:
         pooled: this rank's block for every rank's samples, ``[sum(batch_sizes), W_rank]``.
@@ -89,21 +88,14 @@ def output_all_to_all(pooled: torch.Tensor, reduced: torch.Tensor, layout: Embed
             threshold over every sample's whole boundary vector instead of codecs (no TRW
             tables); ``training``: whether this forward may refresh it.
 
-    Returns ``(owners, hosts)``: every owner's block for this rank's samples, ``[b, W_d]``
-    per owner ``d``, and every host's TRW block, ``[b, W_h]`` per host (``[b, 0]`` without).
+    Its ``wait()`` returns ``(owners, hosts)``: every owner's block for this rank's samples,
+    ``[b, W_d]`` per owner ``d``, and every host's TRW block, ``[b, W_h]`` per host (``[b, 0]``
+    without). Work that does not need them (the bottom MLP) may run before ``wait()``. Only
+    the plain exchange (no codecs, no threshold) is asynchronous (:class:`_PlainStart`,
+    :class:`_PlainFinish`); the others are done on return. In backward the plain exchange
+    of the gradients likewise travels while the autograd nodes created between the start
+    and the wait run.
     """
-    return output_all_to_all_start(pooled, reduced, layout, batch_sizes, topo, ledger, threshold=threshold,
-                                   training=training).wait()
-
-
-def output_all_to_all_start(pooled: torch.Tensor, reduced: torch.Tensor, layout: EmbeddingLayout,
-                            batch_sizes: list[int], topo: Topology, ledger: CommLedger | None, *,
-                            threshold=None, training: bool = True) -> Pending:
-    """:func:`output_all_to_all` under way: work that does not need its result (the bottom
-    MLP) may run before ``wait()``. Only the plain exchange (no codecs, no threshold) is
-    asynchronous (:class:`_PlainStart`, :class:`_PlainFinish`); the others are done on return.
-    In backward the plain exchange of the gradients likewise travels while the autograd
-    nodes created between the start and the wait run."""
     me, b = topo.rank, batch_sizes[topo.rank]
     order = _recv_order(layout, me)
     widths = [layout.all_blocks[i].width for _, i in order]
@@ -129,7 +121,7 @@ def output_all_to_all_start(pooled: torch.Tensor, reduced: torch.Tensor, layout:
     buf = _PlainStart.apply(pooled, reduced, flight, layout, batch_sizes, topo, ledger)
 
     def finish():
-        recv = _PlainFinish.apply(buf, flight, layout, batch_sizes, topo, ledger)
+        recv = _PlainFinish.apply(buf, flight, layout, topo, ledger)
         return assemble([x.view(b, w) for x, w in zip(torch.split(recv, [b * w for w in widths]), widths)])
 
     return Pending(finish)
@@ -251,15 +243,15 @@ class _InFlight:
     """The plain exchange between :class:`_PlainStart` and :class:`_PlainFinish`: the
     forward's handle and send buffer, then the backward's (kept alive until waited for)."""
 
-    __slots__ = ("handle", "send", "grad_out", "grad_handle", "grad_send")
+    __slots__ = ("splits", "handle", "send", "grad_out", "grad_handle", "grad_send")
 
     def __init__(self) -> None:
-        self.handle = self.send = self.grad_out = self.grad_handle = self.grad_send = None
+        self.splits = self.handle = self.send = self.grad_out = self.grad_handle = self.grad_send = None
 
 
 class _PlainStart(torch.autograd.Function):
     """``pooled`` ``[total_B, W_rank]`` and ``reduced`` ``[rows, W_t]`` (see
-    :func:`output_all_to_all`) -> the receive buffer of this rank's segments, flat, in wire
+    :func:`output_all_to_all_start`) -> the receive buffer of this rank's segments, flat, in wire
     order (``b * W`` floats each, :func:`_recv_order`), *being filled*: only
     :class:`_PlainFinish` reads it, after the wait. Backward waits for the gradients'
     exchange that :class:`_PlainFinish`'s backward started, and hands them on."""
@@ -267,7 +259,7 @@ class _PlainStart(torch.autograd.Function):
     @staticmethod
     def forward(ctx, pooled, reduced, flight: _InFlight, layout: EmbeddingLayout, batch_sizes: list[int],
                 topo: Topology, ledger):
-        to, frm = _splits(layout, batch_sizes, topo.rank, lambda i: layout.all_blocks[i].width)
+        to, frm = flight.splits = _splits(layout, batch_sizes, topo.rank, lambda i: layout.all_blocks[i].width)
         ctx.meta = (layout, batch_sizes, topo, pooled.shape[1], reduced.shape[1])
         ctx.flight = flight
         flight.send = _by_peer(pooled, reduced, layout, batch_sizes, topo.rank)
@@ -291,24 +283,23 @@ class _PlainFinish(torch.autograd.Function):
     bottom MLP's backward, created between them in forward) run while it travels."""
 
     @staticmethod
-    def forward(ctx, recv, flight: _InFlight, layout: EmbeddingLayout, batch_sizes: list[int],
-                topo: Topology, ledger):
+    def forward(ctx, recv, flight: _InFlight, layout: EmbeddingLayout, topo: Topology, ledger):
         flight.handle.wait()
         flight.handle = flight.send = None
-        ctx.meta = (layout, batch_sizes, topo, ledger)
+        ctx.meta = (layout, topo, ledger)
         ctx.flight = flight
         return recv.view_as(recv)
 
     @staticmethod
     def backward(ctx, grad):
-        layout, batch_sizes, topo, ledger = ctx.meta
+        layout, topo, ledger = ctx.meta
         flight = ctx.flight
-        to, frm = _splits(layout, batch_sizes, topo.rank, lambda i: layout.all_blocks[i].width)
+        to, frm = flight.splits
         flight.grad_send = grad.contiguous()
         flight.grad_out, flight.grad_handle = _exchange_start(flight.grad_send, to, frm, topo, layout, ledger,
                                                               "bwd")
         # What _PlainStart's backward gets is not read: it takes flight.grad_out once waited for.
-        return flight.grad_send, None, None, None, None, None
+        return flight.grad_send, None, None, None, None
 
 
 def _encode(x: torch.Tensor, layout: OwnerLayout, grad: bool, states=None):
@@ -347,7 +338,7 @@ def _decode(buf: torch.Tensor, layout: OwnerLayout, grad: bool, states=None):
 
 class CodedAllToAll(torch.autograd.Function):
     """``pooled`` ``[total_B, W_rank]`` and ``reduced`` ``[rows, W_t]`` (see
-    :func:`output_all_to_all`) -> this rank's decoded segments side by side, ``[b, sum W]``
+    :func:`output_all_to_all_start`) -> this rank's decoded segments side by side, ``[b, sum W]``
     in wire order (:func:`_recv_order`); backward codes the gradients the same way."""
 
     @staticmethod
