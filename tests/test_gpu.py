@@ -9,12 +9,17 @@ AUC of fp32 on this tiny model and data.
 """
 
 import json
+import warnings
+from pathlib import Path
 
 import pytest
 import torch
 
 from synth_data import synth_dataset
 from hybridrec.cli.main import main
+from hybridrec.train import recipes
+from hybridrec.train.build import build_trainer
+from hybridrec.train.config import build_config
 from hybridrec.train.run import load_run_model
 
 pytestmark = [pytest.mark.gpu,
@@ -89,3 +94,42 @@ def test_hogwild_threads_are_refused_on_the_gpu(dataset, tmp_path, capsys):
     assert main(["train", "--recipe", "demo", f"data.path={dataset}", f"train.run_dir={tmp_path / 'run'}",
                  *SMALL, "train.workers=2"]) == 2
     assert "Hogwild threads share CPU cores and are not supported on a GPU" in capsys.readouterr().err
+
+
+def _waits(dataset, run, *extra) -> list[str]:
+    """Where 4 training steps (after 2 untimed ones), the next batch's copy included, made the
+    host wait for the GPU: torch's synchronization warnings, by file and line."""
+    cfg = build_config(recipes.recipe("demo"), overrides=[
+        f"data.path={dataset}", f"train.run_dir={run}", "train.resume=false", "dist.backend=auto",
+        *SMALL, *extra])
+    trainer = build_trainer(cfg)
+    assert trainer.topo.device.type == "cuda"
+    it = trainer.pipeline.batches(6)
+    for _ in range(2):
+        trainer.train_step(*next(it))
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            for item in it:
+                trainer.train_step(*item)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sorted({f"{Path(w.filename).name}:{w.lineno}: {str(w.message)[:90]}" for w in caught
+                   if "synchroniz" in str(w.message).lower()})
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_a_one_hot_sgd_step_never_waits_for_the_gpu(dataset, tmp_path, precision):
+    """The loader pins, the copy is queued, the ids' facts come from the host: nothing in the
+    step of one-hot data with SGD makes the host wait (docs/design.md, "Device")."""
+    waits = _waits(dataset, tmp_path / "run", "optim.dense=sgd", "optim.sparse=sgd", f"train.precision={precision}")
+    assert waits == []
+
+
+def test_row_wise_adagrad_waits_only_to_count_distinct_ids(dataset, tmp_path):
+    """The named exception: summing repeated ids first needs their number on the host
+    (``group_ids``' unique_consecutive), once per fused table and step; nothing else waits."""
+    waits = _waits(dataset, tmp_path / "run")  # (the demo recipe: row-wise Adagrad)
+    assert waits and all(w.startswith("embedding.py") for w in waits), waits

@@ -130,6 +130,8 @@ class ShardedLoader:
         seed: with the epoch, fixes every permutation.
         drop_last: drop a partial last global batch; default True for "train", else False.
         prefetch: batches prepared ahead by a background thread (0: none, no thread).
+        pin_memory: yield batches in page-locked memory (made by the prefetch thread,
+            when there is one), for a copy to a GPU that does not block the host.
 
     ``len(loader)`` is the number of steps per epoch (the same on every rank).
     ``state_dict()`` is ``{"epoch", "step"}`` of the next batch to yield; a loader
@@ -149,6 +151,7 @@ class ShardedLoader:
         seed: int = 0,
         drop_last: bool | None = None,
         prefetch: int = 2,
+        pin_memory: bool = False,
     ) -> None:
         self.meta = dataset if isinstance(dataset, DatasetMeta) else DatasetMeta.load(dataset)
         if batch_size < 1 or world_size < 1 or not 0 <= rank < world_size:
@@ -167,6 +170,7 @@ class ShardedLoader:
         self.shuffle = (split == "train") if shuffle is None else bool(shuffle)
         self.drop_last = (split == "train") if drop_last is None else bool(drop_last)
         self.shuffle_window, self.seed, self.prefetch = shuffle_window, seed, prefetch
+        self.pin_memory = pin_memory
         self.schema = self.meta.schema
         infos = self.meta.split_parts(split)
         self._parts = [_Part(self.meta.part_dir(p.name), self.schema, p.rows) for p in infos]
@@ -235,7 +239,8 @@ class ShardedLoader:
     def _produce(self, epoch: int, start: int) -> Iterator[tuple[int, Batch]]:
         order = self._order(epoch)
         for step in range(start, len(self)):
-            yield step, self.batch(self.rows(step, order=order))
+            batch = self.batch(self.rows(step, order=order))
+            yield step, batch.pin_memory() if self.pin_memory else batch
 
     def batch(self, rows: np.ndarray) -> Batch:
         """The Batch of the given global rows, in that order."""

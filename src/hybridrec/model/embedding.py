@@ -118,14 +118,19 @@ def init_table_block(
     return out
 
 
-def group_ids(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def group_ids(ids: torch.Tensor, bound: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Occurrences of each distinct id: ``(unique ascending int64, offsets [u+1], perm)`` with
     ``perm[offsets[i]:offsets[i+1]]`` the positions of ``unique[i]`` in ``ids``, in order.
 
-    Sorts 32-bit keys when the ids fit (more than twice as fast as 64-bit on CPU);
-    the sort is stable, so everything built on it is deterministic.
+    Sorts 32-bit keys when the ids fit (more than twice as fast as 64-bit on CPU): every id
+    is below ``bound`` where given (a table's rows), else the largest id is looked at (on a
+    GPU, a wait for it). The sort is stable, so everything built on it is deterministic.
+    The number of distinct ids sizes the outputs: on a GPU ``unique_consecutive`` makes the
+    host wait for it, the one synchronization of a step with multi-id bags or with a row
+    optimizer that sums repeated ids first (row-wise Adagrad, lazy Adam, bf16 tables).
     """
-    key = ids.to(torch.int32) if ids.numel() and int(ids.max()) < 2**31 else ids
+    small = bound < 2**31 if bound is not None else bool(ids.numel()) and int(ids.max()) < 2**31
+    key = ids.to(torch.int32) if small else ids
     sorted_ids, perm = torch.sort(key, stable=True)
     unique, counts = torch.unique_consecutive(sorted_ids, return_counts=True)
     offsets = torch.zeros(counts.numel() + 1, dtype=torch.int64, device=ids.device)
@@ -171,19 +176,21 @@ def stochastic_round(x: torch.Tensor, dtype: torch.dtype = torch.bfloat16,
     torch.add(bits[:full].view(-1, k), noise, out=cut[:full].view(-1, k))
     torch.add(bits[full:], noise[: n - full], out=cut[full:])
     cut.bitwise_and_(-65536)  # the low 16 bits (what bf16 drops) cleared
-    if not bool(torch.isfinite(x.sum())):  # (NaN payloads could carry into the sign)
+    # (NaN payloads could carry into the sign.) On a GPU always masked: looking first would
+    # make the host wait for it.
+    if x.device.type != "cpu" or not bool(torch.isfinite(x.sum())):
         cut = torch.where(torch.isnan(x.view(-1)), bits, cut)
     return cut.view(torch.float32).view(x.shape).to(torch.bfloat16)  # exact: nothing left to round
 
 
-def aggregate_rows(ids: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sum the rows of repeated ids.
+def aggregate_rows(ids: torch.Tensor, rows: torch.Tensor, bound: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sum the rows of repeated ids (all below ``bound`` where given, see :func:`group_ids`).
 
     ``ids`` ``[n]``, ``rows`` ``[n, d]`` -> ``(unique_ids [u], summed [u, d])``,
     unique ids ascending. Deterministic: a stable sort keeps occurrence order
     and ``embedding_bag`` adds each bag's rows in that order.
     """
-    unique, offsets, perm = group_ids(ids)
+    unique, offsets, perm = group_ids(ids, bound=bound)
     summed = F.embedding_bag(perm, rows, offsets, mode="sum", include_last_offset=True)
     return unique, summed
 
@@ -284,6 +291,7 @@ class EmbeddingBagCollection(nn.Module):
         self._groups: list[_Group] = []
         self._table_rows: dict[str, tuple[int, int]] = {}  # name -> (group, first row)
         self._pending_by_thread: dict[int, list[_Lookup]] = {}  # lookups not popped yet, see the class
+        self._row_off_cache: dict = {}  # (group, device) -> its features' first rows, _row_offsets
         self._build_groups(tables, device)
         if init_values:
             self.reset_parameters()
@@ -407,22 +415,32 @@ class EmbeddingBagCollection(nn.Module):
                 raise KeyError(f"input has no feature(s) {missing}")
             kjt = kjt.select_keys(g.features)
         b, nf = kjt.batch_size, len(g.features)
-        dev = kjt.values.device
-        row_off = torch.tensor(g.feature_row_offset, dtype=torch.int64, device=dev)
-        if kjt.values.numel() == nf * b and bool((kjt.lengths == 1).all()):
+        dev, nnz = kjt.values.device, kjt.values.numel()
+        row_off = self._row_offsets(g, dev)
+        if kjt.one_id_per_bag():  # (a host-side fact: no GPU sync, KeyedJagged.to)
             ids = (kjt.values.view(nf, b) + row_off.unsqueeze(1)).t().reshape(-1)
             return ids, None, torch.arange(nf * b + 1, device=dev)
-        counts = torch.tensor(kjt.length_per_key(), device=dev)
-        ids_km = kjt.values + torch.repeat_interleave(row_off, counts)
+        # (output sizes given: nothing here waits for a GPU)
+        counts = kjt.lengths.view(nf, b).sum(1)
+        ids_km = kjt.values + torch.repeat_interleave(row_off, counts, output_size=nnz)
         # Reorder values from key-major to sample-major bags (an int gather).
         lengths = kjt.lengths.view(nf, b).t().reshape(-1).to(torch.int64)
         starts = kjt.offsets()[:-1].view(nf, b).t().reshape(-1)
         offsets = torch.zeros(nf * b + 1, dtype=torch.int64, device=dev)
         torch.cumsum(lengths, 0, out=offsets[1:])
-        src = torch.repeat_interleave(starts - offsets[:-1], lengths) + torch.arange(
-            int(offsets[-1]), device=dev
+        src = torch.repeat_interleave(starts - offsets[:-1], lengths, output_size=nnz) + torch.arange(
+            nnz, device=dev
         )
         return ids_km.index_select(0, src), lengths, offsets
+
+    def _row_offsets(self, g: _Group, device: torch.device) -> torch.Tensor:
+        """The first row of each of ``g``'s features inside its fused weight, int64 on
+        ``device`` (made once per device: a copy from the host would wait for a GPU)."""
+        key = (id(g), device)
+        off = self._row_off_cache.get(key)
+        if off is None:
+            off = self._row_off_cache[key] = torch.tensor(g.feature_row_offset, dtype=torch.int64, device=device)
+        return off
 
     # -- gradients -----------------------------------------------------------
     @property
@@ -466,8 +484,9 @@ class EmbeddingBagCollection(nn.Module):
             return lk.ids, bag_grads, False
         # The gradient of row r is the sum of the gradients of the bags holding r:
         # an embedding_bag over the bags, grouped by id (stable sort: deterministic).
-        bag_of_id = torch.repeat_interleave(torch.arange(nf * b, device=bag_grads.device), lk.lengths)
-        unique, offsets, perm = group_ids(lk.ids)
+        bag_of_id = torch.repeat_interleave(torch.arange(nf * b, device=bag_grads.device), lk.lengths,
+                                            output_size=lk.ids.numel())
+        unique, offsets, perm = group_ids(lk.ids, bound=weight.shape[0])
         bags = bag_of_id.index_select(0, perm)
         weights = None
         if g.pooling == "mean":

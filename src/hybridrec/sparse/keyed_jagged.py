@@ -36,7 +36,7 @@ class KeyedJagged:
         lengths: int32 bag sizes, shape ``[len(keys) * batch_size]``.
     """
 
-    __slots__ = ("keys", "values", "lengths", "_offsets", "_length_per_key")
+    __slots__ = ("keys", "values", "lengths", "_offsets", "_length_per_key", "_one_id")
 
     def __init__(self, keys: list[str], values: torch.Tensor, lengths: torch.Tensor) -> None:
         if lengths.dim() != 1 or values.dim() != 1:
@@ -53,6 +53,7 @@ class KeyedJagged:
         self.lengths = lengths
         self._offsets: torch.Tensor | None = None
         self._length_per_key: list[int] | None = None
+        self._one_id: bool | None = None
 
     @staticmethod
     def from_dense(keys: list[str], ids: torch.Tensor) -> KeyedJagged:
@@ -94,6 +95,22 @@ class KeyedJagged:
             )
         return self._length_per_key
 
+    def one_id_per_bag(self) -> bool:
+        """Whether every bag holds exactly one id (one-hot features; one host sync, cached)."""
+        if self._one_id is None:
+            self._one_id = self.values.numel() == self.lengths.numel() and bool((self.lengths == 1).all())
+        return self._one_id
+
+    def _with_facts(self, other: KeyedJagged) -> KeyedJagged:
+        """``other`` (this batch elsewhere) with this one's host-side facts, worked out here
+        first when this batch is on the CPU: a batch copied to a GPU then never waits for
+        the GPU to learn its bag sizes (:meth:`length_per_key`, :meth:`one_id_per_bag`)."""
+        if self.values.device.type == "cpu":
+            self.length_per_key()
+            self.one_id_per_bag()
+        other._length_per_key, other._one_id = self._length_per_key, self._one_id
+        return other
+
     def split_by_key(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """``{key: (values, lengths)}`` views."""
         b = self.batch_size
@@ -110,14 +127,15 @@ class KeyedJagged:
         )
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> KeyedJagged:
-        return KeyedJagged(
+        """This batch on ``device``, with its host-side facts (:meth:`_with_facts`)."""
+        return self._with_facts(KeyedJagged(
             self.keys,
             self.values.to(device, non_blocking=non_blocking),
             self.lengths.to(device, non_blocking=non_blocking),
-        )
+        ))
 
     def pin_memory(self) -> KeyedJagged:
-        return KeyedJagged(self.keys, self.values.pin_memory(), self.lengths.pin_memory())
+        return self._with_facts(KeyedJagged(self.keys, self.values.pin_memory(), self.lengths.pin_memory()))
 
     def __repr__(self) -> str:
         return (

@@ -189,18 +189,22 @@ def build_threshold_mp(cfg: Config, plan: ShardingPlan, total_steps: int) -> Thr
     return ThresholdMP(c.embedding_ratio, every, cap=c.embedding_cap, values=c.embedding_values)
 
 
-def build_loaders(cfg: Config, meta: DatasetMeta, *, rank: int = 0, world_size: int = 1):
+def build_loaders(cfg: Config, meta: DatasetMeta, *, rank: int = 0, world_size: int = 1,
+                  pin_memory: bool = False):
+    """The training and evaluation loaders of this rank (``pin_memory``: for a GPU, batches
+    pinned by the loaders' prefetch threads)."""
     d = cfg.data
     train = ShardedLoader(meta, split="train", batch_size=d.batch_size, rank=rank,
                           world_size=world_size, shuffle=d.shuffle, shuffle_window=d.shuffle_window,
-                          seed=cfg.train.seed, drop_last=True, prefetch=d.prefetch)
+                          seed=cfg.train.seed, drop_last=True, prefetch=d.prefetch, pin_memory=pin_memory)
     if len(train) == 0:
         raise ConfigError(
             f"data.batch_size={d.batch_size} x {world_size} rank(s) is larger than the "
             f"{meta.split_rows('train')} training rows of {meta.path}"
         )
     evals = ShardedLoader(meta, split="eval", batch_size=d.eval_batch_size, rank=rank,
-                          world_size=world_size, shuffle=False, drop_last=False, prefetch=d.prefetch)
+                          world_size=world_size, shuffle=False, drop_last=False, prefetch=d.prefetch,
+                          pin_memory=pin_memory)
     return train, evals
 
 
@@ -511,7 +515,8 @@ def build_trainer(cfg: Config, *, meta: DatasetMeta | None = None, topo: Topolog
     if not cfg.train.resume and topo.lead:
         start_over(run_dir)
     # (Hierarchical training: every rank of every group its own part of the data.)
-    train_loader, eval_loader = build_loaders(cfg, meta, rank=topo.global_rank, world_size=topo.global_world_size)
+    train_loader, eval_loader = build_loaders(cfg, meta, rank=topo.global_rank, world_size=topo.global_world_size,
+                                              pin_memory=topo.device.type == "cuda")
     total_steps = planned_steps(cfg, len(train_loader))
     dense_sync = build_dense_sync(cfg, topo, ledger, total_steps=total_steps)
     servers = None

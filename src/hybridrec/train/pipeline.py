@@ -90,8 +90,9 @@ class TrainPipeline:
 
 
 def to_device(batch: Batch, device: torch.device) -> Batch:
-    """``batch`` on ``device``: as it is for the CPU; for a GPU through pinned memory, the
-    copy queued without waiting (the step's kernels on the same stream come after it)."""
+    """``batch`` on ``device``: as it is for the CPU; for a GPU through pinned memory (the
+    loader's prefetch thread pinned it already, else it is pinned here), the copy queued
+    without waiting (the step's kernels on the same stream come after it)."""
     if device.type == "cpu":
         return batch
     return batch.pin_memory().to(device, non_blocking=True)

@@ -63,7 +63,7 @@ class SparseOptimizer:
             rows_add_(weight, ids, delta, self.row_adds[group])
             return
         if not unique:  # one read-modify-write per row
-            ids, delta = aggregate_rows(ids, delta)
+            ids, delta = aggregate_rows(ids, delta, bound=weight.shape[0])
         new = weight.index_select(0, ids).float().add_(delta)
         weight.index_copy_(0, ids, stochastic_round(new, weight.dtype))
 
@@ -125,7 +125,7 @@ class RowWiseAdagrad(SparseOptimizer):
         return {"sum": self._acc[group]}
 
     def _update(self, group, weight, ids, rows, unique):
-        unique, grad = (ids, rows) if unique else aggregate_rows(ids, rows)
+        unique, grad = (ids, rows) if unique else aggregate_rows(ids, rows, bound=weight.shape[0])
         acc = self._acc[group]
         new_acc = acc.index_select(0, unique) + grad.pow(2).mean(1)
         acc.index_copy_(0, unique, new_acc)
@@ -150,7 +150,7 @@ class LazyAdam(SparseOptimizer):
         return {"exp_avg": self._m[group], "exp_avg_sq": self._v[group]}
 
     def _update(self, group, weight, ids, rows, unique):
-        unique, grad = (ids, rows) if unique else aggregate_rows(ids, rows)
+        unique, grad = (ids, rows) if unique else aggregate_rows(ids, rows, bound=weight.shape[0])
         m = self._m[group].index_select(0, unique).mul_(self.beta1).add_(grad, alpha=1 - self.beta1)
         v = self._v[group].index_select(0, unique).mul_(self.beta2).addcmul_(grad, grad, value=1 - self.beta2)
         self._m[group].index_copy_(0, unique, m)
