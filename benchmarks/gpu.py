@@ -369,7 +369,8 @@ def micro_kernels(args, device: torch.device) -> list[dict]:
     (one id per bag) and the SGD row update, with Zipf and with uniform ids; bytes are the
     least each must move (lookup: read and write every row; update: read the delta, read and
     write every touched row)."""
-    from hybridrec.model.embedding import aggregate_rows
+    from hybridrec.model.embedding import aggregate_rows, lookup_impls, lookup_rows
+    from hybridrec.model.kernels import rows_add_
 
     d, rows = MODELS["d64"]["dim"], args.rows
     n = args.batch_size * NUM_TABLES
@@ -388,14 +389,18 @@ def micro_kernels(args, device: torch.device) -> list[dict]:
             "lookup embedding_bag": (lambda: F.embedding_bag(ids, w, offsets, mode="sum", include_last_offset=True),
                                      2 * row_bytes),
             "lookup index_select": (lambda: w.index_select(0, ids), 2 * row_bytes),
+            "lookup triton": (lambda: lookup_rows(w, ids, "triton"), 2 * row_bytes),
             "update scatter_add_": (lambda: w.scatter_add_(0, ids.unsqueeze(1).expand(-1, d), delta), 3 * row_bytes),
             "update index_add_": (lambda: w.index_add_(0, ids, delta), 3 * row_bytes),
             "update mul_ + index_add_": (lambda: w.index_add_(0, ids, delta.mul(-0.01)), 3 * row_bytes),
             "update index_add_ alpha": (lambda: w.index_add_(0, ids, delta, alpha=-0.01), 3 * row_bytes),
+            "update triton (scale fused)": (lambda: rows_add_(w, ids, delta, "triton", alpha=-0.01), 3 * row_bytes),
             "update sort + sum + index_add_": (lambda: w.index_add_(0, *aggregate_rows(ids, delta, bound=w.shape[0])),
                                                3 * row_bytes),
             "copy (reference)": (lambda: delta.clone(), 2 * row_bytes),
         }
+        if "triton" not in lookup_impls(device):
+            del cands["lookup triton"], cands["update triton (scale fused)"]
         for name, (fn, nbytes) in cands.items():
             secs = best_seconds(fn, device)
             out.append({"ids": law, "kernel": name, "ms": secs * 1e3, "bytes_per_s": nbytes / secs})
@@ -438,7 +443,7 @@ def run_model(name: str, args, device: torch.device, r: dict) -> dict:
             med = statistics.median(sps[k])
             entry = {"median_samples_per_sec": med, "runs": sps[k], "step_ms": 1e3 * args.batch_size / med}
             if k in kernels:
-                entry["kernels"] = {c["shape"]: c["impl"] for part in ("linear", "interaction", "embedding_update")
+                entry["kernels"] = {c["shape"]: c["impl"] for part in ("linear", "interaction", "embedding_update", "embedding_lookup")
                                     for c in kernels[k].get(part, []) if c.get("shape")}
             if args.profile_steps:
                 entry["phases_ms"], table = phase_profile(step, batches, args.profile_steps, device)

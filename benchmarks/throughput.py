@@ -282,7 +282,7 @@ def summarize(runs: dict, args, data: Path) -> dict:
         if rs[0].get("kernels"):  # the first run's choices: what the run-time measurement picked
             k = rs[0]["kernels"]
             rows[name]["device"] = rs[0].get("device", "cpu")
-            rows[name]["kernels"] = {c["shape"]: c["impl"] for part in ("linear", "interaction", "embedding_update")
+            rows[name]["kernels"] = {c["shape"]: c["impl"] for part in ("linear", "interaction", "embedding_update", "embedding_lookup")
                                      for c in k.get(part, []) if c.get("shape")}
     if "torchrec" in rows:
         base = rows["torchrec"]["median_samples_per_sec"]

@@ -33,6 +33,11 @@ Tolerances, stated:
   largest magnitude) per entry and by half a step on average.
 - ``group_ids`` / ``aggregate_rows``: ids, offsets and permutations bit-identical (a stable
   sort); the summed rows within rtol 1e-5 / atol 1e-6.
+- The lookup of one id per bag (``embedding.LOOKUPS``: ``embedding_bag``, ``index_select``
+  and, on a GPU with Triton, ``triton``): copies of the rows, bit-identical to the CPU's.
+- The kernel candidates that pad to multiples of 8 (the interaction's ``gather_pad`` and the
+  linear ``torch_pad8``): the same values as the unpadded ones on the device within rtol 1e-5 /
+  atol 1e-6 in fp32 (another summation blocking), and within bf16's rounding (rtol 2e-2) in bf16.
 """
 
 import math
@@ -349,6 +354,7 @@ def _tables(ebc) -> dict[str, torch.Tensor]:
 OPTIMIZERS = {
     "sgd": ("sgd", 0.1, None),
     "sgd-index_add": ("sgd", 0.1, "index_add"),
+    "sgd-triton": ("sgd", 0.1, "triton"),  # (on the device; the CPU adds with scatter_add)
     "rowwise_adagrad": ("rowwise_adagrad", 0.1, None),
     "lazy_adam": ("lazy_adam", 0.01, None),
 }
@@ -357,14 +363,18 @@ OPTIMIZERS = {
 @pytest.mark.parametrize("kinds", KINDS)
 @pytest.mark.parametrize("optim", OPTIMIZERS)
 def test_sparse_optimizer_on_the_device_as_on_the_cpu(optim, kinds):
+    from hybridrec.model.kernels import row_add_impls
+
     name, lr, row_add = OPTIMIZERS[optim]
+    if row_add is not None and row_add not in row_add_impls(DEV):
+        pytest.skip(f"row update {row_add!r} does not run on {DEV}")
     ebc_d = EmbeddingBagCollection(TABLES, device=torch.device(DEV), seed=3)
     ebc_c = EmbeddingBagCollection(TABLES, seed=3)
     opt_d = build_sparse_optimizer(name, ebc_d, lr=lr)
     opt_c = build_sparse_optimizer(name, ebc_c, lr=lr)
     if row_add is not None:
         opt_d.row_adds = [row_add] * ebc_d.num_groups
-        opt_c.row_adds = [row_add] * ebc_c.num_groups
+        opt_c.row_adds = [row_add if row_add != "triton" else "scatter_add"] * ebc_c.num_groups
     init = {n: w.clone() for n, w in _tables(ebc_c).items()}
     for n, w in _tables(ebc_d).items():
         assert_on_dev(w)
@@ -528,3 +538,81 @@ def test_group_ids_and_aggregate_rows_on_the_device_as_on_the_cpu(case):
         else:
             for a, b in zip(got, first):
                 same(a, b, f"bound={bound} against none")
+
+
+@pytest.mark.parametrize("dim", [16, 64, 65])
+def test_every_lookup_copies_the_rows(dim):
+    from hybridrec.model.embedding import lookup_impls, lookup_rows
+
+    gen = torch.Generator().manual_seed(dim)
+    weight = torch.randn(1000, dim, generator=gen)
+    ids = torch.randint(0, 1000, (4099,), generator=gen)
+    ref = weight[ids]
+    w, i = weight.to(DEV), ids.to(DEV)
+    impls = lookup_impls(DEV)
+    assert impls[:2] == ["embedding_bag", "index_select"]
+    for impl in impls[1:]:
+        got = lookup_rows(w, i, impl)
+        assert got.device.type == torch.device(DEV).type and got.dtype == weight.dtype
+        assert torch.equal(got.cpu(), ref), impl
+    bag = torch.nn.functional.embedding_bag(i, w, torch.arange(i.numel() + 1, device=i.device), mode="sum",
+                                            include_last_offset=True)
+    assert torch.equal(bag.cpu(), ref)
+    assert lookup_rows(w, i[:0], impls[-1]).shape == (0, dim)
+
+
+def test_a_collection_trains_alike_with_every_lookup():
+    """The forward's pooled output and the row gradients do not depend on the lookup chosen."""
+    from hybridrec.model.embedding import lookup_impls
+
+    tables = [TableConfig(name=f"t{i}", num_embeddings=50, embedding_dim=8) for i in range(3)]
+    ids = torch.randint(0, 50, (3 * 7,), generator=torch.Generator().manual_seed(1))
+    kjt = KeyedJagged([f"t{i}" for i in range(3)], ids, torch.ones(21, dtype=torch.int32)).to(DEV)
+    outs = []
+    for impl in lookup_impls(DEV):
+        ebc = EmbeddingBagCollection(tables, device=torch.device(DEV), seed=3)
+        ebc.lookups = [impl] * ebc.num_groups
+        out = ebc(kjt)
+        (out.values * torch.arange(out.values.numel(), device=out.values.device).view(out.values.shape)).sum().backward()
+        outs.append((out.values.detach().cpu(), [(g, i.cpu(), r.cpu()) for g, i, r, _ in ebc.pop_sparse_grads()]))
+    for values, grads in outs[1:]:
+        assert torch.equal(values, outs[0][0])
+        for (g, i, r), (g0, i0, r0) in zip(grads, outs[0][1]):
+            assert g == g0 and torch.equal(i, i0) and torch.equal(r, r0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_padded_candidates_compute_the_same_on_the_device(dtype):
+    from hybridrec.model.interaction import DotInteraction
+    from hybridrec.model.kernels import PADDED, linear
+
+    gen = torch.Generator().manual_seed(0)
+    tol = {} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
+    low = dtype != torch.float32
+    # the interaction: 26 features + 1 (27 rows, padded to 32)
+    dense = torch.randn(64, 16, generator=gen).to(DEV).requires_grad_()
+    sparse = torch.randn(64, 26, 16, generator=gen).to(DEV).requires_grad_()
+    mod, res = DotInteraction(26, 16).to(DEV), {}
+    for impl in ("gather", "gather_pad"):
+        mod.impl = impl
+        with torch.autocast(torch.device(DEV).type, dtype=torch.bfloat16, enabled=low):
+            out = mod(dense, sparse)
+        go = torch.linspace(-1, 1, out.numel(), device=out.device).view(out.shape)
+        res[impl] = (out.float(), torch.autograd.grad((out.float() * go).sum(), (dense, sparse)))
+    torch.testing.assert_close(res["gather_pad"][0], res["gather"][0], **tol)
+    for a, b in zip(res["gather_pad"][1], res["gather"][1]):
+        torch.testing.assert_close(a, b, **tol)
+    # a linear of fan-in 13 (padded to 16)
+    x = torch.randn(128, 13, generator=gen).to(DEV).requires_grad_()
+    w = torch.randn(32, 13, generator=gen).to(DEV).requires_grad_()
+    b = torch.randn(32, generator=gen).to(DEV).requires_grad_()
+    got = {}
+    for impl in ("torch", PADDED):
+        with torch.autocast(torch.device(DEV).type, dtype=torch.bfloat16, enabled=low):
+            y = linear(x, w, b, relu=True, impl=impl)
+        got[impl] = (y.float(), torch.autograd.grad(y.float().square().sum(), (x, w, b)))
+    assert got[PADDED][0].shape == (128, 32)
+    torch.testing.assert_close(got[PADDED][0], got["torch"][0], **tol)
+    for a, c in zip(got[PADDED][1], got["torch"][1]):
+        assert a.shape == c.shape
+        torch.testing.assert_close(a, c, **tol)

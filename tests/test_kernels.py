@@ -174,7 +174,7 @@ def test_the_row_update_is_timed_on_the_table_without_changing_it():
     before = w.clone()
     got = kernels.choose_rows_add([(w, 300), (w, 0)])
     assert got[0].impl in kernels.ROW_ADDS and got[0].source == "measured"
-    assert set(got[0].seconds) == set(kernels.ROW_ADDS)
+    assert set(got[0].seconds) == set(kernels.row_add_impls("cpu")) == {"scatter_add", "index_add"}
     assert got[1].source == "only"  # nothing added per step: nothing to time
     torch.testing.assert_close(w, before, rtol=0, atol=0)
     assert kernels.choose_rows_add([(w, 300)])[0].source == "cached"
@@ -188,7 +188,7 @@ def test_the_row_update_is_timed_on_the_table_without_changing_it():
 
 
 @pytest.mark.parametrize("dtype", [None, torch.bfloat16])
-def test_both_interaction_implementations_compute_the_same(dtype):
+def test_every_interaction_implementation_computes_the_same(dtype):
     from hybridrec.model.interaction import INTERACTION_IMPLS, DotInteraction
 
     torch.manual_seed(0)
@@ -200,18 +200,23 @@ def test_both_interaction_implementations_compute_the_same(dtype):
             out = mod(dense, sparse)
         go = torch.linspace(-1, 1, out.numel()).view(out.shape)
         outs.append((out, torch.autograd.grad((out.float() * go).sum(), (dense, sparse))))
-    (a, ga), (b, gb) = outs
+    (a, ga), *rest = outs
     assert a.dtype == (dtype or torch.float32)
-    torch.testing.assert_close(a, b, rtol=0, atol=0)  # the same products, only picked differently
-    for x, y in zip(ga, gb):
-        torch.testing.assert_close(x, y)
+    for impl, (b, gb) in zip(INTERACTION_IMPLS[1:], rest):
+        if impl == "gather":  # the same products, only picked differently
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+        else:  # (padded: the same sums, maybe in another order)
+            torch.testing.assert_close(a, b)
+        for x, y in zip(ga, gb):
+            torch.testing.assert_close(x, y)
 
 
 def test_the_interaction_is_timed_and_the_choice_set():
-    from hybridrec.model.interaction import INTERACTION_IMPLS, tune_interactions
+    from hybridrec.model.interaction import interaction_impls, tune_interactions
 
     model = _tiny_dlrm()
     got = tune_interactions(model, 16)
-    assert len(got) == 1 and got[0].source == "measured" and set(got[0].seconds) == set(INTERACTION_IMPLS)
+    assert len(got) == 1 and got[0].source == "measured" and set(got[0].seconds) == set(interaction_impls("cpu"))
+    assert interaction_impls("cpu") == ["index", "gather"] and "gather_pad" in interaction_impls("cuda")
     assert model.interaction.impl == got[0].impl
     assert tune_interactions(model, 16)[0].source == "cached"

@@ -31,6 +31,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.profiler import record_function
 
+from hybridrec.model import triton_kernels
+from hybridrec.model.kernels import Choice, choose, race_runnable
 from hybridrec.sparse.keyed_jagged import KeyedJagged
 
 
@@ -293,6 +295,8 @@ class EmbeddingBagCollection(nn.Module):
         self._pending_by_thread: dict[int, list[_Lookup]] = {}  # lookups not popped yet, see the class
         self._row_off_cache: dict = {}  # (group, device) -> its features' first rows, _row_offsets
         self._build_groups(tables, device)
+        self.lookups = ["embedding_bag"] * len(self._groups)
+        """Each fused group's lookup of one id per bag (:data:`LOOKUPS`), set by :func:`tune_lookups`."""
         if init_values:
             self.reset_parameters()
         elif init_values is not None:  # (a checkpoint overwrites them; its caller resets them if none does)
@@ -382,7 +386,10 @@ class EmbeddingBagCollection(nn.Module):
         for gi, g in enumerate(self._groups):
             ids, lengths, offsets = self._group_ids(g, kjt)
             weight = self.group_weight(gi)
-            pooled = F.embedding_bag(ids, weight, offsets, mode=g.pooling, include_last_offset=True)
+            if lengths is None and self.lookups[gi] != "embedding_bag":  # (one id per bag: its row)
+                pooled = lookup_rows(weight, ids, self.lookups[gi])
+            else:
+                pooled = F.embedding_bag(ids, weight, offsets, mode=g.pooling, include_last_offset=True)
             if pooled.dtype != self.output_dtype:  # (bf16 storage, float32 output)
                 pooled = pooled.to(self.output_dtype)
             blocks.append(pooled.view(b, len(g.features) * g.dim))
@@ -497,6 +504,63 @@ class EmbeddingBagCollection(nn.Module):
             coef = F.embedding_bag(bags, sq_grads.unsqueeze(1), offsets, mode="sum", include_last_offset=True)
             rows[:, : g.fm_cols] += 2 * coef * weight[:, : g.fm_cols].index_select(0, unique)
         return unique, rows, True
+
+
+LOOKUPS = ("embedding_bag", "index_select", "triton")
+"""The lookup of one id per bag (every pooling gives the id's row): ``F.embedding_bag``, the
+row gather ``index_select``, or on a GPU :func:`~hybridrec.model.triton_kernels.gather_rows`.
+The same values (copies of the rows; ``embedding_bag`` adds them to zero, which only turns a
+-0.0 into +0.0); which is fastest depends on the device, chosen by :func:`tune_lookups`."""
+
+
+def lookup_impls(device: torch.device | str) -> list[str]:
+    """The lookups that run on ``device``."""
+    return [i for i in LOOKUPS if i != "triton" or triton_kernels.available(device)]
+
+
+def lookup_rows(weight: torch.Tensor, ids: torch.Tensor, impl: str) -> torch.Tensor:
+    """``weight[ids]`` by ``impl`` (``index_select`` or ``triton``)."""
+    if impl == "triton":
+        return triton_kernels.gather_rows(weight, ids)
+    return weight.index_select(0, ids)
+
+
+def time_lookups(weight: torch.Tensor, n: int, impls: list[str], *, budget_s: float = 0.1) -> dict[str, float]:
+    """Seconds of looking up ``n`` random rows of ``weight`` (one per bag) with each of ``impls``
+    (:func:`~hybridrec.model.kernels.race_runnable`: one that does not run here is never chosen)."""
+    gen = torch.Generator(device=weight.device).manual_seed(0)
+    ids = torch.randint(0, weight.shape[0], (n,), generator=gen, device=weight.device)
+    offsets = torch.arange(n + 1, device=weight.device)
+
+    def run(impl: str) -> None:
+        with torch.no_grad():
+            if impl == "embedding_bag":
+                F.embedding_bag(ids, weight, offsets, mode="sum", include_last_offset=True)
+            else:
+                lookup_rows(weight, ids, impl)
+
+    return race_runnable(impls, run, device=weight.device, what="lookup", budget_s=budget_s)
+
+
+def tune_lookups(collections, ids_per_feature: int, *, mode: str = "auto") -> list[Choice]:
+    """Each fused group's lookup of one id per bag in ``collections``, timed at the ids of a
+    step (``ids_per_feature`` per feature) on the group's table (cached like every choice;
+    ``mode`` ``torch``/``onednn`` concern the linears and leave this measured)."""
+    mode = mode if mode in ("auto", "measure") else "auto"
+    items = {}
+    for c in collections:
+        for gi in range(c.num_groups):
+            w, n = c.group_weight(gi), ids_per_feature * len(c.group_features(gi))
+            if w.numel() and n:
+                key = f"lookup {w.device.type} {str(w.dtype).removeprefix('torch.')} {w.shape[0]}x{w.shape[1]} +{n}"
+                items.setdefault(key, (w, n, []))[2].append((c, gi))
+    got = choose([(k, lookup_impls(w.device), None) for k, (w, _, _) in items.items()],
+                 lambda key, cands, budget: time_lookups(items[key][0], items[key][1], cands, budget_s=budget),
+                 mode=mode, budget_s=0.3)
+    for key, (_, _, users) in items.items():
+        for c, gi in users:
+            c.lookups[gi] = got[key].impl
+    return list(got.values())
 
 
 def lookup_during(collection, kjt: KeyedJagged, sparse_input, work):

@@ -17,7 +17,8 @@ class _PairwiseDot(torch.autograd.Function):
     of ``bmm(z, z.T)`` would run two), because with ``S`` the symmetric matrix
     holding the output gradient on both triangles, ``dz = S @ z``.
 
-    Two ways to pick the entries out and put their gradient back (``impl``), timed
+    Two ways to pick the entries out and put their gradient back (``impl``; and on a GPU
+    ``gather`` over a padded matrix, :data:`INTERACTION_IMPLS`), timed
     against each other at start-up (which is faster depends on the processor and the
     dtype, see :func:`tune_interactions`):
 
@@ -63,7 +64,17 @@ class _Pairs(NamedTuple):
     both: torch.Tensor
 
 
-INTERACTION_IMPLS = ("index", "gather")
+INTERACTION_IMPLS = ("index", "gather", "gather_pad")
+"""``gather_pad``: ``gather`` over the ``[F+1, D]`` matrix padded with zero rows to a multiple of
+8, so that the batched products' operands are 16-byte aligned (on a GPU, cuBLAS's fast kernels
+need it); the same values (the padding adds exact zeros nowhere it is read). A candidate on GPUs
+only (:func:`interaction_impls`)."""
+
+
+def interaction_impls(device: str) -> list[str]:
+    """The candidates timed on ``device``'s type (the padding only pays where alignment picks
+    the kernel: on a GPU)."""
+    return list(INTERACTION_IMPLS) if torch.device(device).type == "cuda" else ["index", "gather"]
 
 
 class DotInteraction(nn.Module):
@@ -84,6 +95,9 @@ class DotInteraction(nn.Module):
         self.register_buffer("cols", cols, persistent=False)
         self.register_buffer("lower", rows * n + cols, persistent=False)
         self.register_buffer("both", torch.cat([rows * n + cols, cols * n + rows]), persistent=False)
+        m = self.padded = -(-n // 8) * 8  # gather_pad's rows: a multiple of 8
+        self.register_buffer("lower_pad", rows * m + cols, persistent=False)
+        self.register_buffer("both_pad", torch.cat([rows * m + cols, cols * m + rows]), persistent=False)
         self.impl = "index"
         """How the entries are picked (``INTERACTION_IMPLS``); set by :func:`tune_interactions`."""
 
@@ -95,10 +109,15 @@ class DotInteraction(nn.Module):
         low = compute_dtype(dense.device)  # bf16 precision: cast first, stack in bf16
         if low is not None:
             dense, sparse = dense.to(low), sparse.to(low)
-        z = torch.cat([dense.unsqueeze(1), sparse], dim=1)
-        pairs = _Pairs(self.rows, self.cols, self.lower, self.both)
+        parts, impl = [dense.unsqueeze(1), sparse], self.impl
+        if impl == "gather_pad":  # zero rows up to a multiple of 8: aligned batched products
+            parts.append(sparse.new_zeros(sparse.shape[0], self.padded - parts[1].shape[1] - 1, sparse.shape[2]))
+            pairs, impl = _Pairs(self.rows, self.cols, self.lower_pad, self.both_pad), "gather"
+        else:
+            pairs = _Pairs(self.rows, self.cols, self.lower, self.both)
+        z = torch.cat(parts, dim=1)
         with torch.autocast(z.device.type, enabled=False):
-            return torch.cat([dense, _PairwiseDot.apply(z, pairs, self.impl)], dim=1)
+            return torch.cat([dense, _PairwiseDot.apply(z, pairs, impl)], dim=1)
 
 
 def time_dot_interaction(batch: int, num_features: int, dim: int, impls: list[str], *,
@@ -133,7 +152,7 @@ def tune_interactions(model: nn.Module, batch: int, *, mode: str = "auto", devic
         return []
     keys = {name: f"dot_interaction {device} {dtype} {batch}x{m.num_features + 1}x{m.dim}" for name, m in mods}
     shape = {keys[name]: (m.num_features, m.dim) for name, m in mods}
-    got = choose([(k, list(INTERACTION_IMPLS), None) for k in dict.fromkeys(keys.values())],
+    got = choose([(k, interaction_impls(device), None) for k in dict.fromkeys(keys.values())],
                  lambda key, cands, budget: time_dot_interaction(batch, *shape[key], cands, device=device,
                                                                  dtype=dtype, budget_s=budget),
                  mode=mode, budget_s=0.3)

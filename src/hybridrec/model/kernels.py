@@ -30,6 +30,7 @@ import os
 import platform
 import threading
 import time
+import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,8 +38,16 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from hybridrec.model import triton_kernels
+
 IMPLS = ("torch", "onednn")
 """The linear candidates, in order of preference when timings tie."""
+
+PADDED = "torch_pad8"
+"""A third linear candidate, on GPUs for layers whose fan-in is not a multiple of 8 (the DLRM's
+13 dense inputs, its 415-wide interaction): ``F.linear`` with the input and the weight padded
+with zero columns to a multiple of 8, so that cuBLAS's 16-byte-aligned kernels apply. The same
+sums (the padding adds exact zeros); chosen only by measurement."""
 
 CHOICES = ("auto", "measure", *IMPLS)
 """``train.kernels``: measure once and cache (auto), measure again (measure), or one linear
@@ -104,10 +113,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *,
            relu: bool = False, impl: str = "torch") -> torch.Tensor:
     """``act(x @ weight.T + bias)``; x ``[B, in]``, weight ``[out, in]``, returns ``[B, out]``.
 
-    ``impl``: ``torch`` or ``onednn`` (taken where it fits: CPU, fp32/bf16, 2-D; else
-    ``torch``). Inside autocast the operands are cast to its dtype first."""
+    ``impl``: ``torch``, ``onednn`` (taken where it fits: CPU, fp32/bf16, 2-D; else
+    ``torch``) or :data:`PADDED`. Inside autocast the operands are cast to its dtype first."""
     dtype = compute_dtype(x.device) or x.dtype
-    if impl == "onednn" and _onednn_fits(x.device.type, dtype, x.dim()):
+    if impl == PADDED and (pad := -x.shape[-1] % 8):
+        x, weight = F.pad(x, (0, pad)), F.pad(weight, (0, pad))
+    elif impl == "onednn" and _onednn_fits(x.device.type, dtype, x.dim()):
         x, weight = x.to(dtype), weight.to(dtype)
         bias = None if bias is None else bias.to(dtype)
         with torch.autocast(x.device.type, enabled=False):
@@ -139,8 +150,10 @@ class LinearShape:
 
 
 def candidates(shape: LinearShape) -> list[str]:
-    fits = _onednn_fits(torch.device(shape.device).type, getattr(torch, shape.dtype))
-    return [i for i in IMPLS if i == "torch" or fits]
+    kind = torch.device(shape.device).type
+    fits = _onednn_fits(kind, getattr(torch, shape.dtype))
+    pad = [PADDED] if kind == "cuda" and shape.fan_in % 8 else []
+    return [i for i in IMPLS if i == "torch" or fits] + pad
 
 
 CPU_FIELDS = ("model name", "cpu family", "model", "stepping")
@@ -267,7 +280,7 @@ def choose(items: list[tuple[str, list[str], str | None]], timer, *, mode: str =
            budget_s: float = 0.5) -> dict[str, Choice]:
     """The implementation of each ``(key, candidates, forced)``: ``forced`` where given (an
     override that fits), else the only candidate, else the cached choice (unless ``mode``
-    is ``measure``), else the fastest by ``timer(key, candidates, budget_s) -> {impl: seconds}``, cached.
+    is ``measure``; one made among the same candidates: a new candidate is timed), else the fastest by ``timer(key, candidates, budget_s) -> {impl: seconds}``, cached.
     ``budget_s`` is shared by the keys to measure."""
     if mode not in CHOICES:
         raise ValueError(f"kernels {mode!r}: one of {', '.join(CHOICES)}")
@@ -281,7 +294,7 @@ def choose(items: list[tuple[str, list[str], str | None]], timer, *, mode: str =
             out[key] = Choice(key, forced, "override", {})
         elif len(cands) == 1:
             out[key] = Choice(key, cands[0], "only", {})
-        elif (hit := cached.get(f"{mid} | {key}")) and hit.get("impl") in cands:
+        elif (hit := cached.get(f"{mid} | {key}")) and hit.get("candidates") == cands:
             out[key] = Choice(key, hit["impl"], "cached", {k: v / 1e3 for k, v in hit.get("ms", {}).items()})
         else:
             todo.append((key, cands))
@@ -290,7 +303,7 @@ def choose(items: list[tuple[str, list[str], str | None]], timer, *, mode: str =
         secs = timer(key, cands, budget_s / len(todo))
         best = min(cands, key=lambda i: (secs[i], cands.index(i)))
         out[key] = Choice(key, best, "measured", secs)
-        new[f"{mid} | {key}"] = {"impl": best, "ms": {k: v * 1e3 for k, v in secs.items()}}
+        new[f"{mid} | {key}"] = {"impl": best, "candidates": cands, "ms": {k: v * 1e3 for k, v in secs.items()}}
     if new:
         _write_cache(path, new)
     return out
@@ -314,14 +327,28 @@ def choose_linears(shapes: Iterable[LinearShape], *, mode: str = "auto",
 
 # -- the embedding update: rows added into a table ---------------------------------
 
-ROW_ADDS = ("scatter_add", "index_add")
-"""``weight[ids] += delta`` with repeated ids: ``scatter_add_`` along dim 0 (splits the work
-over columns) or ``index_add_``. Both are deterministic on CPU; which is faster depends on
-the processor, the table and the rows per step."""
+ROW_ADDS = ("scatter_add", "index_add", "triton")
+"""``weight[ids] += alpha * delta`` with repeated ids: ``scatter_add_`` along dim 0 (splits the
+work over columns) or ``index_add_`` (both after scaling ``delta`` in place), or on a GPU the
+Triton kernel :func:`~hybridrec.model.triton_kernels.add_rows_` (the scale fused in). On a CPU
+both torch ops are deterministic; which is fastest depends on the processor, the table and the
+rows per step."""
 
 
-def rows_add_(weight: torch.Tensor, ids: torch.Tensor, delta: torch.Tensor, impl: str = "scatter_add") -> None:
-    """``weight[ids[i]] += delta[i]`` for every i, repeated ids summed."""
+def row_add_impls(device: torch.device | str) -> list[str]:
+    """The row updates that run on ``device``."""
+    return [i for i in ROW_ADDS if i != "triton" or triton_kernels.available(device)]
+
+
+def rows_add_(weight: torch.Tensor, ids: torch.Tensor, delta: torch.Tensor, impl: str = "scatter_add",
+              alpha: float = 1.0) -> None:
+    """``weight[ids[i]] += alpha * delta[i]`` for every i, repeated ids summed (``delta`` may be
+    scaled in place)."""
+    if impl == "triton":
+        triton_kernels.add_rows_(weight, ids, delta, alpha)
+        return
+    if alpha != 1.0:
+        delta = delta.mul_(alpha)
     if impl == "index_add":
         weight.index_add_(0, ids, delta)
     else:
@@ -333,26 +360,41 @@ def rows_add_key(weight: torch.Tensor, nnz: int) -> str:
     return f"rows_add {weight.device.type} {str(weight.dtype).removeprefix('torch.')} {rows}x{dim} +{nnz}"
 
 
-def time_rows_add(weight: torch.Tensor, nnz: int, impls: list[str], *, reps: int = 5,
-                  budget_s: float = 0.1) -> dict[str, float]:
+def race_runnable(impls: list[str], run, *, device: torch.device | str, what: str, budget_s: float) -> dict[str, float]:
+    """:func:`race` over the ``impls`` that run here: each is called once first, and one that
+    fails (a kernel that does not compile on this device) gets infinity, with a warning, so it
+    is never chosen."""
+    ok, failed = [], {}
+    for impl in impls:
+        try:
+            run(impl)
+            ok.append(impl)
+        except Exception as e:  # noqa: BLE001 (a candidate that cannot run here is dropped, said)
+            warnings.warn(f"{what} {impl!r} does not run on {device} ({type(e).__name__}: {e}); not used",
+                          RuntimeWarning, stacklevel=2)
+            failed[impl] = float("inf")
+    return {**race(ok, run, device=device, budget_s=budget_s), **failed}
+
+
+def time_rows_add(weight: torch.Tensor, nnz: int, impls: list[str], *, budget_s: float = 0.1) -> dict[str, float]:
     """Seconds of adding ``nnz`` rows at random ids into ``weight`` with each of ``impls``
-    (:func:`race`). Adds zeros: the table keeps its values (a -0.0 may become +0.0)."""
+    (:func:`race_runnable`). Adds zeros: the table keeps its values (a -0.0 may become +0.0)."""
     gen = torch.Generator(device=weight.device).manual_seed(0)
     ids = torch.randint(0, weight.shape[0], (nnz,), generator=gen, device=weight.device)
     delta = torch.zeros(nnz, weight.shape[1], dtype=weight.dtype, device=weight.device)
 
     def run(impl: str) -> None:
         with torch.no_grad():
-            rows_add_(weight, ids, delta, impl)
+            rows_add_(weight, ids, delta, impl, alpha=-0.5)
 
-    return race(impls, run, device=weight.device, reps=reps, budget_s=budget_s)
+    return race_runnable(impls, run, device=weight.device, what="row update", budget_s=budget_s)
 
 
 def choose_rows_add(weights: list[tuple[torch.Tensor, int]], *, mode: str = "auto",
                     budget_s: float = 0.2) -> list[Choice]:
     """The row update of each ``(table weight, rows added per step)``, by :func:`choose`."""
     keys = {rows_add_key(w, n): (w, n) for w, n in weights if w.numel() and n}
-    got = choose([(k, list(ROW_ADDS), None) for k in keys],
+    got = choose([(k, row_add_impls(w.device), None) for k, (w, _) in keys.items()],
                  lambda key, cands, budget: time_rows_add(*keys[key], cands, budget_s=budget),
                  mode=mode, budget_s=budget_s)
     return [got[rows_add_key(w, n)] if w.numel() and n else Choice("", "scatter_add", "only", {})

@@ -35,7 +35,7 @@ from hybridrec.metrics.logger import MetricLogger, write_text_atomic
 from hybridrec.metrics.throughput import RunTotals
 from hybridrec.model.deepfm import DeepFM
 from hybridrec.model.dlrm import DLRM
-from hybridrec.model.embedding import WEIGHT_DTYPES, EmbeddingBagCollection, TableConfig
+from hybridrec.model.embedding import WEIGHT_DTYPES, EmbeddingBagCollection, TableConfig, tune_lookups
 from hybridrec.model.interaction import make_interaction, tune_interactions
 from hybridrec.model.kernels import PRECISIONS, cache_path, machine_id
 from hybridrec.model.mlp import tune_mlps
@@ -59,7 +59,7 @@ from hybridrec.parallel.threshold_dist import ThresholdMP
 from hybridrec.parallel.topology import Topology, group_problem
 from hybridrec.ps.client import PushOptimizer, RemoteEmbeddingCollection
 from hybridrec.train.ps_run import ServerCheckpoints, ps_plan
-from hybridrec.train.sparse_optim import CombinedSparseOptimizer, combined_sparse_optimizer
+from hybridrec.train.sparse_optim import CombinedSparseOptimizer, combined_sparse_optimizer, local_collections
 from hybridrec.train import checkpoint as ckpt
 from hybridrec.sync import BackgroundRunner, ForegroundRunner, SyncRunner, make_synchronizer
 from hybridrec.sync.algorithms import CATEGORY as SYNC_CATEGORY, GroupMean
@@ -612,10 +612,12 @@ def tune_kernels(cfg: Config, model: torch.nn.Module, topo: Topology,
                              agree=agree)
     rows = (sparse_opt.tune_kernels(cfg.data.batch_size * topo.world_size, mode=cfg.train.kernels)
             if sparse_opt is not None else [])
+    ebc = getattr(model, "sparse", None)
+    local = [c for c in local_collections(ebc).values() if isinstance(c, EmbeddingBagCollection)] if ebc is not None else []
+    lookups = tune_lookups(local, cfg.data.batch_size * topo.world_size, mode=cfg.train.kernels)
     out = {"mode": cfg.train.kernels, "machine": machine_id(), "cache": str(cache_path()),
            "linear": [c.to_dict() for c in choices], "interaction": [c.to_dict() for c in dots],
-           "embedding_update": [c.to_dict() for c in rows]}
-    ebc = getattr(model, "sparse", None)
+           "embedding_update": [c.to_dict() for c in rows], "embedding_lookup": [c.to_dict() for c in lookups]}
     if isinstance(ebc, ShardedEmbeddingBagCollection) and ebc.layout.coded is not None:
         # DCT-MP's per-row top-k over this rank's pieces, every rank's samples at once
         total = cfg.data.batch_size * topo.world_size

@@ -57,11 +57,14 @@ class SparseOptimizer:
         return got
 
     def _add_rows(self, group: int, weight: torch.Tensor, ids: torch.Tensor, delta: torch.Tensor,
-                  unique: bool) -> None:
-        """``weight[ids] += delta`` (float32 ``delta``; ``unique``: no id repeats)."""
+                  unique: bool, alpha: float = 1.0) -> None:
+        """``weight[ids] += alpha * delta`` (float32 ``delta``, which may be scaled in place;
+        ``unique``: no id repeats)."""
         if weight.dtype == torch.float32:
-            rows_add_(weight, ids, delta, self.row_adds[group])
+            rows_add_(weight, ids, delta, self.row_adds[group], alpha)
             return
+        if alpha != 1.0:
+            delta = delta.mul_(alpha)
         if not unique:  # one read-modify-write per row
             ids, delta = aggregate_rows(ids, delta, bound=weight.shape[0])
         new = weight.index_select(0, ids).float().add_(delta)
@@ -106,7 +109,7 @@ class SparseSGD(SparseOptimizer):
     name = "sgd"
 
     def _update(self, group, weight, ids, rows, unique):
-        self._add_rows(group, weight, ids, rows.mul_(-self.lr), unique)  # rows is ours to overwrite
+        self._add_rows(group, weight, ids, rows, unique, alpha=-self.lr)  # (rows is ours to overwrite)
 
 
 class RowWiseAdagrad(SparseOptimizer):
