@@ -87,6 +87,8 @@ def parse_args(argv=None):
     p.add_argument("--profile-steps", type=int, default=3, help="steps profiled per run (0: none)")
     p.add_argument("--micro", action=argparse.BooleanOptionalAction, default=True,
                    help="also time the d64 embedding kernels alone")
+    p.add_argument("--graph", action=argparse.BooleanOptionalAction, default=True,
+                   help="also run hybridrec's step captured as one CUDA graph (hybridrec-graph; CUDA only)")
     p.add_argument("--split", action=argparse.BooleanOptionalAction, default=True,
                    help="also run plain-split")
     p.add_argument("--variant", action="append", default=[], metavar="NAME=KEY=VALUE,...",
@@ -165,6 +167,36 @@ def build_hybridrec(spec: dict, rows: int, batch: int, precision: str, device: t
         return training_step(model, b, dense_opt=dense_opt, sparse_opt=sparse_opt, dense_sync=sync)
 
     return step, kernels
+
+
+def captured(step, batches, device: torch.device):
+    """``step`` as one CUDA graph (a measurement of what the host's launches cost, not what
+    ``hybridrec train`` runs): captured once on static copies of a batch after 3 warm-up steps
+    on a side stream; each call copies its batch into them and replays the step's kernels."""
+    from hybridrec.sparse.keyed_jagged import Batch, KeyedJagged
+
+    b0 = batches[0]
+    kjt = KeyedJagged(b0.sparse.keys, b0.sparse.values.clone(), b0.sparse.lengths.clone())
+    kjt.length_per_key(), kjt.one_id_per_bag()
+    static = Batch(b0.dense.clone(), kjt, b0.labels.clone())
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            step(static)
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        loss = step(static)
+
+    def replay(b):
+        static.dense.copy_(b.dense, non_blocking=True)
+        static.sparse.values.copy_(b.sparse.values, non_blocking=True)
+        static.labels.copy_(b.labels, non_blocking=True)
+        graph.replay()
+        return loss
+
+    return replay
 
 
 class PlainDLRM(nn.Module):
@@ -416,7 +448,7 @@ def run_model(name: str, args, device: torch.device, r: dict) -> dict:
     raw = make_batches(args.pool, args.batch_size, rows, device)
     hb = hybridrec_batches(raw)
     work = work_per_sample(spec)
-    results = {}
+    results, errors = {}, []
     for precision in args.precisions.split(","):
         runs = {}
         kernels = {}
@@ -427,6 +459,13 @@ def run_model(name: str, args, device: torch.device, r: dict) -> dict:
             step, kernels[vname] = build_hybridrec(spec, rows, args.batch_size, precision, device,
                                                    [kv for kv in rest.split(",") if kv])
             runs[vname] = (step, hb)
+        if args.graph and device.type == "cuda":
+            step, kernels["hybridrec-graph"] = build_hybridrec(spec, rows, args.batch_size, precision, device)
+            try:
+                runs["hybridrec-graph"] = (captured(step, hb, device), hb)
+            except Exception as e:  # noqa: BLE001 (a capture that fails is reported, the rest runs)
+                print(f"{name} {precision}: CUDA graph capture failed: {type(e).__name__}: {e}", file=sys.stderr)
+                errors.append(f"{precision}: {type(e).__name__}: {e}")
         runs["plain"] = (build_plain(spec, rows, precision, device, split=False), raw)
         if args.split:
             runs["plain-split"] = (build_plain(spec, rows, precision, device, split=True), raw)
@@ -458,7 +497,8 @@ def run_model(name: str, args, device: torch.device, r: dict) -> dict:
         if device.type == "cuda":
             torch.cuda.empty_cache()
     bound_s = bound_per_sample_s(work, r) if device.type == "cuda" else float("nan")
-    return {"rows": rows, "spec": spec, "work_per_sample": work, "bound_samples_per_sec": 1 / bound_s,
+    return {"rows": rows, "spec": spec, "work_per_sample": work, "graph_errors": errors,
+            "bound_samples_per_sec": 1 / bound_s,
             "bound_step_ms": 1e3 * bound_s * args.batch_size, "results": results}
 
 
@@ -513,6 +553,7 @@ def format_report(rep: dict) -> str:
                 lines.append(f"| {precision} | {k} | {e['median_samples_per_sec']:,.0f} | "
                              f"{', '.join(f'{x:,.0f}' for x in e['runs'])} | {e['step_ms']:.2f} | "
                              f"{e['vs_plain_best']:.2f}x | {ratio:.1f}x | {phases} |")
+        lines += [f"CUDA graph capture failed: {e}" for e in v.get("graph_errors", [])]
         lines.append("")
     if rep.get("micro"):
         lines += ["### The d64 embedding kernels alone (one id per bag)", "",
