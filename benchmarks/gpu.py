@@ -87,8 +87,9 @@ def parse_args(argv=None):
     p.add_argument("--profile-steps", type=int, default=3, help="steps profiled per run (0: none)")
     p.add_argument("--micro", action=argparse.BooleanOptionalAction, default=True,
                    help="also time the d64 embedding kernels alone")
-    p.add_argument("--graph", action=argparse.BooleanOptionalAction, default=True,
-                   help="also run hybridrec's step captured as one CUDA graph (hybridrec-graph; CUDA only)")
+    p.add_argument("--graph", action=argparse.BooleanOptionalAction, default=False,
+                   help="also run hybridrec's step captured as one CUDA graph (hybridrec-graph; CUDA only; "
+                        "an experiment: docs/benchmarks.md says what it gave)")
     p.add_argument("--split", action=argparse.BooleanOptionalAction, default=True,
                    help="also run plain-split")
     p.add_argument("--variant", action="append", default=[], metavar="NAME=KEY=VALUE,...",
