@@ -87,9 +87,6 @@ def parse_args(argv=None):
     p.add_argument("--profile-steps", type=int, default=3, help="steps profiled per run (0: none)")
     p.add_argument("--micro", action=argparse.BooleanOptionalAction, default=True,
                    help="also time the d64 embedding kernels alone")
-    p.add_argument("--graph", action=argparse.BooleanOptionalAction, default=False,
-                   help="also run hybridrec's step captured as one CUDA graph (hybridrec-graph; CUDA only; "
-                        "an experiment: docs/benchmarks.md says what it gave)")
     p.add_argument("--split", action=argparse.BooleanOptionalAction, default=True,
                    help="also run plain-split")
     p.add_argument("--variant", action="append", default=[], metavar="NAME=KEY=VALUE,...",
@@ -168,36 +165,6 @@ def build_hybridrec(spec: dict, rows: int, batch: int, precision: str, device: t
         return training_step(model, b, dense_opt=dense_opt, sparse_opt=sparse_opt, dense_sync=sync)
 
     return step, kernels
-
-
-def captured(step, batches, device: torch.device):
-    """``step`` as one CUDA graph (a measurement of what the host's launches cost, not what
-    ``hybridrec train`` runs): captured once on static copies of a batch after 3 warm-up steps
-    on a side stream; each call copies its batch into them and replays the step's kernels."""
-    from hybridrec.sparse.keyed_jagged import Batch, KeyedJagged
-
-    b0 = batches[0]
-    kjt = KeyedJagged(b0.sparse.keys, b0.sparse.values.clone(), b0.sparse.lengths.clone())
-    kjt.length_per_key(), kjt.one_id_per_bag()
-    static = Batch(b0.dense.clone(), kjt, b0.labels.clone())
-    side = torch.cuda.Stream(device)
-    side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            step(static)
-    torch.cuda.current_stream(device).wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        loss = step(static)
-
-    def replay(b):
-        static.dense.copy_(b.dense, non_blocking=True)
-        static.sparse.values.copy_(b.sparse.values, non_blocking=True)
-        static.labels.copy_(b.labels, non_blocking=True)
-        graph.replay()
-        return loss
-
-    return replay
 
 
 class PlainDLRM(nn.Module):
@@ -306,8 +273,9 @@ def _self_device_us(e) -> float:
 def phase_profile(step, batches, steps: int, device: torch.device) -> tuple[dict, str]:
     """``({phase: device ms per step}, the profiler's kernel table)``: every kernel is
     charged to the innermost range of :data:`PHASES` that was open when it was launched
-    (by time: the backward's kernels are launched from autograd's own thread). On the CPU,
-    each operator's own CPU time instead."""
+    (by time: the backward's kernels are launched from autograd's own thread; Triton's
+    kernels, which no operator launches, by :func:`_unowned_kernels`). On the CPU, each
+    operator's own CPU time instead."""
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
@@ -327,6 +295,9 @@ def phase_profile(step, batches, steps: int, device: torch.device) -> tuple[dict
         t = e.time_range.start
         name = next((r[2] for r in ranges if r[0] <= t <= r[1]), "other")
         per[name] += us
+    if device.type == "cuda":  # kernels no operator launched (Triton's): by the phase whose GPU span holds them
+        for phase, us in _unowned_kernels(prof, [e for e in events if getattr(e, "kernels", None)]).items():
+            per[phase] += us
     ms = {k: v / 1e3 / steps for k, v in sorted(per.items(), key=lambda kv: -kv[1])}
     table = "(no table)"
     sorts = ("self_device_time_total", "self_cuda_time_total") if device.type == "cuda" else ("self_cpu_time_total",)
@@ -337,6 +308,23 @@ def phase_profile(step, batches, steps: int, device: torch.device) -> tuple[dict
         except Exception as e:  # noqa: BLE001 (a table is a diagnostic; its absence is said)
             table = f"(no table: {e})"
     return ms, table
+
+
+def _unowned_kernels(prof, launchers) -> dict[str, float]:
+    """``{phase: us}`` of the GPU kernels that no profiled operator owns (a Triton kernel is
+    launched outside torch's operators), each charged to the innermost range of :data:`PHASES`
+    whose span on the GPU's timeline holds its start ("unannotated" where none does)."""
+    owned = {k.name for e in launchers for k in e.kernels}
+    gpu = [e for e in prof.events() if getattr(e.device_type, "name", "CPU") == "CUDA"]
+    spans = sorted(((e.time_range.start, e.time_range.end, e.name) for e in gpu if e.name in PHASES),
+                   key=lambda r: r[1] - r[0])
+    out = defaultdict(float)
+    for e in gpu:
+        if e.name in PHASES or e.name in owned:
+            continue
+        t = e.time_range.start
+        out[next((r[2] for r in spans if r[0] <= t <= r[1]), "unannotated")] += e.time_range.elapsed_us()
+    return out
 
 
 def rates(device: torch.device) -> dict:
@@ -449,7 +437,7 @@ def run_model(name: str, args, device: torch.device, r: dict) -> dict:
     raw = make_batches(args.pool, args.batch_size, rows, device)
     hb = hybridrec_batches(raw)
     work = work_per_sample(spec)
-    results, errors = {}, []
+    results = {}
     for precision in args.precisions.split(","):
         runs = {}
         kernels = {}
@@ -460,13 +448,6 @@ def run_model(name: str, args, device: torch.device, r: dict) -> dict:
             step, kernels[vname] = build_hybridrec(spec, rows, args.batch_size, precision, device,
                                                    [kv for kv in rest.split(",") if kv])
             runs[vname] = (step, hb)
-        if args.graph and device.type == "cuda":
-            step, kernels["hybridrec-graph"] = build_hybridrec(spec, rows, args.batch_size, precision, device)
-            try:
-                runs["hybridrec-graph"] = (captured(step, hb, device), hb)
-            except Exception as e:  # noqa: BLE001 (a capture that fails is reported, the rest runs)
-                print(f"{name} {precision}: CUDA graph capture failed: {type(e).__name__}: {e}", file=sys.stderr)
-                errors.append(f"{precision}: {type(e).__name__}: {e}")
         runs["plain"] = (build_plain(spec, rows, precision, device, split=False), raw)
         if args.split:
             runs["plain-split"] = (build_plain(spec, rows, precision, device, split=True), raw)
@@ -498,8 +479,7 @@ def run_model(name: str, args, device: torch.device, r: dict) -> dict:
         if device.type == "cuda":
             torch.cuda.empty_cache()
     bound_s = bound_per_sample_s(work, r) if device.type == "cuda" else float("nan")
-    return {"rows": rows, "spec": spec, "work_per_sample": work, "graph_errors": errors,
-            "bound_samples_per_sec": 1 / bound_s,
+    return {"rows": rows, "spec": spec, "work_per_sample": work, "bound_samples_per_sec": 1 / bound_s,
             "bound_step_ms": 1e3 * bound_s * args.batch_size, "results": results}
 
 
@@ -554,7 +534,6 @@ def format_report(rep: dict) -> str:
                 lines.append(f"| {precision} | {k} | {e['median_samples_per_sec']:,.0f} | "
                              f"{', '.join(f'{x:,.0f}' for x in e['runs'])} | {e['step_ms']:.2f} | "
                              f"{e['vs_plain_best']:.2f}x | {ratio:.1f}x | {phases} |")
-        lines += [f"CUDA graph capture failed: {e}" for e in v.get("graph_errors", [])]
         lines.append("")
     if rep.get("micro"):
         lines += ["### The d64 embedding kernels alone (one id per bag)", "",
