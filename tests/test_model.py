@@ -159,3 +159,24 @@ def test_ebc_built_as_zeros_then_reset_equals_the_drawn_tables():
     zeros.reset_parameters()
     for n in "pqr":
         assert torch.equal(drawn.table_weight(n), zeros.table_weight(n)) and drawn.table_weight(n).abs().sum() > 0
+
+
+@pytest.mark.parametrize("n", [0, 5, 8191, 8192, 13312, 32767, 32768, 40000])
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_the_stable_sort_equals_torchs(n, dtype):
+    """Padded up to torch's radix-sort size or not, the same values and permutation, repeated
+    keys in their order (the largest value of the dtype included)."""
+    from hybridrec.model import embedding
+
+    gen = torch.Generator().manual_seed(n)
+    key = torch.randint(0, 50, (n,), generator=gen).to(dtype)
+    if n:
+        key[n // 2] = torch.iinfo(dtype).max
+    want = torch.sort(key, stable=True)
+    for pads in (True, False):
+        embedding._padding_pays = pads
+        try:
+            got = embedding.stable_sort(key)
+        finally:
+            embedding._padding_pays = None
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
