@@ -394,7 +394,8 @@ def micro_kernels(args, device: torch.device) -> list[dict]:
     (one id per bag) and the SGD row update, with Zipf and with uniform ids; bytes are the
     least each must move (lookup: read and write every row; update: read the delta, read and
     write every touched row)."""
-    from hybridrec.model.embedding import aggregate_rows, lookup_impls, lookup_rows
+    from hybridrec.model.embedding import lookup_impls, lookup_rows
+    from hybridrec.model.id_groups import aggregate_rows
     from hybridrec.model.kernels import rows_add_
 
     d, rows = MODELS["d64"]["dim"], args.rows

@@ -145,4 +145,4 @@ def test_row_wise_adagrad_waits_only_to_count_distinct_ids(dataset, tmp_path):
     """The named exception: summing repeated ids first needs their number on the host
     (``group_ids``' unique_consecutive), once per fused table and step; nothing else waits."""
     waits = _waits(dataset, tmp_path / "run")  # (the demo recipe: row-wise Adagrad)
-    assert waits and all(w.startswith("embedding.py") and w.endswith(" group_ids") for w in waits), waits
+    assert waits and all(w.startswith("id_groups.py") and w.endswith(" group_ids") for w in waits), waits

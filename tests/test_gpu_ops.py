@@ -55,7 +55,8 @@ from hybridrec.comm.compress import (
     keep_count,
 )
 from hybridrec.comm.sparse_message import SparseGrad
-from hybridrec.model.embedding import EmbeddingBagCollection, TableConfig, aggregate_rows, group_ids
+from hybridrec.model.embedding import EmbeddingBagCollection, TableConfig
+from hybridrec.model.id_groups import aggregate_rows, group_ids
 from hybridrec.parallel.threshold_dist import ThresholdMP
 from hybridrec.sparse.keyed_jagged import KeyedJagged
 from hybridrec.train.sparse_optim import build_sparse_optimizer

@@ -166,7 +166,7 @@ def test_ebc_built_as_zeros_then_reset_equals_the_drawn_tables():
 def test_the_stable_sort_equals_torchs(n, dtype):
     """Padded up to torch's radix-sort size or not, the same values and permutation, repeated
     keys in their order (the largest value of the dtype included)."""
-    from hybridrec.model import embedding
+    from hybridrec.model import id_groups as embedding
 
     gen = torch.Generator().manual_seed(n)
     key = torch.randint(0, 50, (n,), generator=gen).to(dtype)

@@ -4,7 +4,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hybridrec.model.embedding import EmbeddingBagCollection, TableConfig, aggregate_rows
+from hybridrec.model.embedding import EmbeddingBagCollection, TableConfig
+from hybridrec.model.id_groups import aggregate_rows
 from hybridrec.sparse.keyed_jagged import KeyedJagged
 from hybridrec.train.sparse_optim import (
     LazyAdam,

@@ -31,7 +31,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from hybridrec.model.embedding import TableConfig, aggregate_rows
+from hybridrec.model.embedding import TableConfig
+from hybridrec.model.id_groups import aggregate_rows
 from hybridrec.parallel.checkpoint import load_state, save_sharded
 from hybridrec.parallel.plan import ShardingPlan
 from hybridrec.parallel.sharded_embedding import ShardedEmbeddingBagCollection

@@ -26,7 +26,8 @@ from collections.abc import Mapping
 
 import torch
 
-from hybridrec.model.embedding import aggregate_rows, stochastic_round
+from hybridrec.model.embedding import stochastic_round
+from hybridrec.model.id_groups import aggregate_rows
 from hybridrec.model.kernels import Choice, choose_rows_add, rows_add_
 from hybridrec.parallel.sharded_embedding import REPLICATED, SHARDS
 
