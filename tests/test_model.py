@@ -180,3 +180,35 @@ def test_the_stable_sort_equals_torchs(n, dtype):
         finally:
             embedding._padding_pays = None
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_a_batch_brings_its_bag_facts_from_the_host():
+    """``KeyedJagged.to`` works out the bag sizes per key and whether every bag holds one id on
+    the CPU copy and hands them over, so a GPU copy never needs the GPU to learn them."""
+    from hybridrec.sparse.keyed_jagged import KeyedJagged
+
+    one = KeyedJagged(["a", "b"], torch.tensor([3, 1, 4, 1]), torch.ones(4, dtype=torch.int32))
+    moved = one.to("cpu")
+    assert moved is not one and moved._length_per_key == [2, 2] and moved._one_id is True
+    multi = KeyedJagged(["a", "b"], torch.tensor([3, 1, 4, 1, 5]), torch.tensor([2, 0, 1, 2], dtype=torch.int32))
+    moved = multi.to("cpu")
+    assert moved._length_per_key == [2, 3] and moved._one_id is False
+    # the same count of ids as bags is not one id per bag
+    even = KeyedJagged(["a"], torch.tensor([7, 8]), torch.tensor([2, 0], dtype=torch.int32))
+    assert even.one_id_per_bag() is False and even.to("cpu")._one_id is False
+
+
+@pytest.mark.parametrize("name", ["sgd", "adam", "adagrad"])
+def test_dense_optimizers_take_the_fused_kernel_on_the_cpu(name):
+    from hybridrec.train.config import OptimConfig
+    from hybridrec.train.optim import FUSED, build_dense_optimizer
+
+    params = [torch.nn.Parameter(torch.randn(3, 2)), torch.nn.Parameter(torch.randn(2))]
+    opt = build_dense_optimizer(params, OptimConfig(dense=name))
+    assert name in FUSED["cpu"] and opt.defaults["fused"] is True and not opt.defaults.get("foreach")
+    assert "adagrad" not in FUSED["cuda"]  # (torch has no fused Adagrad for CUDA: foreach there)
+    for p in params:
+        p.grad = torch.ones_like(p)
+    before = [p.detach().clone() for p in params]
+    opt.step()
+    assert all(not torch.equal(p, b) for p, b in zip(params, before))
