@@ -111,7 +111,7 @@ class DotInteraction(nn.Module):
             dense, sparse = dense.to(low), sparse.to(low)
         parts, impl = [dense.unsqueeze(1), sparse], self.impl
         if impl == "gather_pad":  # zero rows up to a multiple of 8: aligned batched products
-            parts.append(sparse.new_zeros(sparse.shape[0], self.padded - parts[1].shape[1] - 1, sparse.shape[2]))
+            parts.append(sparse.new_zeros(sparse.shape[0], self.padded - self.num_features - 1, sparse.shape[2]))
             pairs, impl = _Pairs(self.rows, self.cols, self.lower_pad, self.both_pad), "gather"
         else:
             pairs = _Pairs(self.rows, self.cols, self.lower, self.both)

@@ -361,9 +361,9 @@ def rows_add_key(weight: torch.Tensor, nnz: int) -> str:
 
 
 def race_runnable(impls: list[str], run, *, device: torch.device | str, what: str, budget_s: float) -> dict[str, float]:
-    """:func:`race` over the ``impls`` that run here: each is called once first, and one that
-    fails (a kernel that does not compile on this device) gets infinity, with a warning, so it
-    is never chosen."""
+    """:func:`race` over the ``impls`` that run here: each is called once first (that call is
+    also its warm-up), and one that fails (a kernel that does not compile on this device) gets
+    infinity, with a warning, so it is never chosen."""
     ok, failed = [], {}
     for impl in impls:
         try:
@@ -373,7 +373,7 @@ def race_runnable(impls: list[str], run, *, device: torch.device | str, what: st
             warnings.warn(f"{what} {impl!r} does not run on {device} ({type(e).__name__}: {e}); not used",
                           RuntimeWarning, stacklevel=2)
             failed[impl] = float("inf")
-    return {**race(ok, run, device=device, budget_s=budget_s), **failed}
+    return {**race(ok, run, device=device, budget_s=budget_s, warmups=0), **failed}
 
 
 def time_rows_add(weight: torch.Tensor, nnz: int, impls: list[str], *, budget_s: float = 0.1) -> dict[str, float]:
