@@ -304,9 +304,28 @@ def machine() -> str:
     model = info.get("model name", "unknown cpu")
     if "cpu family" in info:
         model += f" (family {info['cpu family']}, model {info.get('model', '?')})"
-    used = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count()))
+    used = len(cpus)
     cores = f"{used} cores" if used == os.cpu_count() else f"{used} of {os.cpu_count()} cores"
+    physical = physical_cores(cpus)
+    if physical is not None and physical < used:  # (SMT siblings: half a core's throughput each)
+        cores += f" on {physical} physical core{'s' if physical > 1 else ''} (SMT siblings)"
     return f"{model}, {cores}"
+
+
+def physical_cores(cpus: list[int]) -> int | None:
+    """How many physical cores the logical CPUs ``cpus`` sit on (Linux sysfs topology; None
+    where it cannot be read). A run under ``taskset -c 0,1`` on a large host may have been
+    given two hyper-threads of one core."""
+    seen = set()
+    for c in cpus:
+        topo = Path(f"/sys/devices/system/cpu/cpu{c}/topology")
+        try:
+            seen.add((topo.joinpath("physical_package_id").read_text().strip(),
+                      topo.joinpath("core_id").read_text().strip()))
+        except OSError:
+            return None
+    return len(seen)
 
 
 def format_report(rep: dict) -> str:

@@ -161,8 +161,11 @@ def _by_peer(own: torch.Tensor, reduced: torch.Tensor, layout: EmbeddingLayout, 
 
 def _from_peers(flat: torch.Tensor, own_cols: int, red_cols: int, layout: EmbeddingLayout,
                 batch_sizes: list[int], rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The inverse of :func:`_by_peer`: ``(own [total_B, own_cols], reduced [rows, red_cols])``."""
+    """The inverse of :func:`_by_peer`: ``(own [total_B, own_cols], reduced [rows, red_cols])``.
+    Without TRW rows, ``own`` is a view of ``flat`` (its peers' rows lie one after another)."""
     served = set(layout.served(rank))
+    if not served:
+        return flat.view(sum(batch_sizes), own_cols), flat.new_empty(0, red_cols)
     sizes = [n * c for d, n in enumerate(batch_sizes)
              for c in ((own_cols, red_cols) if d in served else (own_cols,))]
     parts = iter(torch.split(flat, sizes))
