@@ -11,88 +11,70 @@ from hybridrec.model.kernels import Choice, choose, compute_dtype, race
 
 
 class _PairwiseDot(torch.autograd.Function):
-    """Strictly-lower-triangular Gram entries of each sample's ``[F, D]`` matrix ``z``: the
-    dense vector ``[B, D]`` stacked over the pooled embeddings ``[B, F-1, D]`` (the stacking
-    happens here, so that the stacked matrix may carry zero rows below the ``F`` real ones).
+    """Strictly-lower-triangular Gram entries of each sample's ``[F, D]`` matrix.
 
     Forward is one batched matmul; backward is one batched matmul too (autograd
     of ``bmm(z, z.T)`` would run two), because with ``S`` the symmetric matrix
     holding the output gradient on both triangles, ``dz = S @ z``.
 
-    The ways to pick the entries out and put their gradient back (``impl``,
-    :data:`INTERACTION_IMPLS`) are timed against each other at start-up (which is faster
-    depends on the processor and the dtype, see :func:`tune_interactions`):
+    Two ways to pick the entries out and put their gradient back (``impl``; and on a GPU
+    ``gather`` over a padded matrix, :data:`INTERACTION_IMPLS`), timed
+    against each other at start-up (which is faster depends on the processor and the
+    dtype, see :func:`tune_interactions`):
 
     - ``index``: advanced indexing ``gram[:, rows, cols]``; backward writes the lower
       triangle and adds the transpose.
     - ``gather``: ``gather`` on the flattened Gram matrix; backward scatters the gradient
       into both triangles at once (no transpose added).
-    - ``gather_pad``: ``gather`` with ``z`` padded by zero rows to a multiple of 8 in both
-      products (``pairs.rows_total``), so that their operands are 16-byte aligned.
-    - ``gather_pad4``: ``z`` padded to a multiple of 4 rows; the backward product runs at
-      the real size over the padded matrix's rows (``pairs.pad_backward`` false).
     """
 
     @staticmethod
-    def forward(ctx, dense, sparse, pairs: "_Pairs", impl: str):
-        b, n, m = sparse.shape[0], sparse.shape[1] + 1, pairs.rows_total
-        parts = [dense.unsqueeze(1), sparse]
-        if m > n:  # zero rows: they add exact zeros to no entry that is read
-            parts.append(sparse.new_zeros(b, m - n, sparse.shape[2]))
-        z = torch.cat(parts, dim=1)
+    def forward(ctx, z, pairs: "_Pairs", impl: str):
+        b, n = z.shape[0], z.shape[1]
         ctx.save_for_backward(z)
-        ctx.pairs, ctx.impl, ctx.n = pairs, impl, n
+        ctx.pairs, ctx.impl = pairs, impl
         gram = torch.bmm(z, z.transpose(1, 2))
-        if impl == "index":
-            return gram[:, pairs.rows, pairs.cols]
-        return torch.gather(gram.view(b, m * m), 1, pairs.lower.expand(b, -1))
+        if impl == "gather":
+            return torch.gather(gram.view(b, n * n), 1, pairs.lower.expand(b, -1))
+        return gram[:, pairs.rows, pairs.cols]
 
     @staticmethod
     def backward(ctx, grad_out):
         (z,) = ctx.saved_tensors
-        p, b, n = ctx.pairs, z.shape[0], ctx.n
-        if ctx.impl == "index":
+        p, b, n = ctx.pairs, z.shape[0], z.shape[1]
+        if ctx.impl == "gather":
+            sym = grad_out.new_zeros(b, n * n)
+            sym.scatter_(1, p.both.expand(b, -1), torch.cat([grad_out, grad_out], dim=1))
+            sym = sym.view(b, n, n)
+        else:
             sym = grad_out.new_zeros(b, n, n)
             sym[:, p.rows, p.cols] = grad_out
             sym = sym + sym.transpose(1, 2)
-        else:
-            k = p.rows_total if p.pad_backward else n
-            sym = grad_out.new_zeros(b, k * k)
-            sym.scatter_(1, p.both.expand(b, -1), torch.cat([grad_out, grad_out], dim=1))
-            sym = sym.view(b, k, k)
-            z = z[:, :k]
-        dz = torch.bmm(sym, z)
-        return dz[:, 0], dz[:, 1:n], None, None
+        return torch.bmm(sym, z), None, None
 
 
 class _Pairs(NamedTuple):
-    """The strictly lower triangle of an ``n x n`` matrix: ``rows``, ``cols``; the flat
-    positions ``lower`` of its entries in the forward's ``rows_total x rows_total`` Gram matrix
-    and, in the backward's (``rows_total`` rows if ``pad_backward``, else ``n``), ``both``: the
-    lower ones, then the mirrored upper ones (disjoint: nothing on the diagonal)."""
+    """The strictly lower triangle of an ``n x n`` matrix: ``rows``, ``cols``, their flat
+    positions ``lower`` and, after them, the mirrored upper ones (``both``; disjoint from
+    ``lower``: nothing on the diagonal)."""
 
     rows: torch.Tensor
     cols: torch.Tensor
     lower: torch.Tensor
     both: torch.Tensor
-    rows_total: int
-    pad_backward: bool
 
 
-INTERACTION_IMPLS = ("index", "gather", "gather_pad", "gather_pad4")
-"""The ways :class:`_PairwiseDot` picks the entries. The padded ones give the same values (the
-padding adds exact zeros nowhere it is read): ``gather_pad`` pads to a multiple of 8 rows, so
-that the batched products' operands are 16-byte aligned (on a GPU, cuBLAS's fast kernels need
-it); ``gather_pad4`` pads the forward's operands to a multiple of 4 rows (on a CPU, MKL's fp32
-batched products of 27 x 64 matrices ran 1.4x faster with a row stride of 28)."""
+INTERACTION_IMPLS = ("index", "gather", "gather_pad")
+"""``gather_pad``: ``gather`` over the ``[F+1, D]`` matrix padded with zero rows to a multiple of
+8, so that the batched products' operands are 16-byte aligned (on a GPU, cuBLAS's fast kernels
+need it); the same values (the padding adds exact zeros nowhere it is read). A candidate on GPUs
+only (:func:`interaction_impls`)."""
 
 
 def interaction_impls(device: str) -> list[str]:
-    """The candidates timed on ``device``'s type (``gather_pad`` on a GPU, ``gather_pad4`` on
-    a CPU: where each was seen to pay)."""
-    if torch.device(device).type == "cuda":
-        return ["index", "gather", "gather_pad"]
-    return ["index", "gather", "gather_pad4"]
+    """The candidates timed on ``device``'s type (the padding only pays where alignment picks
+    the kernel: on a GPU)."""
+    return list(INTERACTION_IMPLS) if torch.device(device).type == "cuda" else ["index", "gather"]
 
 
 class DotInteraction(nn.Module):
@@ -113,10 +95,8 @@ class DotInteraction(nn.Module):
         self.register_buffer("cols", cols, persistent=False)
         self.register_buffer("lower", rows * n + cols, persistent=False)
         self.register_buffer("both", torch.cat([rows * n + cols, cols * n + rows]), persistent=False)
-        self.rows_pad, self.rows_pad4 = -(-n // 8) * 8, -(-n // 4) * 4  # gather_pad's, gather_pad4's
-        for name, m in (("pad", self.rows_pad), ("pad4", self.rows_pad4)):
-            self.register_buffer(f"lower_{name}", rows * m + cols, persistent=False)
-        m = self.rows_pad
+        m = self.padded = -(-n // 8) * 8  # gather_pad's rows: a multiple of 8
+        self.register_buffer("lower_pad", rows * m + cols, persistent=False)
         self.register_buffer("both_pad", torch.cat([rows * m + cols, cols * m + rows]), persistent=False)
         self.impl = "index"
         """How the entries are picked (``INTERACTION_IMPLS``); set by :func:`tune_interactions`."""
@@ -129,14 +109,15 @@ class DotInteraction(nn.Module):
         low = compute_dtype(dense.device)  # bf16 precision: cast first, stack in bf16
         if low is not None:
             dense, sparse = dense.to(low), sparse.to(low)
-        if self.impl == "gather_pad":
-            pairs = _Pairs(self.rows, self.cols, self.lower_pad, self.both_pad, self.rows_pad, True)
-        elif self.impl == "gather_pad4":
-            pairs = _Pairs(self.rows, self.cols, self.lower_pad4, self.both, self.rows_pad4, False)
+        parts, impl = [dense.unsqueeze(1), sparse], self.impl
+        if impl == "gather_pad":  # zero rows up to a multiple of 8: aligned batched products
+            parts.append(sparse.new_zeros(sparse.shape[0], self.padded - self.num_features - 1, sparse.shape[2]))
+            pairs, impl = _Pairs(self.rows, self.cols, self.lower_pad, self.both_pad), "gather"
         else:
-            pairs = _Pairs(self.rows, self.cols, self.lower, self.both, self.num_features + 1, False)
-        with torch.autocast(dense.device.type, enabled=False):
-            return torch.cat([dense, _PairwiseDot.apply(dense, sparse, pairs, self.impl)], dim=1)
+            pairs = _Pairs(self.rows, self.cols, self.lower, self.both)
+        z = torch.cat(parts, dim=1)
+        with torch.autocast(z.device.type, enabled=False):
+            return torch.cat([dense, _PairwiseDot.apply(z, pairs, impl)], dim=1)
 
 
 def time_dot_interaction(batch: int, num_features: int, dim: int, impls: list[str], *,
