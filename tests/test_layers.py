@@ -15,12 +15,12 @@ import pytest
 import hybridrec
 
 LAYERS = ("cli", "bench", "train", "sync", "ps", "parallel", "comm", "model", "data", "sparse", "metrics")
-"""Top to bottom. ``errors.py``, ``threads.py`` and ``__init__.py`` at the package root are
+"""Top to bottom. ``errors.py``, ``threads.py``, ``phases.py`` and ``__init__.py`` at the package root are
 below every layer (all may import them, they import no layer); ``__main__.py`` is above
 every layer."""
 
 PACKAGE = Path(hybridrec.__file__).parent
-ROOT_SHARED = ("hybridrec", "hybridrec.errors", "hybridrec.threads")
+ROOT_SHARED = ("hybridrec", "hybridrec.errors", "hybridrec.threads", "hybridrec.phases")
 ENTRY = "hybridrec.__main__"
 
 
@@ -206,7 +206,7 @@ def test_every_subpackage_has_a_place_in_the_order():
     assert packages == set(LAYERS), ("add new packages to LAYERS and docs/design.md",
                                      packages ^ set(LAYERS))
     root = {p.stem for p in PACKAGE.glob("*.py")}
-    assert root == {"__init__", "__main__", "errors", "threads"}, root
+    assert root == {"__init__", "__main__", "errors", "threads", "phases"}, root
 
 
 def test_no_module_imports_a_layer_above_its_own():

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.profiler import record_function
 
 from hybridrec.model.embedding import EmbeddingBagCollection, lookup_during
 from hybridrec.model.interaction import make_interaction
 from hybridrec.model.kernels import check_precision, precision_scope
 from hybridrec.model.mlp import MLP
+from hybridrec.phases import phase
 from hybridrec.sparse.keyed_jagged import Batch
 
 
@@ -67,13 +67,13 @@ class DLRM(nn.Module):
         beside the ids (a sharded collection's input_dist already under way); None for
         a single-device collection."""
         def bottom() -> torch.Tensor:  # (while a sharded lookup's rows travel)
-            with precision_scope(self.precision, batch.dense.device), record_function("bottom_mlp"):
+            with precision_scope(self.precision, batch.dense.device), phase("bottom_mlp"):
                 return self.bottom(batch.dense)
 
         pooled, x = lookup_during(self.sparse, batch.sparse, sparse_input, bottom)
         with precision_scope(self.precision, batch.dense.device):
-            with record_function("interaction"):
+            with phase("interaction"):
                 z = self.interaction(x, pooled.as_3d())
-            with record_function("top_mlp"):
+            with phase("top_mlp"):
                 logits = self.top(z).squeeze(1)
         return logits.float()

@@ -29,11 +29,11 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.profiler import record_function
 
 from hybridrec.model import triton_kernels
 from hybridrec.model.id_groups import group_ids
 from hybridrec.model.kernels import Choice, choose, race_runnable
+from hybridrec.phases import phase
 from hybridrec.sparse.keyed_jagged import KeyedJagged
 
 
@@ -288,6 +288,8 @@ class EmbeddingBagCollection(nn.Module):
             col += dim * len(feats)
         self.total_dim = col
         self.has_fm = any(g.fm_cols is not None for g in self._groups)
+        sizes = [len(g.features) for g in self._groups]
+        self._group_feature_starts = [sum(sizes[:i]) for i in range(len(sizes))]  # (of the output's features)
         self.feature_names = [f for g in self._groups for f in g.features]
         self.feature_dims = [g.dim for g in self._groups for _ in g.features]
         if len(set(self.feature_names)) != len(self.feature_names):
@@ -373,7 +375,7 @@ class EmbeddingBagCollection(nn.Module):
             out.requires_grad_()
             if sq is not None:
                 sq.requires_grad_()
-            starts = torch.tensor([0] + [len(g.features) for g in self._groups]).cumsum(0).tolist()
+            starts = self._group_feature_starts
             self._pending.extend(_Lookup(gi, ids, ln, out, b, sq, starts[gi]) for gi, ids, ln in lookups)
         return KeyedTensor(self.feature_names, self.feature_dims, out, square_sums=sq)
 
@@ -539,11 +541,11 @@ def lookup_during(collection, kjt: KeyedJagged, sparse_input, work):
     lookup first. ``sparse_input``: the collection's pending input_dist, or None."""
     args = () if sparse_input is None else (sparse_input,)
     start = getattr(collection, "start_forward", None)
-    with record_function("embeddings"):
+    with phase("embeddings"):
         pooled = start(kjt, *args) if start is not None else collection(kjt, *args)
     done = work()
     if start is not None:
-        with record_function("embeddings"):
+        with phase("embeddings"):
             pooled = pooled.wait()
     return pooled, done
 

@@ -62,7 +62,9 @@ class KeyedJagged:
         if f != len(keys):
             raise ValueError(f"from_dense: ids has {f} columns for {len(keys)} keys")
         values = ids.t().reshape(-1).to(torch.int64)
-        return KeyedJagged(keys, values, torch.ones(b * f, dtype=torch.int32))
+        out = KeyedJagged(keys, values, torch.ones(b * f, dtype=torch.int32))
+        out._one_id = True  # (known here: the training step does not look at the lengths)
+        return out
 
     @staticmethod
     def from_lengths_per_key(

@@ -14,7 +14,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.profiler import record_function
 from tqdm import tqdm
 
 from hybridrec.comm.ledger import CommLedger
@@ -24,6 +23,7 @@ from hybridrec.metrics.throughput import RunTotals, Throughput
 from hybridrec.parallel.dense_sync import DenseSync
 from hybridrec.parallel.sharded_embedding import ShardedEmbeddingBagCollection
 from hybridrec.parallel.topology import Topology
+from hybridrec.phases import phase
 from hybridrec.sparse.keyed_jagged import Batch
 from hybridrec.sync.runners import SyncRunner
 from hybridrec.train.checkpoint_interval import (
@@ -89,24 +89,25 @@ def training_step(model: torch.nn.Module, batch: Batch, *, dense_opt: torch.opti
     """One training step, in order; returns the detached loss. ``pending``: the batch's
     input_dist already under way (the pipeline's handle), or None. ``updating``: a context
     around the optimizer updates (partial recovery's: the state is whole outside it)."""
-    model.train()
+    if not model.training:  # (after an evaluation; evaluate_model restores every module's mode)
+        model.train()
     # (Each phase is a torch.profiler range: benchmarks/profile_step.py reads them.)
-    with record_function("forward"):
+    with phase("forward"):
         # input_dist (or its pending handle), lookup, output_dist, the dense arches.
         logits = model(batch) if pending is None else model(batch, sparse_input=pending)
         loss = F.binary_cross_entropy_with_logits(logits, batch.labels)
     dense_opt.zero_grad(set_to_none=True)
-    with record_function("backward"):
+    with phase("backward"):
         loss.backward()  # dense grads, the lookups' row grads, the output_dist backward
-    with record_function("grad_sync"):
+    with phase("grad_sync"):
         dense_sync.synchronize()  # dense synchronization (DDP's ran inside backward)
         grads = sparse_grads(model.sparse)
     with updating if updating is not None else contextlib.nullcontext() as track:
         if track is not None:  # (partial recovery's incremental saves: the rows looked up)
             track(grads)
-        with record_function("dense_update"):
+        with phase("dense_update"):
             dense_opt.step()
-        with record_function("sparse_update"):
+        with phase("sparse_update"):
             sparse_opt.step(grads)
     return loss.detach()
 
