@@ -32,7 +32,7 @@ from hybridrec.parallel.parallelize import parallelize_dlrm
 from hybridrec.parallel.sharded_embedding import ShardedEmbeddingBagCollection
 from hybridrec.sparse.keyed_jagged import Batch, KeyedJagged
 from hybridrec.train.sparse_optim import combined_sparse_optimizer
-from hybridrec.train.trainer import sparse_grads
+from hybridrec.train.step import sparse_grads
 
 CODECS = {
     "fp32": lambda: CastCodec(torch.float32),

@@ -14,7 +14,7 @@ from hybridrec.parallel.cost_model import predict_step_bytes
 from hybridrec.parallel.parallelize import parallelize_dlrm
 from hybridrec.sparse.keyed_jagged import Batch, KeyedJagged
 from hybridrec.train.sparse_optim import combined_sparse_optimizer
-from hybridrec.train.trainer import sparse_grads
+from hybridrec.train.step import sparse_grads
 
 K, GLOBAL_B, STEPS = 4, 12, 3
 TABLES = [("t0", 23), ("t1", 40), ("t2", 7)]

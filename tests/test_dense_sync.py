@@ -13,7 +13,7 @@ from hybridrec.parallel.dense_sync import AllReduceSync, DDPSync, NoSync, dense_
 from hybridrec.parallel.parallelize import parallelize_dlrm
 from hybridrec.train.optim import dense_parameters
 from hybridrec.train.sparse_optim import combined_sparse_optimizer
-from hybridrec.train.trainer import training_step
+from hybridrec.train.step import training_step
 from test_sharded_embedding import GLOBAL_B, build, global_batches, local_batch, make_plan
 
 pytestmark = pytest.mark.distributed

@@ -22,7 +22,7 @@ from hybridrec.train.build import hierarchy_problem
 from hybridrec.train.config import Config
 from hybridrec.train.optim import dense_parameters
 from hybridrec.train.sparse_optim import combined_sparse_optimizer
-from hybridrec.train.trainer import training_step
+from hybridrec.train.step import training_step
 from test_sharded_embedding import GLOBAL_B, build, full_tables_from_shards, global_batches, local_batch, make_plan
 
 pytestmark = pytest.mark.distributed

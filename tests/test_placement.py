@@ -29,7 +29,7 @@ from hybridrec.parallel.placement import (
 )
 from hybridrec.parallel.topology import Topology
 from hybridrec.train.sparse_optim import combined_sparse_optimizer
-from hybridrec.train.trainer import training_step
+from hybridrec.train.step import training_step
 
 K = 4
 # (arch, bottom_mlp, modules to partition, dense sync): every dense module type, both

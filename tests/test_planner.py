@@ -24,7 +24,7 @@ from hybridrec.parallel.parallelize import parallelize_dlrm
 from hybridrec.parallel.planner import TableConstraint, plan_sharding
 from hybridrec.sparse.keyed_jagged import Batch, KeyedJagged
 from hybridrec.train.sparse_optim import combined_sparse_optimizer
-from hybridrec.train.trainer import sparse_grads
+from hybridrec.train.step import sparse_grads
 
 GiB = 2**30
 

@@ -27,7 +27,7 @@ from hybridrec.parallel.parallelize import parallelize_dlrm
 from hybridrec.parallel.topology import Topology
 from hybridrec.sparse.keyed_jagged import Batch, KeyedJagged
 from hybridrec.train.sparse_optim import build_sparse_optimizer, combined_sparse_optimizer
-from hybridrec.train.trainer import sparse_grads
+from hybridrec.train.step import sparse_grads
 
 DIM, GLOBAL_B, STEPS = 4, 12, 4  # save after 2 steps, then 2 more
 TABLES = {"t0": 23, "t1": 40, "t2": 7, "t3": 11}

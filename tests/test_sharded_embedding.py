@@ -12,7 +12,7 @@ from hybridrec.parallel.dense_sync import DDPSync, NoSync
 from hybridrec.parallel.parallelize import parallelize_dlrm
 from hybridrec.sparse.keyed_jagged import Batch, KeyedJagged
 from hybridrec.train.sparse_optim import combined_sparse_optimizer
-from hybridrec.train.trainer import training_step
+from hybridrec.train.step import training_step
 
 pytestmark = pytest.mark.distributed
 

@@ -2,7 +2,7 @@
 
 With ``train.workers=N > 1``, :meth:`HogwildWorkers.steps` runs ``N`` threads. Each thread
 takes the next batch from the trainer's pipeline (a lock around taking the batch, and only
-around that) and runs the ordinary :func:`~hybridrec.train.trainer.training_step` on a
+around that) and runs the ordinary :func:`~hybridrec.train.step.training_step` on a
 *thread replica* of the model:
 
 - the dense parameters of a replica are aliases of the model's (``nn.Parameter(p.data)``:
@@ -43,7 +43,7 @@ import torch
 from torch import nn
 
 from hybridrec.parallel.dense_sync import NoSync
-from hybridrec.train.trainer import training_step
+from hybridrec.train.step import training_step
 
 _EXIT = object()  # a thread's last message
 

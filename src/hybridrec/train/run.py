@@ -50,7 +50,7 @@ from hybridrec.train.config import Config, apply_dict, validate
 from hybridrec.train.early_stop import early_stop_problem, resolve_checkpoint
 from hybridrec.train.faults import injection_problem
 from hybridrec.train.recovery import elastic_restarts, read_events
-from hybridrec.train.trainer import evaluate_model
+from hybridrec.train.step import evaluate_model
 
 RUNS_ROOT = "runs"
 """Where the run directories that are not named (``train.run_dir`` empty) go."""

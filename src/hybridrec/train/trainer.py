@@ -13,17 +13,14 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from tqdm import tqdm
 
 from hybridrec.comm.ledger import CommLedger
-from hybridrec.metrics.classification import BinaryMetrics, RunningLoss
+from hybridrec.metrics.classification import RunningLoss
 from hybridrec.metrics.logger import MetricLogger
 from hybridrec.metrics.throughput import RunTotals, Throughput
 from hybridrec.parallel.dense_sync import DenseSync
-from hybridrec.parallel.sharded_embedding import ShardedEmbeddingBagCollection
 from hybridrec.parallel.topology import Topology
-from hybridrec.phases import phase
 from hybridrec.sparse.keyed_jagged import Batch
 from hybridrec.sync.runners import SyncRunner
 from hybridrec.train.checkpoint_interval import (
@@ -37,10 +34,12 @@ from hybridrec.train.checkpointer import Checkpointer
 from hybridrec.train.config import Config
 from hybridrec.train.early_stop import EarlyStopping
 from hybridrec.train.faults import FailureInjector
+from hybridrec.train.hogwild import HogwildWorkers
 from hybridrec.train.optim import LRScheduler
-from hybridrec.train.pipeline import TrainPipeline, to_device
+from hybridrec.train.pipeline import TrainPipeline
 from hybridrec.train.recovery import Recovery, elastic_restarts
 from hybridrec.train.sparse_optim import CombinedSparseOptimizer
+from hybridrec.train.step import evaluate_model, training_step
 
 
 @dataclass
@@ -51,65 +50,6 @@ class FitResult:
     throughput: dict
     resumed_from: int | None = None
     history: list[dict] = field(default_factory=list)
-
-
-@torch.no_grad()
-def evaluate_model(model: torch.nn.Module, loader, topo: Topology | None = None) -> dict:
-    """AUC, log loss, NE, calibration, accuracy over every batch of ``loader``; with
-    several ranks, over the union of every rank's rows (predictions are gathered)."""
-    was_training = model.training
-    model.eval()
-    metrics = BinaryMetrics()
-    device = topo.device if topo is not None else torch.device("cpu")
-    for batch in loader:
-        batch = to_device(batch, device)
-        metrics.update(model(batch), batch.labels)
-    model.train(was_training)
-    if topo is not None and topo.global_world_size > 1:  # (hierarchical: every group's rows)
-        parts = [None] * topo.global_world_size
-        dist.all_gather_object(parts, metrics.state(), group=topo.run_group)
-        metrics = BinaryMetrics.from_parts(parts)
-    return metrics.compute()
-
-
-def sparse_grads(sparse) -> dict[str, list]:
-    """The row gradients of the step for the sparse optimizers, by collection name
-    (``CombinedSparseOptimizer``'s keys). With several ranks the replicated tables' rows
-    are all-reduced here: an explicit collective every rank runs every step."""
-    if isinstance(sparse, ShardedEmbeddingBagCollection):
-        return sparse.reduce_sparse_grads(sparse.pop_sparse_grads())
-    if getattr(sparse, "remote", False):  # parameter servers: pushed by the "ps" optimizer
-        return {"ps": sparse.pop_sparse_grads()}
-    return {"tables": sparse.pop_sparse_grads()}
-
-
-def training_step(model: torch.nn.Module, batch: Batch, *, dense_opt: torch.optim.Optimizer,
-                  sparse_opt: CombinedSparseOptimizer, dense_sync: DenseSync,
-                  pending=None, updating=None) -> torch.Tensor:
-    """One training step, in order; returns the detached loss. ``pending``: the batch's
-    input_dist already under way (the pipeline's handle), or None. ``updating``: a context
-    around the optimizer updates (partial recovery's: the state is whole outside it)."""
-    if not model.training:  # (after an evaluation; evaluate_model restores every module's mode)
-        model.train()
-    # (Each phase is a torch.profiler range: benchmarks/profile_step.py reads them.)
-    with phase("forward"):
-        # input_dist (or its pending handle), lookup, output_dist, the dense arches.
-        logits = model(batch) if pending is None else model(batch, sparse_input=pending)
-        loss = F.binary_cross_entropy_with_logits(logits, batch.labels)
-    dense_opt.zero_grad(set_to_none=True)
-    with phase("backward"):
-        loss.backward()  # dense grads, the lookups' row grads, the output_dist backward
-    with phase("grad_sync"):
-        dense_sync.synchronize()  # dense synchronization (DDP's ran inside backward)
-        grads = sparse_grads(model.sparse)
-    with updating if updating is not None else contextlib.nullcontext() as track:
-        if track is not None:  # (partial recovery's incremental saves: the rows looked up)
-            track(grads)
-        with phase("dense_update"):
-            dense_opt.step()
-        with phase("sparse_update"):
-            sparse_opt.step(grads)
-    return loss.detach()
 
 
 class Trainer:
@@ -372,8 +312,6 @@ class Trainer:
         if self.early_stop is not None and self.early_stop.stopped:
             return
         if self.cfg.train.workers > 1:
-            from hybridrec.train.hogwild import HogwildWorkers  # (it imports this module)
-
             yield from HogwildWorkers(self).steps()
             return
         while self.step < self.total_steps:
