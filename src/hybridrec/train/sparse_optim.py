@@ -224,7 +224,7 @@ class CombinedSparseOptimizer:
 
 def local_collections(sparse) -> dict:
     """The embedding collections a rank updates, by the names its row gradients carry
-    (:func:`hybridrec.train.trainer.sparse_grads`): a sharded collection's ``shards`` and
+    (:func:`hybridrec.train.step.sparse_grads`): a sharded collection's ``shards`` and
     ``replicated`` (those it has), or a single-device collection's ``tables``."""
     if hasattr(sparse, "reduce_sparse_grads"):
         return {k: c for k, c in ((SHARDS, sparse.local), (REPLICATED, sparse.replicated))
