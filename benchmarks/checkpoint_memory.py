@@ -104,7 +104,8 @@ def worker(args) -> None:
     from hybridrec.parallel import checkpoint as C
     from hybridrec.parallel import checkpoint_layout as L
     from hybridrec.train import recipes
-    from hybridrec.train.build import build_trainer, load_dataset
+    from hybridrec.train.build import build_trainer
+    from hybridrec.train.tables import load_dataset
     from hybridrec.train.config import build_config
 
     mode = args.worker

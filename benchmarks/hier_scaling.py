@@ -56,7 +56,7 @@ def parse_args(argv=None):
     p.add_argument("--multi-hot", type=float, default=1.0, help="ids per bag")
     p.add_argument("--sharding", choices=["balanced", "table_wise"], default="balanced",
                    help="balanced: 1/n of every table per rank (what no plan reaches past 26 "
-                        "ranks); table_wise: train.build.uniform_plan, as the harness runs")
+                        "ranks); table_wise: train.tables.uniform_plan, as the harness runs")
     p.add_argument("--sync-algorithm", default="ma", choices=["ma", "easgd", "bmuf"])
     p.add_argument("--sync-mode", default="background", choices=["background", "foreground"])
     p.add_argument("--sync-every", type=int, default=1)
@@ -108,7 +108,7 @@ def bench_workload(args):
                    for i in range(1, TABLES + 1))
     plan = None
     if args.sharding == "table_wise":
-        from hybridrec.train.build import uniform_plan
+        from hybridrec.train.tables import uniform_plan
 
         def plan(n):
             return uniform_plan("table_wise", list(tables), n, n)
@@ -138,7 +138,7 @@ def predict_rows(w, links, sync, machines: list[int], m: int) -> list[dict]:
 
 def scaling_table(name: str, links, rows: list[dict]) -> str:
     from hybridrec.bench.netns import format_rate
-    from hybridrec.train.build import size_text
+    from hybridrec.train.memory import size_text
 
     base = rows[0]["hier"].samples_per_s / rows[0]["machines"]
 

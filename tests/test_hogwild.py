@@ -17,7 +17,8 @@ from hybridrec.errors import ConfigError
 from hybridrec.model.embedding import EmbeddingBagCollection, TableConfig
 from hybridrec.sparse.keyed_jagged import KeyedJagged
 from hybridrec.train import hogwild
-from hybridrec.train.build import build_loaders, build_trainer, load_dataset
+from hybridrec.train.build import build_loaders, build_trainer
+from hybridrec.train.tables import load_dataset
 from hybridrec.train.config import build_config, workers_problem
 from hybridrec.train.recipes import recipe
 

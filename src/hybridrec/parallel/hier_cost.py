@@ -129,7 +129,7 @@ class Workload:
     ids_per_bag: float | Mapping[str, float] = 1.0
     """Mean ids per bag, per feature (missing: 1) or for all."""
     plan: Callable[[int], ShardingPlan] | None = None
-    """The sharding of n ranks (e.g. ``train.build.uniform_plan``); None:
+    """The sharding of n ranks (e.g. ``train.tables.uniform_plan``); None:
     :func:`balanced_owners`."""
     codecs: Mapping[str, Codec] | None = None
     """Codecs of the pooled-embedding hop (``plan`` only), as the collection takes them."""
@@ -139,7 +139,7 @@ def dlrm_dense_params(num_dense: int, num_features: int, dim: int, bottom_mlp: S
                       top_mlp: Sequence[int], interaction: str = "dot") -> int:
     """Weights and biases of DLRM's MLPs: ``sum a*b + b`` over consecutive widths of
     ``[num_dense, *bottom]`` and ``[top_in, *top]``, ``top_in = dim + F(F+1)/2`` (dot) or
-    ``dim (F+1)`` (cat), as ``train.build.dense_model_bytes`` counts them."""
+    ``dim (F+1)`` (cat), as ``train.memory.dense_model_bytes`` counts them."""
     if interaction not in ("dot", "cat"):
         raise ValueError(f"interaction {interaction!r}: dot or cat")
     top_in = (dim + (num_features + 1) * num_features // 2 if interaction == "dot"

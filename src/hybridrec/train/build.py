@@ -3,7 +3,6 @@ so the classes themselves only store what they are given."""
 
 from __future__ import annotations
 
-import itertools
 import json
 import os
 import platform
@@ -36,7 +35,7 @@ from hybridrec.metrics.throughput import RunTotals
 from hybridrec.model.deepfm import DeepFM
 from hybridrec.model.dlrm import DLRM
 from hybridrec.model.embedding import WEIGHT_DTYPES, EmbeddingBagCollection, TableConfig, tune_lookups
-from hybridrec.model.interaction import make_interaction, tune_interactions
+from hybridrec.model.interaction import tune_interactions
 from hybridrec.model.kernels import PRECISIONS, cache_path, machine_id
 from hybridrec.model.mlp import tune_mlps
 from hybridrec.train.allocator import configure_allocator
@@ -47,19 +46,17 @@ from hybridrec.train.optim import (
     build_dense_optimizer,
     dense_parameters,
 )
-from hybridrec.parallel import plan as plan_lib
-from hybridrec.parallel.checkpoint_io import gather
-from hybridrec.parallel.cost_model import memory_by_rank
 from hybridrec.parallel.dense_sync import AllReduceSync, DDPSync, DenseSync, NoSync, dense_arches, synced_parameters
 from hybridrec.parallel.parallelize import parallelize_dlrm
 from hybridrec.parallel.plan import ShardingPlan
-from hybridrec.parallel.planner import plan_sharding
 from hybridrec.parallel.sharded_embedding import SHARDS, ShardedEmbeddingBagCollection
 from hybridrec.parallel.threshold_dist import ThresholdMP
 from hybridrec.parallel.topology import Topology, group_problem
 from hybridrec.ps.client import PushOptimizer, RemoteEmbeddingCollection
+from hybridrec.train.memory import check_memory
 from hybridrec.train.ps_run import ServerCheckpoints, ps_plan
 from hybridrec.train.sparse_optim import CombinedSparseOptimizer, combined_sparse_optimizer, local_collections
+from hybridrec.train.tables import build_plan, build_tables, load_dataset, plan_file_problem
 from hybridrec.train import checkpoint as ckpt
 from hybridrec.sync import BackgroundRunner, ForegroundRunner, SyncRunner, make_synchronizer
 from hybridrec.sync.algorithms import CATEGORY as SYNC_CATEGORY, GroupMean
@@ -79,23 +76,6 @@ from hybridrec.train.recovery import (
     survivors_step,
 )
 from hybridrec.train.trainer import Trainer
-
-
-def load_dataset(cfg: Config) -> DatasetMeta:
-    if not cfg.data.path:
-        raise ConfigError("data.path is not set: point it at a preprocessed dataset directory")
-    return DatasetMeta.load(cfg.data.path)
-
-
-def build_tables(meta: DatasetMeta, cfg: Config) -> list[TableConfig]:
-    """One table per categorical feature, sized from the dataset's schema. DeepFM: FM
-    tables with one more column, the ids' first-order weights."""
-    k, fm = cfg.model.embedding_dim, cfg.model.arch == "deepfm"
-    return [
-        TableConfig(name=f.name, num_embeddings=f.num_embeddings, embedding_dim=k + fm,
-                    pooling=cfg.model.pooling, fm_cols=k if fm else None)
-        for f in meta.schema.features
-    ]
 
 
 def build_model(cfg: Config, meta: DatasetMeta, *, plan: ShardingPlan | None = None,
@@ -208,11 +188,6 @@ def build_loaders(cfg: Config, meta: DatasetMeta, *, rank: int = 0, world_size: 
     return train, evals
 
 
-# Link bandwidth the automatic plan assumes (bytes/s): 10 Gbit/s, a common data-centre
-# NIC; use `hybridrec plan --bandwidth ... --out plan.json` and dist.plan for another.
-AUTO_PLAN_BANDWIDTH = 10e9 / 8
-
-
 def group_size(cfg: Config, world: int, local_world: int) -> int:
     """Ranks per group of ``dist.group_size`` (0: the ranks of one machine when a
     synchronizer joins the groups and the run spans several machines, else every rank)."""
@@ -237,23 +212,6 @@ def hierarchy_problem(cfg: Config, world: int, local_world: int) -> str | None:
         return f"{what}, but nothing keeps them together: set sync.algorithm (ma, easgd or bmuf)"
     if cfg.train.workers > 1:
         return f"{what}; train.workers > 1 runs on one rank only"
-    return None
-
-
-def plan_file_problem(cfg: Config, group: int, world: int) -> str | None:
-    """Why ``dist.plan`` cannot run on groups of ``group`` of the ``world`` ranks (None: no
-    file, or it can): unreadable, invalid (a shard or a column block on a rank that does
-    not exist), or made for another number of ranks. Checked before any process group is
-    made, and again when the plan is read (:func:`build_plan`)."""
-    if not cfg.dist.plan:
-        return None
-    try:
-        plan = ShardingPlan.from_json(Path(cfg.dist.plan).read_text())
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        return f"dist.plan {cfg.dist.plan}: {e}"
-    if plan.world_size != group:
-        has = "each group of this run has" if group < world else "this run has"
-        return f"dist.plan {cfg.dist.plan} is for {plan.world_size} ranks, {has} {group}"
     return None
 
 
@@ -294,44 +252,6 @@ def ranks_backend(cfg: Config) -> str:
         print("several ranks train on the CPU with gloo (the multi-GPU path is not built yet); "
               "one process (dist.nproc=1) trains on the GPU", file=sys.stderr, flush=True)
     return "gloo"
-
-
-def build_plan(cfg: Config, tables: list[TableConfig], topo: Topology,
-               meta: DatasetMeta | None = None) -> ShardingPlan:
-    if cfg.dist.plan:
-        if problem := plan_file_problem(cfg, topo.world_size, topo.global_world_size):
-            raise ConfigError(problem)
-        return ShardingPlan.from_json(Path(cfg.dist.plan).read_text())
-    if cfg.dist.sharding == "auto":
-        return plan_sharding(tables, world_size=topo.world_size, local_world_size=topo.local_world_size,
-                             stats=meta.stats if meta else None, batch_size_per_rank=cfg.data.batch_size,
-                             bandwidth_bytes_per_s=AUTO_PLAN_BANDWIDTH, optimizer=cfg.optim.sparse,
-                             weight_bytes=WEIGHT_DTYPES[cfg.model.embedding_dtype].itemsize)
-    return uniform_plan(cfg.dist.sharding, tables, topo.world_size, topo.local_world_size)
-
-
-def uniform_plan(kind: str, tables: list[TableConfig], world: int, local_world: int) -> ShardingPlan:
-    """Every table sharded the same way; table-wise tables go, largest first, to the
-    rank with the fewest rows so far (table-row-wise: to the host group likewise)."""
-    load = [0] * (world if kind == "table_wise" else world // local_world)
-    out = {}
-    for t in sorted(tables, key=lambda t: (-t.num_embeddings * t.embedding_dim, t.name)):
-        args = (t.name, t.num_embeddings, t.embedding_dim)
-        if kind in ("table_wise", "table_row_wise"):
-            i = min(range(len(load)), key=lambda r: (load[r], r))
-            load[i] += t.num_embeddings * t.embedding_dim
-            out[t.name] = (plan_lib.table_wise(*args, i) if kind == "table_wise" else
-                           plan_lib.table_row_wise(*args, list(range(i * local_world, (i + 1) * local_world))))
-        elif kind == "row_wise":
-            out[t.name] = plan_lib.row_wise(*args, list(range(world)))
-        elif kind == "column_wise":
-            out[t.name] = plan_lib.column_wise(*args, list(range(min(world, t.embedding_dim))))
-        else:
-            out[t.name] = plan_lib.data_parallel(t.name, t.num_embeddings, t.embedding_dim, world)
-    plan = ShardingPlan(world_size=world, local_world_size=local_world,
-                        tables={t.name: out[t.name] for t in tables})
-    plan.validate()
-    return plan
 
 
 def build_sparse_optimizers(cfg: Config, sparse) -> CombinedSparseOptimizer:
@@ -641,146 +561,6 @@ def start_over(run_dir: Path) -> None:
     shutil.rmtree(recovery_dir(run_dir), ignore_errors=True)
     for name in RUN_FILES:
         (run_dir / name).unlink(missing_ok=True)
-
-
-# -- memory, before anything is allocated -------------------------------------------------
-_DENSE_OPT_STATES = {"sgd": 0, "adagrad": 1, "adam": 2}
-
-
-def dense_model_bytes(cfg: Config, meta: DatasetMeta, world_size: int = 1) -> int:
-    """The dense arches' weights, gradients and dense optimizer state (float32), plus
-    DDP's gradient buckets with several ranks."""
-    m = cfg.model
-    _, top_in = make_interaction(m.interaction, len(meta.schema.features), m.embedding_dim)
-    params = 0
-    for widths in ([len(meta.schema.dense), *m.bottom_mlp], [top_in, *m.top_mlp]):
-        params += sum(a * b + b for a, b in itertools.pairwise(widths))
-    copies = 2 + _DENSE_OPT_STATES.get(cfg.optim.dense, 2)
-    copies += cfg.optim.dense == "sgd" and cfg.optim.momentum > 0  # the momentum buffer
-    copies += world_size > 1 and cfg.dist.dense_sync == "ddp"
-    return params * 4 * copies
-
-
-def memory_per_rank(cfg: Config, meta: DatasetMeta, world_size: int,
-                    local_world_size: int) -> tuple[list[int], int]:
-    """``([embedding bytes of each rank], dense bytes of every rank)``: the planner's
-    estimate of each rank's shards with their sparse optimizer state
-    (:func:`~hybridrec.parallel.cost_model.memory_by_rank`), one process holding every
-    table whole; activations, batches and buffers not counted."""
-    tables = build_tables(meta, cfg)
-    if world_size == 1:
-        plan = uniform_plan("table_wise", tables, 1, 1)
-    else:
-        shape = Topology(0, world_size, 0, local_world_size, torch.device("cpu"), "none", None, None)
-        plan = build_plan(cfg, tables, shape, meta)
-    weight = WEIGHT_DTYPES[cfg.model.embedding_dtype].itemsize
-    return memory_by_rank(plan, cfg.optim.sparse, weight), dense_model_bytes(cfg, meta, world_size)
-
-
-def memory_problem(cfg: Config, meta: DatasetMeta, *, world_size: int = 1, local_world_size: int = 1,
-                   host: int = 0, groups: int = 1, hierarchical: bool = False) -> str | None:
-    """Why the run cannot fit in the memory of machine ``host`` (its ranks
-    ``host * local_world_size ...``), or None when it fits: the sum of its ranks'
-    estimates against ``train.memory_limit_gb`` or else the memory available now.
-    ``hierarchical``: ``world_size`` is a group's (``groups`` of them on this machine, each
-    holding every table) and each rank's replica is held again by the synchronizer
-    (:func:`sync_copies` times)."""
-    sparse, dense = memory_per_rank(cfg, meta, world_size, local_world_size)
-    ranks = range(host * local_world_size, min(world_size, (host + 1) * local_world_size))
-    extra = 1 + (sync_copies(cfg) if hierarchical else 0)
-    need = groups * sum((sparse[r] + dense) * extra for r in ranks)
-    limit, source = memory_limit(cfg)
-    if limit is None or need <= limit:
-        return None
-    if world_size == 1:
-        what = (f"this run needs {size_text(need)} (embedding tables with their {cfg.optim.sparse} state "
-                f"{size_text(sparse[0])}, dense model {size_text(dense)})")
-    else:
-        big = max(ranks, key=lambda r: sparse[r])
-        what = (f"the {len(ranks)} ranks on this machine need {size_text(need)} (the largest, rank {big}: "
-                f"embedding shards with their {cfg.optim.sparse} state {size_text(sparse[big])}, "
-                f"dense model {size_text(dense)})")
-    return (f"not enough memory: {what}, {source} is {size_text(limit)}; train on more ranks "
-            f"(dist.nproc=N, or torchrun over more machines), split the tables' rows over them "
-            f"(dist.sharding=row_wise), or make the tables smaller "
-            f"(hybridrec data preprocess --table-size N)")
-
-
-def sync_copies(cfg: Config) -> int:
-    """How many more copies of a rank's replica (its shards and the dense part) a
-    synchronizer across groups holds, an estimate: the snapshot, the target and the
-    round's result; EASGD's centre; BMUF's global model and block momentum;
-    ``sync.compress``'s anchor and residual."""
-    s = cfg.sync
-    return 3 + {"easgd": 1, "bmuf": 2}.get(s.algorithm, 0) + (2 if s.compress != "none" else 0)
-
-
-def check_memory(cfg: Config, meta: DatasetMeta, topo: Topology) -> None:
-    """Refuse a plan that cannot fit before anything is allocated. Collective with several
-    ranks: every rank raises the same error when any machine is short."""
-    machine = int(os.environ.get("LOCAL_WORLD_SIZE", topo.local_world_size))
-    problem = memory_problem(cfg, meta, world_size=topo.world_size,
-                             local_world_size=topo.local_world_size,
-                             host=topo.rank // topo.local_world_size,
-                             groups=max(1, machine // topo.world_size) if topo.hierarchical else 1,
-                             hierarchical=topo.hierarchical)
-    problems = sorted({p for p in gather(topo, problem) if p}) if topo.world_size > 1 else [problem]
-    if any(problems):
-        raise ConfigError("; ".join(p for p in problems if p))
-
-
-def memory_limit(cfg: Config) -> tuple[int | None, str]:
-    """``(bytes, what they are)``: ``train.memory_limit_gb``, else the memory this machine
-    (or the container's cgroup limit) has available now; None when unknown."""
-    if cfg.train.memory_limit_gb > 0:
-        return int(cfg.train.memory_limit_gb * 1e9), f"train.memory_limit_gb={cfg.train.memory_limit_gb:g}"
-    avail, source = available_memory()
-    return avail, f"{source} (train.memory_limit_gb=0: the machine's)"
-
-
-def available_memory() -> tuple[int | None, str]:
-    """Bytes of memory available now, and where the number comes from: MemAvailable of
-    /proc/meminfo (else sysconf), lowered to what a cgroup (v2) memory limit leaves."""
-    avail, source = None, "the memory available"
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                avail, source = int(line.split()[1]) * 1024, "the memory available (MemAvailable)"
-                break
-    except (OSError, ValueError, IndexError):
-        pass
-    if avail is None:
-        try:
-            avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-        except (OSError, ValueError, AttributeError):
-            return None, source
-    left = _cgroup_memory_left()
-    if left is not None and left < avail:
-        return left, "the memory this cgroup may still use (memory.max)"
-    return avail, source
-
-
-def _cgroup_memory_left() -> int | None:
-    try:
-        rel = next((line[3:] for line in Path("/proc/self/cgroup").read_text().splitlines()
-                    if line.startswith("0::")), None)
-        for d in ([Path("/sys/fs/cgroup") / rel.lstrip("/")] if rel else []) + [Path("/sys/fs/cgroup")]:
-            limit = d / "memory.max"
-            if limit.is_file():
-                text = limit.read_text().strip()
-                if text == "max":
-                    return None
-                return max(0, int(text) - int((d / "memory.current").read_text()))
-    except (OSError, ValueError):
-        pass
-    return None
-
-
-def size_text(n: float) -> str:
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if n >= scale:
-            return f"{n / scale:,.1f} {unit}"
-    return f"{n:,.0f} bytes"
 
 
 def planned_steps(cfg: Config, per_epoch: int) -> int:

@@ -20,7 +20,9 @@ from hybridrec.ps import server as srv
 from hybridrec.ps.client import ServerError, wait_reply
 from hybridrec.ps.world import Roles, init_world, join_rpc, server_name, shutdown
 from hybridrec.train.config import Config
+from hybridrec.train.memory import memory_limit, size_text
 from hybridrec.train.sparse_optim import combined_sparse_optimizer
+from hybridrec.train.tables import build_tables, uniform_plan
 
 PS_DIR = "ps"
 """The servers' part of a checkpoint: ``step-N/ps/``, a sharded checkpoint of its own."""
@@ -28,16 +30,12 @@ PS_DIR = "ps"
 
 def ps_plan(cfg: Config, tables: list[TableConfig], num_ps: int) -> ShardingPlan:
     """Where the tables live on ``num_ps`` servers (``dist.ps_sharding``)."""
-    from hybridrec.train.build import uniform_plan
-
     return uniform_plan(cfg.dist.ps_sharding, tables, num_ps, num_ps)
 
 
 def run_server(cfg: Config, meta: DatasetMeta, r: Roles) -> dict:
     """A server's life: its process group, its shards, then it answers RPCs until every
     trainer has left (graceful RPC shutdown)."""
-    from hybridrec.train.build import build_tables
-
     topo = init_world(r, timeout_s=cfg.dist.timeout_s)
     tables = build_tables(meta, cfg)
     plan = ps_plan(cfg, tables, r.num_ps)
@@ -65,8 +63,6 @@ def server_memory_problem(cfg: Config, plan: ShardingPlan, topo: Topology) -> st
     """Why the parameter servers on this server's machine cannot hold their shards with
     their sparse optimizer state (the planner's estimate against ``train.memory_limit_gb``
     or else the memory available now), or None when they fit."""
-    from hybridrec.train.build import memory_limit, size_text
-
     need_by = memory_by_rank(plan, cfg.optim.sparse)
     host = topo.rank // topo.local_world_size
     ranks = range(host * topo.local_world_size, min(topo.world_size, (host + 1) * topo.local_world_size))
@@ -82,10 +78,6 @@ def server_memory_problem(cfg: Config, plan: ShardingPlan, topo: Topology) -> st
 
 def local_servers_memory_problem(cfg: Config, meta: DatasetMeta) -> str | None:
     """:func:`server_memory_problem` of a local launch: every server on this machine."""
-    import torch
-
-    from hybridrec.train.build import build_tables
-
     n = cfg.dist.num_ps
     shape = Topology(0, n, 0, n, torch.device("cpu"), "none", None, None)
     return server_memory_problem(cfg, ps_plan(cfg, build_tables(meta, cfg), n), shape)

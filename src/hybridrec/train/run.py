@@ -41,12 +41,13 @@ from hybridrec.train.build import (
     build_model,
     build_topology,
     build_trainer,
-    load_dataset,
     planned_steps,
     ranks_backend,
     versions,
 )
 from hybridrec.train.config import Config, apply_dict, validate
+from hybridrec.train.memory import memory_problem
+from hybridrec.train.tables import load_dataset, plan_file_problem
 from hybridrec.train.early_stop import early_stop_problem, resolve_checkpoint
 from hybridrec.train.faults import injection_problem
 from hybridrec.train.recovery import elastic_restarts, read_events
@@ -245,8 +246,6 @@ def preflight(cfg: Config, *, world_size: int) -> tuple[dict | None, str]:
     Returns ``(finished, run_dir)``: a finished run's summary with ``already_finished``
     (else None) and the run directory as the ranks should be given it; an empty
     ``train.run_dir`` becomes a new directory."""
-    from hybridrec.train.build import group_size, memory_problem, plan_file_problem
-
     shown = cfg.train.run_dir
     make_paths_absolute(cfg)
     meta = load_dataset(cfg)
