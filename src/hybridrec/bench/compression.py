@@ -38,9 +38,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from hybridrec.bench import compression_report as report
+from hybridrec.bench.compression_report import BASELINE
 from hybridrec.errors import ConfigError
-
-BASELINE = "baseline"
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]*")
 _DENSE = {"dct": "eta", "topk": "eta", "powersgd": "rank", "fp16": None, "bf16": None}
@@ -333,8 +333,6 @@ def run_sweep(spec: SweepSpec, *, echo: Callable[[str], None] = print) -> dict:
     and the sweep goes on. Rewrites results.json, results.md and pareto.svg in
     ``spec.out`` after every run (``complete: false`` until the last) and returns the
     final results (see :mod:`hybridrec.bench.compression_report`)."""
-    from hybridrec.bench import compression_report as report
-
     expected = expected_configs(spec)
     spec.out.mkdir(parents=True, exist_ok=True)
     total, done = len(spec.settings) * len(spec.seeds), 0

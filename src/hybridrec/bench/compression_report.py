@@ -20,6 +20,9 @@ from pathlib import Path
 from hybridrec.bench.svg import Panel, Point, scatter_svg
 from hybridrec.metrics.logger import write_json_atomic, write_text_atomic
 
+BASELINE = "baseline"
+"""The setting every sweep includes: no compression, the reference of the others' AUC and bytes."""
+
 CATEGORIES = ("dense_allreduce", "output_dist")
 """The table's byte columns: dense data-parallel gradients and pooled embeddings."""
 
@@ -180,8 +183,6 @@ def summarize(runs: dict[str, list[dict]], baseline: str) -> list[dict]:
 def write_results(spec, runs: dict[str, list[dict]], *, complete: bool) -> dict:
     """results.json, results.md and pareto.svg for the runs so far (``spec`` is the
     :class:`~hybridrec.bench.compression.SweepSpec`)."""
-    from hybridrec.bench.compression import BASELINE
-
     rows = summarize(runs, BASELINE)
     finished = sum(len(rs) for rs in runs.values())
     results = {
