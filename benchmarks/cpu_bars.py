@@ -9,13 +9,15 @@ Runs, in order, and reads back what they write:
    with 1 process and with ``--nproc 2``: hybridrec fp32 and bf16 against TorchRec (fp32), the
    benchmark DLRM (needs ``benchmarks/peers/setup_torchrec.sh``);
 2. the demo's full runs (``hybridrec demo --seed S``) in fp32 and in bf16 for each of
-   ``--seeds``, held-out AUC.
+   ``--seeds``, held-out AUC;
+3. ``benchmarks/profile_step.py`` (fp32 and bf16, 1 process): where a step's time goes, by
+   phase and operator, on this processor (``--no-profile`` skips it).
 
 and prints the bars with the measured values: fp32 >= 1.25x TorchRec (1 process and 2
 ranks); bf16 >= 2x TorchRec at an AUC within 0.001 of fp32 on every seed; bf16 >= 100,000
 samples/s in 1 process. The processor's name, family and model head the table (kernels are
 chosen by timing on the machine, so the numbers belong to it). Writes ``cpu_bars.json``
-and ``cpu_bars.md`` under ``--out``.
+and ``cpu_bars.md`` (the profile's tables after the bars) under ``--out``.
 """
 
 from __future__ import annotations
@@ -40,6 +42,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=3, help="alternating rounds of each throughput run")
     p.add_argument("--seeds", default="0,1", help="demo seeds for the bf16 AUC check")
     p.add_argument("--nproc", default="1,2", help="process counts of the throughput runs")
+    p.add_argument("--profile", action=argparse.BooleanOptionalAction, default=True,
+                   help="also profile a step in fp32 and bf16 (benchmarks/profile_step.py, ~1 min)")
     return p.parse_args(argv)
 
 
@@ -64,6 +68,16 @@ def demo_auc(seed: int, precision: str, out: Path) -> float:
     run([sys.executable, "-m", "hybridrec", "demo", "--out", str(work), "--seed", str(seed),
          f"train.precision={precision}", "train.resume=false"])
     return json.loads((work / "run" / "summary.json").read_text())["eval"]["auc"]
+
+
+def profile(out: Path) -> str:
+    """``benchmarks/profile_step.py``'s tables (fp32 and bf16, 1 process), as it prints them."""
+    cmd = [sys.executable, "benchmarks/profile_step.py", "--out", str(out / "profile"), "--top", "15"]
+    print("$ " + " ".join(cmd), file=sys.stderr, flush=True)
+    proc = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    if proc.returncode:
+        raise SystemExit(f"failed ({proc.returncode}): {' '.join(cmd)}")
+    return "\n".join(ln for ln in proc.stdout.splitlines() if not ln.startswith("written:")).strip()
 
 
 def verdicts(tp: dict, aucs: dict) -> list[tuple[str, str, bool]]:
@@ -99,6 +113,8 @@ def format_md(rep: dict) -> str:
     lines += [f"| {s} | {a['fp32']:.5f} | {a['bf16']:.5f} |" for s, a in rep["demo_auc"].items()]
     lines += ["", "| bar | measured | |", "|---|---|---|"]
     lines += [f"| {bar} | {got} | {'met' if ok else 'MISSED'} |" for bar, got, ok in rep["bars"]]
+    if rep.get("profile"):
+        lines += ["", "## Where a step goes (benchmarks/profile_step.py, 1 process)", "", rep["profile"]]
     return "\n".join(lines)
 
 
@@ -112,7 +128,8 @@ def main(argv=None) -> int:
     tp = {int(n): throughput(int(n), args.rounds, out) for n in args.nproc.split(",")}
     aucs = {int(s): {p: demo_auc(int(s), p, out) for p in ("fp32", "bf16")} for s in args.seeds.split(",")}
     rep = {"machine": machine(), "date": str(datetime.date.today()), "rounds": args.rounds,
-           "throughput": tp, "demo_auc": aucs, "bars": verdicts(tp, aucs)}
+           "throughput": tp, "demo_auc": aucs, "bars": verdicts(tp, aucs),
+           "profile": profile(out) if args.profile else None}
     (out / "cpu_bars.json").write_text(json.dumps(rep, indent=2))
     md = format_md(rep)
     (out / "cpu_bars.md").write_text(md + "\n")
