@@ -47,11 +47,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def run(cmd: list[str]) -> None:
+def run(cmd: list[str], *, capture: bool = False) -> str | None:
+    """Run ``cmd`` from the project root, shown first; its stdout when ``capture``."""
     print("$ " + " ".join(cmd), file=sys.stderr, flush=True)
-    proc = subprocess.run(cmd, cwd=ROOT)
+    proc = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.PIPE if capture else None, text=True)
     if proc.returncode:
         raise SystemExit(f"failed ({proc.returncode}): {' '.join(cmd)}")
+    return proc.stdout
 
 
 def throughput(nproc: int, rounds: int, out: Path) -> dict:
@@ -72,12 +74,9 @@ def demo_auc(seed: int, precision: str, out: Path) -> float:
 
 def profile(out: Path) -> str:
     """``benchmarks/profile_step.py``'s tables (fp32 and bf16, 1 process), as it prints them."""
-    cmd = [sys.executable, "benchmarks/profile_step.py", "--out", str(out / "profile"), "--top", "15"]
-    print("$ " + " ".join(cmd), file=sys.stderr, flush=True)
-    proc = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.PIPE, text=True)
-    if proc.returncode:
-        raise SystemExit(f"failed ({proc.returncode}): {' '.join(cmd)}")
-    return "\n".join(ln for ln in proc.stdout.splitlines() if not ln.startswith("written:")).strip()
+    text = run([sys.executable, "benchmarks/profile_step.py", "--out", str(out / "profile"), "--top", "15"],
+               capture=True)
+    return "\n".join(ln for ln in text.splitlines() if not ln.startswith("written:")).strip()
 
 
 def verdicts(tp: dict, aucs: dict) -> list[tuple[str, str, bool]]:
