@@ -55,7 +55,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from hybridrec.model.kernels import Choice, choose, race
+from hybridrec.model.kernels import Choice, Timing, choose, race_checked
 
 VALUE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 """Value types a codec may put on the wire, by config name."""
@@ -209,11 +209,18 @@ def row_topk(mag: torch.Tensor, k: int, impl: str = "torch") -> torch.Tensor:
 
 
 def time_row_topk(rows: int, cols: int, k: int, impls: list[str], *, device: str = "cpu",
-                  reps: int = 5, budget_s: float = 0.2) -> dict[str, float]:
-    """Seconds of one :func:`row_topk` of ``[rows, cols]`` magnitudes with each of ``impls``."""
+                  reps: int = 5, budget_s: float = 0.2) -> Timing:
+    """Seconds of one :func:`row_topk` of ``[rows, cols]`` magnitudes with each of ``impls``
+    (:func:`~hybridrec.model.kernels.race_checked`; what is compared is the magnitudes each
+    selects, sorted per row: positions come in no particular order)."""
     gen = torch.Generator(device=device).manual_seed(0)
     mag = torch.randn(rows, cols, device=device, generator=gen).abs_()
-    return race(impls, lambda impl: row_topk(mag, k, impl), device=device, reps=reps, budget_s=budget_s)
+
+    def probe(impl: str) -> torch.Tensor:
+        return mag.gather(-1, row_topk(mag, k, impl)).sort(-1).values
+
+    return race_checked(impls, lambda impl: row_topk(mag, k, impl), probe=probe, device=device,
+                        what="row top-k", reps=reps, budget_s=budget_s)
 
 
 class TopKCodec(Codec):

@@ -32,7 +32,7 @@ from torch import nn
 
 from hybridrec.model import triton_kernels
 from hybridrec.model.id_groups import group_ids
-from hybridrec.model.kernels import Choice, choose, race_runnable
+from hybridrec.model.kernels import Choice, Timing, choose, race_checked
 from hybridrec.phases import phase
 from hybridrec.sparse.keyed_jagged import KeyedJagged
 
@@ -496,21 +496,21 @@ def lookup_rows(weight: torch.Tensor, ids: torch.Tensor, impl: str) -> torch.Ten
     return weight.index_select(0, ids)
 
 
-def time_lookups(weight: torch.Tensor, n: int, impls: list[str], *, budget_s: float = 0.1) -> dict[str, float]:
+def time_lookups(weight: torch.Tensor, n: int, impls: list[str], *, budget_s: float = 0.1) -> Timing:
     """Seconds of looking up ``n`` random rows of ``weight`` (one per bag) with each of ``impls``
-    (:func:`~hybridrec.model.kernels.race_runnable`: one that does not run here is never chosen)."""
+    (:func:`~hybridrec.model.kernels.race_checked`: one that does not run here, or looks up
+    other values, is never chosen)."""
     gen = torch.Generator(device=weight.device).manual_seed(0)
     ids = torch.randint(0, weight.shape[0], (n,), generator=gen, device=weight.device)
     offsets = torch.arange(n + 1, device=weight.device)
 
-    def run(impl: str) -> None:
+    def run(impl: str) -> torch.Tensor:
         with torch.no_grad():
             if impl == "embedding_bag":
-                F.embedding_bag(ids, weight, offsets, mode="sum", include_last_offset=True)
-            else:
-                lookup_rows(weight, ids, impl)
+                return F.embedding_bag(ids, weight, offsets, mode="sum", include_last_offset=True)
+            return lookup_rows(weight, ids, impl)
 
-    return race_runnable(impls, run, device=weight.device, what="lookup", budget_s=budget_s)
+    return race_checked(impls, run, device=weight.device, what="lookup", budget_s=budget_s)
 
 
 def tune_lookups(collections, ids_per_feature: int, *, mode: str = "auto") -> list[Choice]:

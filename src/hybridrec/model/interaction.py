@@ -7,7 +7,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from hybridrec.model.kernels import Choice, choose, compute_dtype, race
+from hybridrec.model.kernels import Choice, Timing, choose, compute_dtype, race_checked, small_ints
 
 
 class _PairwiseDot(torch.autograd.Function):
@@ -122,23 +122,26 @@ class DotInteraction(nn.Module):
 
 def time_dot_interaction(batch: int, num_features: int, dim: int, impls: list[str], *,
                          device: str = "cpu", dtype: str = "float32", reps: int = 5,
-                         budget_s: float = 0.2) -> dict[str, float]:
+                         budget_s: float = 0.2) -> Timing:
     """Seconds of one forward and backward of :class:`DotInteraction` with each of
-    ``impls`` (:func:`~hybridrec.model.kernels.race`)."""
+    ``impls`` (:func:`~hybridrec.model.kernels.race_checked`: the output and both gradients
+    are compared, on :func:`~hybridrec.model.kernels.small_ints`)."""
     gen = torch.Generator(device=device).manual_seed(0)
     low = getattr(torch, dtype)
-    dense = torch.randn(batch, dim, device=device, generator=gen).requires_grad_()
-    sparse = torch.randn(batch, num_features, dim, device=device, generator=gen).requires_grad_()
+    dense = small_ints(batch, dim, generator=gen, device=device).requires_grad_()
+    sparse = small_ints(batch, num_features, dim, generator=gen, device=device).requires_grad_()
     mod = DotInteraction(num_features).to(device)
 
-    def run(impl: str) -> None:
-        mod.impl = impl
+    def run(impl: str) -> tuple:
+        mod.impl, dense.grad, sparse.grad = impl, None, None
         with torch.autocast(torch.device(device).type, dtype=low if low != torch.float32 else torch.bfloat16,
                             enabled=low != torch.float32):
             out = mod(dense, sparse)
         out.sum().backward()
+        return out, dense.grad, sparse.grad
 
-    return race(impls, run, device=device, reps=reps, budget_s=budget_s)
+    return race_checked(impls, run, device=device, what=f"interaction {batch}x{num_features + 1}x{dim}",
+                        reps=reps, budget_s=budget_s)
 
 
 def tune_interactions(model: nn.Module, batch: int, *, mode: str = "auto", device: str = "cpu",

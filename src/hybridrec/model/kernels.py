@@ -18,9 +18,14 @@ Precision: inside ``torch.autocast`` (``train.precision=bf16``) :func:`linear` c
 the autocast dtype with either candidate; the weights stay fp32 (the cast is part of the
 graph, so their gradients arrive in fp32).
 
-Candidates: ``torch`` (``F.linear``; any device and dtype) and ``onednn`` (CPU, fp32 or
-bf16, 2-D input; the backward runs the same op on transposed operands). Both compute the
-same math; only the summation order differs.
+Candidates: ``torch`` (``F.linear``; any device and dtype) and ``onednn`` (CPU, fp32, or
+bf16 where the processor has bf16 instructions, 2-D input; the backward runs the same op on
+transposed operands). Both compute the same math; only the summation order differs.
+
+Every race (:func:`race_checked`) first calls each candidate once and compares what it computes
+with the first candidate's (the baseline, torch's own op): one that raises or disagrees is
+excluded, with its reason in the choice (``summary.json`` ``kernels``, ``excluded``) and a
+warning, and the next one is used.
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ import threading
 import time
 import warnings
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -68,6 +73,19 @@ def onednn_available() -> bool:
     return _LINEAR_POINTWISE is not None and torch.backends.mkldnn.is_available()
 
 
+def onednn_bf16_available() -> bool:
+    """Whether oneDNN computes bf16 on this processor: torch's own check of the instructions
+    its bf16 primitives need (AVX512BW/AVX512-BF16/AMX on x86; a Zen 3 has none of them, and
+    there oneDNN cannot create a bf16 inner product). Should it miss a limit set by
+    ``ONEDNN_MAX_CPU_ISA``, the race's first call finds it (:func:`race_checked`)."""
+    if not onednn_available():
+        return False
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
 def compute_dtype(device: torch.device | str) -> torch.dtype | None:
     """The autocast dtype in force on ``device``'s type, or None outside autocast."""
     kind = torch.device(device).type
@@ -75,8 +93,8 @@ def compute_dtype(device: torch.device | str) -> torch.dtype | None:
 
 
 def _onednn_fits(device_type: str, dtype: torch.dtype, ndim: int = 2) -> bool:
-    return (device_type == "cpu" and dtype in (torch.float32, torch.bfloat16)
-            and ndim == 2 and onednn_available())
+    return (device_type == "cpu" and ndim == 2 and onednn_available()
+            and (dtype == torch.float32 or (dtype == torch.bfloat16 and onednn_bf16_available())))
 
 
 class _OneDNNLinear(torch.autograd.Function):
@@ -173,14 +191,23 @@ def cpu_info() -> dict[str, str]:
     return info
 
 
+ISA_LIMITS = ("ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY")
+"""Environment variables that limit the instructions torch's kernels use (on an AVX-512
+processor, ``avx2`` makes torch behave as on one without): a choice made under one limit
+does not hold under another."""
+
+
 def machine_id() -> str:
-    """The processor (model name, family, model, stepping), torch version and threads, and
+    """The processor (model name, family, model, stepping), the instructions torch's kernels
+    use (ATen's capability, and the :data:`ISA_LIMITS` set), torch version and threads, and
     the GPU when this process uses CUDA: what a cached choice holds for."""
     info = cpu_info()
     cpu = " ".join(info.get(k, "?") for k in CPU_FIELDS) if info else (platform.processor() or platform.machine())
+    isa = " ".join([torch.backends.cpu.get_cpu_capability(),
+                    *(f"{k}={os.environ[k]}" for k in ISA_LIMITS if os.environ.get(k))])
     # (is_initialized: a CPU run on a machine with a GPU makes no CUDA context just to name it)
     gpu = f" | {torch.cuda.get_device_name()}" if torch.cuda.is_initialized() else ""
-    return f"{cpu} | torch {torch.__version__} | {torch.get_num_threads()} threads{gpu}"
+    return f"{cpu} | {isa} | torch {torch.__version__} | {torch.get_num_threads()} threads{gpu}"
 
 
 def cache_path() -> Path:
@@ -245,23 +272,109 @@ def race(impls: list[str], run, *, device: torch.device | str = "cpu", reps: int
     return best
 
 
+@dataclass
+class Timing:
+    """What a race found: the seconds of each candidate that ran and agreed with the
+    reference, and why each of the others was excluded."""
+
+    seconds: dict[str, float]
+    excluded: dict[str, str] = field(default_factory=dict)
+
+
+def _tensors(out) -> list[torch.Tensor]:
+    items = out if isinstance(out, (tuple, list)) else [out]
+    return [t for t in items if isinstance(t, torch.Tensor)]
+
+
+TOLERANCE = {torch.float32: 1e-4, torch.float64: 1e-9}
+"""The largest relative difference (``|a - b| / |b|``, Euclidean norms of whole tensors)
+between a candidate's outputs and the reference's that is only another summation order;
+other dtypes (bf16, fp16): :data:`LOW_TOLERANCE`."""
+LOW_TOLERANCE = 3e-2
+
+
+def disagreement(got, want) -> str | None:
+    """Why the tensors of ``got`` are not ``want``'s up to summation order (the number and
+    shapes differ, a value is not finite, or the relative difference exceeds
+    :data:`TOLERANCE`), or None when they agree."""
+    got, want = _tensors(got), _tensors(want)
+    if len(got) != len(want):
+        return f"gave {len(got)} outputs, the reference {len(want)}"
+    for i, (a, b) in enumerate(zip(got, want)):
+        if a.shape != b.shape:
+            return f"output {i} has shape {tuple(a.shape)}, the reference's {tuple(b.shape)}"
+        if not a.is_floating_point():
+            if not torch.equal(a, b):
+                return f"output {i} differs from the reference's"
+            continue
+        a, b = a.detach().double(), b.detach().double()
+        if not bool(torch.isfinite(a).all()) and bool(torch.isfinite(b).all()):
+            return f"output {i} has values that are not finite"
+        tol = max(TOLERANCE.get(x.dtype, LOW_TOLERANCE) for x in (got[i], want[i]))
+        rel = float((a - b).norm() / b.norm().clamp(min=1e-30))
+        if not rel <= tol:
+            return f"output {i} differs from the reference's by {rel:.2g} (relative; at most {tol:g})"
+    return None
+
+
+def small_ints(*shape: int, generator: torch.Generator, device: torch.device | str) -> torch.Tensor:
+    """float32 ``shape`` of integers in [-2, 2]: the operands a race checks its candidates on.
+    Their products and the sums of thousands of them are exact in float32 (and the operands in
+    bf16), so every summation order gives the same values and a ReLU's gate the same zeros: a
+    candidate that agrees on random normal operands only up to a gate that rounding flipped
+    (a whole row of a gradient apart) agrees here exactly, and any real difference shows."""
+    return torch.randint(-2, 3, shape, generator=generator, device=device).float()
+
+
+def race_checked(impls: list[str], run, *, device: torch.device | str, what: str, budget_s: float,
+                 probe=None, reps: int = 5) -> Timing:
+    """:func:`race` over the ``impls`` that compute what the first of them does.
+
+    Each candidate is called once first, ``probe(impl)`` (default ``run(impl)``; when ``run``
+    is the probe, that call is also its warm-up), and what it returns (a tensor or a tuple of
+    them) compared with the first candidate's, the reference (:func:`disagreement`). One that
+    raises (a kernel this processor or device cannot run) or returns other values is excluded,
+    with a warning and its reason in :attr:`Timing.excluded`, and never chosen."""
+    ok, excluded, ref = [], {}, None
+    for impl in impls:
+        try:
+            out = (probe or run)(impl)
+        except Exception as e:  # noqa: BLE001 (a candidate that cannot run here is dropped, said)
+            excluded[impl] = f"raised {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}".rstrip(": ")
+        else:
+            why = None if ref is None else disagreement(out, ref)
+            if why is None:
+                ref = out if ref is None else ref
+                ok.append(impl)
+            else:
+                excluded[impl] = f"wrong values: {why}"
+        if impl in excluded:
+            warnings.warn(f"{what} {impl!r} on {device}: {excluded[impl]}; not used", RuntimeWarning, stacklevel=2)
+    seconds = race(ok, run, device=device, reps=reps, budget_s=budget_s, warmups=int(probe is not None)) if ok else {}
+    return Timing(seconds, excluded)
+
+
 def time_linears(shape: LinearShape, impls: list[str], *, reps: int = 5,
-                 budget_s: float = 0.2) -> dict[str, float]:
-    """Seconds of one forward and backward of each of ``impls`` on ``shape`` (:func:`race`)."""
+                 budget_s: float = 0.2) -> Timing:
+    """Seconds of one forward and backward of each of ``impls`` on ``shape``
+    (:func:`race_checked`: the output and the three gradients are compared, on
+    :func:`small_ints`)."""
     dev, dtype = torch.device(shape.device), getattr(torch, shape.dtype)
     gen = torch.Generator(device=dev).manual_seed(0)
-    x = torch.randn(shape.batch, shape.fan_in, device=dev, generator=gen).requires_grad_(shape.input_grad)
-    w = torch.randn(shape.fan_out, shape.fan_in, device=dev, generator=gen).requires_grad_()
-    b = torch.randn(shape.fan_out, device=dev, generator=gen).requires_grad_()
-    grad = torch.randn(shape.batch, shape.fan_out, device=dev, generator=gen, dtype=dtype)
+    x = small_ints(shape.batch, shape.fan_in, generator=gen, device=dev).requires_grad_(shape.input_grad)
+    w = small_ints(shape.fan_out, shape.fan_in, generator=gen, device=dev).requires_grad_()
+    b = small_ints(shape.fan_out, generator=gen, device=dev).requires_grad_()
+    grad = small_ints(shape.batch, shape.fan_out, generator=gen, device=dev).to(dtype)
     low = dtype if dtype != torch.float32 else None
 
-    def run(impl: str) -> None:
+    def run(impl: str) -> tuple:
+        x.grad = w.grad = b.grad = None
         with torch.autocast(dev.type, dtype=low or torch.bfloat16, enabled=low is not None):
             y = linear(x, w, b, relu=shape.relu, impl=impl)
         y.backward(grad)
+        return y, x.grad, w.grad, b.grad
 
-    return race(impls, run, device=dev, reps=reps, budget_s=budget_s)
+    return race_checked(impls, run, device=dev, what=f"linear {shape.key()}", reps=reps, budget_s=budget_s)
 
 
 @dataclass
@@ -270,18 +383,32 @@ class Choice:
     impl: str
     source: str  # measured | cached | override | only
     seconds: dict[str, float]
+    excluded: dict[str, str] = field(default_factory=dict)  # candidate -> why it is not used here
 
     def to_dict(self) -> dict:
-        return {"shape": self.key, "impl": self.impl, "source": self.source,
-                "ms": {k: round(v * 1e3, 4) for k, v in self.seconds.items()}}
+        out = {"shape": self.key, "impl": self.impl, "source": self.source,
+               "ms": {k: round(v * 1e3, 4) for k, v in self.seconds.items()}}
+        return {**out, "excluded": dict(self.excluded)} if self.excluded else out
+
+
+def _fastest(key: str, cands: list[str], got: Timing) -> str:
+    """The fastest candidate that ran (ties: the earlier one); every candidate excluded is
+    an error that names them and why (the first is torch's own op: nothing is left to run)."""
+    if not got.seconds:
+        why = "; ".join(f"{i}: {r}" for i, r in got.excluded.items())
+        raise RuntimeError(f"{key}: no candidate runs on this machine ({why})")
+    return min(got.seconds, key=lambda i: (got.seconds[i], cands.index(i)))
 
 
 def choose(items: list[tuple[str, list[str], str | None]], timer, *, mode: str = "auto",
            budget_s: float = 0.5) -> dict[str, Choice]:
-    """The implementation of each ``(key, candidates, forced)``: ``forced`` where given (an
-    override that fits), else the only candidate, else the cached choice (unless ``mode``
-    is ``measure``; one made among the same candidates: a new candidate is timed), else the fastest by ``timer(key, candidates, budget_s) -> {impl: seconds}``, cached.
-    ``budget_s`` is shared by the keys to measure."""
+    """The implementation of each ``(key, candidates, forced)``, ``candidates`` led by the
+    baseline (the reference every other is checked against): ``forced`` where given (an
+    override that fits; when it is not the baseline, it is checked like a raced candidate and
+    the baseline is used if it fails), else the only candidate, else the cached choice (unless
+    ``mode`` is ``measure``; one made among the same candidates: a new candidate is timed),
+    else the fastest by ``timer(key, candidates, budget_s) -> Timing``, cached with the
+    candidates excluded and why. ``budget_s`` is shared by the keys to measure."""
     if mode not in CHOICES:
         raise ValueError(f"kernels {mode!r}: one of {', '.join(CHOICES)}")
     out: dict[str, Choice] = {}
@@ -290,20 +417,26 @@ def choose(items: list[tuple[str, list[str], str | None]], timer, *, mode: str =
     todo = []
     for key, cands, forced in dict.fromkeys((k, tuple(c), f) for k, c, f in items):
         cands = list(cands)
-        if forced is not None:
+        if forced is not None and forced != cands[0]:
+            got = timer(key, [cands[0], forced], 0.0)  # (one timed round: a check, not a race)
+            out[key] = Choice(key, forced if forced in got.seconds else _fastest(key, cands, got), "override", {},
+                              got.excluded)
+        elif forced is not None:
             out[key] = Choice(key, forced, "override", {})
         elif len(cands) == 1:
             out[key] = Choice(key, cands[0], "only", {})
         elif (hit := cached.get(f"{mid} | {key}")) and hit.get("candidates") == cands:
-            out[key] = Choice(key, hit["impl"], "cached", {k: v / 1e3 for k, v in hit.get("ms", {}).items()})
+            out[key] = Choice(key, hit["impl"], "cached", {k: v / 1e3 for k, v in hit.get("ms", {}).items()},
+                              dict(hit.get("excluded", {})))
         else:
             todo.append((key, cands))
     new = {}
     for key, cands in todo:
-        secs = timer(key, cands, budget_s / len(todo))
-        best = min(cands, key=lambda i: (secs[i], cands.index(i)))
-        out[key] = Choice(key, best, "measured", secs)
-        new[f"{mid} | {key}"] = {"impl": best, "candidates": cands, "ms": {k: v * 1e3 for k, v in secs.items()}}
+        got = timer(key, cands, budget_s / len(todo))
+        best = _fastest(key, cands, got)
+        out[key] = Choice(key, best, "measured", got.seconds, got.excluded)
+        new[f"{mid} | {key}"] = {"impl": best, "candidates": cands, "excluded": got.excluded,
+                                 "ms": {k: v * 1e3 for k, v in got.seconds.items()}}
     if new:
         _write_cache(path, new)
     return out
@@ -360,34 +493,32 @@ def rows_add_key(weight: torch.Tensor, nnz: int) -> str:
     return f"rows_add {weight.device.type} {str(weight.dtype).removeprefix('torch.')} {rows}x{dim} +{nnz}"
 
 
-def race_runnable(impls: list[str], run, *, device: torch.device | str, what: str, budget_s: float) -> dict[str, float]:
-    """:func:`race` over the ``impls`` that run here: each is called once first (that call is
-    also its warm-up), and one that fails (a kernel that does not compile on this device) gets
-    infinity, with a warning, so it is never chosen."""
-    ok, failed = [], {}
-    for impl in impls:
-        try:
-            run(impl)
-            ok.append(impl)
-        except Exception as e:  # noqa: BLE001 (a candidate that cannot run here is dropped, said)
-            warnings.warn(f"{what} {impl!r} does not run on {device} ({type(e).__name__}: {e}); not used",
-                          RuntimeWarning, stacklevel=2)
-            failed[impl] = float("inf")
-    return {**race(ok, run, device=device, budget_s=budget_s, warmups=0), **failed}
+PROBE_ROWS = 4096
+"""The rows of the copy of a table's first rows that a row update's candidates are checked on."""
 
 
-def time_rows_add(weight: torch.Tensor, nnz: int, impls: list[str], *, budget_s: float = 0.1) -> dict[str, float]:
+def time_rows_add(weight: torch.Tensor, nnz: int, impls: list[str], *, budget_s: float = 0.1) -> Timing:
     """Seconds of adding ``nnz`` rows at random ids into ``weight`` with each of ``impls``
-    (:func:`race_runnable`). Adds zeros: the table keeps its values (a -0.0 may become +0.0)."""
+    (:func:`race_checked`). The timed calls add zeros: the table keeps its values (a -0.0 may
+    become +0.0); the check adds random rows, repeated ids among them, into a copy of the
+    table's first :data:`PROBE_ROWS` rows."""
     gen = torch.Generator(device=weight.device).manual_seed(0)
     ids = torch.randint(0, weight.shape[0], (nnz,), generator=gen, device=weight.device)
     delta = torch.zeros(nnz, weight.shape[1], dtype=weight.dtype, device=weight.device)
+    rows = min(weight.shape[0], PROBE_ROWS)
+    probe_ids = torch.randint(0, rows, (min(nnz, 2 * rows),), generator=gen, device=weight.device)
+    probe_delta = torch.randn(len(probe_ids), weight.shape[1], generator=gen, device=weight.device).to(weight.dtype)
 
     def run(impl: str) -> None:
         with torch.no_grad():
             rows_add_(weight, ids, delta, impl, alpha=-0.5)
 
-    return race_runnable(impls, run, device=weight.device, what="row update", budget_s=budget_s)
+    def probe(impl: str) -> torch.Tensor:
+        table = weight[:rows].detach().clone()
+        rows_add_(table, probe_ids, probe_delta.clone(), impl, alpha=-0.5)
+        return table
+
+    return race_checked(impls, run, probe=probe, device=weight.device, what="row update", budget_s=budget_s)
 
 
 def choose_rows_add(weights: list[tuple[torch.Tensor, int]], *, mode: str = "auto",
@@ -429,3 +560,44 @@ def precision_scope(precision: str, device: torch.device | str):
     dtype = PRECISIONS[check_precision(precision)]
     kind = torch.device(device).type
     return torch.autocast(kind, dtype=dtype or torch.bfloat16, enabled=dtype is not None)
+
+
+BF16_FLAGS = ("avx512_bf16", "amx_bf16", "avx512bw")
+"""The x86 instructions (``/proc/cpuinfo`` flags) torch's oneDNN computes bf16 with: native
+bf16 dot products (AVX512-BF16, AMX), or AVX-512 that converts and computes in fp32."""
+
+
+def cpu_flags() -> set[str]:
+    """The first processor's ``flags`` from ``/proc/cpuinfo`` (empty where there is none)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "flags":
+                return set(value.split())
+    except OSError:
+        pass
+    return set()
+
+
+def cpu_name() -> str:
+    """The processor as a benchmark table names it: model name, family and model."""
+    info = cpu_info()
+    if not info:
+        return platform.processor() or platform.machine()
+    return f"{info.get('model name', '?')} (family {info.get('cpu family', '?')}, model {info.get('model', '?')})"
+
+
+def precision_problem(precision: str, device: torch.device | str) -> str | None:
+    """Why ``precision`` is refused on ``device``, or None. ``bf16`` on a CPU that torch's
+    oneDNN has no bf16 kernels for (no AVX-512, no bf16 instructions: a Zen 3) is refused: torch
+    emulates bf16 there, at the same AUC but 7x slower than fp32 on the demo recipe
+    (docs/benchmarks.md, "A processor without bf16"), so it gives nothing that bf16 is for."""
+    if PRECISIONS[check_precision(precision)] is None or torch.device(device).type != "cpu" \
+            or onednn_bf16_available():
+        return None
+    flags = cpu_flags()
+    missing = [f.upper() for f in BF16_FLAGS if f not in flags] or ["the bf16 kernels of torch's oneDNN"]
+    return (f"train.precision={precision}: this processor, {cpu_name()}, has no {', no '.join(missing)}; "
+            "torch would emulate bf16 here, 7x slower than fp32 at the same AUC (docs/benchmarks.md). "
+            "Use train.precision=fp32 (the default; model.embedding_dtype=bf16 still halves the tables, "
+            "compress.embedding=bf16 the pooled rows on the wire)")

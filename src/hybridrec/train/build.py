@@ -36,7 +36,7 @@ from hybridrec.model.deepfm import DeepFM
 from hybridrec.model.dlrm import DLRM
 from hybridrec.model.embedding import WEIGHT_DTYPES, EmbeddingBagCollection, TableConfig, tune_lookups
 from hybridrec.model.interaction import tune_interactions
-from hybridrec.model.kernels import PRECISIONS, cache_path, machine_id
+from hybridrec.model.kernels import PRECISIONS, cache_path, machine_id, precision_problem
 from hybridrec.model.mlp import tune_mlps
 from hybridrec.train.allocator import configure_allocator
 from hybridrec.train.config import CompressConfig, Config, workers_problem
@@ -418,8 +418,8 @@ def build_trainer(cfg: Config, *, meta: DatasetMeta | None = None, topo: Topolog
         raise ConfigError("train.run_dir is not set (hybridrec train picks a new runs/<time> itself)")
     meta = meta or load_dataset(cfg)
     topo = topo or build_topology(cfg)
-    if problem := workers_problem(cfg, topo.world_size):  # (launched by torchrun: dist.nproc is 1)
-        raise ConfigError(problem)
+    if problem := workers_problem(cfg, topo.world_size) or precision_problem(cfg.train.precision, topo.device):
+        raise ConfigError(problem)  # (workers: launched by torchrun, dist.nproc is 1)
     if cfg.train.workers > 1 and topo.device.type != "cpu":
         raise ConfigError(f"train.workers={cfg.train.workers} on {topo.device}: Hogwild threads share CPU cores "
                           "and are not supported on a GPU; use train.workers=1, or dist.backend=gloo for the CPU")

@@ -26,6 +26,7 @@ import hybridrec
 from hybridrec.data.schema import DatasetMeta
 from hybridrec.errors import ConfigError, HybridrecError, records_errors
 from hybridrec.metrics.logger import cuda_peak_memory_bytes, peak_memory_bytes, write_json_atomic
+from hybridrec.model.kernels import precision_problem
 from hybridrec.parallel.checkpoint import load_sharded, load_state, read_manifest
 from hybridrec.parallel.checkpoint_io import SafeFileSystemReader
 from hybridrec.parallel.checkpoint_layout import table_key
@@ -250,6 +251,7 @@ def preflight(cfg: Config, *, world_size: int) -> tuple[dict | None, str]:
     make_paths_absolute(cfg)
     meta = load_dataset(cfg)
     if problem := (early_stop_problem(cfg, meta) or injection_problem(cfg.train.inject_failure, world_size)
+                   or precision_problem(cfg.train.precision, "cpu")  # (several ranks: the CPU, ranks_backend)
                    or hierarchy_problem(cfg, world_size, world_size)
                    or (not cfg.dist.num_ps and world_size > 1
                        and plan_file_problem(cfg, group_size(cfg, world_size, world_size), world_size))):
