@@ -72,7 +72,8 @@ def _assert_same_run(full, cut):
                                    ["optim.sparse=lazy_adam", "optim.dense=adam"], [],
                                    ["model.embedding_dtype=bf16"],  # stochastic rounding, on every CPU
                                    pytest.param(["model.embedding_dtype=bf16", "train.precision=bf16"],
-                                                marks=needs_bf16)])
+                                                marks=needs_bf16)],
+                         ids=["sgd", "adam", "default", "bf16_tables", "bf16"])
 def test_resume_equals_uninterrupted(dataset, tmp_path, optim):
     # decay=none: the schedule must not depend on max_steps, which differs between the runs.
     common = ["train.checkpoint_every=7", "optim.warmup_steps=5", *optim]
