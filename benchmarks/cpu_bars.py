@@ -93,7 +93,7 @@ def verdicts(tp: dict, aucs: dict, bf16_problem: str | None = None) -> list[tupl
     """``(bar, measured, met)`` rows; ``met`` None where the bar cannot be measured here
     (``bf16_problem``: why bf16 is refused on this processor)."""
     rows = []
-    na = f"{NOT_AVAILABLE}: {bf16_problem.split(';')[0]}" if bf16_problem else None
+    na = f"{NOT_AVAILABLE} (bf16 refused on this processor: above)" if bf16_problem else None
     for n, r in sorted(tp.items()):
         where = "1 process" if n == 1 else f"{n} ranks"
         fp32 = r["hybridrec"]["vs_torchrec"]
