@@ -58,6 +58,7 @@ import numpy as np
 import torch
 
 from hybridrec.model.kernels import Choice, Timing, choose, race_checked
+from hybridrec.phases import phase
 
 VALUE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 """Value types a codec may put on the wire, by config name."""
@@ -282,7 +283,8 @@ class TopKCodec(Codec):
 
     def encode(self, x):
         cols = x.shape[-1]
-        idx = row_topk(x, self.k(cols), self.impls.get(cols, "torch"))
+        with phase("mp_select"):
+            idx = row_topk(x, self.k(cols), self.impls.get(cols, "torch"))
         vals = x.gather(-1, idx).to(self.dtype)
         return torch.cat([to_bytes(vals), to_bytes(idx.to(index_dtype(cols)))], dim=-1), idx
 

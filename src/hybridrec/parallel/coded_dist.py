@@ -49,6 +49,7 @@ from __future__ import annotations
 import torch
 
 from hybridrec.comm.ledger import CommLedger
+from hybridrec.phases import phase
 from hybridrec.parallel.layout import (  # noqa: F401 - owner layouts are part of this hop's API
     EmbeddingLayout,
     OwnerLayout,
@@ -361,8 +362,9 @@ class _CodedStart(torch.autograd.Function):
                 topo: Topology, ledger):
         me = topo.rank
         mine, host = layout.coded_of(me), layout.coded_of(layout.host_index(me // layout.local_world_size))
-        own, own_states = _encode(pooled, mine, grad=False)
-        red, red_states = _encode(reduced, host, grad=False)
+        with phase("mp_encode"):
+            own, own_states = _encode(pooled, mine, grad=False)
+            red, red_states = _encode(reduced, host, grad=False)
         to, frm = _splits(layout, batch_sizes, me, lambda i: layout.coded_of(i).fwd_bytes)
         flight.splits = _splits(layout, batch_sizes, me, lambda i: layout.coded_of(i).bwd_bytes)
         flight.send = _by_peer(own, red, layout, batch_sizes, me)
@@ -375,12 +377,14 @@ class _CodedStart(torch.autograd.Function):
     def backward(ctx, _token_grad):
         layout, batch_sizes, topo, mine, host, own_states, red_states = ctx.meta
         flight = ctx.flight
-        flight.grad_handle.wait()
+        with phase("mp_grad_wait"):
+            flight.grad_handle.wait()
         recv = flight.grad_out
         flight.grad_out = flight.grad_handle = flight.grad_send = None
         own_bytes, red_bytes = _from_peers(recv, mine.bwd_bytes, host.bwd_bytes, layout, batch_sizes, topo.rank)
-        own, _ = _decode(own_bytes, mine, grad=True, states=own_states)
-        red, _ = _decode(red_bytes, host, grad=True, states=red_states)
+        with phase("mp_grad_decode"):
+            own, _ = _decode(own_bytes, mine, grad=True, states=own_states)
+            red, _ = _decode(red_bytes, host, grad=True, states=red_states)
         return own, red, None, None, None, None, None
 
 
@@ -393,15 +397,17 @@ class _CodedFinish(torch.autograd.Function):
     @staticmethod
     def forward(ctx, _token, flight: _InFlight, layout: EmbeddingLayout, batch_sizes: list[int],
                 topo: Topology, ledger):
-        flight.handle.wait()
+        with phase("mp_wait"):
+            flight.handle.wait()
         recv, flight.recv, flight.handle, flight.send = flight.recv, None, None, None
         b = batch_sizes[topo.rank]
         lays = [layout.coded_of(i) for _, i in _recv_order(layout, topo.rank)]
         blocks, recv_states = [], []
-        for lay, part in zip(lays, torch.split(recv, [b * lay.fwd_bytes for lay in lays])):
-            rows, states = _decode(part.view(b, lay.fwd_bytes), lay, grad=False)
-            blocks.append(rows)
-            recv_states.append(states)
+        with phase("mp_decode"):
+            for lay, part in zip(lays, torch.split(recv, [b * lay.fwd_bytes for lay in lays])):
+                rows, states = _decode(part.view(b, lay.fwd_bytes), lay, grad=False)
+                blocks.append(rows)
+                recv_states.append(states)
         ctx.meta = (layout, topo, ledger, lays, recv_states)
         ctx.flight = flight
         return tuple(blocks)
@@ -411,8 +417,9 @@ class _CodedFinish(torch.autograd.Function):
         layout, topo, ledger, lays, recv_states = ctx.meta
         flight = ctx.flight
         to, frm = flight.splits
-        flight.grad_send = torch.cat([_encode(g, lay, grad=True, states=s)[0].reshape(-1)
-                                      for g, lay, s in zip(parts, lays, recv_states)])
+        with phase("mp_grad_encode"):
+            flight.grad_send = torch.cat([_encode(g, lay, grad=True, states=s)[0].reshape(-1)
+                                          for g, lay, s in zip(parts, lays, recv_states)])
         flight.grad_out, flight.grad_handle = _exchange_start(flight.grad_send, to, frm, topo, layout, ledger,
                                                               "bwd")
         return parts[0].new_empty(0), None, None, None, None, None
