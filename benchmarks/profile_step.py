@@ -30,9 +30,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from throughput import bench_parser, machine, prepare_data  # this folder's: arguments, data, CPU model
 
+from hybridrec.phases import MP_PHASES  # noqa: E402 (the coded hop's own ranges, inside forward and backward)
+
 ROOT = Path(__file__).resolve().parents[1]
 PHASES = ("forward", "embeddings", "bottom_mlp", "interaction", "top_mlp", "backward", "grad_sync",
-          "dense_update", "sparse_update")
+          "dense_update", "sparse_update", *MP_PHASES)
 NESTED = {"embeddings", "bottom_mlp", "interaction", "top_mlp"}  # inside forward
 
 
@@ -81,7 +83,7 @@ def worker(args) -> dict | None:
     avg = prof.key_averages(group_by_input_shape=True) if args.shapes else by_name.values()
     phases = {k: by_name[k].cpu_time_total / 1e3 / n for k in PHASES if k in by_name}
     step_ms = wall * 1e3 / n
-    top_level = sum(v for k, v in phases.items() if k not in NESTED)
+    top_level = sum(v for k, v in phases.items() if k not in NESTED and k not in MP_PHASES)
     ops = sorted((e for e in avg if e.key not in PHASES and not e.key.startswith("ProfilerStep")),
                  key=lambda e: e.self_cpu_time_total, reverse=True)[: args.top]
     return {
@@ -102,7 +104,7 @@ def fmt(rep: dict) -> str:
     for k in PHASES:
         if k in rep["phases_ms"]:
             v = rep["phases_ms"][k]
-            name = f"  {k} (in forward)" if k in NESTED else k
+            name = f"  {k} (in forward)" if k in NESTED else f"  {k} (in the step)" if k in MP_PHASES else k
             lines.append(f"| {name} | {v:.2f} | {v / step:.0%} |")
     lines.append(f"| outside the step (loader, pipeline) | {rep['outside_phases_ms']:.2f} | "
                  f"{rep['outside_phases_ms'] / step:.0%} |")

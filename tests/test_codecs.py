@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from synth_data import synth_dataset
 from distributed import run_ranks
 from hybridrec.comm.codecs import (
+    KEY_COLS,
     TOPK_IMPLS,
     CastCodec,
     Int8RowwiseCodec,
@@ -129,7 +130,21 @@ def test_codec_encodes_the_same_with_either_selection():
     for impl in TOPK_IMPLS:
         codec.impls[16] = impl
         out[impl] = codec.decode(codec.encode(x)[0], 16)[0]
-    assert torch.equal(out["torch"], out["numpy"])
+    for impl in TOPK_IMPLS[1:]:
+        assert torch.equal(out["torch"], out[impl]), impl
+
+
+def test_key_selection_signs_zeros_and_the_widest_rows():
+    """``keys`` selects by magnitude whatever the sign, keeps k distinct positions among exact
+    zeros and -0.0, and works up to KEY_COLS wide (wider rows go to torch.topk)."""
+    x = torch.tensor([[-5.0, 1.0, -0.0, 0.0, 4.0, -3.0]])
+    assert sorted(row_topk(x, 3, "keys")[0].tolist()) == [0, 4, 5]
+    zeros = torch.tensor([[0.0, -0.0, 0.0, -0.0]])
+    assert sorted(row_topk(zeros, 2, "keys")[0].tolist()) == [2, 3]  # ties: the higher columns
+    for cols in (2, 255, KEY_COLS, KEY_COLS + 1):
+        x = torch.randn(40, cols, generator=torch.Generator().manual_seed(cols))
+        got = x.abs().gather(-1, row_topk(x, 2, "keys")).sort(-1).values
+        torch.testing.assert_close(got, x.abs().topk(2, -1).values.sort(-1).values, rtol=2**-15, atol=0)
 
 
 def test_tune_topk_chooses_by_measurement_and_caches(tmp_path, monkeypatch):

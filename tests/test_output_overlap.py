@@ -1,5 +1,5 @@
-"""The plain output exchange travels while the DLRM's bottom MLP runs, forward and backward
-(docs/design.md, "One training step"). That it trains what one process trains is checked
+"""The output exchange, plain or coded (DCT-MP), travels while the DLRM's bottom MLP runs,
+forward and backward (docs/design.md, "One training step"). That it trains what one process trains is checked
 step by step in test_sharded_embedding and test_bf16_wire, which train through it."""
 
 import pytest
@@ -7,6 +7,7 @@ import torch
 
 import test_deepfm as fm
 from distributed import run_ranks
+from hybridrec.comm.codecs import make_codec
 from hybridrec.model.deepfm import DeepFM
 from hybridrec.model.dlrm import DLRM
 from hybridrec.parallel.dense_sync import DDPSync
@@ -17,7 +18,7 @@ from test_sharded_embedding import DIM, GLOBAL_B, global_batches, make_plan, tab
 pytestmark = pytest.mark.distributed
 
 
-def worker(topo, kind, arch="dlrm"):
+def worker(topo, kind, arch="dlrm", codec=None):
     events = []
     start = topo.all_to_all_start
 
@@ -48,7 +49,8 @@ def worker(topo, kind, arch="dlrm"):
         batch = fm.local_batch(fm.global_batches()[0], topo.rank * per, (topo.rank + 1) * per)
         model(batch).sum().backward()
         return events
-    ebc = ShardedEmbeddingBagCollection(tables(), make_plan(kind, topo.world_size), topo, seed=7)
+    codecs = {t.name: make_codec(codec, eta=0.25, values="fp16") for t in tables()} if codec else None
+    ebc = ShardedEmbeddingBagCollection(tables(), make_plan(kind, topo.world_size), topo, seed=7, codecs=codecs)
     sync = DDPSync(topo)
     model = sync.wrap(DLRM(num_dense=3, sparse=ebc, bottom_mlp=[8, DIM], top_mlp=[6, 1]))
     model.bottom.register_forward_hook(bottom_ran)
@@ -66,9 +68,11 @@ def spans(events, kind):
     return {n for e, n in events[at:] if e == "wait" and n in started}
 
 
-@pytest.mark.parametrize("arch, kind", [("dlrm", "table_wise"), ("dlrm", "row_wise"), ("deepfm", "table_wise")])
-def test_the_output_exchange_travels_while_the_bottom_mlp_runs(arch, kind):
-    for events in run_ranks(worker, 2, kind, arch):
+@pytest.mark.parametrize("arch, kind, codec", [("dlrm", "table_wise", None), ("dlrm", "row_wise", None),
+                                               ("deepfm", "table_wise", None), ("dlrm", "table_wise", "dct"),
+                                               ("dlrm", "row_wise", "fp16")])
+def test_the_output_exchange_travels_while_the_bottom_mlp_runs(arch, kind, codec):
+    for events in run_ranks(worker, 2, kind, arch, codec):
         assert len(spans(events, "bottom forward")) == 1, events  # the pooled rows
         assert len(spans(events, "bottom backward")) == 1, events  # their gradients
         assert spans(events, "bottom forward") != spans(events, "bottom backward")

@@ -15,6 +15,11 @@ from torch.profiler import record_function
 
 _NO_RANGE = nullcontext()
 
+MP_PHASES = ("mp_select", "mp_encode", "mp_wait", "mp_decode", "mp_grad_encode", "mp_grad_wait", "mp_grad_decode")
+"""The ranges of a compressed model-parallel hop (DCT-MP, the other codecs), inside the step's
+forward and backward: the sender's selection (inside its encoding), encoding, the wait for the
+exchange, the receiver's decoding; the same for the gradients."""
+
 
 def phase(name: str):
     """``with phase("forward"): ...``: a profiler range named ``name`` while one runs (always,

@@ -40,11 +40,13 @@ Example, ``C = 16``, ``eta = 0.05``: ``k = 1``; one row costs ``4 + 1 = 5`` byte
 (uncompressed: 64, ratio 12.8) and 4 bytes backward (ratio 16).
 
 The selection is the costly part of a DCT hop on CPU: a per-row top-k of ``rows x n`` short
-rows. It has two implementations (:func:`row_topk`): ``torch.topk`` (any device) and
-numpy's ``argpartition`` (CPU, float32; about 3x faster than ``torch.topk`` on 64-wide rows
-on the processors measured so far). Which one a codec runs, per width, is chosen by
-measurement at start-up on the shapes it will code (:func:`tune_topk`, cached with the
-MLP kernels' choices); both return a valid top-k and differ only in how ties are broken.
+rows. It has three implementations (:func:`row_topk`): ``torch.topk`` (any device), numpy's
+``argpartition`` (CPU, float32; about 3x faster than ``torch.topk`` on 64-wide rows on a Zen
+4 or 5, where numpy's arg-selection has AVX-512 code; 1.4x on a Zen 3) and ``keys``, a
+values-only selection of int32 keys that carry magnitude and position (:func:`_key_topk`).
+Which one a codec runs, per width, is chosen by measurement at start-up on the shapes it will
+code (:func:`tune_topk`, cached with the MLP kernels' choices, each candidate checked against
+``torch.topk``'s magnitudes first); they differ only in how ties are broken.
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ import numpy as np
 import torch
 
 from hybridrec.model.kernels import Choice, Timing, choose, race_checked
+from hybridrec.phases import phase
 
 VALUE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 """Value types a codec may put on the wire, by config name."""
@@ -191,35 +194,60 @@ class Int8RowwiseCodec(Codec):
         return from_bytes(payload, self.GRAD).to(torch.float32)
 
 
-TOPK_IMPLS = ("torch", "numpy")
+TOPK_IMPLS = ("torch", "numpy", "keys")
 """Implementations of :func:`row_topk`, in order of preference when timings tie."""
 
+KEY_COLS = 256
+"""The widest row ``keys`` selects in (8 bits of position: |x| keeps 15 of its 23 mantissa bits)."""
 
-def row_topk(mag: torch.Tensor, k: int, impl: str = "torch") -> torch.Tensor:
-    """Positions of the ``k`` largest entries of every row of ``mag`` ``[..., C]``: int64
-    ``[..., k]``, in no particular order. ``impl``: ``torch`` (``torch.topk``) or ``numpy``
-    (``numpy.argpartition``; taken for float32 CPU tensors, else ``torch``)."""
-    cols = mag.shape[-1]
+
+def _key_topk(x: torch.Tensor, k: int) -> torch.Tensor:
+    """``keys``: every entry of float32 ``x [..., C]`` becomes one int32 key, the bits of ``|x|``
+    (which order as the magnitudes do) with the lowest ``b = log2(C)`` bits replaced by the
+    entry's column; numpy's ``partition`` of the keys in place (a values-only selection,
+    SIMD on AVX2 too, where ``argpartition`` of floats is not) leaves the ``k`` largest last,
+    and their low bits are the positions. One pass makes the keys (no ``abs`` copy, no int64
+    index array). Ties among magnitudes equal in their top ``23 - b`` mantissa bits (relative
+    2^-17 for C = 64) go to the higher column: the kept set is a top-k up to that rounding."""
+    cols = x.shape[-1]
+    bits = max(1, (cols - 1).bit_length())
+    keys = torch.empty(x.shape, dtype=torch.int32)
+    torch.bitwise_and(x.view(torch.int32), (0x7FFFFFFF >> bits) << bits, out=keys)
+    keys.bitwise_or_(torch.arange(cols, dtype=torch.int32))
+    keys.numpy().partition(cols - k, axis=-1)
+    return keys[..., cols - k:].bitwise_and((1 << bits) - 1).long()
+
+
+def row_topk(x: torch.Tensor, k: int, impl: str = "torch") -> torch.Tensor:
+    """Positions of the ``k`` entries of largest magnitude of every row of ``x`` ``[..., C]``:
+    int64 ``[..., k]``, in no particular order. ``impl``: ``torch`` (``torch.topk`` of
+    ``|x|``), ``numpy`` (``numpy.argpartition`` of ``|x|``) or ``keys`` (:func:`_key_topk`);
+    the last two are taken for float32 CPU tensors (``keys`` up to :data:`KEY_COLS` wide),
+    else ``torch``."""
+    cols = x.shape[-1]
     if k >= cols:
-        return torch.arange(cols, device=mag.device).expand(*mag.shape[:-1], cols).contiguous()
-    if impl == "numpy" and mag.device.type == "cpu" and mag.dtype == torch.float32:
-        part = np.argpartition(mag.contiguous().numpy(), cols - k, axis=-1)[..., cols - k:]
+        return torch.arange(cols, device=x.device).expand(*x.shape[:-1], cols).contiguous()
+    cpu32 = x.device.type == "cpu" and x.dtype == torch.float32
+    if impl == "keys" and cpu32 and cols <= KEY_COLS:
+        return _key_topk(x, k)
+    if impl == "numpy" and cpu32:
+        part = np.argpartition(x.abs().numpy(), cols - k, axis=-1)[..., cols - k:]
         return torch.from_numpy(np.ascontiguousarray(part))
-    return mag.topk(k, dim=-1, sorted=False).indices
+    return x.abs().topk(k, dim=-1, sorted=False).indices
 
 
 def time_row_topk(rows: int, cols: int, k: int, impls: list[str], *, device: str = "cpu",
                   reps: int = 5, budget_s: float = 0.2) -> Timing:
-    """Seconds of one :func:`row_topk` of ``[rows, cols]`` magnitudes with each of ``impls``
+    """Seconds of one :func:`row_topk` of ``[rows, cols]`` normal values with each of ``impls``
     (:func:`~hybridrec.model.kernels.race_checked`; what is compared is the magnitudes each
     selects, sorted per row: positions come in no particular order)."""
     gen = torch.Generator(device=device).manual_seed(0)
-    mag = torch.randn(rows, cols, device=device, generator=gen).abs_()
+    x = torch.randn(rows, cols, device=device, generator=gen)
 
     def probe(impl: str) -> torch.Tensor:
-        return mag.gather(-1, row_topk(mag, k, impl)).sort(-1).values
+        return x.abs().gather(-1, row_topk(x, k, impl)).sort(-1).values
 
-    return race_checked(impls, lambda impl: row_topk(mag, k, impl), probe=probe, device=device,
+    return race_checked(impls, lambda impl: row_topk(x, k, impl), probe=probe, device=device,
                         what="row top-k", reps=reps, budget_s=budget_s)
 
 
@@ -255,7 +283,8 @@ class TopKCodec(Codec):
 
     def encode(self, x):
         cols = x.shape[-1]
-        idx = row_topk(x.abs(), self.k(cols), self.impls.get(cols, "torch"))
+        with phase("mp_select"):
+            idx = row_topk(x, self.k(cols), self.impls.get(cols, "torch"))
         vals = x.gather(-1, idx).to(self.dtype)
         return torch.cat([to_bytes(vals), to_bytes(idx.to(index_dtype(cols)))], dim=-1), idx
 

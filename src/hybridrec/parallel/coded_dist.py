@@ -9,7 +9,8 @@ same exchange in reverse.
 
 Without codecs (``layout.coded`` None) the blocks travel as one float32 buffer,
 asynchronously (:func:`output_all_to_all_start`: :class:`_PlainStart` and
-:class:`_PlainFinish`). With codecs (:class:`CodedAllToAll`) each piece has a codec
+:class:`_PlainFinish`). With codecs (:class:`_CodedStart` and :class:`_CodedFinish`, as
+asynchronous: encoded and sent at the start, decoded at the wait) each piece has a codec
 (uncompressed pieces: the float32 identity, bit-exact); a run of neighbouring pieces
 with the same codec and width is coded at once as ``[rows, n, C]``.
 
@@ -48,6 +49,7 @@ from __future__ import annotations
 import torch
 
 from hybridrec.comm.ledger import CommLedger
+from hybridrec.phases import phase
 from hybridrec.parallel.layout import (  # noqa: F401 - owner layouts are part of this hop's API
     EmbeddingLayout,
     OwnerLayout,
@@ -90,11 +92,11 @@ def output_all_to_all_start(pooled: torch.Tensor, reduced: torch.Tensor, layout:
 
     Its ``wait()`` returns ``(owners, hosts)``: every owner's block for this rank's samples,
     ``[b, W_d]`` per owner ``d``, and every host's TRW block, ``[b, W_h]`` per host (``[b, 0]``
-    without). Work that does not need them (the bottom MLP) may run before ``wait()``. Only
-    the plain exchange (no codecs, no threshold) is asynchronous (:class:`_PlainStart`,
-    :class:`_PlainFinish`); the others are done on return. In backward the plain exchange
-    of the gradients likewise travels while the autograd nodes created between the start
-    and the wait run.
+    without). Work that does not need them (the bottom MLP) may run before ``wait()``. The
+    plain exchange (:class:`_PlainStart`, :class:`_PlainFinish`) and the coded one
+    (:class:`_CodedStart`, :class:`_CodedFinish`) travel meanwhile; the threshold's is done
+    on return (its sizes are exchanged first). In backward the gradients' exchange likewise
+    travels while the autograd nodes created between the start and the wait run.
     """
     me, b = topo.rank, batch_sizes[topo.rank]
     order = _recv_order(layout, me)
@@ -110,14 +112,14 @@ def output_all_to_all_start(pooled: torch.Tensor, reduced: torch.Tensor, layout:
                 hosts[i - layout.host_index(0)] = x
         return owners, hosts
 
-    if threshold is not None or layout.coded is not None:
-        if threshold is not None:
-            recv = ThresholdAllToAll.apply(pooled, layout, batch_sizes, topo, ledger, threshold, training)
-        else:
-            recv = CodedAllToAll.apply(pooled, reduced, layout, batch_sizes, topo, ledger)
+    if threshold is not None:
+        recv = ThresholdAllToAll.apply(pooled, layout, batch_sizes, topo, ledger, threshold, training)
         done = assemble(torch.split(recv, widths, dim=1))
         return Pending(lambda: done)
     flight = _InFlight()
+    if layout.coded is not None:
+        token = _CodedStart.apply(pooled, reduced, flight, layout, batch_sizes, topo, ledger)
+        return Pending(lambda: assemble(_CodedFinish.apply(token, flight, layout, batch_sizes, topo, ledger)))
     buf = _PlainStart.apply(pooled, reduced, flight, layout, batch_sizes, topo, ledger)
 
     def finish():
@@ -246,10 +248,11 @@ class _InFlight:
     """The plain exchange between :class:`_PlainStart` and :class:`_PlainFinish`: the
     forward's handle and send buffer, then the backward's (kept alive until waited for)."""
 
-    __slots__ = ("splits", "handle", "send", "grad_out", "grad_handle", "grad_send")
+    __slots__ = ("splits", "handle", "send", "recv", "grad_out", "grad_handle", "grad_send")
 
     def __init__(self) -> None:
-        self.splits = self.handle = self.send = self.grad_out = self.grad_handle = self.grad_send = None
+        self.splits = self.handle = self.send = self.recv = None
+        self.grad_out = self.grad_handle = self.grad_send = None
 
 
 class _PlainStart(torch.autograd.Function):
@@ -318,8 +321,15 @@ def _encode(x: torch.Tensor, layout: OwnerLayout, grad: bool, states=None):
             kept.append(state)
     out = [p.reshape(x.shape[0], g.bwd_bytes if grad else g.fwd_bytes)
            for p, g in zip(out, layout.groups)]
-    buf = torch.cat(out, dim=1) if out else x.new_empty(x.shape[0], 0, dtype=torch.uint8)
-    return buf, kept
+    return _side_by_side(out, x.new_empty(x.shape[0], 0, dtype=torch.uint8)), kept
+
+
+def _side_by_side(parts: list[torch.Tensor], empty: torch.Tensor) -> torch.Tensor:
+    """``parts`` ``[B, w_i]`` concatenated along the columns; one part as it is (no copy: a
+    block of one codec group, the common case, is its group's tensor)."""
+    if len(parts) == 1:
+        return parts[0]
+    return torch.cat(parts, dim=1) if parts else empty
 
 
 def _decode(buf: torch.Tensor, layout: OwnerLayout, grad: bool, states=None):
@@ -335,46 +345,81 @@ def _decode(buf: torch.Tensor, layout: OwnerLayout, grad: bool, states=None):
             out.append(piece)
             kept.append(state)
     out = [p.reshape(buf.shape[0], g.width) for p, g in zip(out, layout.groups)]
-    rows = torch.cat(out, dim=1) if out else torch.zeros(buf.shape[0], 0)
-    return rows, kept
+    return _side_by_side(out, torch.zeros(buf.shape[0], 0, device=buf.device)), kept
 
 
-class CodedAllToAll(torch.autograd.Function):
+class _CodedStart(torch.autograd.Function):
     """``pooled`` ``[total_B, W_rank]`` and ``reduced`` ``[rows, W_t]`` (see
-    :func:`output_all_to_all_start`) -> this rank's decoded segments side by side, ``[b, sum W]``
-    in wire order (:func:`_recv_order`); backward codes the gradients the same way."""
+    :func:`output_all_to_all_start`) -> a token (an empty float tensor that links the graph:
+    the wire buffer is uint8, which carries no gradient). Encodes this rank's rows and starts
+    their exchange (the receive buffer in ``flight.recv``); :class:`_CodedFinish` waits and
+    decodes. Backward waits for the gradients' exchange that :class:`_CodedFinish`'s backward
+    started and decodes them: what ran in between (the bottom MLP, forward and backward)
+    overlapped the hop, as in the plain exchange."""
 
     @staticmethod
-    def forward(ctx, pooled, reduced, layout: EmbeddingLayout, batch_sizes: list[int], topo: Topology,
-                ledger):
-        me, b = topo.rank, batch_sizes[topo.rank]
-        mine = layout.coded_of(me)
-        host = layout.coded_of(layout.host_index(me // layout.local_world_size))
-        own, own_states = _encode(pooled, mine, grad=False)
-        red, red_states = _encode(reduced, host, grad=False)
-        to, frm = _splits(layout, batch_sizes, me, lambda i: layout.coded_of(i).fwd_bytes)
-        recv = _exchange(_by_peer(own, red, layout, batch_sizes, me), frm, to, topo, layout, ledger, "fwd")
-        lays = [layout.coded_of(i) for _, i in _recv_order(layout, me)]
-        blocks, recv_states = [], []
-        for lay, part in zip(lays, torch.split(recv, [b * lay.fwd_bytes for lay in lays])):
-            rows, states = _decode(part.view(b, lay.fwd_bytes), lay, grad=False)
-            blocks.append(rows)
-            recv_states.append(states)
-        ctx.meta = (layout, batch_sizes, topo, ledger, (own_states, red_states), recv_states, lays)
-        return torch.cat(blocks, dim=1)
-
-    @staticmethod
-    def backward(ctx, grad):
-        layout, batch_sizes, topo, ledger, (own_states, red_states), recv_states, lays = ctx.meta
+    def forward(ctx, pooled, reduced, flight: _InFlight, layout: EmbeddingLayout, batch_sizes: list[int],
+                topo: Topology, ledger):
         me = topo.rank
-        mine = layout.coded_of(me)
-        host = layout.coded_of(layout.host_index(me // layout.local_world_size))
-        parts = torch.split(grad, [lay.width for lay in lays], dim=1)
-        send = torch.cat([_encode(g, lay, grad=True, states=s)[0].reshape(-1)
-                          for g, lay, s in zip(parts, lays, recv_states)])
-        to, frm = _splits(layout, batch_sizes, me, lambda i: layout.coded_of(i).bwd_bytes)
-        recv = _exchange(send, to, frm, topo, layout, ledger, "bwd")
-        own_bytes, red_bytes = _from_peers(recv, mine.bwd_bytes, host.bwd_bytes, layout, batch_sizes, me)
-        own, _ = _decode(own_bytes, mine, grad=True, states=own_states)
-        red, _ = _decode(red_bytes, host, grad=True, states=red_states)
-        return own, red, None, None, None, None
+        mine, host = layout.coded_of(me), layout.coded_of(layout.host_index(me // layout.local_world_size))
+        with phase("mp_encode"):
+            own, own_states = _encode(pooled, mine, grad=False)
+            red, red_states = _encode(reduced, host, grad=False)
+        to, frm = _splits(layout, batch_sizes, me, lambda i: layout.coded_of(i).fwd_bytes)
+        flight.splits = _splits(layout, batch_sizes, me, lambda i: layout.coded_of(i).bwd_bytes)
+        flight.send = _by_peer(own, red, layout, batch_sizes, me)
+        flight.recv, flight.handle = _exchange_start(flight.send, frm, to, topo, layout, ledger, "fwd")
+        ctx.meta = (layout, batch_sizes, topo, mine, host, own_states, red_states)
+        ctx.flight = flight
+        return pooled.new_empty(0)
+
+    @staticmethod
+    def backward(ctx, _token_grad):
+        layout, batch_sizes, topo, mine, host, own_states, red_states = ctx.meta
+        flight = ctx.flight
+        with phase("mp_grad_wait"):
+            flight.grad_handle.wait()
+        recv = flight.grad_out
+        flight.grad_out = flight.grad_handle = flight.grad_send = None
+        own_bytes, red_bytes = _from_peers(recv, mine.bwd_bytes, host.bwd_bytes, layout, batch_sizes, topo.rank)
+        with phase("mp_grad_decode"):
+            own, _ = _decode(own_bytes, mine, grad=True, states=own_states)
+            red, _ = _decode(red_bytes, host, grad=True, states=red_states)
+        return own, red, None, None, None, None, None
+
+
+class _CodedFinish(torch.autograd.Function):
+    """Waits for :class:`_CodedStart`'s exchange and decodes this rank's segments, ``[b, W]``
+    each, in wire order (:func:`_recv_order`), as separate tensors (side by side they would be
+    copied once forward and once backward, only to be split again). Backward encodes their
+    gradients at the positions received, starts the exchange and returns at once."""
+
+    @staticmethod
+    def forward(ctx, _token, flight: _InFlight, layout: EmbeddingLayout, batch_sizes: list[int],
+                topo: Topology, ledger):
+        with phase("mp_wait"):
+            flight.handle.wait()
+        recv, flight.recv, flight.handle, flight.send = flight.recv, None, None, None
+        b = batch_sizes[topo.rank]
+        lays = [layout.coded_of(i) for _, i in _recv_order(layout, topo.rank)]
+        blocks, recv_states = [], []
+        with phase("mp_decode"):
+            for lay, part in zip(lays, torch.split(recv, [b * lay.fwd_bytes for lay in lays])):
+                rows, states = _decode(part.view(b, lay.fwd_bytes), lay, grad=False)
+                blocks.append(rows)
+                recv_states.append(states)
+        ctx.meta = (layout, topo, ledger, lays, recv_states)
+        ctx.flight = flight
+        return tuple(blocks)
+
+    @staticmethod
+    def backward(ctx, *parts):
+        layout, topo, ledger, lays, recv_states = ctx.meta
+        flight = ctx.flight
+        to, frm = flight.splits
+        with phase("mp_grad_encode"):
+            flight.grad_send = torch.cat([_encode(g, lay, grad=True, states=s)[0].reshape(-1)
+                                          for g, lay, s in zip(parts, lays, recv_states)])
+        flight.grad_out, flight.grad_handle = _exchange_start(flight.grad_send, to, frm, topo, layout, ledger,
+                                                              "bwd")
+        return parts[0].new_empty(0), None, None, None, None, None

@@ -157,6 +157,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
         if threshold is not None and self.codecs:
             raise ValueError("a threshold hop codes every table: give codecs or a threshold, not both")
         self.threshold = threshold  # DCT-MP with a threshold (parallel/threshold_dist.py)
+        self.compression: dict | None = None  # compress.embedding_when=pays: what was measured
         # Replicated tables' gradients through a sparsifying compressor instead of the dense
         # all-reduce (compress.dense_replicated); its state is per rank (checkpointed by the run).
         self.dp_reducer = dp_reducer
@@ -173,6 +174,12 @@ class ShardedEmbeddingBagCollection(nn.Module):
                                        **dtypes)
         dp = [self.tables[n] for n in self.layout.replicated_tables]
         self.replicated = EmbeddingBagCollection(dp, seed=seed, init_values=bool(init_values), **dtypes) if dp else None
+
+    def drop_codecs(self) -> None:
+        """The hop uncompressed from now on (``compress.embedding_when=pays`` measured that
+        compressing does not pay); before the first step, on every rank alike."""
+        self.codecs = {}
+        self.layout = build_layout(list(self.tables.values()), self.plan, self.codecs)
 
     def reset_parameters(self) -> None:
         """This rank's shards and replicas: their initial values (those of the whole tables)."""

@@ -49,11 +49,13 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 
 from hybridrec.comm.codecs import VALUE_DTYPES, from_bytes, index_dtype, to_bytes
 from hybridrec.comm.compress import keep_count, refresh_due
 from hybridrec.comm.ledger import CommLedger
+from hybridrec.phases import phase
 from hybridrec.parallel.layout import EmbeddingLayout
 from hybridrec.parallel.topology import Topology
 
@@ -121,13 +123,11 @@ class ThresholdMP:
         mag = x.detach().abs()
         thr = self.tau
         if training and (thr is None or refresh_due(self.step, self.refresh_every, ramp=True)):
-            flat = mag.reshape(-1)
-            thr = flat.topk(keep_count(self.eta, flat.numel()), sorted=False).values.min()
+            thr = kth_largest(mag.reshape(-1), keep_count(self.eta, mag.numel()))
             self.refreshes += 1
             self.tau = thr if float(thr) > 0 else None  # a zero threshold is not held
         elif thr is None:  # evaluation before any training step: this batch's own threshold
-            flat = mag.reshape(-1)
-            thr = flat.topk(keep_count(self.eta, flat.numel()), sorted=False).values.min()
+            thr = kth_largest(mag.reshape(-1), keep_count(self.eta, mag.numel()))
         if training:
             self.step += 1
         keep = mag >= thr if float(thr) > 0 else mag > 0  # exact zeros are never sent
@@ -139,6 +139,17 @@ class ThresholdMP:
             capped.scatter_(1, top.indices, top.values > 0)
             keep[over] = capped
         return keep
+
+
+def kth_largest(values: torch.Tensor, k: int) -> torch.Tensor:
+    """The ``k``-th largest of 1-D ``values`` (a 0-d tensor). On a CPU, float32: numpy's
+    ``partition``, a values-only selection (9 ms for the 3.4M magnitudes of the benchmark's
+    block on a Zen 3, where ``topk`` of the 170k largest took 166 ms and ``kthvalue`` 81);
+    elsewhere ``topk``."""
+    n = values.numel()
+    if values.device.type == "cpu" and values.dtype == torch.float32:
+        return torch.tensor(np.partition(values.numpy(), n - k)[n - k])
+    return values.topk(k, sorted=False).values.min()
 
 
 def _col_tables(layout: EmbeddingLayout, owner: int) -> tuple[list[str | None], torch.Tensor]:
@@ -205,7 +216,8 @@ class ThresholdAllToAll(torch.autograd.Function):
         x = pooled.detach().contiguous()
         width = x.shape[1]
         vb = _item(state.dtype)
-        keep = state.select(x, training)
+        with phase("mp_select"):
+            keep = state.select(x, training)
         cdt, idt = count_dtype(state.budget(width)), index_dtype(max(width, 1))
         cb, ib = _item(cdt), _item(idt)
         counts = keep.sum(1)  # [total_B]
@@ -227,11 +239,12 @@ class ThresholdAllToAll(torch.autograd.Function):
                     book.add(t, sent=k * (vb + ib), original=n * widths[t] * 4)
                 book.add(None, sent=n * cb + SIZE_BYTES)
         in_splits = [m.numel() for m in msgs]
-        sizes = torch.empty(world, dtype=torch.int64)
-        topo.all_to_all(sizes, torch.tensor(in_splits, dtype=torch.int64), [1] * world, [1] * world)
-        out_splits = sizes.tolist()
-        recv = torch.empty(sum(out_splits), dtype=torch.uint8)
-        topo.all_to_all(recv, torch.cat(msgs), out_splits, in_splits)
+        with phase("mp_wait"):
+            sizes = torch.empty(world, dtype=torch.int64)
+            topo.all_to_all(sizes, torch.tensor(in_splits, dtype=torch.int64), [1] * world, [1] * world)
+            out_splits = sizes.tolist()
+            recv = torch.empty(sum(out_splits), dtype=torch.uint8)
+            topo.all_to_all(recv, torch.cat(msgs), out_splits, in_splits)
         total_w = sum(layout.blocks[o].width for o in range(world))
         out = torch.zeros(b * total_w)
         recv_pos, at_col = [], 0
@@ -281,7 +294,8 @@ class ThresholdAllToAll(torch.autograd.Function):
         in_splits = [m.numel() for m in msgs]
         out_splits = [n * vb for n in per_dest]
         recv = torch.empty(sum(out_splits), dtype=torch.uint8)
-        topo.all_to_all(recv, torch.cat(msgs), out_splits, in_splits)
+        with phase("mp_grad_wait"):
+            topo.all_to_all(recv, torch.cat(msgs), out_splits, in_splits)
         gx = grad.new_zeros(sum(batch_sizes) * width)
         if flat.numel():
             gx.index_copy_(0, flat, from_bytes(recv, dtype).to(grad.dtype))

@@ -372,6 +372,8 @@ def build_parallel_model(cfg: Config, meta: DatasetMeta, topo: Topology, ledger:
                       "column shard: training will not equal one process exactly", stacklevel=1)
     model = build_model(cfg, meta, plan=plan, topo=topo, ledger=ledger, total_steps=total_steps,
                         init_tables=init_tables)
+    if cfg.compress.embedding_when == "pays" and model.sparse.codecs:
+        decide_embedding_compression(cfg, model.sparse)
     try:  # (checked on every rank alike, before any collective of the dense part)
         plan.dense = resolve_dense(cfg.dist.partition_dense, plan.dense, model, topo.world_size)
     except ValueError as e:
@@ -393,6 +395,25 @@ def build_parallel_model(cfg: Config, meta: DatasetMeta, topo: Topology, ledger:
         doc = {"groups": topo.num_groups, **plan.to_dict()} if topo.hierarchical else plan.to_dict()
         write_text_atomic(run_dir / "plan.json", json.dumps(doc, indent=2))
     return model
+
+
+def decide_embedding_compression(cfg: Config, ebc: ShardedEmbeddingBagCollection) -> None:
+    """``compress.embedding_when=pays``: measure whether the codecs pay here
+    (:mod:`hybridrec.parallel.codec_pays`) and drop them where they do not; the record goes
+    to ``ebc.compression`` (summary.json ``kernels.embedding_compression``)."""
+    from hybridrec.parallel.codec_pays import measure
+
+    if any(b.width for b in ebc.layout.host_blocks):
+        raise ConfigError("compress.embedding_when=pays: not measured with table_row_wise tables "
+                          "(their in-host sums take a second hop); use compress.embedding_when=always")
+    record = measure(ebc, cfg.data.batch_size)
+    if not record["pays"]:
+        ebc.drop_codecs()
+    ebc.compression = {**record, "compressed": bool(ebc.codecs)}
+    if ebc.topo.global_rank == 0:
+        verdict = "compressed" if ebc.codecs else "sent uncompressed: compressing does not pay here"
+        print(f"compress.embedding={cfg.compress.embedding}: the codecs take {record['codec_ms']:.1f} ms a step, "
+              f"the wire time they save {record['saved_ms']:.1f} ms: {verdict}", file=sys.stderr, flush=True)
 
 
 def build_ps_model(cfg: Config, meta: DatasetMeta, topo: Topology, ledger: CommLedger,
@@ -538,6 +559,8 @@ def tune_kernels(cfg: Config, model: torch.nn.Module, topo: Topology,
     out = {"mode": cfg.train.kernels, "machine": machine_id(), "cache": str(cache_path()),
            "linear": [c.to_dict() for c in choices], "interaction": [c.to_dict() for c in dots],
            "embedding_update": [c.to_dict() for c in rows], "embedding_lookup": [c.to_dict() for c in lookups]}
+    if getattr(ebc, "compression", None) is not None:  # (compress.embedding_when=pays)
+        out["embedding_compression"] = ebc.compression
     if isinstance(ebc, ShardedEmbeddingBagCollection) and ebc.layout.coded is not None:
         # DCT-MP's per-row top-k over this rank's pieces, every rank's samples at once
         total = cfg.data.batch_size * topo.world_size

@@ -326,6 +326,11 @@ class CompressConfig:
     ``D`` entries an owner holds for it (the largest ones); >= 1."""
     embedding_tables: list[str] = field(default_factory=list)
     """Compress only these tables' hops (empty = every sharded table)."""
+    embedding_when: str = "always"
+    """``always``: compress as configured; ``pays``: at start-up time the codecs' work of a
+    step against the wire time they save on this link (both measured, the slowest rank's) and
+    send the hop uncompressed when compressing does not pay; summary.json says which
+    (``kernels.embedding_compression``; :mod:`hybridrec.parallel.codec_pays`)."""
     embedding_min_rows: int = 0
     """Compress only the hops of tables with at least this many rows."""
 
@@ -728,6 +733,10 @@ def validate(cfg: Config) -> None:
          f"compress.embedding_select {c.embedding_select!r}: topk or threshold"),
         (c.embedding_refresh_every >= 0, "compress.embedding_refresh_every must be >= 0 (0: auto)"),
         (c.embedding_cap >= 1, f"compress.embedding_cap must be >= 1, got {c.embedding_cap}"),
+        (c.embedding_when in ("always", "pays"), f"compress.embedding_when {c.embedding_when!r}: always or pays"),
+        (c.embedding_when == "always" or c.embedding_select == "topk" or c.embedding != "dct",
+         "compress.embedding_when=pays measures the top-k DCT-MP and the casting codecs, not "
+         "compress.embedding_select=threshold"),
     ]
     for ok, msg in checks:
         if not ok:
