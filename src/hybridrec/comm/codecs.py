@@ -313,10 +313,14 @@ def tune_topk(uses: list[tuple[TopKCodec, int, int]], *, mode: str = "auto",
     (:func:`~hybridrec.model.kernels.choose`: cached per machine and shape; ``mode``
     ``measure`` measures again, the linears' ``torch``/``onednn`` overrides leave it
     measured). Sets ``codec.impls[cols]``; returns the choices."""
-    cands = [i for i in TOPK_IMPLS if i == "torch" or torch.device(device).type == "cpu"]
+    cpu = torch.device(device).type == "cpu"
+
+    def cands(cols: int) -> list[str]:  # (keys wider than KEY_COLS would run torch.topk again)
+        return [i for i in TOPK_IMPLS if i == "torch" or (cpu and (i != "keys" or cols <= KEY_COLS))]
+
     keys = [f"row_topk {device} {rows}x{cols} k{codec.k(cols)}" for codec, rows, cols in uses]
     shapes = {key: (rows, cols, codec.k(cols)) for key, (codec, rows, cols) in zip(keys, uses)}
-    got = choose([(key, cands, None) for key in shapes],
+    got = choose([(key, cands(shapes[key][1]), None) for key in shapes],
                  lambda key, cs, budget: time_row_topk(*shapes[key], cs, device=device, budget_s=budget),
                  mode=mode, budget_s=0.3)
     for key, (codec, _, cols) in zip(keys, uses):

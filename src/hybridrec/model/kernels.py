@@ -177,14 +177,14 @@ def candidates(shape: LinearShape) -> list[str]:
 CPU_FIELDS = ("model name", "cpu family", "model", "stepping")
 
 
-def cpu_info() -> dict[str, str]:
-    """The first processor's :data:`CPU_FIELDS` from ``/proc/cpuinfo`` (empty where there is none)."""
+def cpu_info(fields: tuple[str, ...] = CPU_FIELDS) -> dict[str, str]:
+    """The first processor's ``fields`` from ``/proc/cpuinfo`` (empty where there is none)."""
     info: dict[str, str] = {}
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             k, _, v = line.partition(":")
             k = k.strip()
-            if k in CPU_FIELDS and k not in info:
+            if k in fields and k not in info:
                 info[k] = v.strip()
     except OSError:
         pass
@@ -569,14 +569,7 @@ bf16 dot products (AVX512-BF16, AMX), or AVX-512 that converts and computes in f
 
 def cpu_flags() -> set[str]:
     """The first processor's ``flags`` from ``/proc/cpuinfo`` (empty where there is none)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == "flags":
-                return set(value.split())
-    except OSError:
-        pass
-    return set()
+    return set(cpu_info(("flags",)).get("flags", "").split())
 
 
 def cpu_name() -> str:
