@@ -37,6 +37,30 @@ def data(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def bad_eval_data(data, tmp_path_factory):
+    """``data`` with an id past its table in the eval split, which every rank opens: an
+    error each rank of a launch meets alike, after the launcher's checks."""
+    import json
+    import shutil
+
+    import numpy as np
+
+    copy = tmp_path_factory.mktemp("bad_eval") / "data"
+    shutil.copytree(data, copy)
+    part = copy / json.loads((copy / "meta.json").read_text())["splits"]["eval"][0]
+    for cached in part.glob("id_ranges*"):
+        cached.unlink()
+    ids = np.load(part / "onehot.npy", mmap_mode="r+")
+    ids[0, 0] = 10**9
+    ids.flush()
+    del ids
+    return copy
+
+
+BAD_EVAL_LINE = "onehot.npy: feature C1 holds id 1000000000, past its table"
+
+
+@pytest.fixture(scope="module")
 def trained(data, tmp_path_factory):
     """A finished run directory with one checkpoint."""
     run = tmp_path_factory.mktemp("trained") / "run"
@@ -202,15 +226,15 @@ def test_metrics_on_a_full_device(tmp_path):
 
 
 def test_training_on_a_disk_that_fills_up(data, tmp_path, capsys):
-    # Room for config.json and one page of metrics.jsonl (about 25 records).
-    with _Tmpfs(tmp_path / "small", "size=8k") as small:
+    # Room for the run's lock, config.json and one page of metrics.jsonl (about 25 records).
+    with _Tmpfs(tmp_path / "small", "size=12k") as small:
         run = small / "run"
         code = main([*train_args(data, run), "data.batch_size=8", "train.epochs=100",
                      "train.max_steps=1000", "train.log_every=1", "train.progress=false"])
         assert error_of(capsys, code) == f"{run / 'metrics.jsonl'}: No space left on device"
         assert len(_records(run / "metrics.jsonl")) > 10  # whole records, the last one too
         assert json.loads((run / "config.json").read_text())["train"]["run_dir"] == str(run)
-        assert sorted(p.name for p in run.iterdir()) == ["config.json", "metrics.jsonl"]
+        assert sorted(p.name for p in run.iterdir()) == [".lock", "config.json", "metrics.jsonl"]
 
 
 def test_eval_and_report_on_a_full_disk(trained, tmp_path, capsys):
@@ -231,13 +255,66 @@ def test_eval_and_report_on_a_full_disk(trained, tmp_path, capsys):
 
 
 def test_eval_on_a_read_only_run_directory(trained, tmp_path, capsys):
+    """The metrics are printed and the command succeeds; one line says they were not saved,
+    and --out saves them elsewhere."""
     with _Tmpfs(tmp_path / "ro", "size=2m") as ro:
         run = copy_run(trained, ro / "run")
         subprocess.run(["mount", "-o", "remount,ro", str(ro)], check=True)
         code = main(["eval", str(run)])
         out, err = capsys.readouterr()
-        assert re.search(r"^AUC +\d\.\d{4}$", out, re.MULTILINE), out
-        assert error_of(capsys, code, err) == f"{run / 'eval.json'}: Read-only file system"
+        assert code == 0, err
+        auc = re.search(r"^AUC +(\d\.\d{4})$", out, re.MULTILINE)
+        assert auc, out
+        assert err.splitlines() == [(f"hybridrec: warning: the metrics were not saved: {run / 'eval.json'}: "
+                                     "Read-only file system (--out FILE writes them elsewhere)")]
+        assert main(["eval", str(run), "--out", str(tmp_path / "ev.json")]) == 0
+        assert f"{json.loads((tmp_path / 'ev.json').read_text())['auc']:.4f}" == auc[1]
+        assert not (run / "eval.json").exists()
+
+
+def test_eval_out_names_where_the_metrics_go(trained, tmp_path, capsys):
+    run = copy_run(trained, tmp_path / "run")
+    assert main(["eval", str(run), "--out", str(tmp_path / "m" / "ev.json")]) == 0
+    result = json.loads((tmp_path / "m" / "ev.json").read_text())
+    assert re.search(rf"^AUC +{result['auc']:.4f}$", capsys.readouterr().out, re.MULTILINE)
+    assert not (run / "eval.json").exists()
+    # --out that cannot be written is the error it is, named (not a warning)
+    (tmp_path / "f").write_text("x")
+    code = main(["eval", str(run), "--out", str(tmp_path / "f" / "ev.json")])
+    assert error_of(capsys, code) == f"{tmp_path / 'f'}: is a file, not a directory"
+
+
+# -- settings that could never take effect ---------------------------------------------------
+@pytest.mark.parametrize("extra, message", [
+    (["train.eval_every=3"], ("train.eval_every=3 is past the run's last step (2): it would never evaluate "
+                              "before the end; set train.eval_every <= 2, or 0 (only at the end)")),
+    (["train.inject_failure=0:3"], ("train.inject_failure=0:3: step 3 (rank 0) is past the run's last step "
+                                    "(2): that failure would never happen")),
+    (["train.inject_failure=0:1,0:5"], "train.inject_failure=0:1,0:5: step 5 (rank 0) is past the run's last step (2)"),
+    # 400 training rows, batch 64: 6 steps an epoch, 12 in two
+    (["train.max_steps=0", "train.epochs=2", "train.eval_every=13"], "train.eval_every=13 is past the run's last step (12)"),
+    # the launcher's check, before any rank starts (2 ranks: 3 steps an epoch)
+    (["train.max_steps=0", "dist.nproc=2", "train.eval_every=4"], "train.eval_every=4 is past the run's last step (3)"),
+])
+def test_a_setting_past_the_last_step_is_refused(data, tmp_path, capsys, extra, message):
+    code = main([*train_args(data, tmp_path / "run"), *extra])
+    err = capsys.readouterr().err
+    assert error_of(capsys, code, err).startswith(message), err
+    assert "launching" not in err and not (tmp_path / "run").exists()
+
+
+def test_a_setting_past_the_last_step_changes_nothing(trained, tmp_path, capsys):
+    """train.resume=false would delete the old run first: refused before it does."""
+    run = copy_run(trained, tmp_path / "run")
+    before = sorted(p.relative_to(run) for p in run.rglob("*"))
+    code = main([*train_args(json.loads((run / "config.json").read_text())["data"]["path"], run),
+                 "train.resume=false", "train.eval_every=5"])
+    assert error_of(capsys, code).startswith("train.eval_every=5 is past the run's last step (2)")
+    assert sorted(p.relative_to(run) for p in run.rglob("*")) == before
+
+
+def test_settings_at_the_last_step_are_taken(data, tmp_path):
+    assert main([*train_args(data, tmp_path / "run"), "train.eval_every=2"]) == 0
 
 
 # -- checkpoints that cannot be loaded --------------------------------------------------------
@@ -285,6 +362,9 @@ def _replace_first_tensor(ck: Path, blob: bytes) -> str:
     (ck / name).write_bytes(bytes(out))
     md.storage_meta = None
     (ck / ".metadata").write_bytes(pickle.dumps(md))
+    manifest = json.loads((ck / "manifest.json").read_text())
+    del manifest["checksums"]  # (a forger rewrites them, or drops them: then they are not checked)
+    (ck / "manifest.json").write_text(json.dumps(manifest))
     return name
 
 
@@ -376,14 +456,13 @@ def test_other_launchers_rank_0_prints_what_every_rank_raises(tmp_path, capsys, 
 
 @pytest.mark.distributed
 @pytest.mark.timeout(180)
-def test_two_torchrun_ranks_with_the_same_error_print_it_once(data, tmp_path):
-    (tmp_path / "f").write_text("x")
-    proc = subprocess.run([sys.executable, "-m", "hybridrec", *train_args(data, tmp_path / "f"), "dist.nproc=2"],
-                          capture_output=True, text=True, check=False, timeout=170)
+def test_two_torchrun_ranks_with_the_same_error_print_it_once(bad_eval_data, tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "hybridrec", *train_args(bad_eval_data, tmp_path / "run"),
+                           "dist.nproc=2"], capture_output=True, text=True, check=False, timeout=170)
     assert proc.returncode == 2
     # The ranks' error once, then the launcher's line; no traceback.
     lines = [line for line in proc.stderr.splitlines() if "hybridrec: error:" in line]
-    assert lines[0] == f"hybridrec: error: {tmp_path / 'f'}: is a file, not a directory", proc.stderr
+    assert lines[0].startswith(f"hybridrec: error: {bad_eval_data}/") and BAD_EVAL_LINE in lines[0], proc.stderr
     assert re.fullmatch(r"hybridrec: error: (rank [01]|ranks 0 and 1) exited with code 2 \(see above\)", lines[1]), proc.stderr
     assert len(lines) == 2 and "Traceback" not in proc.stderr, proc.stderr
 
@@ -393,7 +472,7 @@ def test_two_torchrun_ranks_with_the_same_error_print_it_once(data, tmp_path):
 def test_a_full_disk_on_rank_0_ends_in_its_line_and_the_launchers(data, tmp_path):
     """Rank 0 alone writes metrics.jsonl: its error stops it mid-training, and rank 1,
     whose collective loses its peer, says nothing (neither does the agent)."""
-    with _Tmpfs(tmp_path / "small", "size=20k") as small:  # config, plan and a page of metrics
+    with _Tmpfs(tmp_path / "small", "size=24k") as small:  # lock, config, plan and a page of metrics
         run = small / "run"
         proc = subprocess.run([sys.executable, "-m", "hybridrec", *train_args(data, run), "dist.nproc=2",
                                "data.batch_size=4", "train.epochs=100", "train.max_steps=1000",
@@ -529,20 +608,19 @@ if os.environ.get("TORCHELASTIC_ERROR_FILE"):
 @pytest.mark.distributed
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("teardown", ["abort", "slow"])
-def test_a_rank_that_dies_after_its_error_still_ends_in_it(data, tmp_path, teardown):
+def test_a_rank_that_dies_after_its_error_still_ends_in_it(bad_eval_data, tmp_path, teardown):
     """Both ways the race of the ranks' teardown went wrong, made certain: the rank that
     printed the error is then killed by SIGABRT, or by the agent's SIGTERM after its peer
     exited as peer-lost. The launcher still names the error (recorded before either)."""
-    (tmp_path / "f").write_text("x")
     (tmp_path / "site").mkdir()
     (tmp_path / "site" / "sitecustomize.py").write_text(_SIMULATED_TEARDOWN)
     path = os.pathsep.join(filter(None, [str(tmp_path / "site"), os.environ.get("PYTHONPATH")]))
-    proc = subprocess.run([sys.executable, "-m", "hybridrec", *train_args(data, tmp_path / "f"), "dist.nproc=2"],
-                          capture_output=True, text=True, check=False, timeout=170,
+    proc = subprocess.run([sys.executable, "-m", "hybridrec", *train_args(bad_eval_data, tmp_path / "run"),
+                           "dist.nproc=2"], capture_output=True, text=True, check=False, timeout=170,
                           env={**os.environ, "PYTHONPATH": path, "SIMULATE": teardown})
     lines = [line for line in proc.stderr.splitlines() if "hybridrec: error:" in line]
-    assert lines == [f"hybridrec: error: {tmp_path / 'f'}: is a file, not a directory",
-                     "hybridrec: error: rank 0 exited with code 2 (see above)"], proc.stderr
+    assert len(lines) == 2 and BAD_EVAL_LINE in lines[0], proc.stderr
+    assert lines[1] == "hybridrec: error: rank 0 exited with code 2 (see above)", proc.stderr
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
 
 

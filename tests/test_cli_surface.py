@@ -14,7 +14,7 @@ EXPECTED = {
                         "--on-bad-line", "--multi-hot-fields", "--eval-parts", "--overwrite"},
     "data inspect": {"--json"},
     "train": {"--config", "--recipe", "--list-keys", "--print-config"},
-    "eval": {"--checkpoint", "--data"},
+    "eval": {"--checkpoint", "--data", "--out"},
     "demo": {"--out", "--days", "--rows-per-day", "--seed"},
     "plan": {"--nproc", "--nnodes", "--data", "--tables", "--dim", "--batch-size", "--memory-per-rank",
              "--bandwidth", "--optimizer", "--embedding-dtype", "--pin", "--partition-dense", "--out"},

@@ -1,11 +1,18 @@
 """Typed config: files, overrides, recipes, clear errors naming the key."""
 
+import json
+import os
+import re
+import tomllib
+from pathlib import Path
+
 import pytest
 
+from hybridrec.cli.main import main
 from hybridrec.errors import ConfigError
 from hybridrec.parallel.cost_model import OPTIMIZERS
 from hybridrec.train import recipes
-from hybridrec.train.config import build_config, describe
+from hybridrec.train.config import PATH_KEYS, SECTIONS, build_config, describe
 from hybridrec.train.optim import LRSchedule
 
 
@@ -91,3 +98,54 @@ def test_sparse_optimizer_names_are_one_list():
         assert f"``{name}``" in doc, (name, doc)
     with pytest.raises(ConfigError, match="optim.sparse 'adagrad': " + ", ".join(OPTIMIZERS[:-1])):
         build_config(overrides=["optim.sparse=adagrad"])
+
+
+def test_relative_paths_in_a_file_are_relative_to_the_file(tmp_path, monkeypatch):
+    conf = tmp_path / "conf"
+    conf.mkdir()
+    (conf / "a.toml").write_text('[data]\npath = "../conf/../data/pre"\n[train]\nrun_dir = "runs/x"\n'
+                                 f'[dist]\nplan = "{tmp_path / "plan.json"}"\n')
+    (conf / "b.json").write_text(json.dumps({"dist": {"plan": "plans/p.json"}}))
+    elsewhere = tmp_path / "elsewhere" / "deeper"
+    elsewhere.mkdir(parents=True)
+    monkeypatch.chdir(elsewhere)
+    cfg = build_config(files=["../../conf/a.toml"])
+    assert Path(cfg.data.path).resolve() == tmp_path / "data" / "pre"
+    assert Path(cfg.train.run_dir).resolve() == conf / "runs" / "x"
+    assert cfg.dist.plan == str(tmp_path / "plan.json")  # absolute: as written
+    assert Path(build_config(files=[str(conf / "b.json")]).dist.plan) == conf / "plans" / "p.json"
+    # The command line's paths stay relative to the working directory.
+    cfg = build_config(files=["../../conf/a.toml"], overrides=["data.path=mine", "train.run_dir=runs/y"])
+    assert (cfg.data.path, cfg.train.run_dir) == ("mine", "runs/y")
+    assert set(PATH_KEYS) == {"data.path", "dist.plan", "train.run_dir"}
+
+
+def _readme_config() -> tuple[str, str]:
+    """The README's example config file (its one ```toml block) and the command after it."""
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    (block,) = re.findall(r"^```toml\n(.*?)^```\n", text, re.MULTILINE | re.DOTALL)
+    command = re.search(r"```toml\n.*?^```\n\s*`(hybridrec train --config [^`]*)`", text,
+                        re.MULTILINE | re.DOTALL)[1]
+    return block, command
+
+
+def test_the_readme_config_file_loads_as_it_says(tmp_path, monkeypatch, capsys):
+    """The README's example, through the command line it shows (``--print-config``): every
+    key it sets takes its value, its paths are relative to the file, and the command line's
+    KEY=VALUE wins."""
+    block, command = _readme_config()
+    name, *overrides = command.removeprefix("hybridrec train --config ").split()
+    (tmp_path / "conf").mkdir()
+    (tmp_path / "conf" / name).write_text(block)
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", "--config", f"conf/{name}", *overrides, "--print-config"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    written = tomllib.loads(block)
+    assert 6 <= sum(len(v) for v in written.values()) <= 10 and set(written) <= set(SECTIONS)
+    for section, values in written.items():
+        for key, value in values.items():
+            want = os.path.join("conf", value) if f"{section}.{key}" in PATH_KEYS else value
+            assert printed[section][key] == want, (section, key)
+    for item in overrides:
+        (section, key), value = item.split("=")[0].split("."), item.split("=")[1]
+        assert str(printed[section][key]) == value

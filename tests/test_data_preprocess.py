@@ -12,6 +12,7 @@ import pytest
 from hybridrec.data import preprocess as pp
 from hybridrec.data.preprocess import preprocess_criteo
 from hybridrec.data.schema import DatasetMeta, FeatureSpec, Schema
+from hybridrec.data.shards import read_id_counts, summarize_counts
 from hybridrec.errors import ConfigError, DataError, HybridrecWarning
 
 
@@ -51,8 +52,9 @@ def test_modulo_shards_meta_and_stats(days, tmp_path):
     assert (s["num_embeddings"], s["distinct"], s["total_ids"]) == (4, 3, 6)
     assert s["mean_ids_per_sample"] == 1.0 and s["top1pct_share"] == 0.5
     assert s["top10pct_share"] == 0.5
-    counts = np.load(tmp_path / "ds" / s["counts_file"])
-    assert counts.tolist() == [0, 3, 1, 2]
+    ids, counts = read_id_counts(tmp_path / "ds", s)
+    assert (ids.tolist(), counts.tolist()) == ([1, 2, 3], [3, 1, 2])
+    assert s["id_counts_file"] == "stats/C1.id_counts.npy"
     loaded = DatasetMeta.load(tmp_path / "ds")
     assert loaded.to_dict() == meta.to_dict()
     assert loaded.preprocessing["categorical"] == "modulo"
@@ -218,3 +220,70 @@ def test_overwrite_message_names_the_cli_option(days, tmp_path):
     with pytest.raises(DataError) as e:
         preprocess_criteo(days, tmp_path / "ds", table_size=4)
     assert str(e.value) == f"{tmp_path / 'ds'}: already exists (use --overwrite to replace it)"
+
+
+class _DenseFeatureStats:
+    """The counting of earlier versions, kept as the reference: one int64 count per table
+    row in a memory-mapped ``stats/<feature>.counts.npy`` (so memory and files grew with
+    the table size)."""
+
+    def __init__(self, name, num_embeddings, stats_dir):
+        stats_dir.mkdir(exist_ok=True)
+        self.num_embeddings, self.rows = num_embeddings, 0
+        self.counts_file = stats_dir / f"{name}.counts.npy"
+        self._counts = np.lib.format.open_memmap(self.counts_file, mode="w+", dtype=np.int64,
+                                                 shape=(num_embeddings,))
+
+    def add(self, ids, rows):
+        self.rows += rows
+        u, c = np.unique(ids, return_counts=True)
+        self._counts[u] += c
+
+    def finish(self, dataset_dir):
+        self._counts.flush()
+        out = summarize_counts(np.asarray(self._counts), self.num_embeddings, self.rows)
+        out["counts_file"] = str(self.counts_file.relative_to(dataset_dir))
+        return out
+
+
+def test_sparse_counts_give_the_dense_counts_shards_and_meta(tmp_path, monkeypatch):
+    """Tables far larger than the ids seen: the same shards and meta.json as the dense
+    counts gave, and counts files that hold only the ids seen."""
+    rng = np.random.default_rng(5)
+    days = []
+    for d in range(3):
+        days.append(tmp_path / f"day_{d}.tsv")
+        rows = []
+        for _ in range(60):
+            ids = rng.zipf(1.3, size=27) * 7919 + rng.integers(0, 3)
+            bag = ",".join(f"{k % 2**32:08x}" for k in ids[: rng.integers(0, 4)])
+            rows.append("\t".join([str(rng.integers(0, 2)), *map(str, rng.integers(0, 9, 13)),
+                                   bag, *(f"{k % 2**32:08x}" for k in ids[1:26])]))
+        days[-1].write_text("\n".join(rows) + "\n")
+    sizes = "300000,C3=7,C9=1000"  # C3: more distinct ids than rows (dense is smaller there)
+    new = preprocess_criteo(days, tmp_path / "new", table_size=sizes, multi_hot_fields="C1,C4")
+    monkeypatch.setattr(pp, "FeatureStats", _DenseFeatureStats)
+    old = preprocess_criteo(days, tmp_path / "old", table_size=sizes, multi_hot_fields="C1,C4")
+
+    for path in sorted((tmp_path / "old").glob("part-*/*.npy")):
+        assert path.read_bytes() == (tmp_path / "new" / path.relative_to(tmp_path / "old")).read_bytes()
+    a, b = old.to_dict(), new.to_dict()
+    for d in (a, b):
+        d["report"].pop("seconds")
+    a_stats, b_stats = a.pop("stats"), b.pop("stats")
+    assert a == b
+    assert list(a_stats) == list(b_stats) == [f"C{i}" for i in range(1, 27)]
+    for name, s_old in a_stats.items():
+        s_new = dict(b_stats[name])
+        dense = np.load(tmp_path / "old" / s_old.pop("counts_file"))
+        ids, counts = read_id_counts(tmp_path / "new", s_new)
+        s_new.pop("id_counts_file")
+        assert s_new == s_old, name
+        assert ids.tolist() == np.flatnonzero(dense).tolist() and counts.tolist() == dense[ids].tolist()
+        old_ids, old_counts = read_id_counts(tmp_path / "old", {"counts_file": f"stats/{name}.counts.npy"})
+        assert (old_ids.tolist(), old_counts.tolist()) == (ids.tolist(), counts.tolist())
+    c2 = a_stats["C2"]
+    assert c2["num_embeddings"] == 300000 and 0 < c2["distinct"] <= 120 and c2["top1pct_share"] == 1.0
+    assert a_stats["C3"]["distinct"] == 7 and a_stats["C3"]["top10pct_share"] < 1.0
+    assert (tmp_path / "new/stats/C2.id_counts.npy").stat().st_size < 128 + 16 * 120
+    assert (tmp_path / "old/stats/C2.counts.npy").stat().st_size > 8 * 300000

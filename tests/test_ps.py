@@ -118,6 +118,48 @@ def test_a_dead_process_ends_the_run(data, tmp_path, victim):
     assert proc.returncode not in (0, None)
     assert "hybridrec: error:" in out, out
     assert "Traceback" not in out, out
+    assert "tensorpipe" not in out.lower(), out  # no RPC internals: the server, and that it went away
+    if victim == "server":  # (a trainer's line, where it shows before the agent stops them, and the agent's)
+        lines = {ln for ln in out.splitlines() if ln.startswith("hybridrec: error: ")}
+        assert lines - {GONE} == {ln for ln in lines if ln.startswith(
+            "hybridrec: error: parameter server ps0 (rank 2) (pid ") and "was killed by SIGKILL" in ln}, out
+
+
+GONE = ("hybridrec: error: parameter server ps0 went away: the connection to it closed (the server exited "
+        "or was killed)")
+
+
+@pytest.mark.parametrize("text", [  # what TensorPipe's transports raise (shared memory, TCP) for a killed server
+    "eof (this error originated at tensorpipe/transport/shm/connection_impl.cc:259)",
+    "EOF: end of file (this error originated at tensorpipe/transport/uv/connection_impl.cc:132)",
+])
+def test_a_server_that_went_away_is_one_line_naming_it(text):
+    from hybridrec.errors import error_line
+    from hybridrec.ps.client import ServerError, wait_reply
+
+    fut = torch.futures.Future()
+    fut.set_exception(RuntimeError(text))
+    with pytest.raises(ServerError) as e:
+        wait_reply(fut, "push", "ps0")
+    assert f"hybridrec: error: {error_line(e.value)}" == GONE
+
+
+def test_other_server_failures_keep_their_first_line_without_rpc_internals():
+    from hybridrec.errors import error_line
+    from hybridrec.ps.client import ServerError, wait_reply
+
+    for text, line in [
+        ("RPC ran for more than set timeout (20000 ms) and will now be marked with an error",
+         "parameter server ps1: pull: no answer within dist.timeout_s (the server hung, or is far slower)"),
+        ("On WorkerInfo(id=3, name=ps1):\nValueError('bad ids')\nTraceback ...",
+         "parameter server ps1: pull failed: ValueError('bad ids')"),
+        ("oops (this error originated at tensorpipe/core/pipe_impl.cc:1)", "parameter server ps1: pull failed: oops"),
+    ]:
+        fut = torch.futures.Future()
+        fut.set_exception(RuntimeError(text))
+        with pytest.raises(ServerError) as e:
+            wait_reply(fut, "pull", "ps1")
+        assert error_line(e.value) == line
 
 
 def _server(num_trainers: int, max_staleness: int, timeout_s: float = 30.0):

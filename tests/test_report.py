@@ -5,6 +5,8 @@ import json
 import logging
 import re
 import shutil
+import subprocess
+import sys
 import time
 import xml.etree.ElementTree as ET
 
@@ -65,6 +67,7 @@ def test_one_run_report_has_every_chart_and_the_final_auc(runs, capsys):
     assert f"<th>final log loss</th><td>{summary['eval']['log_loss']:.4f}</td>" in html
     assert "<th>steps</th><td>20</td>" in html and "<th>world size</th><td>1</td>" in html
     assert "dim 8, bottom 16-8, top 16-1" in html and "partial" not in html
+    assert "<th>failures</th><td>none recorded</td>" in html and "Failures and recoveries" not in html
     assert "<script" not in html and "http://" not in html.replace(
         'xmlns="http://www.w3.org/', "")  # self-contained: nothing fetched, no script
     for name in (*LINE_CHARTS, "bytes"):
@@ -234,3 +237,68 @@ def test_two_rank_run_bytes_by_category_and_predicted_vs_counted(runs, tmp_path)
     html = (run / "report" / "index.html").read_text()
     assert "<th>world size</th><td>2</td>" in html and "embedding=fp16" in html
     assert re.search(r"<th>predicted = counted bytes</th><td>yes, all \d+ categories", html)
+
+
+def _clock(t: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t))
+
+
+@pytest.mark.distributed
+def test_a_failure_and_its_partial_recovery_are_listed(runs, tmp_path, capsys):
+    """Rank 1 killed after step 6 of 6 (checkpoint at 4), the ranks restarted, partial
+    recovery: the report names when, the step, the rank, what the recovery kept and lost,
+    and how long from the kill until training went on, from the run's own records."""
+    data = json.loads((runs[0] / "config.json").read_text())["data"]["path"]
+    run = tmp_path / "failed"
+    proc = subprocess.run([sys.executable, "-m", "hybridrec", "train", "--recipe", "demo",
+                           f"data.path={data}", f"train.run_dir={run}", *SMALL[:5],
+                           "train.max_steps=6", "train.checkpoint_every=4", "dist.nproc=2",
+                           "dist.timeout_s=30", "train.recovery=partial",
+                           "train.inject_failure=1:6", "dist.max_restarts=1"],
+                          capture_output=True, text=True, timeout=240, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    kill = json.loads((run / "failure_injected.json").read_text())
+    (event,) = map(json.loads, (run / "recovery.jsonl").read_text().splitlines())
+    took = f"{event['resumed_time'] - kill['time']:.1f} s ({event['restore_seconds']:.1f} s loading the state)"
+    recovery = ("partial: rank 0 kept its state at step 6; the shards of rank 1 rolled back to "
+                "step 4 (")
+    assert main(["report", str(run)]) == 0
+    out = capsys.readouterr().out
+    assert (f"failed: {_clock(kill['time'])}: rank 1 killed after step 6 (train.inject_failure); "
+            f"recovered in {took}: {recovery}") in out, out
+    html = (run / "report" / "index.html").read_text()
+    assert "<th>failures</th><td>1 (1 recovered; see below)</td>" in html
+    assert "<h2>Failures and recoveries</h2>" in html
+    row = re.search(r"<tr><td>([^<]*)</td><td>6</td><td>1</td><td>rank 1 killed after step 6 "
+                    r"\(train.inject_failure\)</td><td>([^<]*)</td><td>([^<]*)</td></tr>", html)
+    assert row is not None, html
+    assert row[1] == _clock(kill["time"]) and row[2].startswith(recovery) and row[3] == took
+    lost = sum(1 for s in event["shards"] if s["steps_lost"] == 2)
+    assert lost > 0 and f"({lost} shards lost up to 2 steps of updates)" in row[2]
+
+
+def test_failures_pair_each_recovery_with_the_kill_before_it():
+    """Kills at steps 3, 5 and 9; recoveries after the second and the third: the first kill
+    had none (e.g. the run stopped and was started again by hand from its checkpoint)."""
+    kills = [{"rank": r, "step": s, "time": t} for r, s, t in ((0, 3, 100.0), (1, 5, 200.0), (1, 9, 300.0))]
+    full = {"mode": "full", "checkpoint_step": 4, "failed_at_step": 5, "failed_ranks": [1], "survivors": [],
+            "failed_at_time": 200.5, "resumed_at_step": 4, "restore_seconds": 0.25, "resumed_time": 203.0}
+    partial = {"mode": "partial", "checkpoint_step": 8, "failed_at_step": 9, "failed_ranks": [1],
+               "survivors": [0, 2], "failed_at_time": 300.2, "resumed_at_step": 9, "restore_seconds": 0.5,
+               "resumed_time": 301.5, "deltas": {"1": {"step": 9, "pending_rows": 0}},
+               "shards": [{"rank": 1, "steps_lost": 0}]}
+    got = report.failures(list(reversed(kills)), [full, partial])
+    assert [(f.step, f.ranks, f.took_s) for f in got] == [(3, [0], None), (5, [1], 3.0), (9, [1], 1.5)]
+    assert got[0].recovery == "" and got[0].line().endswith("no recovery recorded")
+    assert got[1].recovery == "full: every rank resumed from step 4; steps 5..5 trained again"
+    assert got[2].recovery == ("partial: ranks 0, 2 kept their state at step 9; the shards of rank 1 "
+                               "rolled back to their incremental saves (rank 1 to step 9)")
+    # A recovery with no injected kill before it: the ranks its record names, from its own time.
+    (crash,) = report.failures([], [full])
+    assert (crash.what, crash.time, crash.took_s) == ("rank 1 failed after step 5", 200.5, 2.5)
+
+
+def test_the_recovery_file_is_the_one_training_writes():
+    from hybridrec.train.recovery import EVENTS
+
+    assert report.RECOVERY_FILE == EVENTS

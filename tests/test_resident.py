@@ -181,7 +181,7 @@ def test_tables_left_unset_start_as_zeros_with_or_without_room(tmp_path, monkeyp
     from hybridrec.train import recovery, resident
 
     monkeypatch.setenv(recovery.FAST_DIR_ENV, str(tmp_path / "shm"))
-    (tmp_path / "shm").mkdir()
+    (tmp_path / "shm").mkdir(mode=0o700)  # (the launcher makes it so: recovery.private_dir)
     if not room:
         monkeypatch.setattr(resident, "ROOM", 1e12)
     c, opt = _shards(1)

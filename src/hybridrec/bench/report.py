@@ -6,10 +6,17 @@ Charts: train loss, held-out AUC and log loss, samples/s (all against the step),
 per step by communication category (rank 0's ledger, with the bytes before compression
 beside a compressed category) and, where the ledger has them, predicted against counted
 bytes. Above them a table per run: world size, steps, final metrics, throughput, peak
-memory, bytes per step and the config that shapes the run.
+memory, bytes per step and the config that shapes the run; and, where a run failed and
+recovered, a table of its failures: when, after which step, which rank, what failed, what the
+recovery did and how long it took.
 
 Read from each run directory: ``metrics.jsonl`` (curves), ``summary.json`` (final
-metrics, throughput, memory, ledger) and ``config.json``. A run without ``summary.json``
+metrics, throughput, memory, ledger), ``config.json``, and the records of failures:
+``failure_injected.json`` (``train.inject_failure``'s kills) and ``recovery.jsonl`` (every
+recovery: the failed and surviving ranks, the steps lost, when training resumed; else
+summary.json's copy, ``recovery.events``). A failure no record names (a rank that crashed in
+a run without recovery records: one process, parameter servers, groups, Hogwild threads) shows
+only as the step the log went back to, in the notes. A run without ``summary.json``
 is still training (or stopped before its end): its report shows what exists and says it is
 partial. Every file is written atomically. :func:`write_report` is the call at the end of a
 training run: it never raises for a report problem.
@@ -30,11 +37,41 @@ from hybridrec.bench.compression_report import byte_ratio, fmt_bytes
 from hybridrec.bench.svg import Bar, BarGroup, Series, bar_svg, color, line_svg
 from hybridrec.errors import HybridrecError, os_error_message
 from hybridrec.metrics.logger import METRICS_FILE, write_text_atomic
+from hybridrec.train.faults import MARKER as INJECTED_FILE
+from hybridrec.train.faults import injections, read_marker
 
 REPORT_DIR = "report"
 SUMMARY_FILE, CONFIG_FILE, PLAN_FILE = "summary.json", "config.json", "plan.json"
+RECOVERY_FILE = "recovery.jsonl"
+"""Every recovery of a run (:data:`hybridrec.train.recovery.EVENTS`, named again here: that
+module imports torch's distributed checkpointing, seconds of start-up for a report)."""
 
 _log = logging.getLogger(__name__)
+
+
+@dataclass
+class Failure:
+    """One failure of a run and what its recovery did: a row of the report's failures table."""
+    time: float | None
+    """Unix seconds: the kill of an injected failure, else when the survivors stopped."""
+    step: int | None
+    """The last step trained before the failure."""
+    ranks: list[int]
+    """The ranks that failed."""
+    what: str
+    """What failed, in words."""
+    recovery: str = ""
+    """What the recovery did, in words ("": no recovery recorded)."""
+    took_s: float | None = None
+    """Seconds from the failure until training went on."""
+    restore_s: float | None = None
+    """Of those, the seconds of loading the state back (the slowest rank's)."""
+
+    def line(self) -> str:
+        """The failure in one line (``hybridrec report`` prints one per failure)."""
+        when = f"{_clock(self.time)}: " if self.time is not None else ""
+        return (f"{when}{self.what}; " + (f"recovered in {_took(self)}: {self.recovery}"
+                                          if self.recovery else "no recovery recorded"))
 
 
 @dataclass
@@ -51,6 +88,8 @@ class Run:
     """plan.json's tables per sharding type (runs of several ranks)."""
     notes: list[str] = field(default_factory=list)
     partial: bool = False
+    failures: list[Failure] = field(default_factory=list)
+    """The run's failures and their recoveries, oldest first (:func:`failures`)."""
 
     @property
     def last_step(self) -> int | None:
@@ -154,7 +193,113 @@ def load_run(path: Path, label: str | None = None) -> Run:
         for t in (_read_json(path / PLAN_FILE).get("tables") or {}).values():
             kind = t.get("sharding_type", "?")
             run.plan[kind] = run.plan.get(kind, 0) + 1
+    if (path / INJECTED_FILE).is_file() and read_marker(path) is None:
+        run.notes.append(f"{INJECTED_FILE}: not a JSON object; the injected failures are not shown")
+    run.failures = failures(injections(read_marker(path)), read_recoveries(path, run.summary))
     return run
+
+
+# ---------------------------------------------------------------- failures
+
+
+def read_recoveries(path: Path, summary: dict | None) -> list[dict]:
+    """The run's recovery records, oldest first: ``recovery.jsonl`` (lines that are no
+    record skipped), else summary.json's ``recovery.events``."""
+    if (path / RECOVERY_FILE).is_file():
+        out = []
+        for line in (path / RECOVERY_FILE).read_text(encoding="utf-8", errors="replace").splitlines():
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(rec, dict):
+                out.append(rec)
+        return out
+    events = ((summary or {}).get("recovery") or {}).get("events")
+    return [e for e in events if isinstance(e, dict)] if isinstance(events, list) else []
+
+
+def failures(injected: list[dict], recoveries: list[dict]) -> list[Failure]:
+    """Each recovery with the injected kill it followed (the newest one before it resumed
+    that no earlier recovery followed), and each injected kill no recovery followed (a run
+    without recovery records, or one that stopped there), in the order they happened."""
+    kills = sorted(injected, key=lambda k: _number(k.get("time")) or 0.0)
+    out: list[Failure] = []
+    for rec in recoveries:
+        resumed = _number(rec.get("resumed_time"))
+        before = [k for k in kills if resumed is None or (_number(k.get("time")) or 0.0) <= resumed]
+        kill = before[-1] if before else None
+        out += [_killed(k) for k in before[:-1]]  # (followed by no recovery of their own)
+        kills = kills[len(before):]
+        out.append(_recovered(rec, kill))
+    return out + [_killed(k) for k in kills]
+
+
+def _killed(kill: dict) -> Failure:
+    rank, step = kill.get("rank"), kill.get("step")
+    return Failure(_number(kill.get("time")), step, [rank] if isinstance(rank, int) else [],
+                   f"rank {rank} killed after step {step} (train.inject_failure)")
+
+
+def _recovered(rec: dict, kill: dict | None) -> Failure:
+    failed = [r for r in rec.get("failed_ranks") or [] if isinstance(r, int)]
+    step = rec.get("failed_at_step")
+    if kill is not None:
+        out = _killed(kill)
+    else:
+        out = Failure(_number(rec.get("failed_at_time")), step, failed,
+                      f"rank{'s' if len(failed) != 1 else ''} {_ranks(failed) or '?'} failed "
+                      f"after step {step}")
+    resumed = _number(rec.get("resumed_time"))
+    out.took_s = resumed - out.time if resumed is not None and out.time is not None else None
+    out.restore_s = _number(rec.get("restore_seconds"))
+    out.recovery = _recovery_words(rec)
+    return out
+
+
+def _recovery_words(rec: dict) -> str:
+    """What a recovery record says was done, and lost, in words."""
+    mode, failed, survivors = rec.get("mode", "?"), rec.get("failed_ranks") or [], rec.get("survivors") or []
+    base, at, resumed = rec.get("checkpoint_step") or 0, rec.get("failed_at_step"), rec.get("resumed_at_step")
+    if not survivors:
+        again = (f"; steps {resumed + 1}..{at} trained again"
+                 if isinstance(at, int) and isinstance(resumed, int) and at > resumed else "")
+        return f"{mode}: every rank resumed from step {resumed}{again}"
+    lost = [s for s in rec.get("shards") or [] if s.get("steps_lost")]
+    deltas = rec.get("deltas") or {}
+    back = ("to their incremental saves (" + ", ".join(
+        f"rank {r} to step {d.get('step')}" for r, d in sorted(deltas.items(), key=_rank_key)) + ")"
+        if deltas else f"to step {base}")
+    words = (f"{mode}: rank{'s' if len(survivors) > 1 else ''} {_ranks(survivors)} kept "
+             f"{'their' if len(survivors) > 1 else 'its'} state at step {resumed}; the shards of "
+             f"rank{'s' if len(failed) != 1 else ''} {_ranks(failed)} rolled back {back}")
+    if lost:
+        words += (f" ({len(lost)} shard{'s' if len(lost) > 1 else ''} lost up to "
+                  f"{max(s['steps_lost'] for s in lost)} steps of updates)")
+    return words
+
+
+def _rank_key(item: tuple[str, dict]) -> tuple[int, str]:
+    """Ranks named by JSON keys ("10" after "2")."""
+    return (int(item[0]), "") if str(item[0]).isdigit() else (1 << 30, str(item[0]))
+
+
+def _ranks(ranks: list) -> str:
+    return ", ".join(map(str, ranks))
+
+
+def _number(v) -> float | None:
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+
+
+def _clock(t: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t))
+
+
+def _took(f: Failure) -> str:
+    if f.took_s is None:
+        return "n/a"
+    return f"{f.took_s:.1f} s" + (f" ({f.restore_s:.1f} s loading the state)" if f.restore_s is not None else "")
 
 
 def labels(paths: list[Path]) -> list[str]:
@@ -304,6 +449,13 @@ def _status(run: Run) -> str:
     return "partial" if run.partial else "finished"
 
 
+def _failures(run: Run) -> str:
+    n, recovered = len(run.failures), sum(1 for f in run.failures if f.recovery)
+    if not n:
+        return "none recorded"
+    return f"{n} ({recovered} recovered; see below)" if recovered else f"{n} (no recovery recorded; see below)"
+
+
 def _cfg(section: str, fn: Callable[[dict], str]) -> Callable[[Run], str]:
     return lambda run: fn((run.config or {}).get(section, {})) if run.config else "n/a"
 
@@ -311,6 +463,7 @@ def _cfg(section: str, fn: Callable[[dict], str]) -> Callable[[Run], str]:
 ROWS: list[tuple[str, Callable[[Run], str]]] = [
     ("directory", lambda r: str(r.path)),
     ("status", _status),
+    ("failures", _failures),
     ("world size", lambda r: _num(_world(r), "{}")),
     ("steps", lambda r: _num(r.last_step, "{:,}")),
     ("final AUC", lambda r: _num(final_eval(r).get("auc"))),
@@ -471,6 +624,24 @@ def _table(runs: list[Run]) -> list[str]:
     return out + ["</table>"]
 
 
+def _failures_table(runs: list[Run]) -> list[str]:
+    """A row per failure of every run (nothing when none failed)."""
+    rows = [(r, f) for r in runs for f in r.failures]
+    if not rows:
+        return []
+    several = len(runs) > 1
+    head = (["run"] if several else []) + ["when", "after step", "rank", "what failed", "recovery",
+                                            "recovery took"]
+    out = ["<h2>Failures and recoveries</h2>", "<table>",
+           "<tr>" + "".join(f"<th>{h}</th>" for h in head) + "</tr>"]
+    for run, f in rows:
+        cells = ([run.label] if several else []) + [
+            _clock(f.time) if f.time is not None else "n/a", _num(f.step, "{:,}"),
+            _ranks(f.ranks) or "n/a", f.what, f.recovery or "none recorded", _took(f)]
+        out.append("<tr>" + "".join(f"<td>{escape(str(c))}</td>" for c in cells) + "</tr>")
+    return out + ["</table>"]
+
+
 def html_page(runs: list[Run], figures: dict[str, str]) -> str:
     """index.html: the notes, the table, the charts inline (each links its SVG file)."""
     title = "hybridrec report: " + ", ".join(r.label for r in runs)
@@ -485,6 +656,7 @@ def html_page(runs: list[Run], figures: dict[str, str]) -> str:
     if notes:
         out += ['<ul class="notes">', *(f"<li>{escape(n)}</li>" for n in notes), "</ul>"]
     out += _table(runs)
+    out += _failures_table(runs)
     for name, svg in figures.items():
         out += ["<figure>", svg.split("\n", 1)[1].rstrip("\n"),
                 (f"<figcaption>{escape(CAPTIONS[name])} "

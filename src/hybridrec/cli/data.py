@@ -153,7 +153,9 @@ def _add_inspect(sub) -> None:
     p = sub.add_parser(
         "inspect",
         help="summarize a dataset directory",
-        description="Print the schema, parts, splits, preprocessing report and per-feature stats.",
+        description="Print the schema, parts, splits, preprocessing report and per-feature stats, "
+        "then check every part as training opens it (files whole, every id inside its table); "
+        "a problem ends with one line naming the file and status 2.",
     )
     p.add_argument("dataset", metavar="DIR", help="dataset directory (with meta.json)")
     p.add_argument("--json", action="store_true", help="print meta.json instead of tables")
@@ -239,14 +241,19 @@ def _preprocess(args: argparse.Namespace) -> int:
 
 
 def _inspect(args: argparse.Namespace) -> int:
+    from hybridrec.data.loader import check_parts
     from hybridrec.data.schema import DatasetMeta
 
     meta = DatasetMeta.load(args.dataset)
     if args.json:
         print(json.dumps(meta.to_dict(), indent=2))
-        return 0
-    for line in describe(meta):
-        print(line)
+    else:
+        for line in describe(meta):
+            print(line)
+    sys.stdout.flush()  # the summary before a problem's line (stderr)
+    check_parts(meta)  # a file missing, cut short or holding an id past its table: one line
+    if not args.json:
+        print(f"checked: {len(meta.parts)} parts, their files whole and every id inside its table")
     return 0
 
 

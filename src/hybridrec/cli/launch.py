@@ -41,6 +41,8 @@ import uuid
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
+from hybridrec.cli.lifeline import die_with_parent, end_with
+
 LAUNCHED_ENV = "HYBRIDREC_LAUNCHED"
 """Set in the ranks' environment: the launcher reports how the run ended, so a rank that
 only lost its peers, or was interrupted, stays quiet."""
@@ -60,8 +62,8 @@ _TIMED_OUT = re.compile(r"Timed out waiting \d+ ?ms[^.\n]*|timed out after [^.\n
                         re.IGNORECASE)
 _COMM_MARKS = ("gloo", "c10d", "ProcessGroup", "TCPStore", "nccl", "NCCL")
 
-PRELOAD = ("torch", "torch.distributed.checkpoint", "torch.nn.parallel", "torch._dynamo", "numpy.random",
-           "hybridrec.cli.launch", "hybridrec.cli.main", "hybridrec.cli.train", "hybridrec.train.run")
+PRELOAD = ("hybridrec.cli.lifeline", "torch", "torch.distributed.checkpoint", "torch.nn.parallel", "torch._dynamo",
+           "numpy.random", "hybridrec.cli.launch", "hybridrec.cli.main", "hybridrec.cli.train", "hybridrec.train.run")
 """What the server the ranks are forked from imports once (see the module's docstring); this
 module among them, so that :data:`_BASE_ENV` is the server's environment."""
 
@@ -89,36 +91,36 @@ def run_local_ranks(nproc: int, argv: Sequence[str], *, servers: int = 0, port: 
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
 
+    from hybridrec.cli.loopback import LOOPBACK, loopback_interfaces, loopback_rendezvous
     from hybridrec.cli.main import debug_enabled
 
-    with tempfile.TemporaryDirectory(prefix="hybridrec-ranks-") as logs:
+    with tempfile.TemporaryDirectory(prefix="hybridrec-ranks-") as logs:  # (mode 0700)
         args = torchrun.parse_args([f"--nproc-per-node={nproc}", f"--log-dir={logs}",
                                     f"--max-restarts={max_restarts}", "-m", "hybridrec", *argv])
-        # --standalone, as torchrun.run sets it: a rendezvous on a free local port.
+        # As torchrun --standalone, but nothing listens beyond this machine (see loopback_rendezvous).
         if port:
             check_port_free(port)
-        args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", f"localhost:{port}", str(uuid.uuid4())
-        env = {LAUNCHED_ENV: "1"}
+        args.rdzv_backend, args.rdzv_id = loopback_rendezvous(), str(uuid.uuid4())
+        args.rdzv_endpoint, args.rdzv_conf = os.path.join(logs, "rendezvous"), f"store_port={port}"
+        args.local_addr = LOOPBACK
+        env = {LAUNCHED_ENV: "1", **loopback_interfaces()}
         if servers and not debug_enabled() and "TORCH_CPP_LOG_LEVEL" not in os.environ:
             env["TORCH_CPP_LOG_LEVEL"] = "ERROR"
         if "OMP_NUM_THREADS" not in os.environ:  # torchrun's default for several ranks, silently
             env["OMP_NUM_THREADS"] = "1"
-        if max_restarts and "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in os.environ:
-            # The agent's shared store keeps the previous attempt's keys, under which the
-            # restarted ranks find dead peers' addresses (pytorch/pytorch#135712): rank 0
-            # of every attempt hosts a new store instead.
-            env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+        oom_kills = oom_kill_count()
         with _environ(env), _signal_handlers_kept(), _agent_quiet(not debug_enabled()), _one_agent_rendezvous():
             config, _, _ = torchrun.config_from_args(args)
             config.start_method = "forkserver"
             multiprocessing.get_context("forkserver").set_forkserver_preload(list(PRELOAD))
             try:
-                elastic_launch(config=config, entrypoint=rank_main)(list(argv), dict(os.environ))
+                elastic_launch(config=config, entrypoint=rank_main)(list(argv), dict(os.environ), os.getpid())
             except ChildFailedError as e:
                 if debug_enabled():
                     print(e, file=sys.stderr)
                 line, status = failure_line(e.failures, servers_from=nproc - servers if servers else None,
-                                            injected_pid=_injected_pid(injection_marker))
+                                            injected_pid=_injected_pid(injection_marker),
+                                            oom_killed=_oom_killed(oom_kills))
                 if status != BROKEN_PIPE:  # output cut short (`| head`): ends quietly, as one process does
                     for message in unprinted_errors(e.failures) if nproc > 1 else ():
                         _say(f"hybridrec: error: {message}")
@@ -133,14 +135,19 @@ def run_local_ranks(nproc: int, argv: Sequence[str], *, servers: int = 0, port: 
     return 0
 
 
-def rank_main(argv: list[str], environ: dict[str, str]) -> None:
+def rank_main(argv: list[str], environ: dict[str, str], launcher: int | None = None) -> None:
     """One rank of :func:`run_local_ranks`: ``python -m hybridrec ARGV`` in a process forked
     from the preloaded server. Its environment is the launcher's (``environ``, as a new
     interpreter would inherit it; the server's is the first launch's) with the variables
     the agent set for this rank on top; output is unbuffered, as ``python -u``. The
-    process is named ``hybridrec-rRANK`` (what ``top`` and ``ps -o comm`` show)."""
+    process is named ``hybridrec-rRANK`` (what ``top`` and ``ps -o comm`` show). It ends
+    the moment the launcher (pid ``launcher``) does, however that died (see
+    :func:`end_with`)."""
     from hybridrec.cli.main import main
 
+    die_with_parent()  # (the fork server, which dies with the launcher: see hybridrec.cli.lifeline)
+    if launcher is not None:
+        end_with(launcher, "its launcher")
     agent = {k: v for k, v in os.environ.items() if _BASE_ENV.get(k) != v}
     os.environ.clear()
     os.environ.update(environ)
@@ -188,7 +195,7 @@ def _injected_pid(marker: str | None) -> int | None:
 
 
 def failure_line(failures: dict, servers_from: int | None = None,
-                 injected_pid: int | None = None) -> tuple[str, int]:
+                 injected_pid: int | None = None, oom_killed: bool | None = None) -> tuple[str, int]:
     """The line that says which rank ended the run and how, and the exit status to return,
     from the agent's ``{rank: ProcessFailure}``. A rank that recorded its error (see
     :func:`~hybridrec.errors.record_error`) is the cause, with the status it recorded, however it then died
@@ -197,7 +204,9 @@ def failure_line(failures: dict, servers_from: int | None = None,
     stopped (SIGTERM) and those that only lost their peers (:data:`PEER_LOST`) are not the
     cause unless nothing else failed; a rank killed by a signal is named with it.
     ``servers_from``: the first rank that is a parameter server. ``injected_pid``: the
-    process ``train.inject_failure`` killed (its SIGKILL is named as injected)."""
+    process ``train.inject_failure`` killed (its SIGKILL is named as injected).
+    ``oom_killed``: whether the kernel's out-of-memory killer killed a process of this
+    machine's memory cgroup meanwhile (None: unknown; see :func:`oom_kill_count`)."""
     def label(r: int) -> str:
         return f"parameter server ps{r - servers_from} (rank {r})" if servers_from is not None and r >= servers_from \
             else f"rank {r}"
@@ -215,7 +224,7 @@ def failure_line(failures: dict, servers_from: int | None = None,
         kept = injected or [(r, f) for r, f in ranked if not stopped(f)] or ranked
         rank, first = kept[0]
         if first.exitcode < 0:
-            return _killed_line(label(rank), first, injected_pid), 1
+            return _killed_line(label(rank), first, injected_pid, oom_killed), 1
         causes = [(r, f.exitcode) for r, f in kept]
     status = causes[0][1]
     same = sorted(r for r, s in causes if s == status)
@@ -226,7 +235,7 @@ def failure_line(failures: dict, servers_from: int | None = None,
     return f"{who} exited with code {status} (see above)", status
 
 
-def _killed_line(who: str, f, injected_pid: int | None) -> str:
+def _killed_line(who: str, f, injected_pid: int | None, oom_killed: bool | None = None) -> str:
     try:
         name = signal.Signals(-f.exitcode).name
     except ValueError:
@@ -234,9 +243,46 @@ def _killed_line(who: str, f, injected_pid: int | None) -> str:
     line = f"{who} (pid {f.pid}) was killed by {name}"
     if f.exitcode == -signal.SIGKILL and injected_pid is not None and f.pid == injected_pid:
         line += " (injected: train.inject_failure)"
+    elif f.exitcode == -signal.SIGKILL and oom_killed:
+        line += " (the kernel's out-of-memory killer: this machine's memory cgroup counted a kill)"
+    elif f.exitcode == -signal.SIGKILL and oom_killed is None:
+        line += " (by another process, or by the kernel's out-of-memory killer)"
     elif f.exitcode == -signal.SIGKILL:
-        line += " (the kernel's out-of-memory killer sends it, among others)"
+        line += " (by another process: not the out-of-memory killer, which counted no kill)"
     return line
+
+
+def oom_kill_count() -> int | None:
+    """How many processes the kernel's out-of-memory killer has killed in this process's
+    memory cgroup (cgroup v2 ``memory.events``, v1 ``memory.oom_control``), or None where
+    that cannot be read. Read before the ranks start and after one was killed, it says
+    whether the OOM killer sent a SIGKILL."""
+    try:
+        lines = Path("/proc/self/cgroup").read_text().splitlines()
+    except OSError:
+        return None
+    places = []
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":
+            places.append(Path("/sys/fs/cgroup" + path) / "memory.events")
+        elif "memory" in controllers.split(","):
+            places += [Path("/sys/fs/cgroup/memory" + path) / "memory.oom_control",
+                       Path("/sys/fs/cgroup/memory/memory.oom_control")]  # (a container's own view)
+    for place in places:
+        try:
+            for row in place.read_text().splitlines():
+                key, _, value = row.partition(" ")
+                if key == "oom_kill":
+                    return int(value)
+        except (OSError, ValueError):
+            continue
+    return None
+
+
+def _oom_killed(before: int | None) -> bool | None:
+    after = oom_kill_count()
+    return None if before is None or after is None else after > before
 
 
 # -- a rank's error, recorded for the launcher ---------------------------------------------

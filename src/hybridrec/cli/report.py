@@ -15,8 +15,10 @@ Charts (one SVG each, also inline in index.html): train loss, held-out AUC and l
 samples/s (against the step), bytes sent per step by communication category with the bytes
 before compression beside a compressed category, and predicted vs counted bytes. Above
 them a table per run: world size, steps, final metrics, throughput, peak memory and the
-config that shapes the run. A run without summary.json (still training) is reported as
-far as it got, and said to be partial.
+config that shapes the run, and a table of the run's failures (train.inject_failure's kills,
+RUN/recovery.jsonl's recoveries: when, after which step, which rank, what the recovery did,
+how long it took), each also printed here in one line. A run without summary.json (still
+training) is reported as far as it got, and said to be partial.
 """
 
 
@@ -41,5 +43,7 @@ def _report(args: argparse.Namespace) -> int:
     for run in runs:
         for note in run.notes:
             print(f"hybridrec report: {run.label}: {note}", file=sys.stderr)
+        for failure in run.failures:
+            print(f"{run.label}: {failure.line()}")
     print(f"wrote {index} ({len(runs)} run{'s' if len(runs) > 1 else ''})")
     return 0

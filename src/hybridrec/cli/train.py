@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import math
 import os
 import sys
+from pathlib import Path
 
+from hybridrec.errors import os_error_message
 from hybridrec.train import recipes
-from hybridrec.train.config import SECTIONS, build_config, describe
+from hybridrec.train.config import PATH_KEYS, SECTIONS, build_config, describe
 
 _TRAIN_EPILOG = f"""\
 examples:
@@ -23,7 +26,9 @@ alone (train.reevaluate=true evaluates it again), a run of another config is ref
 (train.resume=false replaces it).
 
 A config file is TOML (or JSON) with sections {" ".join(f"[{n}]" for n in SECTIONS)};
-precedence: defaults < --recipe < --config files (in order) < KEY=VALUE arguments.
+precedence: defaults < --recipe < --config files (in order) < KEY=VALUE arguments. A
+relative path in a config file ({", ".join(PATH_KEYS)}) is relative to the file's
+directory; in a KEY=VALUE argument, to the working directory.
 """
 
 
@@ -42,14 +47,17 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     e = sub.add_parser("eval", help="evaluate a run's checkpoint on the held-out split",
                        description="Evaluate a checkpoint of a run directory on the held-out split of "
-                       "its dataset (or --data); writes RUN/eval.json. By default the run's best "
-                       "checkpoint when it was trained with train.early_stop (the best held-out AUC), "
-                       "else its newest.")
+                       "its dataset (or --data); prints the metrics and writes them to RUN/eval.json "
+                       "(or --out). By default the run's best checkpoint when it was trained with "
+                       "train.early_stop (the best held-out AUC), else its newest. A run directory "
+                       "that cannot be written (read-only) keeps no eval.json: the metrics are "
+                       "printed and a warning says so.")
     e.add_argument("run_dir", metavar="RUN_DIR")
     e.add_argument("--checkpoint", metavar="best|latest|DIR",
                    help="best (train.early_stop's best evaluation), latest (the newest) or a checkpoint "
                    "directory (default: best when the run recorded one, else latest)")
     e.add_argument("--data", help="another preprocessed dataset to evaluate on")
+    e.add_argument("--out", metavar="FILE", help="where the metrics JSON goes [RUN/eval.json]")
     e.set_defaults(func=_eval)
 
     d = sub.add_parser("demo", help="synthesize data, preprocess, train and evaluate (the README job)",
@@ -76,10 +84,15 @@ def _train(args) -> int:
         return 0
     if (cfg.dist.nproc + cfg.dist.num_ps > 1 or cfg.dist.max_restarts) and "RANK" not in os.environ:
         return _launch(cfg, args)
+    from hybridrec.cli.launch import LAUNCHED_ENV
+    from hybridrec.cli.lifeline import end_with
     from hybridrec.train.run import train
 
-    try:
-        summary = train(cfg)
+    launched = bool(os.environ.get(LAUNCHED_ENV))
+    if "RANK" in os.environ and not launched and "TORCHELASTIC_RUN_ID" in os.environ:
+        end_with(os.getppid(), "its torchrun agent")  # (torchrun's ranks are its children)
+    try:  # (hybridrec's own launcher holds the run directory for its ranks)
+        summary = train(cfg, hold_run_dir=not launched)
     except OSError as e:
         if getattr(e, "summary", None) is not None:  # trained, but summary.json failed: the numbers
             print(format_results(e.summary))
@@ -96,8 +109,6 @@ def _train(args) -> int:
 def _report(summary: dict) -> None:
     """The run's picture (RUN/report/index.html); a plotting problem is a warning, never a
     failed run."""
-    from pathlib import Path
-
     from hybridrec.bench.report import write_report
 
     write_report(Path(summary["run_dir"]),
@@ -111,14 +122,31 @@ def _launch(cfg, args) -> int:
     the failure ends in the failing rank's own error and one line naming it (see
     :mod:`hybridrec.cli.launch`). The run directory is checked here first (a refusal is
     one line, nothing starts), and a new one chosen here is handed to every process."""
-    from hybridrec.cli.launch import run_local_ranks
+    from hybridrec.train.run_lock import holding
+
+    named = cfg.train.run_dir
+    # The run directory is locked before it is looked at, for as long as the ranks run.
+    with holding(os.path.abspath(named), named) if named else contextlib.nullcontext():
+        return _launch_held(cfg, args)
+
+
+def _launch_held(cfg, args) -> int:
+    """:func:`_launch` once a named run directory is held (a new one is held here)."""
     from hybridrec.train.run import preflight
+    from hybridrec.train.run_lock import holding
 
     named = bool(cfg.train.run_dir)
     finished, run_dir = preflight(cfg, world_size=cfg.dist.nproc)
     if finished is not None:
         print(finished["already_finished"])
         return 0
+    with contextlib.nullcontext() if named else holding(cfg.train.run_dir, run_dir):
+        return _start_ranks(cfg, args, named, run_dir)
+
+
+def _start_ranks(cfg, args, named: bool, run_dir: str) -> int:
+    from hybridrec.cli.launch import run_local_ranks
+
     servers = cfg.dist.num_ps  # parameter servers: more processes of this command
     nproc = cfg.dist.nproc + servers
     argv = ["train"]
@@ -149,8 +177,21 @@ def _eval(args) -> int:
         which = f" ({result['which']}, step {result['step']:,})" if isinstance(result.get("step"), int) else ""
         print(format_table([("checkpoint", result["checkpoint"] + which)] + _metric_rows(result)), flush=True)
 
-    evaluate_run(args.run_dir, checkpoint=args.checkpoint, data_path=args.data, show=show)
+    try:
+        evaluate_run(args.run_dir, checkpoint=args.checkpoint, data_path=args.data, show=show, out=args.out)
+    except OSError as e:
+        if args.out is not None or not _read_only(e, Path(args.run_dir) / "eval.json"):
+            raise
+        print(f"hybridrec: warning: the metrics were not saved: {os_error_message(e)} "
+              "(--out FILE writes them elsewhere)", file=sys.stderr)
     return 0
+
+
+def _read_only(e: OSError, eval_json: Path) -> bool:
+    """Whether ``e`` is the run directory refusing ``eval.json`` as a read-only one does
+    (a read-only file system, or no permission to write there), not another failure."""
+    return (e.errno in (errno.EROFS, errno.EACCES, errno.EPERM) and e.filename is not None
+            and os.path.abspath(os.fsdecode(e.filename)) == os.path.abspath(eval_json))
 
 
 def _demo(args) -> int:

@@ -35,22 +35,49 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from hybridrec.data.id_ranges import check_part_ids
 from hybridrec.data.schema import DatasetMeta, Schema
 from hybridrec.errors import ConfigError, DataError
 from hybridrec.sparse.keyed_jagged import Batch, KeyedJagged
 from hybridrec.threads import single_threaded
 
 
+def open_array(path: Path) -> np.ndarray:
+    """``path`` memory-mapped, or a :class:`DataError` saying what is wrong with the file:
+    missing, not an ``.npy``, or shorter or longer than its header's shape (a copy cut
+    short would otherwise fail only when a batch reaches its end, or not at all)."""
+    try:
+        with open(path, "rb") as f:
+            fmt = np.lib.format
+            version = fmt.read_magic(f)
+            read = fmt.read_array_header_1_0 if version == (1, 0) else fmt.read_array_header_2_0
+            shape, _, dtype = read(f)
+            offset = f.tell()
+        size = path.stat().st_size
+    except FileNotFoundError:
+        raise DataError(f"{path}: missing") from None
+    except (OSError, ValueError) as e:
+        raise DataError(f"{path}: cannot read array ({e})") from None
+    if dtype.hasobject:
+        raise DataError(f"{path}: cannot read array (it holds Python objects)")
+    expected = offset + int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    if size != expected:
+        what = "truncated" if size < expected else "longer than its header says"
+        raise DataError(f"{path}: {what}: {size:,} bytes, its header's shape {tuple(shape)} "
+                        f"of {dtype} takes {expected:,}")
+    try:
+        return np.load(path, mmap_mode="r")
+    except (OSError, ValueError) as e:
+        raise DataError(f"{path}: cannot read array ({e})") from None
+
+
 class _Part:
-    """The memory-mapped arrays of one part directory."""
+    """The memory-mapped arrays of one part directory, their shapes and ids checked
+    (:mod:`hybridrec.data.id_ranges`)."""
 
     def __init__(self, directory: Path, schema: Schema, rows: int) -> None:
         def load(name: str) -> np.ndarray:
-            path = directory / name
-            try:
-                return np.load(path, mmap_mode="r")
-            except (OSError, ValueError) as e:
-                raise DataError(f"{path}: cannot read array ({e})") from None
+            return open_array(directory / name)
 
         self.labels = load("labels.npy")
         self.dense = load("dense.npy")
@@ -70,6 +97,17 @@ class _Part:
         for name, (array, shape) in expect.items():
             if array.shape != shape:
                 raise DataError(f"{directory / name}: shape {array.shape}, expected {shape}")
+        ids = {"onehot.npy": (self.onehot, [f.name for f in schema.onehot])}
+        ids.update({f"mh-{name}.values.npy": (values, [name]) for name, (values, _) in self.mh.items()})
+        check_part_ids(directory, ids, schema.num_embeddings)
+
+
+def check_parts(meta: DatasetMeta) -> None:
+    """Open every part of ``meta`` as a loader does: each file present and as long as its
+    header says, shapes as meta.json's rows, every id inside its table. The first
+    problem is a :class:`DataError` naming the file."""
+    for p in meta.parts:
+        _Part(meta.part_dir(p.name), meta.schema, p.rows)
 
 
 class _Order:

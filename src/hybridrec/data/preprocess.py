@@ -303,7 +303,7 @@ class _Job:
         return encoders
 
     def _write_part(self, directory, schema, path, encoders, stats, report, bar) -> int:
-        writer = PartWriter(directory, schema)
+        writer = PartWriter(directory, schema, source=str(path))
         try:
             for chunk, _ in _tracked(self.reader.read(path, report), bar):
                 onehot = np.empty((len(chunk), len(schema.onehot)), dtype=np.int32)

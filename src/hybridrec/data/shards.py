@@ -17,11 +17,16 @@ from pathlib import Path
 import numpy as np
 
 from hybridrec.data.encode import KeyCounter
+from hybridrec.data.id_ranges import Range, column_ranges, merge, range_problem, write_cache
 from hybridrec.data.schema import Schema
-from hybridrec.errors import HybridrecWarning
+from hybridrec.errors import DataError, HybridrecWarning
+
+ID_COUNTS_SUFFIX = ".id_counts.npy"
+"""``stats/<feature>.id_counts.npy``: int64 ``[distinct, 2]``, (id, count) rows by id."""
 
 COUNTS_FILE_MAX_ROWS = 50_000_000
-"""Tables up to this size get ``stats/<feature>.counts.npy``; larger ones only summary stats."""
+"""Datasets written before the sparse counts had a dense ``stats/<feature>.counts.npy``
+for tables up to this size only."""
 
 TMP_MARK = ".tmp-"
 """Outputs are written as ``NAME.tmp-<pid>`` and renamed to ``NAME`` when complete."""
@@ -78,9 +83,13 @@ class NpyAppender:
 class PartWriter:
     """Writes one ``part-XXXXX/`` directory (docs/data-format.md)."""
 
-    def __init__(self, directory: Path, schema: Schema) -> None:
+    def __init__(self, directory: Path, schema: Schema, source: str = "") -> None:
         self.directory = Path(directory)
         self.directory.mkdir(parents=True)
+        self.source = source or str(self.directory)
+        self.num_embeddings = schema.num_embeddings
+        self.onehot_names = [f.name for f in schema.onehot]
+        self.ranges: dict[str, Range] = dict.fromkeys(schema.feature_names)
         d = self.directory
         self.labels = NpyAppender(d / "labels.npy", np.uint8)
         self.dense = NpyAppender(d / "dense.npy", np.float32, (len(schema.dense),))
@@ -105,6 +114,8 @@ class PartWriter:
         multihot: dict[str, tuple[np.ndarray, np.ndarray]],
     ) -> None:
         """One block: ids already encoded (int32); ``multihot[name] = (ids, lengths)``."""
+        self._check_ids(zip(self.onehot_names, column_ranges(onehot)))
+        self._check_ids((name, column_ranges(ids)[0]) for name, (ids, _) in multihot.items())
         self.labels.append(labels)
         self.dense.append(dense)
         self.onehot.append(onehot)
@@ -113,6 +124,16 @@ class PartWriter:
             values.append(ids)
             offsets.append(self._nnz[name] + np.cumsum(lengths, dtype=np.int64))
             self._nnz[name] += int(ids.size)
+
+    def _check_ids(self, found) -> None:
+        """An encoder writes ids below its table's size; one that did not is a bug,
+        stopped here rather than trained on."""
+        for name, rng in found:
+            problem = range_problem(name, rng, self.num_embeddings[name])
+            if problem:
+                raise DataError(f"{self.source}: the encoding wrote an id out of its table: "
+                                f"{problem} (a bug in hybridrec's preprocessing)")
+            self.ranges[name] = merge(self.ranges[name], rng)
 
     def _files(self) -> list[NpyAppender]:
         return [
@@ -123,8 +144,12 @@ class PartWriter:
         ]
 
     def close(self) -> int:
+        """Finish the arrays, and the id ranges' cache that spares training a scan."""
         for f in self._files():
             f.close()
+        cache = {"onehot.npy": {n: self.ranges[n] for n in self.onehot_names}}
+        cache.update({f"mh-{n}.values.npy": {n: self.ranges[n]} for n in self.mh})
+        write_cache(self.directory, cache)
         return self.rows
 
     def abort(self) -> None:
@@ -135,47 +160,47 @@ class PartWriter:
 class FeatureStats:
     """Id frequencies of one feature over the train split, and the summary for the planner.
 
-    Tables up to :data:`COUNTS_FILE_MAX_ROWS` rows count into a memory-mapped
-    ``stats/<feature>.counts.npy`` (the OS pages it; 26 big tables in RAM would not
-    fit); larger tables count only the ids that occur.
+    Kept sparse (:class:`~hybridrec.data.encode.KeyCounter`: the distinct ids and their
+    counts), so memory and ``stats/<feature>.id_counts.npy`` grow with the ids seen, not
+    with the table: a table of 40,000,000 rows seen on 4,000 samples holds 4,000 counts
+    (a dense count per row was 320 MB a table).
     """
 
     def __init__(self, name: str, num_embeddings: int, stats_dir: Path) -> None:
         self.name = name
         self.num_embeddings = num_embeddings
         self.rows = 0
-        self.counts_file: Path | None = None
-        if num_embeddings <= COUNTS_FILE_MAX_ROWS:
-            stats_dir.mkdir(exist_ok=True)
-            self.counts_file = stats_dir / f"{name}.counts.npy"
-            self._counts = np.lib.format.open_memmap(
-                self.counts_file, mode="w+", dtype=np.int64, shape=(num_embeddings,)
-            )
-        else:
-            self._counter = KeyCounter()
+        self.counts_file = stats_dir / f"{name}{ID_COUNTS_SUFFIX}"
+        self._counter = KeyCounter()
 
     def add(self, ids: np.ndarray, rows: int) -> None:
         """Ids of ``rows`` samples (all ids of a multi-hot bag count)."""
         self.rows += rows
-        if self.counts_file is None:
-            self._counter.add(ids)
-        elif ids.size * 8 >= self.num_embeddings:
-            self._counts += np.bincount(ids, minlength=self.num_embeddings)
-        else:  # a full-table bincount per block would dominate for big tables
-            u, c = np.unique(ids, return_counts=True)
-            self._counts[u] += c
+        self._counter.add(ids)
 
     def finish(self, dataset_dir: Path) -> dict:
-        """Flush the counts file and return the stats entry of meta.json."""
-        if self.counts_file is not None:
-            counts = np.asarray(self._counts)
-            self._counts.flush()
-        else:
-            counts = self._counter.result()[1]
+        """Write the counts file and return the stats entry of meta.json."""
+        ids, counts = self._counter.result()
+        self.counts_file.parent.mkdir(exist_ok=True)
+        np.save(self.counts_file, np.stack([ids, counts], axis=1).astype(np.int64))
         out = summarize_counts(counts, self.num_embeddings, self.rows)
-        if self.counts_file is not None:
-            out["counts_file"] = os.path.relpath(self.counts_file, dataset_dir)
+        out["id_counts_file"] = os.path.relpath(self.counts_file, dataset_dir)
         return out
+
+
+def read_id_counts(dataset_dir: Path, stats: dict) -> tuple[np.ndarray, np.ndarray]:
+    """``(ids, counts)`` of a feature's stats entry in meta.json: the ids seen (sorted) and
+    how often. Reads ``id_counts_file`` and the dense ``counts_file`` of datasets written
+    before it (one count per table row)."""
+    if "id_counts_file" in stats:
+        pairs = np.load(Path(dataset_dir) / stats["id_counts_file"])
+        return pairs[:, 0], pairs[:, 1]
+    if "counts_file" in stats:
+        dense = np.load(Path(dataset_dir) / stats["counts_file"], mmap_mode="r")
+        ids = np.flatnonzero(dense)
+        return ids, np.asarray(dense[ids])
+    raise DataError(f"{dataset_dir}: the stats entry has no counts file (a table over "
+                    f"{COUNTS_FILE_MAX_ROWS:,} rows of an older dataset)")
 
 
 def summarize_counts(counts: np.ndarray, num_embeddings: int, rows: int) -> dict:

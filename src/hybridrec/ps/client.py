@@ -35,6 +35,7 @@ Simplification: FM tables (DeepFM's first-order column and square sums) are not 
 
 from __future__ import annotations
 
+import re
 import threading
 from dataclasses import dataclass, field
 
@@ -61,8 +62,37 @@ def wait_reply(fut, what: str, to: str):
     try:
         return fut.wait()
     except RuntimeError as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ServerError(f"parameter server {to}: {what} failed: {first}") from None
+        raise server_error(e, what, to) from e
+
+
+_GONE = re.compile(r"^(eof|end of file)\b|connection (reset|refused|closed|aborted)|broken pipe|"
+                   r"pipe closed|econnreset|econnrefused|epipe", re.IGNORECASE)
+"""How TensorPipe says that the other end of a connection went away (its transports' words,
+e.g. ``eof (this error originated at tensorpipe/transport/shm/connection_impl.cc:259)``
+for a server killed while a request was under way or before a new one)."""
+_TIMEOUT = re.compile(r"ran for more than set timeout|timed? ?out", re.IGNORECASE)
+_ORIGIN = re.compile(r"\s*\(this error originated at [^)]*\)")
+
+
+def server_error(e: BaseException, what: str, to: str) -> ServerError:
+    """``e`` (an RPC to the server ``to`` failed) in one line for the user: a server whose
+    connection closed went away (it exited or was killed; the launcher's line says how),
+    one that did not answer within ``dist.timeout_s`` says so, anything else keeps its
+    first line (an error raised on the server: its type and message), without the place in
+    TensorPipe's source it came from. The request
+    (``what``) is left out where the server went away, so that every trainer that lost it
+    says the same line, shown once per machine."""
+    lines = str(e).strip().splitlines()
+    if len(lines) > 1 and lines[0].startswith("On WorkerInfo("):  # raised on the server: its repr next
+        lines = lines[1:]
+    first = _ORIGIN.sub("", lines[0]) if lines else type(e).__name__
+    if _GONE.search(first):
+        return ServerError(f"parameter server {to} went away: the connection to it closed (the server "
+                           "exited or was killed)")
+    if _TIMEOUT.search(first):
+        return ServerError(f"parameter server {to}: {what}: no answer within dist.timeout_s (the server "
+                           "hung, or is far slower)")
+    return ServerError(f"parameter server {to}: {what} failed: {first}")
 
 
 @dataclass

@@ -8,7 +8,7 @@ from hybridrec.sync.algorithms import (
     Synchronizer,
     make_synchronizer,
 )
-from hybridrec.sync.runners import BackgroundRunner, ForegroundRunner, SyncRunner
+from hybridrec.sync.runners import BackgroundRunner, ForegroundRunner, RankReplica, SyncRunner
 
 __all__ = ["BackgroundRunner", "BlockMomentum", "ElasticAveraging", "ForegroundRunner", "ModelAveraging",
-           "SyncRunner", "Synchronizer", "make_synchronizer"]
+           "RankReplica", "SyncRunner", "Synchronizer", "make_synchronizer"]

@@ -51,7 +51,9 @@ class Synchronizer(Protocol):
         """Collective over the sync group (``mean``'s, or a process group's exact mean):
         the target ``[n]`` of this rank's replica."""
 
-    def state_dict(self) -> dict: ...
+    def state_dict(self) -> dict:
+        """Its tensors are never written in place afterwards (a round makes new ones), so a
+        checkpoint may write them while the next round runs."""
 
     def load_state_dict(self, state: dict) -> None: ...
 

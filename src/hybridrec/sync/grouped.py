@@ -54,15 +54,17 @@ class GroupedBackgroundRunner(BackgroundRunner):
         """The training thread leaves the step loop for a while at a step boundary (a
         checkpoint: group 0 saves while the other groups wait for it). Every member parks
         at the same step, so meanwhile the thread may snapshot the replica itself: a round
-        in flight, whose all-reduce a saving group's state_dict waits on, can complete."""
-        with self._cond:
-            self._parked = True
-            self._cond.notify_all()
-        try:
-            yield
-        finally:
+        in flight, whose all-reduce a saving group's state_dict waits on, can complete.
+        (Within it, as for every runner, the checkpoint's state is one capture.)"""
+        with super().parked():
             with self._cond:
-                self._parked = False
+                self._parked = True
+                self._cond.notify_all()
+            try:
+                yield
+            finally:
+                with self._cond:
+                    self._parked = False
 
     def _snapshot(self) -> torch.Tensor | None:
         with self._cond:

@@ -35,6 +35,24 @@ progress, chosen as the default (measured against overwrite in docs/benchmarks.m
 snapshot is read without a lock while the optimizer writes (Hogwild style, as in the paper):
 it may mix two steps' values of a parameter.
 
+Checkpoints (:meth:`SyncRunner.parked`, :class:`RankReplica`). Between rounds the ranks'
+replicas differ, and so do their dense optimizers' state, a compressed mean's residuals and,
+in the background, the target of a round not yet written back. A checkpoint therefore holds,
+besides the synchronizer's state (identical on every rank: global), each rank's own: its
+replica, its dense optimizer state, the runner's counters (rounds, sync gaps, the step the
+last round started at, which the throttle's ``every`` counts from) and a pending target with
+its snapshot. All of it is one capture, taken under the synchronizer's lock: a round in
+flight finishes first, and its state and its target are both in the checkpoint or neither
+is; the ranks agree on the rounds their captures hold (:meth:`BackgroundRunner._capture_now`).
+A resumed runner starts where the saved one was: the restored target is written back at
+the first step boundary, the next round waits for ``every`` steps from the restored one.
+The throttle's clock (``interval_s``, ``duty``) restarts: time is not part of a run's state.
+
+Background rounds are not reproducible (they start wherever the training thread is); with
+``lockstep`` (a test hook, not a setting) the training thread waits at every step boundary
+until the shadow thread has decided on that step (a round done, or its turn not yet come),
+so rounds start at fixed steps and land one step later, and two runs are bitwise equal.
+
 The runner counts what it moves in the ledger (category ``sync``, direction ``sync``: one
 ring all-reduce of the replica per round, plus the 4-byte stop flag in the background) and
 keeps the *sync gap*: training steps between two rounds of this rank.
@@ -74,11 +92,19 @@ class SyncRunner:
         self.rounds = 0
         self._last_round_step: int | None = None
         self.gaps: list[int] = []  # training steps between two rounds of this rank
+        self._capture: dict | None = None  # a checkpoint's one capture (inside parked())
 
+    @contextlib.contextmanager
     def parked(self):
         """A context the training thread holds while it is out of the step loop for a
-        collective wait (a checkpoint); nothing to do but for grouped rounds."""
-        return contextlib.nullcontext()
+        collective wait (a checkpoint): :meth:`state_dict` and :meth:`replica_state` called
+        within are one capture (module docstring), so the global and the per-rank parts of
+        a checkpoint agree even if a round ends between the two calls."""
+        self._capture = {}
+        try:
+            yield
+        finally:
+            self._capture = None
 
     def flat(self) -> torch.Tensor:
         """This rank's replica, ``[n]`` float32 (a copy)."""
@@ -129,18 +155,69 @@ class SyncRunner:
                 p.add_(t - snapshot[at : at + n].view_as(p))
             at += n
 
+    # -- checkpoints ------------------------------------------------------------
     def state_dict(self) -> dict:
         """The synchronizer's state (identical on every rank of the sync group), and a
-        compressed mean's (its anchor, its compressor's residuals)."""
-        out = {"synchronizer": self.sync.state_dict()}
-        if hasattr(self.mean, "state_dict"):
-            out["mean"] = self.mean.state_dict()
-        return out
+        compressed mean's (its anchor, this rank's compressor residuals: a resume on another
+        world size takes rank 0's, else :meth:`replica_state` brings each rank its own)."""
+        c = self._captured()
+        return {"synchronizer": c["synchronizer"], **({"mean": c["mean"]} if "mean" in c else {})}
 
     def load_state_dict(self, state: dict) -> None:
-        self.sync.load_state_dict(state["synchronizer"])
+        with self._state_locked():
+            self.sync.load_state_dict(state["synchronizer"])
+            if hasattr(self.mean, "load_state_dict") and "mean" in state:
+                self.mean.load_state_dict(state["mean"])
+
+    def replica_state(self) -> dict:
+        """This rank's own state: its replica ``[n]``, the step and round counters (and a
+        compressed mean's state, with this rank's residuals)."""
+        c = self._captured()
+        return {**self._own_state(), **c["thread"], **({"mean": c["mean"]} if "mean" in c else {})}
+
+    def load_replica_state(self, state: dict) -> None:
+        """Write the saved replica into the parameters and take the counters back;
+        ``ValueError`` (the checkpointer's warning) for a replica of another size."""
+        replica, n = state["replica"], sum(p.numel() for p in self.params)
+        if replica.numel() != n:
+            raise ValueError(f"the saved replica has {replica.numel()} values, this model's dense part {n}")
+        with torch.no_grad():
+            self._write(replica, None)
+        self.step, self.rounds = int(state["step"]), int(state["rounds"])
+        self._last_round_step = state["last_round_step"]
+        self.gaps = [int(g) for g in state["gaps"].tolist()]
         if hasattr(self.mean, "load_state_dict") and "mean" in state:
             self.mean.load_state_dict(state["mean"])
+
+    def _captured(self) -> dict:
+        """Inside :meth:`parked`: its capture (taken at the first call); else a new one."""
+        if self._capture is None:
+            return self._capture_now()
+        if not self._capture:
+            self._capture.update(self._capture_now())
+        return self._capture
+
+    def _capture_now(self) -> dict:
+        """What the rounds change, at one moment: the synchronizer's state (its tensors are
+        replaced by a round, never written in place), a compressed mean's (written in place:
+        copied) and the shadow thread's. (The replica and the counters change only in the
+        training thread, which is parked while a checkpoint takes them.)"""
+        with self._state_locked():
+            out = {"synchronizer": self.sync.state_dict(), "thread": self._thread_state()}
+            if hasattr(self.mean, "state_dict"):
+                out["mean"] = cloned(self.mean.state_dict())
+            return out
+
+    def _thread_state(self) -> dict:
+        return {}
+
+    def _own_state(self) -> dict:
+        return {"replica": self.flat(), "step": self.step, "rounds": self.rounds,
+                "last_round_step": self._last_round_step, "gaps": torch.tensor(self.gaps, dtype=torch.int64)}
+
+    def _state_locked(self):
+        """The synchronizer's lock (a background round holds it); none in the foreground."""
+        return contextlib.nullcontext()
 
     def summary(self) -> dict:
         g = self.gaps
@@ -166,6 +243,35 @@ class ForegroundRunner(SyncRunner):
             self.one_round()
 
 
+def cloned(state):
+    """``state`` (dicts, lists, tuples of tensors and plain values) with its tensors copied."""
+    if isinstance(state, torch.Tensor):
+        return state.detach().clone()
+    if isinstance(state, dict):
+        return {k: cloned(v) for k, v in state.items()}
+    if isinstance(state, (list, tuple)):
+        return type(state)(cloned(v) for v in state)
+    return state
+
+
+class RankReplica:
+    """The per-rank checkpoint component of a runner (``sync_replica``): this rank's dense
+    replica, its dense optimizer's state and the runner's own state
+    (:meth:`SyncRunner.replica_state`). The replicated ``model`` and ``dense_opt`` entries of
+    a checkpoint are rank 0's; between rounds the ranks' differ, and this brings each rank
+    its own back (loaded after them)."""
+
+    def __init__(self, runner: SyncRunner, dense_opt: torch.optim.Optimizer) -> None:
+        self.runner, self.dense_opt = runner, dense_opt
+
+    def state_dict(self) -> dict:
+        return {**self.runner.replica_state(), "dense_opt": self.dense_opt.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.dense_opt.load_state_dict(state["dense_opt"])  # (checks the groups' sizes first)
+        self.runner.load_replica_state(state)
+
+
 class BackgroundRunner(SyncRunner):
     """ShadowSync's shadow thread: rounds while training runs, throttled by ``every``,
     ``interval_s`` and ``duty`` (module docstring; the defaults run them back to back).
@@ -181,7 +287,12 @@ class BackgroundRunner(SyncRunner):
 
     mode = "background"
 
-    def __init__(self, *args, every: int = 1, interval_s: float = 0.0, duty: float = 1.0, **kwargs) -> None:
+    def __init__(self, *args, every: int = 1, interval_s: float = 0.0, duty: float = 1.0,
+                 lockstep: bool = False, train_group: dist.ProcessGroup | None = None, **kwargs) -> None:
+        """``lockstep``: a test hook (module docstring): rounds at fixed steps, reproducible.
+        ``train_group``: the training threads' group (the checkpoint's), over which a
+        checkpoint's ranks agree on the rounds it holds (:meth:`_capture_now`); None: they
+        do not (hierarchical: group 0 saves alone)."""
         super().__init__(*args, **kwargs)
         if every < 1:
             raise ValueError(f"every must be >= 1, got {every}")
@@ -189,12 +300,19 @@ class BackgroundRunner(SyncRunner):
             raise ValueError(f"interval_s must be >= 0, got {interval_s}")
         if not 0 < duty <= 1:
             raise ValueError(f"duty must be in (0, 1], got {duty}")
-        self.every, self.interval_s, self.duty = every, interval_s, duty
+        self.every, self.interval_s, self.duty, self.lockstep = every, interval_s, duty, lockstep
+        self.train_group = train_group
         self.flag_group = self.group  # where the ranks agree to go on (a subclass: wider)
         self._stop = threading.Event()
         self._cond = threading.Condition()  # guards step, _pending and the waits on them
-        self._state_lock = threading.Lock()  # the synchronizer's state: a round or state_dict()
+        self._state_lock = threading.RLock()  # the synchronizer's state: a round or a capture
         self._pending: tuple[torch.Tensor, torch.Tensor] | None = None  # snapshot, target
+        # The training step the latest round started at (set with its target, under the
+        # state lock: checkpointed with it); the throttle's ``every`` counts from it.
+        self._round_step: int | None = None
+        self._turn_at: int | None = None  # the thread waits for this step (lockstep's cue)
+        self._done = 0  # rounds this invocation's thread finished (their state and target out)
+        self._running = False  # the thread's loop has not ended
         self._thread: threading.Thread | None = None
         self.error: BaseException | None = None
         # Each round's start (monotonic seconds), the training step then, and its seconds.
@@ -205,13 +323,17 @@ class BackgroundRunner(SyncRunner):
     def start(self) -> None:
         super().start()
         self._span = [time.monotonic()]
+        self._running = True
         self._thread = threading.Thread(target=self._loop, name="hybridrec-shadow-sync", daemon=True)
         self._thread.start()
+        self._wait_in_lockstep()
 
     def _loop(self) -> None:
         single_threaded()  # (beside the training step: hybridrec.threads)
         try:
-            last: tuple[float, int, float] | None = None  # start, step at start, seconds taken
+            # start, step at start, seconds taken; resumed: only the step counts (no clock)
+            last = None if self._round_step is None else (float("-inf"), self._round_step, 0.0)
+            self._wait_written_back()  # (a restored target first)
             while True:
                 self._wait_for_turn(last)
                 t0 = time.monotonic()
@@ -222,18 +344,28 @@ class BackgroundRunner(SyncRunner):
                 snapshot = self._snapshot()
                 if snapshot is None:  # stopped while waiting for it
                     break
-                with self._state_lock:
+                with self._state_lock:  # the state and its target: one checkpoint's, or neither
                     target = self.sync.round(snapshot, self.mean)
+                    with self._cond:
+                        self._pending, self._round_step = (snapshot, target), step0
+                        self._done += 1
+                        self._cond.notify_all()
                 took = time.monotonic() - t0
                 self.busy_s += took
                 self.round_starts.append((t0, step0, took))
                 last = (t0, step0, took)
-                with self._cond:  # the training thread writes it back, then the next turn
-                    self._pending = (snapshot, target)
-                    while self._pending is not None and not self._stop.is_set():
-                        self._cond.wait()
+                self._wait_written_back()  # by the training thread, then the next turn
         except BaseException as e:  # noqa: BLE001 - reported to the training thread in stop()
             self.error = e
+        finally:
+            with self._cond:
+                self._running = False
+                self._cond.notify_all()
+
+    def _wait_written_back(self) -> None:
+        with self._cond:
+            while self._pending is not None and not self._stop.is_set():
+                self._cond.wait()
 
     def _snapshot(self) -> torch.Tensor | None:
         """The replica the round starts from, read in this thread without a lock while the
@@ -247,11 +379,18 @@ class BackgroundRunner(SyncRunner):
         t0, step0, took = last
         ready_at = t0 + max(self.interval_s, took / self.duty)  # rest took (1/duty - 1) after it
         with self._cond:
-            while not self._stop.is_set():
-                wait_s = ready_at - time.monotonic()
-                if wait_s <= 0 and self.step >= step0 + self.every:
-                    return
-                self._cond.wait(timeout=wait_s if wait_s > 0 else None)  # after_step notifies
+            try:
+                while not self._stop.is_set():
+                    wait_s = ready_at - time.monotonic()
+                    turn_at = step0 + self.every if self.step < step0 + self.every else None
+                    if wait_s <= 0 and turn_at is None:
+                        return
+                    if turn_at != self._turn_at:  # (lockstep: the training thread may go on)
+                        self._turn_at = turn_at
+                        self._cond.notify_all()
+                    self._cond.wait(timeout=wait_s if wait_s > 0 else None)  # after_step notifies
+            finally:
+                self._turn_at = None
 
     def _agree_to_go_on(self) -> bool:
         """Collective on the sync group: False on every rank once any rank asked to stop."""
@@ -267,6 +406,17 @@ class BackgroundRunner(SyncRunner):
             self.step = step
             self._apply_pending()
             self._cond.notify_all()  # a thread waiting for its turn counts steps
+        self._wait_in_lockstep()
+
+    def _wait_in_lockstep(self) -> None:
+        """``lockstep``: wait until the thread has decided on this step: its round's target
+        is ready, or it waits for a later step (or it ended)."""
+        if not self.lockstep:
+            return
+        with self._cond:
+            while self._running and self._pending is None and not (
+                    self._turn_at is not None and self.step < self._turn_at):
+                self._cond.wait()
 
     def _apply_pending(self) -> None:
         with self._cond:
@@ -279,13 +429,50 @@ class BackgroundRunner(SyncRunner):
             self._note_round()
             self._cond.notify_all()
 
-    def state_dict(self) -> dict:
-        with self._state_lock:
-            return super().state_dict()
+    def _state_locked(self):
+        return self._state_lock
 
-    def load_state_dict(self, state: dict) -> None:
+    def _capture_now(self) -> dict:
+        """The base's capture; in a checkpoint (:meth:`parked`) every rank's holds the same
+        rounds. A rank's capture may miss a round another rank's holds (its thread was still
+        in that round's stop-flag all-reduce when the capture took the lock), so the ranks
+        all-reduce (MAX) the rounds their captures hold, and one that is behind waits for its
+        thread to finish that round (it can: some rank finished it, so every rank's thread
+        joined it) and captures again. No rank's thread starts another round meanwhile: each
+        waits for its target to be written back. Rounds count from this invocation's start
+        (equal on every rank then)."""
+        capture, done = self._capture_once()
+        if self._capture is None or self.train_group is None:
+            return capture
+        most = torch.tensor([done], dtype=torch.int64)
+        dist.all_reduce(most, op=dist.ReduceOp.MAX, group=self.train_group)
+        most_done = int(most.item())  # host read: the checkpoint's decision
+        if most_done == done:
+            return capture
+        with self._cond:
+            while self._done < most_done and self._running:
+                self._cond.wait()
+        return self._capture_once()[0]
+
+    def _capture_once(self) -> tuple[dict, int]:
         with self._state_lock:
-            super().load_state_dict(state)
+            with self._cond:
+                done = self._done
+            return super()._capture_now(), done
+
+    def _thread_state(self) -> dict:
+        """The step the latest round started at and its target if not yet written back
+        (taken under the state lock: no round is in flight; a round makes new tensors)."""
+        with self._cond:
+            pending = None if self._pending is None else dict(zip(("snapshot", "target"), self._pending))
+            return {"round_step": self._round_step, "pending": pending}
+
+    def load_replica_state(self, state: dict) -> None:
+        super().load_replica_state(state)
+        pending = state["pending"]
+        with self._cond:
+            self._round_step = state["round_step"]
+            self._pending = None if pending is None else (pending["snapshot"], pending["target"])
 
     def stop(self) -> None:
         """Ask for the last round, wait for the thread (every rank's thread leaves after

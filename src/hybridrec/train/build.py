@@ -39,7 +39,7 @@ from hybridrec.model.interaction import tune_interactions
 from hybridrec.model.kernels import PRECISIONS, cache_path, machine_id, precision_problem
 from hybridrec.model.mlp import tune_mlps
 from hybridrec.train.allocator import configure_allocator
-from hybridrec.train.config import CompressConfig, Config, workers_problem
+from hybridrec.train.config import CompressConfig, Config, steps_problem, workers_problem
 from hybridrec.train.optim import (
     LRSchedule,
     LRScheduler,
@@ -58,7 +58,7 @@ from hybridrec.train.ps_run import ServerCheckpoints, ps_plan
 from hybridrec.train.sparse_optim import CombinedSparseOptimizer, combined_sparse_optimizer, local_collections
 from hybridrec.train.tables import build_plan, build_tables, load_dataset, plan_file_problem
 from hybridrec.train import checkpoint as ckpt
-from hybridrec.sync import BackgroundRunner, ForegroundRunner, SyncRunner, make_synchronizer
+from hybridrec.sync import BackgroundRunner, ForegroundRunner, RankReplica, SyncRunner, make_synchronizer
 from hybridrec.sync.algorithms import CATEGORY as SYNC_CATEGORY, GroupMean
 from hybridrec.sync.compressed import CompressedMean
 from hybridrec.sync.grouped import GroupedBackgroundRunner
@@ -335,8 +335,8 @@ def build_sync_runner(cfg: Config, topo: Topology, model: torch.nn.Module, ledge
         return ForegroundRunner(sync, params, group, ledger=ledger, every=s.every, mean=mean)
     kw = dict(ledger=ledger, write_back=s.write_back, every=s.every, interval_s=s.interval_s,
               duty=s.duty, mean=mean)
-    if not topo.hierarchical:
-        return BackgroundRunner(sync, params, group, **kw)
+    if not topo.hierarchical:  # (a checkpoint's ranks agree on its rounds over the training group)
+        return BackgroundRunner(sync, params, group, train_group=topo.group, **kw)
     return GroupedBackgroundRunner(sync, params, group, members=topo.group,
                                    flag_group=topo.world_gloo_group(), **kw)
 
@@ -439,7 +439,8 @@ def build_trainer(cfg: Config, *, meta: DatasetMeta | None = None, topo: Topolog
         raise ConfigError("train.run_dir is not set (hybridrec train picks a new runs/<time> itself)")
     meta = meta or load_dataset(cfg)
     topo = topo or build_topology(cfg)
-    if problem := workers_problem(cfg, topo.world_size) or precision_problem(cfg.train.precision, topo.device):
+    if problem := (workers_problem(cfg, topo.world_size) or precision_problem(cfg.train.precision, topo.device)
+                   or steps_problem(cfg, planned_steps(cfg, steps_per_epoch(cfg, meta, topo.global_world_size)))):
         raise ConfigError(problem)  # (workers: launched by torchrun, dist.nproc is 1)
     if cfg.train.workers > 1 and topo.device.type != "cpu":
         raise ConfigError(f"train.workers={cfg.train.workers} on {topo.device}: Hogwild threads share CPU cores "
@@ -495,6 +496,8 @@ def build_trainer(cfg: Config, *, meta: DatasetMeta | None = None, topo: Topolog
     if sync_runner is not None:
         # (hierarchical: member j's replica holds its own shards: saved per rank)
         components.append(Component("sync", sync_runner, per_rank=topo.hierarchical))
+        if not topo.hierarchical:  # each rank's replica and dense optimizer (group 0 saves alone)
+            components.append(Component("sync_replica", RankReplica(sync_runner, dense_opt), per_rank=True))
     early_stop = (EarlyStopping(cfg.train.early_stop, cfg.train.early_stop_min_delta)
                   if cfg.train.early_stop else None)
     if early_stop is not None:  # its state (the best step) in every checkpoint
@@ -584,6 +587,11 @@ def start_over(run_dir: Path) -> None:
     shutil.rmtree(recovery_dir(run_dir), ignore_errors=True)
     for name in RUN_FILES:
         (run_dir / name).unlink(missing_ok=True)
+
+
+def steps_per_epoch(cfg: Config, meta: DatasetMeta, world_size: int) -> int:
+    """The training loader's length (:func:`build_loaders`: whole global batches), before it is built."""
+    return meta.split_rows("train") // (cfg.data.batch_size * world_size)
 
 
 def planned_steps(cfg: Config, per_epoch: int) -> int:

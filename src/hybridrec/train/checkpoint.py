@@ -6,9 +6,11 @@ place only when complete; a crash mid-write never leaves a directory that looks 
 checkpoint (:func:`hybridrec.parallel.checkpoint_io.is_complete`).
 
 Integrity: :func:`problem` checks a checkpoint's files without loading a tensor (manifest,
-DCP's index, every data file present and as long as the index says); :func:`load_newest`
+DCP's index, every data file present and as long as the index says, and the CRC-32 of every
+file against the manifest's, :mod:`hybridrec.parallel.checkpoint_io`); :func:`load_newest`
 loads the newest checkpoint that passes those checks and loads, every rank agreeing, and
-names the ones it skipped. A resumed run renames those aside (``step-N.bad``: no longer a
+names the ones it skipped: a flipped byte, a missing ``.metadata`` or a truncated file are
+skipped alike. A resumed run renames those aside (``step-N.bad``: no longer a
 checkpoint to list, prune or resume, but kept for inspection); nothing is ever deleted
 because it failed to load.
 """
@@ -25,11 +27,13 @@ from typing import TypeVar
 
 from hybridrec.errors import os_error_message
 from hybridrec.parallel.checkpoint_io import (
+    CHECKSUMS,
     FORMAT,
     MANIFEST,
     CheckpointError,
     SafeFileSystemReader,
     _relative,
+    checksum_problem,
     gather,
     is_complete,
 )
@@ -74,61 +78,92 @@ def prune(run_dir: str | Path, *, keep: int, keep_also: Iterable[int] = ()) -> N
             shutil.rmtree(old, ignore_errors=True)
 
 
+def resume_candidates(run_dir: str | Path) -> list[Path]:
+    """Every ``step-N`` directory, newest first, complete or not: a save publishes a
+    directory under that name only once it is complete, so one without ``.metadata`` or its
+    manifest lost them since. A resume checks it like any other (:func:`load_newest`) and
+    sets it aside, instead of passing over it and then overwriting it with the next save of
+    its step."""
+    d = checkpoint_dir(run_dir)
+    if not d.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in d.iterdir() if (m := _NAME.match(p.name)) and p.is_dir()]
+    return [p for _, p in sorted(found, reverse=True)]
+
+
 def latest_checkpoint(run_dir: str | Path) -> Path | None:
     found = list_checkpoints(run_dir)
     return found[-1][1] if found else None
 
 
 # -- integrity -------------------------------------------------------------------------------
-def problem(path: str | Path) -> str | None:
+def problem(path: str | Path, *, share: tuple[int, int] | None = (0, 1)) -> str | None:
     """What is wrong with the files of the checkpoint ``path`` (None: nothing found), read
     without loading a tensor: a complete directory, a manifest of this format, DCP's index
-    readable by the safe reader, and every file the index names present and at least as
-    long as the index says (a truncated file). The words name the file, relative to
-    ``path`` (``__0_0.distcp: truncated (1,000 of 9,876 bytes)``); a parameter-server
-    run's ``ps/`` part is checked alike."""
+    readable by the safe reader, every file the index names present and at least as long
+    as the index says (a truncated file), then the checksums the manifest records
+    (:func:`~hybridrec.parallel.checkpoint_io.checksum_problem`: the manifest's own, every
+    file's size, and the contents of ``share``, ``(rank, ranks)``: this rank's share of the
+    files; None reads no file, for listing a run's checkpoints). The words name the file,
+    relative to ``path`` (``__0_0.distcp: truncated (1,000 of 9,876 bytes)``,
+    ``__0_0.distcp: corrupt (crc32 ...)``); a parameter-server run's ``ps/`` part is
+    checked alike."""
     path = Path(path)
     try:
-        if not path.is_dir():
-            os.listdir(path)  # the file system's words: No such file, Not a directory
-        if not is_complete(path):
-            missing = [n for n in (".metadata", MANIFEST) if not (path / n).is_file()]
-            return f"not a complete checkpoint (no {' or '.join(missing)})"
-        try:
-            meta = json.loads((path / MANIFEST).read_text())
-        except ValueError as e:
-            return f"{MANIFEST}: unreadable ({e})"
-        if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-            found = meta.get("format") if isinstance(meta, dict) else None
-            return f"{MANIFEST}: format {found!r}, expected {FORMAT!r}"
-        md = SafeFileSystemReader(path).read_metadata()
-        needed: dict[str, int] = {}
-        for info in md.storage_data.values():
-            needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
-        for name, size in sorted(needed.items()):
-            f = path / name
-            if not f.is_file():
-                return f"{name}: missing"
-            if (have := f.stat().st_size) < size:
-                return f"{name}: truncated ({have:,} of {size:,} bytes)"
+        if (why := _files_problem(path, share)) is not None:
+            return why
     except CheckpointError as e:
         return _relative(str(e), path)
     except OSError as e:
         return _relative(os_error_message(e), path)
-    if (path / PS_PART).is_dir() and (why := problem(path / PS_PART)) is not None:
+    if (path / PS_PART).is_dir() and (why := problem(path / PS_PART, share=share)) is not None:
         return f"{PS_PART}/{why}"
     return None
 
 
+def _files_problem(path: Path, share: tuple[int, int] | None) -> str | None:
+    """:func:`problem` of this directory's own files (raises CheckpointError, OSError)."""
+    if not path.is_dir():
+        os.listdir(path)  # the file system's words: No such file, Not a directory
+    if not is_complete(path):
+        missing = [n for n in (".metadata", MANIFEST) if not (path / n).is_file()]
+        return f"not a complete checkpoint (no {' or '.join(missing)})"
+    try:
+        meta = json.loads((path / MANIFEST).read_text())
+    except ValueError as e:
+        return f"{MANIFEST}: unreadable ({e})"
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        found = meta.get("format") if isinstance(meta, dict) else None
+        return f"{MANIFEST}: format {found!r}, expected {FORMAT!r}"
+    md = SafeFileSystemReader(path).read_metadata()
+    needed: dict[str, int] = {}
+    for info in md.storage_data.values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    for name, size in sorted(needed.items()):
+        f = path / name
+        if not f.is_file():
+            return f"{name}: missing"
+        if (have := f.stat().st_size) < size:
+            return f"{name}: truncated ({have:,} of {size:,} bytes)"
+    if (why := checksum_problem(path, meta, share)) is not None:
+        return why
+    listed = (meta.get(CHECKSUMS) or {}).get("files")
+    unlisted = sorted(set(needed) - set(listed)) if listed is not None else []
+    return f"{unlisted[0]}: not among the files the manifest's checksums cover" if unlisted else None
+
+
 def sound_checkpoints(run_dir: str | Path) -> list[tuple[int, Path]]:
-    """The complete checkpoints whose files pass :func:`problem`, oldest first."""
-    return [(s, p) for s, p in list_checkpoints(run_dir) if problem(p) is None]
+    """The complete checkpoints whose files pass :func:`problem` without reading their
+    contents (sizes and the manifest's checksum only), oldest first."""
+    return [(s, p) for s, p in list_checkpoints(run_dir) if problem(p, share=None) is None]
 
 
 def latest_sound(run_dir: str | Path) -> Path | None:
-    """The newest checkpoint whose files pass :func:`problem` (None: there is none)."""
+    """The newest checkpoint whose files pass :func:`problem` without reading their
+    contents (None: there is none); what it is read for is its manifest. A load reads
+    them (:func:`load_newest`)."""
     for _, path in reversed(list_checkpoints(run_dir)):
-        if problem(path) is None:
+        if problem(path, share=None) is None:
             return path
     return None
 
@@ -143,8 +178,8 @@ def load_newest(candidates: list[Path], load: Callable[[Path], T], topo: Topolog
     ``PATH: loading the checkpoint failed: WHY``, then why each older one failed."""
     candidates = [Path(p) for p in gather(topo, [str(p) for p in candidates])[0]]
     skipped: list[tuple[Path, str]] = []
-    for path in candidates:
-        found = [w for w in gather(topo, problem(path)) if w is not None]
+    for path in candidates:  # (each rank reads its share of the files' contents)
+        found = [w for w in gather(topo, problem(path, share=(topo.rank, topo.world_size))) if w is not None]
         why = found[0] if found else None
         if why is None:
             try:

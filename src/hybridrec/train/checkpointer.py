@@ -28,8 +28,10 @@ the plan, every component with its scope and the model's fingerprint (its tensor
 and global shapes).
 
 Resuming (:meth:`Checkpointer.restore_newest`) takes the newest checkpoint that passes its
-integrity checks and loads: files whole (:func:`hybridrec.train.checkpoint.problem`), the
-model's fingerprint and shapes those of the model being built, every tensor readable.
+integrity checks and loads: files whole and of the checksums the manifest records
+(:func:`hybridrec.train.checkpoint.problem`; a ``step-N`` directory without ``.metadata``
+fails them), the model's fingerprint and shapes those of the model being built, every
+tensor readable.
 Newer ones that fail are renamed aside to ``step-N.bad`` with one warning each, once a
 good one is loaded; when none loads, one error names why each failed and nothing is
 renamed.
@@ -175,7 +177,7 @@ class Checkpointer:
         when none loads, :class:`CheckpointError` and nothing is renamed. ``dense_only``:
         see :meth:`restore` (this rank's; others may differ)."""
         self.wait()
-        found = [p for _, p in reversed(ckpt.list_checkpoints(self.run_dir))]
+        found = ckpt.resume_candidates(self.run_dir)  # (incomplete ones too: set aside if they fail)
         if self.topo.world_size == 1 and not found:
             return None
         if not gather(self.topo, bool(found))[0]:  # rank 0's listing decides

@@ -2,6 +2,10 @@
 
 Every field has a docstring; an unknown key or a value of the wrong type is a
 :class:`ConfigError` that names the key (with a suggestion for typos).
+
+A relative path in a config file (the keys of :data:`PATH_KEYS`) is relative to that
+file's directory, so a file means the same from any working directory; one on the
+command line (``data.path=...``) or in a recipe is relative to the working directory.
 """
 
 from __future__ import annotations
@@ -9,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import os
 import tomllib
 import types
 import typing
@@ -93,7 +98,7 @@ class TrainConfig:
     max_steps: int = 0
     """Stop after this many steps (0 = no limit)."""
     eval_every: int = 0
-    """Evaluate every N steps (0 = only at the end)."""
+    """Evaluate every N steps (0 = only at the end; an N past the run's last step is refused)."""
     early_stop: int = 0
     """Early stopping (patience, as Keras'): stop after this many evaluations in a row
     (every ``train.eval_every`` steps) without an improvement of the held-out AUC; every
@@ -505,16 +510,33 @@ def apply_dict(cfg: Config, data: dict, *, source: str) -> None:
                 raise ConfigError(f"{source}: {e}") from None
 
 
+PATH_KEYS = ("data.path", "dist.plan", "train.run_dir")
+"""The config keys whose values are file system paths."""
+
+
 def load_file(path: str | Path) -> dict:
+    """A config file's sections, its relative paths (:data:`PATH_KEYS`) made relative to
+    the file's directory (joined to it: a path ``runs/x`` in ``conf/a.toml`` is
+    ``conf/runs/x``)."""
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"{p}: config file does not exist")
     try:
         if p.suffix == ".json":
-            return json.loads(p.read_text())
-        return tomllib.loads(p.read_text())
+            data = json.loads(p.read_text())
+        else:
+            data = tomllib.loads(p.read_text())
     except (tomllib.TOMLDecodeError, json.JSONDecodeError) as e:
         raise ConfigError(f"config file {p}: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {p}: expected sections ({', '.join(f'[{n}]' for n in SECTIONS)})")
+    for key in PATH_KEYS:
+        section, name = key.split(".")
+        values = data.get(section)
+        value = values.get(name) if isinstance(values, dict) else None
+        if isinstance(value, str) and value and not os.path.isabs(value):
+            values[name] = os.path.normpath(os.path.join(os.path.dirname(p), value))
+    return data
 
 
 def parse_overrides(items: list[str]) -> list[tuple[str, str]]:
@@ -610,6 +632,26 @@ def _checkpoint_checks(t: TrainConfig) -> list[tuple[bool, str]]:
          f"train.shard_delta_every={t.shard_delta_every}: the shards' incremental saves serve partial recovery; "
          "set train.recovery=partial"),
     ]
+
+
+def steps_problem(cfg: Config, last_step: int) -> str | None:
+    """A setting that can never take effect in a run whose last step is ``last_step``
+    (``train.eval_every`` past it: no evaluation before the end; a ``train.inject_failure``
+    step past it: no failure), or None. Checked where the run's length is known, once the
+    dataset is open (train.build, and the launcher's preflight), before anything is written."""
+    from hybridrec.train.faults import parse_inject_failure
+
+    t = cfg.train
+    if last_step < 1:  # (no step at all: the training loader says why)
+        return None
+    if t.eval_every > last_step:
+        return (f"train.eval_every={t.eval_every} is past the run's last step ({last_step:,}): it would "
+                f"never evaluate before the end; set train.eval_every <= {last_step}, or 0 (only at the end)")
+    for rank, step in parse_inject_failure(t.inject_failure):
+        if step > last_step:
+            return (f"train.inject_failure={t.inject_failure}: step {step} (rank {rank}) is past the run's "
+                    f"last step ({last_step:,}): that failure would never happen")
+    return None
 
 
 def _bf16_tables_conflict(cfg: Config) -> str | None:

@@ -64,6 +64,7 @@ import json
 import os
 import shutil
 import signal
+import stat
 import sys
 import threading
 import time
@@ -72,6 +73,7 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 
+from hybridrec.errors import os_error_message
 from hybridrec.metrics.logger import write_json_atomic
 from hybridrec.parallel.checkpoint_io import (
     FORMAT,
@@ -127,9 +129,43 @@ def _snapshot_dir(run_dir: Path, rank: int) -> Path:
 
 
 def _fast_dir() -> Path | None:
-    """The launcher's directory for snapshots on local memory (None: not launched so)."""
+    """The launcher's directory for snapshots on local memory (None: not launched so, or
+    it is not this user's alone: :func:`not_private`, which the launcher said once)."""
     d = os.environ.get(FAST_DIR_ENV)
-    return Path(d) if d else None
+    return Path(d) if d and not_private(Path(d)) is None else None
+
+
+def private_dir(d: Path) -> str | None:
+    """Make ``d``, a directory of a file system every user may write (``/dev/shm``), this
+    user's alone: created with mode 0700, or, when it exists, taken only if
+    :func:`not_private` finds nothing. Returns why it cannot be used (None: it can)."""
+    try:
+        d.mkdir(mode=0o700)  # (the umask can only take bits away)
+    except FileExistsError:
+        pass
+    except OSError as e:
+        return os_error_message(e)
+    return not_private(d)
+
+
+def not_private(d: Path) -> str | None:
+    """Why the directory ``d`` is not this user's alone (None: it is): a symlink or not a
+    directory, another owner, or open to others (a mode other than 0700): another user
+    could rename or replace the run's live files in it. The path itself is examined
+    (``lstat``), not what a link points to."""
+    try:
+        st = os.lstat(d)
+    except OSError as e:
+        return os_error_message(e)
+    if stat.S_ISLNK(st.st_mode):
+        return f"{d}: a symbolic link, not a directory"
+    if not stat.S_ISDIR(st.st_mode):
+        return f"{d}: not a directory"
+    if st.st_uid != os.getuid():
+        return f"{d}: owned by uid {st.st_uid}, not this user (uid {os.getuid()})"
+    if st.st_mode & 0o077:
+        return f"{d}: mode {stat.S_IMODE(st.st_mode):04o}, open to other users (expected 0700)"
+    return None
 
 
 def _written_at(progress: dict, run_dir: Path, rank: int) -> Path:
@@ -149,14 +185,18 @@ def fast_snapshots(run_dir: str | Path):
     to the ranks in :data:`FAST_DIR_ENV`. When the launch ends, the snapshots still there (the
     run failed for good) move into ``RUN/recovery/``, so the same command again still
     recovers partially, and the directory goes: nothing is left in memory. Without a
-    writable ``/dev/shm`` the snapshots go to ``RUN/recovery/``."""
+    writable ``/dev/shm`` the snapshots go to ``RUN/recovery/``, and likewise, with one
+    warning line, when the directory is not this user's alone (:func:`private_dir`: made
+    0700; one that exists as a symlink, of another owner or with another mode is not used,
+    nor touched: another user could rename the run's live shard files in it)."""
     import hashlib
 
     key = hashlib.sha256(str(Path(run_dir).resolve()).encode()).hexdigest()[:16]
     d = SHM / f"hybridrec-{key}"
-    try:
-        d.mkdir(exist_ok=True)
-    except OSError:
+    if (why := private_dir(d)) is not None:
+        if SHM.is_dir() and os.access(SHM, os.W_OK):  # (else the usual case: no /dev/shm to use)
+            print(f"hybridrec: warning: partial recovery's snapshots go to {recovery_dir(run_dir)}, "
+                  f"not {d} ({why})", file=sys.stderr, flush=True)
         yield None
         return
     before = os.environ.get(FAST_DIR_ENV)

@@ -124,7 +124,7 @@ class ResidentShards:
         """New files for every tensor, their space reserved; the tensors move into them
         (``copy``: with their values; else they start as zeros, for a restore to fill)."""
         shutil.rmtree(self.dir, ignore_errors=True)  # (a killed process's files: torn)
-        self.dir.mkdir(parents=True)
+        self.dir.mkdir(mode=0o700, parents=True)  # (in the launcher's private directory)
         for k, t in self.tensors().items():
             path = self.dir / f"{k}.bin"
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
@@ -145,7 +145,7 @@ class ResidentShards:
         ``entries``, checked with :func:`files_fit`) as this process's: linked under this
         rank's directory (the snapshot keeps its names until it is cleared) and mapped."""
         shutil.rmtree(self.dir, ignore_errors=True)
-        self.dir.mkdir(parents=True)
+        self.dir.mkdir(mode=0o700, parents=True)
         tensors = self.tensors()
         for k in tensors:  # (every link first: a failure leaves no tensor on the snapshot's memory)
             os.link(snapshot / entries[k]["file"], self.dir / f"{k}.bin")

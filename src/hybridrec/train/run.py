@@ -35,6 +35,7 @@ from hybridrec.ps import world as ps_world
 from hybridrec.sync.algorithms import CATEGORY as SYNC_CATEGORY
 from hybridrec.train.ps_run import PS_DIR, run_server
 from hybridrec.train import checkpoint as ckpt
+from hybridrec.train import run_lock
 from hybridrec.train.build import (
     group_size,
     hierarchy_problem,
@@ -44,9 +45,10 @@ from hybridrec.train.build import (
     build_trainer,
     planned_steps,
     ranks_backend,
+    steps_per_epoch,
     versions,
 )
-from hybridrec.train.config import Config, apply_dict, validate
+from hybridrec.train.config import Config, apply_dict, steps_problem, validate
 from hybridrec.train.memory import memory_problem
 from hybridrec.train.tables import load_dataset, plan_file_problem
 from hybridrec.train.early_stop import early_stop_problem, resolve_checkpoint
@@ -59,13 +61,15 @@ RUNS_ROOT = "runs"
 
 
 @records_errors  # a rank's error reaches its launcher even if the rank then dies in teardown
-def train(cfg: Config, *, extra_summary: dict | None = None) -> dict:
+def train(cfg: Config, *, extra_summary: dict | None = None, hold_run_dir: bool = True) -> dict:
     """Train, evaluate on the held-out split, write summary.json; returns the summary.
 
     ``cfg``'s paths are made absolute (config.json works from any directory); an empty
     ``train.run_dir`` becomes a new ``runs/<YYYYmmdd-HHMMSS>``. A finished run is not
     trained again: the returned dict is its summary with ``already_finished``, the line
-    that says so (``train.reevaluate=true``: evaluate it again instead)."""
+    that says so (``train.reevaluate=true``: evaluate it again instead).
+    ``hold_run_dir``: this process (global rank 0) locks the run directory while it trains
+    (:mod:`~hybridrec.train.run_lock`); false where a launcher holds it for its ranks."""
     started_at, clock = now_iso(), time.monotonic()
     shown = cfg.train.run_dir  # the run directory as the user wrote it, for messages
     make_paths_absolute(cfg)
@@ -73,7 +77,7 @@ def train(cfg: Config, *, extra_summary: dict | None = None) -> dict:
     if problem := early_stop_problem(cfg, meta):  # every process alike, before anything starts
         raise ConfigError(problem)
     if not cfg.dist.num_ps:
-        return _train(cfg, meta, None, shown, started_at, clock, extra_summary)
+        return _train(cfg, meta, None, shown, started_at, clock, extra_summary, hold_run_dir)
     # Parameter-server run: servers serve until the trainers leave; trainers train.
     r = ps_world.roles(cfg.dist.num_ps)
     if r.is_server:
@@ -88,14 +92,15 @@ def train(cfg: Config, *, extra_summary: dict | None = None) -> dict:
     ps_world.join_rpc(r, timeout_s=cfg.dist.timeout_s, interface=cfg.dist.rpc_interface)
     ok = False
     try:
-        summary = _train(cfg, meta, topo, shown, started_at, clock, extra_summary)
+        summary = _train(cfg, meta, topo, shown, started_at, clock, extra_summary, hold_run_dir)
         ok = True
         return summary
     finally:  # graceful: the servers leave once every trainer has; after an error, leave now
         ps_world.shutdown(graceful=ok)
 
 
-def _train(cfg: Config, meta, topo, shown: str, started_at: str, clock: float, extra_summary) -> dict:
+def _train(cfg: Config, meta, topo, shown: str, started_at: str, clock: float, extra_summary,
+           hold_run_dir: bool) -> dict:
     """:func:`train` in this process (``topo``: a parameter-server run's trainers, else
     None: from torchrun's environment)."""
     world, rank = (topo.world_size, topo.rank) if topo is not None else _world_and_rank()
@@ -120,16 +125,21 @@ def _train(cfg: Config, meta, topo, shown: str, started_at: str, clock: float, e
         cfg.train.run_dir = created = os.path.abspath(shown)
         if rank == 0:
             _announce(shown)
-    finished = inspect_run_dir(cfg, meta, world_size=world, shown=shown)
-    if finished is not None and not cfg.train.reevaluate:
-        return finished
-    try:
-        trainer = build_trainer(cfg, meta=meta, topo=topo)
-    except HybridrecError:
-        if created and rank == 0:  # refused (e.g. memory): leave no empty directory behind
-            with contextlib.suppress(OSError):
-                os.rmdir(created)
-        raise
+    with run_lock.holding(cfg.train.run_dir, shown) if hold_run_dir and rank == 0 else contextlib.nullcontext():
+        finished = inspect_run_dir(cfg, meta, world_size=world, shown=shown)
+        if finished is not None and not cfg.train.reevaluate:
+            return finished
+        try:
+            trainer = build_trainer(cfg, meta=meta, topo=topo)
+        except HybridrecError:
+            if created and rank == 0:  # refused (e.g. memory): leave no empty directory behind
+                run_lock.remove_empty(created)
+            raise
+        return _fit(cfg, meta, trainer, shown, started_at, clock, extra_summary)
+
+
+def _fit(cfg: Config, meta, trainer, shown: str, started_at: str, clock: float, extra_summary) -> dict:
+    """The rest of :func:`_train` once the trainer is built: fit, summarize, write summary.json."""
     run_dir, topo = trainer.run_dir, trainer.topo
     if topo.lead:
         write_json_atomic(run_dir / "config.json", cfg.to_dict())
@@ -251,6 +261,7 @@ def preflight(cfg: Config, *, world_size: int) -> tuple[dict | None, str]:
     make_paths_absolute(cfg)
     meta = load_dataset(cfg)
     if problem := (early_stop_problem(cfg, meta) or injection_problem(cfg.train.inject_failure, world_size)
+                   or steps_problem(cfg, planned_steps(cfg, steps_per_epoch(cfg, meta, world_size)))
                    or precision_problem(cfg.train.precision, "cpu")  # (several ranks: the CPU, ranks_backend)
                    or hierarchy_problem(cfg, world_size, world_size)
                    or (not cfg.dist.num_ps and world_size > 1
@@ -549,11 +560,12 @@ def _load_weights(path: Path, model) -> dict:
 
 
 def evaluate_run(run_dir: str | Path, *, checkpoint: str | None = None,
-                 data_path: str | None = None, show=None) -> dict:
+                 data_path: str | None = None, show=None, out: str | Path | None = None) -> dict:
     """Evaluate one of a run's checkpoints (``checkpoint`` as :func:`load_run_model`: by
     default the best one when ``train.early_stop`` recorded one, else the newest) on the
     held-out split; the result goes to ``show`` (when given) before it is written to
-    RUN/eval.json, so metrics a read-only or full run directory cannot take are still seen."""
+    ``out`` (default RUN/eval.json), so metrics a read-only or full run directory cannot
+    take are still seen."""
     resolved, which = resolve_checkpoint(run_dir, checkpoint)
     cfg, meta, model, path, extra = load_run_model(run_dir, checkpoint=checkpoint, data_path=data_path)
     if path != resolved:  # that one failed its checks; an older one was evaluated
@@ -563,5 +575,5 @@ def evaluate_run(run_dir: str | Path, *, checkpoint: str | None = None,
               **evaluate_model(model, eval_loader)}
     if show is not None:
         show(result)
-    write_json_atomic(Path(run_dir) / "eval.json", result)
+    write_json_atomic(Path(out) if out is not None else Path(run_dir) / "eval.json", result)
     return result

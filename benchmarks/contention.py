@@ -1,0 +1,134 @@
+"""Training beside other work: the demo recipe with and without a concurrent CPU-bound job.
+
+    .venv/bin/python benchmarks/contention.py                 # 2 rounds, ~6 min on 2 cores
+    .venv/bin/python benchmarks/contention.py --rounds 1 --steps 150
+
+Machines that train are rarely idle (data loaders, evaluation jobs, other users). With
+GNU OpenMP's default wait policy, torch's idle team members spin for a while at every
+barrier; on a machine whose cores are taken by another process, each of the hundreds of
+parallel operators of a step then waits for a descheduled team member. This runs
+``hybridrec train --recipe demo`` (``--steps`` steps, no evaluation, no checkpoints) on the
+demo's data, each setting below alone ("quiet") and beside ``--busy`` processes running
+``while True: pass`` ("busy"), in alternating rounds, and prints samples/s per setting and
+condition with the processor's name:
+
+- ``default``: what a user gets (``hybridrec``'s own OpenMP wait policy, torch's threads);
+- ``active``: GNU OpenMP's spinning policy (``OMP_WAIT_POLICY=ACTIVE``), torch's threads:
+  what the default was before;
+- ``threads=1``: ``train.threads=1`` (no team at all);
+- ``passive, threads=1`` and ``spin 10000``: the neighbours.
+
+The bar (the trust issue): under a concurrent CPU-bound job, the default within 1.5x of the
+best setting's samples/s. Writes ``contention.json`` and ``contention.md`` under ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from throughput import machine  # noqa: E402
+
+SETTINGS = {
+    "default": ({}, []),
+    "spin 300000": ({"GOMP_SPINCOUNT": "300000"}, []),
+    "passive": ({"OMP_WAIT_POLICY": "PASSIVE"}, []),
+    "spin 10000": ({"GOMP_SPINCOUNT": "10000"}, []),
+    "threads=1": ({}, ["train.threads=1"]),
+}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    p.add_argument("--out", default=str(ROOT / "benchmarks" / "out" / "contention"), help="work directory")
+    p.add_argument("--data", default=str(ROOT / "runs" / "demo" / "data"),
+                   help="a preprocessed dataset (made with `hybridrec demo` when missing)")
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--busy", type=int, default=1, help="concurrent CPU-bound processes in the busy condition")
+    p.add_argument("--settings", default=",".join(SETTINGS), help="which settings, comma-separated")
+    return p.parse_args(argv)
+
+
+def train_once(data: str, run: Path, steps: int, env: dict, overrides: list[str]) -> float:
+    """One run's samples/s (summary.json), or NaN when it failed."""
+    cmd = [sys.executable, "-m", "hybridrec", "train", "--recipe", "demo", f"data.path={data}",
+           f"train.run_dir={run}", "train.resume=false", f"train.max_steps={steps}", "train.eval_every=0",
+           "train.progress=false", "train.save_checkpoints=false", *overrides]
+    full = {**os.environ, **env}
+    for k in [k for k, v in env.items() if v == ""]:
+        full.pop(k, None)  # (an empty value: the variable unset)
+    proc = subprocess.run(cmd, cwd=ROOT, env=full, capture_output=True, text=True)
+    if proc.returncode:
+        print(proc.stderr[-2000:], file=sys.stderr)
+        return float("nan")
+    return float(json.loads((run / "summary.json").read_text())["throughput"]["samples_per_sec_overall"])
+
+
+def busy_jobs(n: int) -> list[subprocess.Popen]:
+    return [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if not (Path(args.data) / "meta.json").is_file():
+        subprocess.run([sys.executable, "-m", "hybridrec", "demo", "--out", str(Path(args.data).parent),
+                        "train.max_steps=1"], cwd=ROOT, check=True)
+    names = [n.strip() for n in args.settings.split(",") if n.strip()]
+    results: dict[str, dict[str, list[float]]] = {n: {"quiet": [], "busy": []} for n in names}
+    for r in range(args.rounds):
+        for condition in ("quiet", "busy"):
+            for name in names:
+                env, overrides = SETTINGS[name]
+                jobs = busy_jobs(args.busy) if condition == "busy" else []
+                try:
+                    time.sleep(0.3 if jobs else 0)
+                    sps = train_once(args.data, out / "run", args.steps, env, overrides)
+                finally:
+                    for j in jobs:
+                        j.kill()
+                        j.wait()
+                results[name][condition].append(sps)
+                print(f"round {r + 1} {condition:5} {name:20} {sps:10,.0f} samples/s", file=sys.stderr, flush=True)
+    write(out, args, results)
+    return 0
+
+
+def write(out: Path, args, results: dict) -> None:
+    med = {n: {c: statistics.median(v) for c, v in conds.items()} for n, conds in results.items()}
+    best_busy = max(m["busy"] for m in med.values())
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    lines = [f"Machine: {machine()}; {stamp}; demo recipe, {args.steps} steps, {args.rounds} rounds, "
+             f"busy = {args.busy} x `while True: pass`",
+             "", "| setting | quiet samples/s | busy samples/s | busy: best / this |", "|---|---|---|---|"]
+    for n, m in med.items():
+        runs = ", ".join(f"{x:,.0f}" for x in results[n]["busy"])
+        quiet = ", ".join(f"{x:,.0f}" for x in results[n]["quiet"])
+        lines.append(f"| {n} | {m['quiet']:,.0f} ({quiet}) | {m['busy']:,.0f} ({runs}) | "
+                     f"{best_busy / m['busy']:.2f}x |")
+    if "default" in med:
+        ratio = best_busy / med["default"]["busy"]
+        lines += ["", f"Bar (default within 1.5x of the best under a busy neighbour): "
+                      f"{ratio:.2f}x -> {'met' if ratio <= 1.5 else 'MISSED'}"]
+    text = "\n".join(lines)
+    print(text)
+    (out / "contention.md").write_text(text + "\n")
+    (out / "contention.json").write_text(json.dumps({"machine": machine(), "when": stamp, "steps": args.steps,
+                                                     "results": results}, indent=2))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
