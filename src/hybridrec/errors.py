@@ -34,6 +34,13 @@ class DataError(HybridrecError):
     """Malformed or missing input data; the message names file, line and field."""
 
 
+class PeerGone(HybridrecError):
+    """Another process of the run went away (it exited or was killed): not this process's
+    fault; the process that failed, or the launcher's line for a killed one, says why. Not
+    recorded as a rank's error (:func:`record_error`); the CLI exits quietly under its own
+    launcher (``cli.main``)."""
+
+
 class HybridrecWarning(UserWarning):
     """Something the user should know, e.g. a dataset without a held-out split; the CLI
     shows it as one line ``hybridrec: warning: ...``."""
@@ -124,7 +131,7 @@ def record_error(e: BaseException, status: int = USER_ERROR) -> bool:
     parsing it) and fsynced. Returns whether it was recorded; a file that cannot be written
     changes nothing (the rank still prints its error)."""
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if not path or not isinstance(e, (HybridrecError, OSError)) or isinstance(e, BrokenPipeError):
+    if not path or not isinstance(e, (HybridrecError, OSError)) or isinstance(e, (BrokenPipeError, PeerGone)):
         return False
     data = {"message": {"message": error_line(e), "errorCode": status, "extraInfo": {
         "py_callstack": "".join(traceback.format_exception(e)), "timestamp": str(int(time.time()))}}}

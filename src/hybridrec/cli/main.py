@@ -24,7 +24,7 @@ from pathlib import Path
 
 from hybridrec import __version__
 from hybridrec.cli.launch import LAUNCHED_ENV, PEER_LOST, peer_failure
-from hybridrec.errors import USER_ERROR, HybridrecError, HybridrecWarning, error_line
+from hybridrec.errors import USER_ERROR, HybridrecError, HybridrecWarning, PeerGone, error_line
 
 DEBUG_ENV = "HYBRIDREC_DEBUG"
 BROKEN_PIPE = 128 + 13  # the shell's status for a command killed by SIGPIPE (cli.launch too)
@@ -78,6 +78,12 @@ def _main(argv: list[str] | None) -> int:
     except BrokenPipeError:
         _silence_stdout()
         return BROKEN_PIPE
+    except PeerGone as e:  # another process of the run went away: the launcher, or its own error, says why
+        if debug_enabled():
+            raise
+        if not (os.environ.get(LAUNCHED_ENV) or _reported_on_this_machine()):
+            report(e)
+        return PEER_LOST
     except (HybridrecError, OSError) as e:
         if debug_enabled():
             raise

@@ -45,7 +45,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridrec.comm.ledger import CommLedger
-from hybridrec.errors import HybridrecError
+from hybridrec.errors import HybridrecError, PeerGone
 from hybridrec.model.embedding import KeyedTensor, TableConfig, output_features
 from hybridrec.parallel.plan import ShardingPlan
 from hybridrec.ps import server as srv
@@ -55,6 +55,11 @@ from hybridrec.sparse.keyed_jagged import KeyedJagged
 
 class ServerError(HybridrecError):
     """A parameter server could not be reached or failed a request."""
+
+
+class ServerGone(ServerError, PeerGone):
+    """A parameter server's connection closed: it exited or was killed (the launcher's line
+    names it and how)."""
 
 
 def wait_reply(fut, what: str, to: str):
@@ -87,7 +92,7 @@ def server_error(e: BaseException, what: str, to: str) -> ServerError:
         lines = lines[1:]
     first = _ORIGIN.sub("", lines[0]) if lines else type(e).__name__
     if _GONE.search(first):
-        return ServerError(f"parameter server {to} went away: the connection to it closed (the server "
+        return ServerGone(f"parameter server {to} went away: the connection to it closed (the server "
                            "exited or was killed)")
     if _TIMEOUT.search(first):
         return ServerError(f"parameter server {to}: {what}: no answer within dist.timeout_s (the server "

@@ -56,6 +56,7 @@ from hybridrec.ps.client import PushOptimizer, RemoteEmbeddingCollection
 from hybridrec.train.memory import check_memory
 from hybridrec.train.ps_run import ServerCheckpoints, ps_plan
 from hybridrec.train.sparse_optim import CombinedSparseOptimizer, combined_sparse_optimizer, local_collections
+from hybridrec.train.thread_governor import thread_governor
 from hybridrec.train.tables import build_plan, build_tables, load_dataset, plan_file_problem
 from hybridrec.train import checkpoint as ckpt
 from hybridrec.sync import BackgroundRunner, ForegroundRunner, RankReplica, SyncRunner, make_synchronizer
@@ -519,7 +520,9 @@ def build_trainer(cfg: Config, *, meta: DatasetMeta | None = None, topo: Topolog
                    scheduler=scheduler, pipeline=pipeline, eval_loader=eval_loader,
                    checkpointer=checkpointer, logger=logger, ledger=ledger, run_dir=run_dir,
                    total_steps=total_steps, topo=topo, sync_runner=sync_runner, totals=totals, early_stop=early_stop,
-                   kernels=kernels, recovery=recovery, tables_drawn=init_tables)
+                   kernels=kernels, recovery=recovery, tables_drawn=init_tables,
+                   threads=thread_governor(cfg.train.threads, world_size=topo.global_world_size,
+                                           workers=cfg.train.workers, device=topo.device))
 
 
 def build_shard_deltas(cfg: Config, topo: Topology, model, sparse_opt, run_dir: Path) -> ShardDeltas | None:

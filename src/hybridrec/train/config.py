@@ -194,7 +194,10 @@ class TrainConfig:
     available): a plan whose tables, optimizer state and dense model need more is refused
     before anything is allocated."""
     threads: int = 0
-    """torch intra-op threads (0 = torch's default)."""
+    """torch intra-op threads of the training step. 0: chosen while the run trains, by timing
+    steps at torch's default count (one per core) and at fewer, again and again (a machine
+    whose cores another job takes trains faster on fewer; see
+    :mod:`hybridrec.train.thread_governor`); N: exactly N."""
     precision: str = "fp32"
     """Compute dtype of the dense arches (MLPs, interaction): ``fp32`` or ``bf16``
     (autocast: parameters, optimizer state, embeddings, the loss and the dense gradients'

@@ -188,7 +188,8 @@ def run_summary(trainer, result, meta, cfg: Config, *, shown: str, started_at: s
         "config": cfg.to_dict(),
         "versions": {**versions(), **code_version()},
         # Each MLP layer's linear implementation, measured or cached, with its timings.
-        "kernels": trainer.kernels,
+        "kernels": {**(trainer.kernels or {}),
+                    **({"threads": trainer.threads.summary()} if trainer.threads is not None else {})},
         "command": list(sys.argv),
         "started_at": started_at,
         "ended_at": now_iso(),

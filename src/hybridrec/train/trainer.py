@@ -39,6 +39,7 @@ from hybridrec.train.optim import LRScheduler
 from hybridrec.train.pipeline import TrainPipeline
 from hybridrec.train.recovery import Recovery, elastic_restarts
 from hybridrec.train.sparse_optim import CombinedSparseOptimizer
+from hybridrec.train.thread_governor import ThreadGovernor
 from hybridrec.train.step import evaluate_model, training_step
 
 
@@ -88,6 +89,7 @@ class Trainer:
         kernels: dict | None = None,
         recovery: Recovery | None = None,
         tables_drawn: bool | None = True,
+        threads: ThreadGovernor | None = None,
     ) -> None:
         """``tables_drawn`` False: the embedding tables were built as zeros for the run's
         checkpoint to overwrite; :meth:`maybe_resume` draws their initial values if no
@@ -119,6 +121,7 @@ class Trainer:
         self.recovery = recovery
         self.recovered: dict | None = None  # this invocation's recovery (Recovery.restore's record)
         self.tables_drawn = tables_drawn
+        self.threads = threads  # train.threads=0: the step's thread count, chosen by timing steps
         self.step = 0
         self._saved_step: int | None = None  # step of the newest checkpoint on disk
         every = cfg.train.checkpoint_every
@@ -273,6 +276,8 @@ class Trainer:
             injector.after_step(self.step)  # train.inject_failure: dies here, before this step's checkpoint
             if self.probe is not None:
                 self.probe.record(self.step, time.perf_counter() - idle_since)
+            if self.threads is not None:
+                self.threads.record(self.step, time.perf_counter() - idle_since)
             running.update(loss)
             meter.step(samples)
             bar.update(1)
