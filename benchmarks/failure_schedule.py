@@ -85,6 +85,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import throughput  # data preparation, machine()
 
+from hybridrec.bench.report import read_jsonl  # noqa: E402
+
 MODES = {  # the overrides of each mode (besides the schedule and checkpoint_every=auto)
     "full": ["train.recovery=full"],
     "partial": ["train.recovery=partial"],
@@ -227,28 +229,12 @@ def _read_json(path: Path):
         return None
 
 
-def _jsonl(path: Path) -> list[dict]:
-    out = []
-    try:
-        text = path.read_text()
-    except OSError:
-        return out
-    for line in text.splitlines():
-        try:
-            rec = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(rec, dict):
-            out.append(rec)
-    return out
-
-
 # -- what a run spent ----------------------------------------------------------------------
 def checkpoint_saves(run_dir: Path, stderr: list[tuple[float, str]], failures: list[dict],
                      total_steps: int) -> dict:
     """``{"seconds", "count", "source"}`` of the run's checkpoint saves: metrics.jsonl's
     ``checkpoint`` records, else estimated from stderr (see the module's docstring)."""
-    recs = [r for r in _jsonl(run_dir / "metrics.jsonl") if r.get("split") == "checkpoint"
+    recs = [r for r in read_jsonl(run_dir / "metrics.jsonl") if r.get("split") == "checkpoint"
             and isinstance(r.get("save_seconds"), (int, float))]
     if recs:
         # (A resumed run drops the records after the step it resumed at; a full recovery
@@ -288,7 +274,7 @@ def checkpoint_saves(run_dir: Path, stderr: list[tuple[float, str]], failures: l
 def delta_saves(run_dir: Path) -> dict:
     """``{"seconds", "count"}`` of the incremental saves of rank 0's shards: the seconds each
     held training up (metrics.jsonl ``checkpoint`` records with ``delta_seconds``)."""
-    recs = [r["delta_seconds"] for r in _jsonl(run_dir / "metrics.jsonl") if r.get("split") == "checkpoint"
+    recs = [r["delta_seconds"] for r in read_jsonl(run_dir / "metrics.jsonl") if r.get("split") == "checkpoint"
             and isinstance(r.get("delta_seconds"), (int, float))]
     return {"seconds": sum(recs), "count": len(recs)}
 
@@ -299,10 +285,10 @@ def recovery_events(run_dir: Path, summary: dict) -> tuple[list[dict], str]:
     rec = summary.get("recovery")
     if isinstance(rec, dict) and isinstance(rec.get("events"), list) and rec["events"]:
         return rec["events"], "summary.json recovery.events"
-    metrics = [r for r in _jsonl(run_dir / "metrics.jsonl") if r.get("split") == "recovery"]
+    metrics = [r for r in read_jsonl(run_dir / "metrics.jsonl") if r.get("split") == "recovery"]
     if metrics:
         return metrics, "metrics.jsonl recovery records"
-    events = _jsonl(run_dir / "recovery.jsonl")
+    events = read_jsonl(run_dir / "recovery.jsonl")
     if events:
         return events, "RUN/recovery.jsonl"
     return [], "stderr"

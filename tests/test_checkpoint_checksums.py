@@ -12,43 +12,24 @@ import warnings
 from pathlib import Path
 
 import pytest
+import test_checkpoint_integrity as integrity
 import torch
 import torch.distributed as dist
 from distributed import run_ranks
-from synth_data import synth_dataset
 
-from hybridrec.cli.main import DEBUG_ENV, main
+from hybridrec.cli.main import main
 from hybridrec.parallel.checkpoint_io import CHECKSUMS, MANIFEST, checked_files, file_checksum
 from hybridrec.parallel.topology import Topology
 from hybridrec.train import checkpoint as ckpt
 from hybridrec.train.checkpointer import Checkpointer
 from hybridrec.train.run import load_run_model
 
-
-@pytest.fixture(autouse=True)
-def _no_debug_no_ranks(monkeypatch):
-    for name in (DEBUG_ENV, "RANK", "WORLD_SIZE", "TORCHELASTIC_ERROR_FILE"):
-        monkeypatch.setenv(name, "")
-        monkeypatch.delenv(name)
-
-
-@pytest.fixture(scope="module")
-def data(tmp_path_factory):
-    return synth_dataset(tmp_path_factory.mktemp("checksums"), days=2, rows=400)
-
-
-def _args(data: Path, run: Path, steps: int, *extra: str) -> list[str]:
-    return ["train", "--recipe", "demo", f"data.path={data}", f"train.run_dir={run}", "data.batch_size=64",
-            f"train.max_steps={steps}", "train.checkpoint_every=2", "train.keep_checkpoints=3", *extra]
-
-
-@pytest.fixture(scope="module")
-def two_checkpoints(data, tmp_path_factory):
-    """A run interrupted after step 4, with checkpoints at steps 2 and 4."""
-    run = tmp_path_factory.mktemp("two") / "run"
-    assert main(_args(data, run, 4)) == 0
-    (run / "summary.json").unlink()  # as if it had stopped before the end
-    return run
+# The integrity tests' one-process runs (their fixtures, used here as they are there): two
+# checkpoints (steps 2 and 4) of an unfinished run.
+_args = integrity._args
+_no_debug_no_ranks = integrity._no_debug_no_ranks
+data = integrity.data
+two_checkpoints = integrity.two_checkpoints
 
 
 @pytest.fixture(scope="module")

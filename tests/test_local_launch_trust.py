@@ -1,8 +1,9 @@
 """A local launch reaches no further than this machine and lives no longer than its launcher:
 every listening socket of a live 2-rank run and of a live parameter-server run is on
 loopback; a run directory is held by one training at a time; ``kill -9`` of the launcher
-leaves no rank alive."""
+leaves no rank alive. A launch of several machines binds the interface it is given alone."""
 
+import json
 import os
 import signal
 import socket
@@ -12,10 +13,10 @@ import time
 from pathlib import Path
 
 import pytest
-
 from synth_data import synth_dataset
+
 from hybridrec.cli.launch import failure_line
-from hybridrec.cli.loopback import loopback_store
+from hybridrec.cli.rendezvous import bound_store
 from hybridrec.errors import ConfigError
 from hybridrec.train import run_lock
 
@@ -211,7 +212,7 @@ def test_a_refused_new_run_directory_is_removed_with_its_lock(tmp_path):
 
 
 def test_the_local_store_listens_on_loopback_only():
-    store = loopback_store(0, timeout_s=10)
+    store = bound_store(timeout_s=10)
     seen = listening({os.getpid()})
     assert f"127.0.0.1:{store.port}" in seen
     assert all(_loopback(s) for s in seen), seen
@@ -229,3 +230,62 @@ def test_a_sigkill_is_blamed_on_the_oom_killer_only_when_it_counted_one(oom, say
     line, status = failure_line({1: _Failure(-signal.SIGKILL)}, oom_killed=oom)
     assert line.startswith("rank 1 (pid 1234) was killed by SIGKILL") and says in line
     assert status == 1
+
+
+# -- several machines: the named interface alone ---------------------------------------------
+def _interface_with_address() -> tuple[str, str]:
+    """A network interface of this machine with an IPv4 address, other than loopback where
+    there is one (a real interface makes "binds that address alone" mean something)."""
+    from hybridrec.cli.rendezvous import interface_address, loopback_interface
+
+    names = sorted(p.name for p in Path("/sys/class/net").iterdir())
+    lo = loopback_interface()
+    for name in [n for n in names if n != lo] + [lo]:
+        try:
+            return name, interface_address(name)
+        except OSError:
+            continue
+    pytest.skip("no network interface with an IPv4 address")
+
+
+def test_two_machines_rendezvous_and_train_on_the_named_interface_alone(dataset, tmp_path):
+    """Two launchers on this machine stand for two machines (dist.nnodes=2, one rank each):
+    they train one run together, and every socket of either binds the interface's address."""
+    name, address = _interface_with_address()
+    with socket.socket() as s:  # a free port for machine 0's rendezvous
+        s.bind((address, 0))
+        port = s.getsockname()[1]
+    run = tmp_path / "run"
+    common = ["dist.nnodes=2", f"dist.master={address}:{port}", f"dist.interface={name}",
+              "train.epochs=50", "train.max_steps=400", "train.eval_every=0"]
+    machines = [_start(dataset, run, *common, f"dist.node_rank={r}") for r in (0, 1)]
+    try:
+        seen: set[str] = set()
+        deadline = time.monotonic() + 150
+        while time.monotonic() < deadline and not (run / "metrics.jsonl").is_file():
+            seen |= listening(_tree(machines[0].pid) | _tree(machines[1].pid))
+            time.sleep(0.2)
+        for _ in range(10):
+            seen |= listening(_tree(machines[0].pid) | _tree(machines[1].pid))
+            time.sleep(0.2)
+        for m in machines:
+            m.wait(timeout=240)
+    finally:
+        for m in machines:
+            _stop(m)
+    assert [m.returncode for m in machines] == [0, 0], machines[0].stderr.read()[-2000:] + machines[1].stderr.read()[-2000:]
+    assert json.loads((run / "summary.json").read_text())["world_size"] == 2
+    assert len(seen) >= 3, seen  # the rendezvous, the ranks' store and gloo's pairs
+    assert all(s.rsplit(":", 1)[0] in (address, f"::ffff:{address}") for s in seen), \
+        f"listening beyond {name} ({address}): {sorted(seen)}"
+
+
+def test_several_machines_need_a_master_an_interface_and_a_named_run(dataset, tmp_path):
+    base = [sys.executable, "-m", "hybridrec", "train", "--recipe", "demo", f"data.path={dataset}", *SMALL]
+    for extra, says in [(["dist.nnodes=2", f"train.run_dir={tmp_path / 'r'}", "dist.interface=lo"], "dist.master"),
+                        (["dist.nnodes=2", f"train.run_dir={tmp_path / 'r'}", "dist.master=127.0.0.1:1234"],
+                         "needs dist.interface"),
+                        (["dist.nnodes=2", "dist.master=127.0.0.1:1234", "dist.interface=lo"], "name the run directory"),
+                        (["dist.node_rank=1"], "needs dist.nnodes > 1")]:
+        proc = subprocess.run(base + extra, capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 2 and says in proc.stderr, proc.stderr[-1500:]

@@ -1,6 +1,8 @@
 """The step's thread count, chosen by timing steps: it follows whichever count is faster, as
 the machine's load changes, and keeps its probes rare when nothing changes."""
 
+import itertools
+
 import pytest
 import torch
 
@@ -44,7 +46,7 @@ def test_steady_conditions_keep_the_count_and_space_the_probes_out():
     counts = _train(gov, range(1, 1000), {2: 0.005, 1: 0.008})
     assert gov.current == 2 and torch.get_num_threads() == (1 if gov.probing else 2)
     starts = [p["step"] for p in gov.probes]
-    gaps = [b - a for a, b in zip(starts, starts[1:])]
+    gaps = [b - a for a, b in itertools.pairwise(starts)]
     assert gaps == sorted(gaps) and gaps[-1] >= 160  # doubled until the cap
     # the steps at the slower count are the probes' alone: few
     assert counts.count(1) <= (len(gov.probes) + 1) * (gov.probe_steps + 1)

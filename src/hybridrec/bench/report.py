@@ -202,19 +202,29 @@ def load_run(path: Path, label: str | None = None) -> Run:
 # ---------------------------------------------------------------- failures
 
 
+def read_jsonl(path: Path) -> list[dict]:
+    """The JSON objects of a JSON-lines file, one per line (lines that are no object, such as
+    a last line cut short, skipped; a file that cannot be read: none)."""
+    out = []
+    try:
+        text = path.read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return out
+    for line in text.splitlines():
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(rec, dict):
+            out.append(rec)
+    return out
+
+
 def read_recoveries(path: Path, summary: dict | None) -> list[dict]:
     """The run's recovery records, oldest first: ``recovery.jsonl`` (lines that are no
     record skipped), else summary.json's ``recovery.events``."""
     if (path / RECOVERY_FILE).is_file():
-        out = []
-        for line in (path / RECOVERY_FILE).read_text(encoding="utf-8", errors="replace").splitlines():
-            try:
-                rec = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(rec, dict):
-                out.append(rec)
-        return out
+        return read_jsonl(path / RECOVERY_FILE)
     events = ((summary or {}).get("recovery") or {}).get("events")
     return [e for e in events if isinstance(e, dict)] if isinstance(events, list) else []
 

@@ -42,6 +42,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from hybridrec.cli.lifeline import die_with_parent, end_with
+from hybridrec.cli.rendezvous import interface_env
 
 LAUNCHED_ENV = "HYBRIDREC_LAUNCHED"
 """Set in the ranks' environment: the launcher reports how the run ended, so a rank that
@@ -72,7 +73,8 @@ _BASE_ENV = dict(os.environ)
 
 
 def run_local_ranks(nproc: int, argv: Sequence[str], *, servers: int = 0, port: int = 0,
-                    max_restarts: int = 0, injection_marker: str | None = None) -> int:
+                    max_restarts: int = 0, injection_marker: str | None = None, nnodes: int = 1,
+                    node_rank: int = 0, master: str = "", interface: str = "") -> int:
     """Run ``python -m hybridrec ARGV`` as ``nproc`` local ranks (a standalone c10d
     rendezvous, as ``torchrun --standalone --nproc-per-node=NPROC``); returns the exit
     status: 0, or the failing rank's (1 when it was killed by a signal) after printing
@@ -85,25 +87,22 @@ def run_local_ranks(nproc: int, argv: Sequence[str], *, servers: int = 0, port: 
     ``max_restarts``: after a failure the agent stops every rank and starts them all again,
     this many times at most (the ranks resume from the run's newest checkpoint).
     ``injection_marker``: where ``train.inject_failure`` records the pid it killed, so that
-    the line says the kill was injected."""
+    the line says the kill was injected.
+    ``nnodes`` > 1: this machine's ranks of a launch of several machines, which rendezvous at
+    ``master`` (``HOST:PORT``, hosted by machine ``node_rank`` 0) over network interface
+    ``interface``, the only one their sockets bind (see :mod:`hybridrec.cli.rendezvous`)."""
     import torch.distributed.run as torchrun
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
 
-    from hybridrec.cli.loopback import LOOPBACK, loopback_interfaces, loopback_rendezvous
     from hybridrec.cli.main import debug_enabled
 
     with tempfile.TemporaryDirectory(prefix="hybridrec-ranks-") as logs:  # (mode 0700)
-        args = torchrun.parse_args([f"--nproc-per-node={nproc}", f"--log-dir={logs}",
+        args = torchrun.parse_args([f"--nproc-per-node={nproc}", f"--log-dir={logs}", f"--nnodes={nnodes}",
                                     f"--max-restarts={max_restarts}", "-m", "hybridrec", *argv])
-        # As torchrun --standalone, but nothing listens beyond this machine (see loopback_rendezvous).
-        if port:
-            check_port_free(port)
-        args.rdzv_backend, args.rdzv_id = loopback_rendezvous(), str(uuid.uuid4())
-        args.rdzv_endpoint, args.rdzv_conf = os.path.join(logs, "rendezvous"), f"store_port={port}"
-        args.local_addr = LOOPBACK
-        env = {LAUNCHED_ENV: "1", **loopback_interfaces()}
+        interface = _rendezvous_args(args, logs, port, nnodes, node_rank, master, interface)
+        env = {LAUNCHED_ENV: "1", **interface_env(interface)}
         if servers and not debug_enabled() and "TORCH_CPP_LOG_LEVEL" not in os.environ:
             env["TORCH_CPP_LOG_LEVEL"] = "ERROR"
         if "OMP_NUM_THREADS" not in os.environ:  # torchrun's default for several ranks, silently
@@ -133,6 +132,33 @@ def run_local_ranks(nproc: int, argv: Sequence[str], *, servers: int = 0, port: 
                     _say(f"hybridrec: error: stopped by {signal.Signals(e.sigval).name}")
                 return 128 + int(e.sigval)
     return 0
+
+
+def _rendezvous_args(args, logs: str, port: int, nnodes: int, node_rank: int, master: str,
+                     interface: str) -> str | None:
+    """Point torchrun's ``args`` at this launch's rendezvous (:mod:`hybridrec.cli.rendezvous`):
+    as ``torchrun --standalone`` on one machine, but on loopback alone; across machines, at
+    ``master`` over ``interface`` alone. Returns the interface the ranks' sockets use."""
+    from hybridrec.cli.rendezvous import (LOOPBACK, interface_address, local_rendezvous, loopback_interface,
+                                          network_rendezvous)
+
+    if nnodes == 1:
+        if port:
+            check_port_free(port)
+        args.rdzv_backend, args.rdzv_id = local_rendezvous(), str(uuid.uuid4())
+        args.rdzv_endpoint, args.rdzv_conf = os.path.join(logs, "rendezvous"), f"store_port={port}"
+        args.local_addr = LOOPBACK
+        return loopback_interface()
+    from hybridrec.errors import ConfigError
+
+    try:
+        address = interface_address(interface)
+    except OSError as e:
+        raise ConfigError(f"dist.interface={interface}: no IPv4 address on this machine ({e.strerror or e})") from None
+    args.rdzv_backend, args.rdzv_id, args.rdzv_endpoint = network_rendezvous(), f"hybridrec-{master}", master
+    args.rdzv_conf = f"bind_addr={address},is_host={int(node_rank == 0)}"
+    args.local_addr = address
+    return interface
 
 
 def rank_main(argv: list[str], environ: dict[str, str], launcher: int | None = None) -> None:

@@ -82,7 +82,8 @@ def _train(args) -> int:
 
         print(json.dumps(cfg.to_dict(), indent=2))
         return 0
-    if (cfg.dist.nproc + cfg.dist.num_ps > 1 or cfg.dist.max_restarts) and "RANK" not in os.environ:
+    if (cfg.dist.nproc + cfg.dist.num_ps > 1 or cfg.dist.max_restarts or cfg.dist.nnodes > 1) \
+            and "RANK" not in os.environ:
         return _launch(cfg, args)
     from hybridrec.cli.launch import LAUNCHED_ENV
     from hybridrec.cli.lifeline import end_with
@@ -125,8 +126,10 @@ def _launch(cfg, args) -> int:
     from hybridrec.train.run_lock import holding
 
     named = cfg.train.run_dir
-    # The run directory is locked before it is looked at, for as long as the ranks run.
-    with holding(os.path.abspath(named), named) if named else contextlib.nullcontext():
+    # The run directory is locked before it is looked at, for as long as the ranks run (across
+    # machines, by machine 0's launcher: the others' ranks train the same directory).
+    held = named and cfg.dist.node_rank == 0
+    with holding(os.path.abspath(named), named) if held else contextlib.nullcontext():
         return _launch_held(cfg, args)
 
 
@@ -136,7 +139,7 @@ def _launch_held(cfg, args) -> int:
     from hybridrec.train.run_lock import holding
 
     named = bool(cfg.train.run_dir)
-    finished, run_dir = preflight(cfg, world_size=cfg.dist.nproc)
+    finished, run_dir = preflight(cfg, world_size=cfg.dist.nproc * cfg.dist.nnodes)
     if finished is not None:
         print(finished["already_finished"])
         return 0
@@ -158,6 +161,8 @@ def _start_ranks(cfg, args, named: bool, run_dir: str) -> int:
     if not named:  # the new directory preflight made, the same for every process
         argv.append(f"train.run_dir={run_dir}")
     what = f"{cfg.dist.nproc} rank{'s' if cfg.dist.nproc > 1 else ''}" + (
+        f" of machine {cfg.dist.node_rank} of {cfg.dist.nnodes} ({cfg.dist.master} over {cfg.dist.interface})"
+        if cfg.dist.nnodes > 1 else "") + (
         f" and {servers} parameter servers" if servers else "") + (
         f", restarted up to {cfg.dist.max_restarts} times" if cfg.dist.max_restarts else "")
     print(f"launching {what}: hybridrec {' '.join(argv)}", file=sys.stderr, flush=True)
@@ -167,7 +172,8 @@ def _start_ranks(cfg, args, named: bool, run_dir: str) -> int:
     # partial recovery: the survivors' snapshots on this machine's memory while it runs
     with fast_snapshots(run_dir) if cfg.train.recovery == "partial" else contextlib.nullcontext():
         return run_local_ranks(nproc, argv, servers=servers, port=cfg.dist.port, max_restarts=cfg.dist.max_restarts,
-                               injection_marker=os.path.join(cfg.train.run_dir, MARKER))
+                               injection_marker=os.path.join(cfg.train.run_dir, MARKER), nnodes=cfg.dist.nnodes,
+                               node_rank=cfg.dist.node_rank, master=cfg.dist.master, interface=cfg.dist.interface)
 
 
 def _eval(args) -> int:

@@ -232,7 +232,21 @@ class DistConfig:
     """Local ranks; > 1 starts them through torch's elastic launcher (torchrun)."""
     port: int = 0
     """The rendezvous port of a local launch (``dist.nproc`` > 1 or ``dist.num_ps`` > 0),
-    where every process of the run meets on this machine (0: a free one)."""
+    where every process of the run meets on this machine, on loopback only (0: a free one)."""
+    nnodes: int = 1
+    """Machines of a launch of several by ``hybridrec train`` itself (each runs the same
+    command with its own ``dist.node_rank``, ``dist.nproc`` ranks each): its sockets bind
+    ``dist.interface`` alone (torchrun's listen on every interface). 1: this machine alone."""
+    node_rank: int = 0
+    """This machine's index among ``dist.nnodes``; machine 0 hosts the rendezvous at
+    ``dist.master``."""
+    master: str = ""
+    """``HOST:PORT`` where machine 0 hosts the rendezvous (HOST: machine 0's address on
+    ``dist.interface``); with ``dist.nnodes`` > 1."""
+    interface: str = ""
+    """The network interface every socket of a launch of several machines binds (the
+    rendezvous, the ranks' store, gloo, TensorPipe), e.g. ``eth0``: a private network's, as
+    torch's store and RPC have no authentication (README, "Trust")."""
     max_restarts: int = 0
     """Local launch: when a process fails, torch's elastic agent stops the others and starts
     them all again, up to this many times; they resume from the newest checkpoint of the
@@ -702,6 +716,27 @@ def _sync_checks(cfg: Config) -> list[tuple[bool, str]]:
     ]
 
 
+def _nodes_checks(cfg: Config) -> list[tuple[bool, str]]:
+    """``dist.nnodes`` > 1: what a launch of several machines needs."""
+    d = cfg.dist
+    if d.nnodes == 1:
+        return [(d.node_rank == 0, f"dist.node_rank={d.node_rank} needs dist.nnodes > 1")]
+    host, _, port = d.master.rpartition(":")
+    return [
+        (d.nnodes >= 1, f"dist.nnodes must be >= 1, got {d.nnodes}"),
+        (0 <= d.node_rank < d.nnodes, f"dist.node_rank must be in [0, dist.nnodes={d.nnodes}), got {d.node_rank}"),
+        (bool(host) and port.isdigit() and 0 < int(port) < 65536,
+         f"dist.master {d.master!r}: HOST:PORT of machine 0's rendezvous (dist.nnodes={d.nnodes})"),
+        (bool(d.interface), f"dist.nnodes={d.nnodes} needs dist.interface: the network interface its sockets "
+                            "bind (e.g. eth0: a private network's)"),
+        (bool(cfg.train.run_dir), f"dist.nnodes={d.nnodes}: name the run directory (train.run_dir, on a file "
+                                  "system every machine shares)"),
+        (d.num_ps == 0, "dist.num_ps with dist.nnodes > 1: launch parameter servers across machines with "
+                        "torchrun (README), not yet with dist.nnodes"),
+        (d.port == 0, "dist.port is the local launch's port; across machines the rendezvous is at dist.master"),
+    ]
+
+
 def validate(cfg: Config) -> None:
     # The one list of sparse optimizer names (the cost model prices their state); imported
     # here, not at the top, so that reading a config does not import torch.
@@ -744,6 +779,7 @@ def validate(cfg: Config) -> None:
         (cfg.dist.nproc >= 1, "dist.nproc must be >= 1"),
         (cfg.dist.max_restarts >= 0, f"dist.max_restarts must be >= 0, got {cfg.dist.max_restarts}"),
         (0 <= cfg.dist.port < 65536, f"dist.port must be a port number (0: a free one), got {cfg.dist.port}"),
+        *_nodes_checks(cfg),
         (cfg.dist.sharding in ("auto", "table_wise", "row_wise", "column_wise", "table_row_wise",
                                "data_parallel"), f"dist.sharding {cfg.dist.sharding!r}: auto or a sharding type"),
         (cfg.dist.backend in ("auto", "gloo", "nccl"), f"dist.backend {cfg.dist.backend!r}: auto, gloo or nccl"),
