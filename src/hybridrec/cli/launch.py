@@ -42,7 +42,6 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from hybridrec.cli.lifeline import die_with_parent, end_with
-from hybridrec.cli.rendezvous import interface_env
 
 LAUNCHED_ENV = "HYBRIDREC_LAUNCHED"
 """Set in the ranks' environment: the launcher reports how the run ended, so a rank that
@@ -97,6 +96,7 @@ def run_local_ranks(nproc: int, argv: Sequence[str], *, servers: int = 0, port: 
     from torch.distributed.launcher.api import elastic_launch
 
     from hybridrec.cli.main import debug_enabled
+    from hybridrec.cli.rendezvous import interface_env
 
     with tempfile.TemporaryDirectory(prefix="hybridrec-ranks-") as logs:  # (mode 0700)
         args = torchrun.parse_args([f"--nproc-per-node={nproc}", f"--log-dir={logs}", f"--nnodes={nnodes}",
