@@ -18,6 +18,7 @@ from synth_data import synth_dataset
 
 import hybridrec
 from hybridrec.cli.main import main
+from hybridrec.train.run_lock import LOCK_NAME
 
 SMALL = ["model.embedding_dim=8", "model.bottom_mlp=16,8", "model.top_mlp=16,1",
          "data.batch_size=64", "data.eval_batch_size=1000", "train.progress=false"]
@@ -34,9 +35,10 @@ def _args(dataset, *extra):
 
 
 def _snapshot(run: Path) -> dict:
-    """Every file under ``run``: bytes and modification time."""
+    """Every file under ``run``: bytes and modification time (but the run lock's, which
+    names whichever training held the directory last, a refused one too)."""
     return {str(p.relative_to(run)): (p.read_bytes(), p.stat().st_mtime_ns)
-            for p in sorted(run.rglob("*")) if p.is_file()}
+            for p in sorted(run.rglob("*")) if p.is_file() and p.name != LOCK_NAME}
 
 
 def _records(run: Path) -> list[tuple[int, str]]:

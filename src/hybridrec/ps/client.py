@@ -71,10 +71,11 @@ def wait_reply(fut, what: str, to: str):
 
 
 _GONE = re.compile(r"^(eof|end of file)\b|connection (reset|refused|closed|aborted)|broken pipe|"
-                   r"pipe closed|econnreset|econnrefused|epipe", re.IGNORECASE)
+                   r"pipe closed|econnreset|econnrefused|epipe|process_vm_readv: no such process", re.IGNORECASE)
 """How TensorPipe says that the other end of a connection went away (its transports' words,
 e.g. ``eof (this error originated at tensorpipe/transport/shm/connection_impl.cc:259)``
-for a server killed while a request was under way or before a new one)."""
+for a server killed while a request was under way or before a new one; its same-machine
+channel that reads the server's memory says ``process_vm_readv: No such process``)."""
 _TIMEOUT = re.compile(r"ran for more than set timeout|timed? ?out", re.IGNORECASE)
 _ORIGIN = re.compile(r"\s*\(this error originated at [^)]*\)")
 
