@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 from synth_data import synth_dataset
+from test_launch import SMALL  # the launch tests' small model
 
 from hybridrec.cli.launch import failure_line
 from hybridrec.cli.rendezvous import bound_store
@@ -23,8 +24,6 @@ from hybridrec.train import run_lock
 
 pytestmark = pytest.mark.distributed
 
-SMALL = ["model.embedding_dim=8", "model.bottom_mlp=16,8", "model.top_mlp=16,1",
-         "data.batch_size=64", "data.eval_batch_size=1000", "train.progress=false"]
 
 
 @pytest.fixture(scope="module")

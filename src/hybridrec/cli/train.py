@@ -123,27 +123,21 @@ def _launch(cfg, args) -> int:
     the failure ends in the failing rank's own error and one line naming it (see
     :mod:`hybridrec.cli.launch`). The run directory is checked here first (a refusal is
     one line, nothing starts), and a new one chosen here is handed to every process."""
-    from hybridrec.train.run_lock import holding
-
-    named = cfg.train.run_dir
-    # The run directory is locked before it is looked at, for as long as the ranks run (across
-    # machines, by machine 0's launcher: the others' ranks train the same directory).
-    held = named and cfg.dist.node_rank == 0
-    with holding(os.path.abspath(named), named) if held else contextlib.nullcontext():
-        return _launch_held(cfg, args)
-
-
-def _launch_held(cfg, args) -> int:
-    """:func:`_launch` once a named run directory is held (a new one is held here)."""
     from hybridrec.train.run import preflight
     from hybridrec.train.run_lock import holding
 
     named = bool(cfg.train.run_dir)
-    finished, run_dir = preflight(cfg, world_size=cfg.dist.nproc * cfg.dist.nnodes)
-    if finished is not None:
-        print(finished["already_finished"])
-        return 0
-    with contextlib.nullcontext() if named else holding(cfg.train.run_dir, run_dir):
+    with contextlib.ExitStack() as held:
+        # The run directory is locked before it is looked at, for as long as the ranks run
+        # (across machines, by machine 0's launcher: the others' ranks train the same one).
+        if named and cfg.dist.node_rank == 0:
+            held.enter_context(holding(os.path.abspath(cfg.train.run_dir), cfg.train.run_dir))
+        finished, run_dir = preflight(cfg, world_size=cfg.dist.nproc * cfg.dist.nnodes)
+        if finished is not None:
+            print(finished["already_finished"])
+            return 0
+        if not named:  # the new directory preflight made
+            held.enter_context(holding(cfg.train.run_dir, run_dir))
         return _start_ranks(cfg, args, named, run_dir)
 
 
