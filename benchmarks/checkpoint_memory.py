@@ -118,7 +118,7 @@ def worker(args) -> None:
         C.own_storage = L.own_storage = lambda t: t.detach()
     sampler = RssSampler()
     trainer = build_trainer(cfg, meta=load_dataset(cfg))
-    topo, ck = trainer.topo, trainer.checkpointer
+    topo, ck = trainer.topo, trainer.checkpoints.checkpointer
     ck.background = mode == "async"
     built_kib = status_kib("VmHWM")
 

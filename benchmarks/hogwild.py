@@ -99,6 +99,8 @@ def interleaved(args, data: Path, recipe: str, variants: list[tuple[int, int]]) 
     import torch
 
     from hybridrec.train.build import build_trainer
+    from hybridrec.train.hogwild import HogwildSteps
+    from hybridrec.train.parts import StepSource
     from hybridrec.train.config import build_config
     from hybridrec.train.recipes import recipe as named
 
@@ -115,10 +117,11 @@ def interleaved(args, data: Path, recipe: str, variants: list[tuple[int, int]]) 
         got = {}
         for w, t in variants if rep % 2 else variants[::-1]:  # alternate the order
             torch.set_num_threads(t or default_threads)
-            trainer.cfg.train.workers = w
             trainer.total_steps = trainer.step + steps
+            source = HogwildSteps(trainer.pipeline, w) if w > 1 else StepSource(trainer.pipeline)
+            source.start(trainer)  # (Hogwild: the threads' replicas of the model as it is now)
             start = time.perf_counter()
-            for _ in trainer._train_steps():  # the loop's steps without its logging
+            for _ in source.steps(trainer):  # the loop's steps without its logging
                 pass
             got[(w, t)] = steps * cfg.data.batch_size / (time.perf_counter() - start)
         if rep:

@@ -11,16 +11,18 @@ EXPECTED = {
     "data synth": {"--out", "--days", "--rows-per-day", "--multi-hot", "--multi-hot-fields", "--scale",
                    "--max-cardinality", "--zipf", "--ctr", "--gzip", "--seed", "--overwrite"},
     "data preprocess": {"--out", "--format", "--schema", "--table-size", "--min-count",
-                        "--on-bad-line", "--multi-hot-fields", "--eval-parts", "--overwrite"},
+                        "--on-bad-line", "--multi-hot-fields", "--eval-parts", "--like", "--grow", "--overwrite"},
     "data inspect": {"--json"},
     "train": {"--config", "--recipe", "--list-keys", "--print-config"},
     "eval": {"--checkpoint", "--data", "--out"},
+    "predict": {"--out", "--checkpoint", "--keep-columns", "--on-bad-line", "--batch-size"},
     "demo": {"--out", "--days", "--rows-per-day", "--seed"},
     "plan": {"--nproc", "--nnodes", "--data", "--tables", "--dim", "--batch-size", "--memory-per-rank",
              "--bandwidth", "--optimizer", "--embedding-dtype", "--pin", "--partition-dense", "--out"},
     "bench compression": {"--data", "--out", "--nproc", "--recipe", "--setting", "--dense",
                           "--embedding", "--cross", "--seeds", "--max-steps", "--overwrite"},
     "report": {"--out"},
+    "export": {"--out", "--checkpoint", "--tables", "--onnx", "--eval-rows", "--overwrite"},
 }
 
 

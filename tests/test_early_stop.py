@@ -188,8 +188,8 @@ def _two_rank_worker(topo, data, run_dir):
         *NEVER_BETTER])
     trainer = build_trainer(cfg, topo=topo)
     result = trainer.fit()
-    es = trainer.early_stop
-    return result.step, es.best_step, es.best_auc, result.eval_metrics["auc"], trainer.total_steps
+    es = result.parts["early_stop"]  # (the early stopping part's summary entry)
+    return result.step, es["best_step"], es["best_auc"], result.eval_metrics["auc"], trainer.total_steps
 
 
 @pytest.mark.distributed

@@ -88,7 +88,7 @@ def test_serialized_workers_equal_one_thread(data, tmp_path, monkeypatch):
     one.fit()
 
     turn = threading.Lock()
-    real_claim, real_step = hogwild.HogwildWorkers._claim, hogwild.training_step
+    real_claim, real_step = hogwild.HogwildSteps._claim, hogwild.training_step
 
     def claim(self):
         turn.acquire()
@@ -103,14 +103,14 @@ def test_serialized_workers_equal_one_thread(data, tmp_path, monkeypatch):
         finally:
             turn.release()
 
-    monkeypatch.setattr(hogwild.HogwildWorkers, "_claim", claim)
+    monkeypatch.setattr(hogwild.HogwildSteps, "_claim", claim)
     monkeypatch.setattr(hogwild, "training_step", step)
     three = build_trainer(_config(data, tmp_path / "three", *common, "train.workers=3"))
     three.fit()
     a, b = one.model.state_dict(), three.model.state_dict()
     for k in a:
         assert torch.equal(a[k], b[k]), k
-    sa, sb = one.dense_opt.state_dict()["state"], three.dense_opt.state_dict()["state"]
+    sa, sb = one.optim.dense.state_dict()["state"], three.optim.dense.state_dict()["state"]
     for i in sa:
         for k, v in sa[i].items():
             assert torch.equal(v, sb[i][k]), (i, k)

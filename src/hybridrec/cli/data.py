@@ -145,6 +145,19 @@ def _add_preprocess(sub) -> None:
         help="eval parts: input indices (-1 = last), part names or input files, "
         "comma-separated; 'none' for no eval split (default: the last input)",
     )
+    p.add_argument(
+        "--like",
+        metavar="DATASET",
+        help="encode with DATASET's vocabulary, table sizes and dense transform (new days for a "
+        "model trained on DATASET: same tables, unseen ids -> 0 as rare ones); "
+        "--table-size and --min-count are DATASET's",
+    )
+    p.add_argument(
+        "--grow",
+        action="store_true",
+        help="with --like and vocabulary tables: append rows for new keys seen --min-count times "
+        "in the new training parts (train.init_from keeps the old rows)",
+    )
     p.add_argument("--overwrite", action="store_true", help="replace an existing dataset at --out")
     p.set_defaults(func=_preprocess)
 
@@ -205,6 +218,10 @@ def _preprocess(args: argparse.Namespace) -> int:
     if note is not None:
         print(f"note: {note}", file=sys.stderr)
 
+    if args.like or args.grow:
+        meta = _preprocess_like(args)
+        _report_preprocess(meta)
+        return 0
     common = {
         "table_size": args.table_size,
         "min_count": args.min_count,
@@ -226,6 +243,27 @@ def _preprocess(args: argparse.Namespace) -> int:
         meta = preprocess_tabular(
             args.inputs, args.out, schema_path=args.schema, fmt=args.format, **common
         )
+    _report_preprocess(meta)
+    return 0
+
+
+def _preprocess_like(args: argparse.Namespace):
+    from hybridrec.data.like import preprocess_like
+
+    if not args.like:
+        raise ConfigError("--grow adds rows to the tables of a --like DATASET; give --like")
+    given = [o for o, v in (("--table-size", args.table_size), ("--min-count", args.min_count is not None),
+                            ("--multi-hot-fields", args.multi_hot_fields)) if v]
+    if given:
+        raise ConfigError(f"{', '.join(given)} with --like: the tables are {args.like}'s")
+    return preprocess_like(args.inputs, args.out, like=args.like, fmt=args.format,
+                           schema_path=args.schema, grow=args.grow, on_bad_line=args.on_bad_line,
+                           eval_parts=args.eval_parts, overwrite=args.overwrite)
+
+
+def _report_preprocess(meta) -> None:
+    from pathlib import Path
+
     r = meta.report
     print(
         f"wrote {r['rows_written']} rows ({len(meta.parts)} parts) to {meta.path} "
@@ -235,9 +273,18 @@ def _preprocess(args: argparse.Namespace) -> int:
         print(f"  skipped: {example}")
     held = {p.name: p.source for p in meta.parts}
     for split, names in meta.splits.items():
-        if split != "train":
+        if split != "train" and names:
             print(f"{split} split: " + ", ".join(Path(held[n]).name for n in names))
-    return 0
+    pp = meta.preprocessing
+    if pp.get("like"):
+        unseen = pp.get("ids_unseen") or {}
+        worst = max(unseen, key=unseen.get) if unseen else None
+        print(f"ids of {pp['like']}" + (f"; unseen keys -> id 0: up to {unseen[worst]:.1%} of {worst}'s "
+                                        "training values" if worst else ""))
+    if pp.get("grown_rows") is not None:
+        grown = {n: k for n, k in pp["grown_rows"].items() if k}
+        print(f"grew the tables by {sum(grown.values()):,} rows"
+              + (": " + ", ".join(f"{n} +{k:,}" for n, k in grown.items()) if grown else ""))
 
 
 def _inspect(args: argparse.Namespace) -> int:

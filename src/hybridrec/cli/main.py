@@ -50,6 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
     data_cmd.register(sub)
     train_cmd.register(sub)
+    __import__("hybridrec.cli.predict", fromlist=["register"]).register(sub)
+    __import__("hybridrec.cli.export", fromlist=["register"]).register(sub)
     plan_cmd.register(sub)
     bench_cmd.register(sub)
     report_cmd.register(sub)

@@ -254,7 +254,7 @@ class DCTCompressor(_Sparsifier):
     def _select(self, st, x):
         k = keep_count(self.ratio, x.numel())
         if k == x.numel():
-            st.tau = torch.zeros((), dtype=x.dtype)
+            st.tau = torch.zeros((), dtype=x.dtype, device=x.device)
             return x.nonzero().squeeze(1)
         if self.due(st):
             idx, tau = _top(x, k)

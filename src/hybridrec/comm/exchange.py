@@ -35,6 +35,15 @@ import torch
 import torch.distributed as dist
 
 
+def collective_device(group: dist.ProcessGroup | None = None) -> torch.device:
+    """Where a host-made tensor of a collective on ``group`` lives (sizes, flags): the
+    current GPU when the group is NCCL's (it takes CUDA tensors only), else the CPU (gloo
+    takes CPU tensors without a copy, whatever device the rank trains on)."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 class ExchangeHandle:
     """The pending receives and sends of one exchange; :meth:`wait` returns the output."""
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from hybridrec.comm.exchange import PairwiseExchange
+from hybridrec.comm.exchange import PairwiseExchange, collective_device
 
 TAG_BITMAP = 0
 TAG_INDEX_LIST = 1
@@ -116,14 +116,14 @@ def encoded_size(count: int, numel: int, value_dtype: torch.dtype) -> int:
 def pack_bits(mask: torch.Tensor) -> torch.Tensor:
     """``[n]`` bool -> ``[ceil(n/8)]`` uint8; entry ``i`` is bit ``i % 8`` of byte ``i // 8``."""
     n = mask.numel()
-    bits = torch.zeros(_bitmap_bytes(n) * 8, dtype=torch.uint8)
+    bits = torch.zeros(_bitmap_bytes(n) * 8, dtype=torch.uint8, device=mask.device)
     bits[:n] = mask
-    return (bits.view(-1, 8) << _SHIFTS).sum(1).to(torch.uint8)
+    return (bits.view(-1, 8) << _SHIFTS.to(mask.device)).sum(1).to(torch.uint8)
 
 
 def unpack_bits(packed: torch.Tensor, n: int) -> torch.Tensor:
     """Inverse of :func:`pack_bits`: ``[ceil(n/8)]`` uint8 -> ``[n]`` bool."""
-    return ((packed.unsqueeze(1) >> _SHIFTS) & 1).view(-1)[:n].bool()
+    return ((packed.unsqueeze(1) >> _SHIFTS.to(packed.device)) & 1).view(-1)[:n].bool()
 
 
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -133,12 +133,12 @@ def _as_bytes(t: torch.Tensor) -> torch.Tensor:
 def encode(msg: SparseGrad) -> torch.Tensor:
     """The message as ``[encoded_size(...)]`` uint8, in the smaller of the two layouts."""
     if uses_bitmap(msg.count, msg.numel):
-        mask = torch.zeros(msg.numel, dtype=torch.bool)
+        mask = torch.zeros(msg.numel, dtype=torch.bool, device=msg.indices.device)
         mask[msg.indices] = True
         tag, body = TAG_BITMAP, pack_bits(mask)
     else:
         tag, body = TAG_INDEX_LIST, _as_bytes(msg.indices.to(index_dtype(msg.numel)))
-    return torch.cat([torch.tensor([tag], dtype=torch.uint8), body, _as_bytes(msg.values)])
+    return torch.cat([torch.tensor([tag], dtype=torch.uint8, device=body.device), body, _as_bytes(msg.values)])
 
 
 def _view(raw: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -195,9 +195,9 @@ def start_sizes(size: int, group: dist.ProcessGroup, *, pairwise: bool = False) 
     :mod:`hybridrec.comm.exchange`, ``dist.exchange=pairwise``). Does not block; the
     byte exchange needs the result (its splits), so a caller that has other work first
     starts this, does the work, then waits."""
-    world = group.size()
-    out = torch.empty(world, dtype=torch.int64)
-    send = torch.full((world,), size, dtype=torch.int64)
+    world, device = group.size(), collective_device(group)
+    out = torch.empty(world, dtype=torch.int64, device=device)
+    send = torch.full((world,), size, dtype=torch.int64, device=device)
     if pairwise:
         work = PairwiseExchange([group], rank=group.rank(), world_size=world).all_to_all_single(out, send)
     else:
@@ -216,7 +216,7 @@ def start_exchange(message: torch.Tensor, sizes: list[int], group: dist.ProcessG
     mine = sizes[rank]
     in_splits = [0 if r == rank else mine for r in range(world)]
     out_splits = [0 if r == rank else sizes[r] for r in range(world)]
-    received = torch.empty(sum(out_splits), dtype=torch.uint8)
+    received = torch.empty(sum(out_splits), dtype=torch.uint8, device=message.device)
     send = message.repeat(world - 1)  # one copy per destination, as all_to_all_single wants
     work = dist.all_to_all_single(received, send, out_splits, in_splits, group=group, async_op=True)
     return work.get_future(), received
@@ -228,7 +228,8 @@ def start_pairwise_exchange(message: torch.Tensor, sizes: list[int], group: dist
     destination). gloo's point-to-point works have no future: a thread waits for them and
     completes the returned one. Same ``(future, received)`` as :func:`start_exchange`."""
     rank, world = group.rank(), group.size()
-    received = torch.empty(sum(n for r, n in enumerate(sizes) if r != rank), dtype=torch.uint8)
+    received = torch.empty(sum(n for r, n in enumerate(sizes) if r != rank), dtype=torch.uint8,
+                           device=message.device)
     parts = split_received(received, sizes, rank)
     works = [dist.irecv(part, group=group, group_src=p) for p, part in parts.items() if part.numel()]
     if message.numel():

@@ -37,11 +37,18 @@ class ModuloEncoder:
 
 
 class VocabEncoder:
-    """Keys in ``vocab`` (sorted) -> ``1 + position``; anything else -> 0."""
+    """Keys in ``vocab`` -> ``1 + position``; anything else -> 0.
+
+    ``vocab`` is sorted as counting makes it; a vocabulary grown by ``preprocess --like
+    --grow`` has its new keys appended after the sorted ones (their rows come last), so
+    an unsorted one is looked up through its sorting permutation."""
 
     def __init__(self, vocab: np.ndarray, modulo: int | None = None) -> None:
         self.vocab = np.asarray(vocab, dtype=np.int64)
         self.modulo = modulo
+        ordered = bool(np.all(self.vocab[1:] > self.vocab[:-1]))
+        self._order = None if ordered else np.argsort(self.vocab, kind="stable")
+        self._sorted = self.vocab if ordered else self.vocab[self._order]
 
     @property
     def num_embeddings(self) -> int:
@@ -57,8 +64,10 @@ class VocabEncoder:
         k = self.reduce(keys)
         if len(self.vocab) == 0:
             return np.zeros(k.shape, dtype=np.int32)
-        pos = np.searchsorted(self.vocab, k)
-        hit = self.vocab[np.minimum(pos, len(self.vocab) - 1)] == k
+        pos = np.minimum(np.searchsorted(self._sorted, k), len(self.vocab) - 1)
+        hit = self._sorted[pos] == k
+        if self._order is not None:
+            pos = self._order[pos]
         return np.where(hit & (k >= 0), pos + 1, 0).astype(np.int32)
 
     @staticmethod

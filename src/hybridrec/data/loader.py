@@ -309,21 +309,27 @@ class ShardedLoader:
         )
 
     def _keyed(self, onehot: np.ndarray, mh: dict) -> KeyedJagged:
-        names = self.schema.feature_names
-        if not mh:
-            return KeyedJagged.from_dense(names, torch.from_numpy(onehot))
-        cols = np.ascontiguousarray(onehot.T)
-        ones = torch.ones(onehot.shape[0], dtype=torch.int32)
-        values, lengths, j = [], [], 0
-        for f in self.schema.features:
-            if f.kind == "onehot":
-                values.append(torch.from_numpy(cols[j]))
-                lengths.append(ones)
-                j += 1
-            else:
-                values.append(torch.from_numpy(mh[f.name][0]))
-                lengths.append(torch.from_numpy(mh[f.name][1]))
-        return KeyedJagged.from_lengths_per_key(names, values, lengths)
+        return keyed_ids(self.schema, onehot, mh)
+
+
+def keyed_ids(schema: Schema, onehot: np.ndarray, mh: dict) -> KeyedJagged:
+    """A batch's ids as the model takes them: one-hot ids ``[n, n_onehot]`` and
+    ``{feature: (ids, bag sizes [n])}`` (the loader's batches and prediction's)."""
+    names = schema.feature_names
+    if not mh:
+        return KeyedJagged.from_dense(names, torch.from_numpy(onehot))
+    cols = np.ascontiguousarray(onehot.T)
+    ones = torch.ones(onehot.shape[0], dtype=torch.int32)
+    values, lengths, j = [], [], 0
+    for f in schema.features:
+        if f.kind == "onehot":
+            values.append(torch.from_numpy(cols[j]))
+            lengths.append(ones)
+            j += 1
+        else:
+            values.append(torch.from_numpy(mh[f.name][0]))
+            lengths.append(torch.from_numpy(mh[f.name][1]))
+    return KeyedJagged.from_lengths_per_key(names, values, lengths)
 
 
 def _gather_bags(name: str, segs: list, n: int) -> tuple[np.ndarray, np.ndarray]:

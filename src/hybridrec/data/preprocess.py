@@ -183,6 +183,10 @@ class _Job:
     label_map: dict[str, Any] | None = None
     """How raw label values became 0/1 (the schema file's label_positive/negative or
     label_threshold); None: they were 0/1."""
+    like: Any = None
+    """``preprocess --like``: a :class:`~hybridrec.data.like.Like` that gives the encoders
+    (an existing dataset's vocabulary and table sizes) and more ``preprocessing`` entries;
+    None: the encoders are made from these inputs."""
 
     def run(self) -> DatasetMeta:
         start = time.perf_counter()
@@ -268,10 +272,14 @@ class _Job:
                 "table_size": self._sizes,
                 "stats_split": "train",
                 "label_map": self.label_map,
+                **(self.like.noted() if self.like is not None else {}),
             },
         )
 
     def _encoders(self) -> tuple[dict[str, Encoder], str]:
+        if self.like is not None:
+            self._sizes, self.min_count = self.like.sizes, self.like.min_count
+            return self.like.encoders(self), self.like.mode
         names = [n for n, _ in self.features]
         self._sizes = resolve_table_sizes(self.table_size, names)
         min_count = self.min_count
@@ -289,42 +297,82 @@ class _Job:
         reducers = {
             n: VocabEncoder(np.zeros(0), self._sizes[n] if self._sizes else None) for n in names
         }
-        counters = {n: KeyCounter() for n in names}
+        counted = self.count_keys(reducers)
+        return {
+            n: VocabEncoder.from_counts(*counted[n], min_count, reducers[n].modulo) for n in names
+        }
+
+    def count_keys(self, reducers: dict[str, VocabEncoder]) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+        """``{feature: (sorted unique keys, counts)}`` over the train inputs, each key reduced
+        by ``reducers[feature]`` (modulo its table size, when it has one)."""
+        counters = {n: KeyCounter() for n in reducers}
         train = [self.inputs[i] for i in self.train_idx]
         with _progress(train, "count", self.progress) as bar:
             for path in train:
                 for chunk, pos in _tracked(self.reader.read(path, ParseReport()), bar):
                     for n, keys in _keys_by_feature(chunk, self.features):
                         counters[n].add(reducers[n].reduce(keys[keys >= 0]))
-        encoders: dict[str, Encoder] = {}
-        for n in names:
-            keys, counts = counters[n].result()
-            encoders[n] = VocabEncoder.from_counts(keys, counts, min_count, reducers[n].modulo)
-        return encoders
+        return {n: c.result() for n, c in counters.items()}
 
     def _write_part(self, directory, schema, path, encoders, stats, report, bar) -> int:
         writer = PartWriter(directory, schema, source=str(path))
         try:
             for chunk, _ in _tracked(self.reader.read(path, report), bar):
-                onehot = np.empty((len(chunk), len(schema.onehot)), dtype=np.int32)
-                for j, f in enumerate(schema.onehot):
-                    onehot[:, j] = encoders[f.name](chunk.onehot[:, j])
-                mh = {
-                    f.name: (encoders[f.name](chunk.multihot[f.name][0]), chunk.multihot[f.name][1])
-                    for f in schema.multihot
-                }
+                onehot, mh = encode_chunk(chunk, schema, encoders)
                 writer.append(chunk.labels, chunk.dense, onehot, mh)
                 if stats is not None:
                     for j, f in enumerate(schema.onehot):
                         stats[f.name].add(onehot[:, j], len(chunk))
                     for name, (ids, _) in mh.items():
                         stats[name].add(ids, len(chunk))
+                    if self.like is not None:  # (train parts: how many keys --like's ids lack)
+                        self.like.tally(chunk, self.features, onehot, mh)
             rows = writer.close()
         finally:
             writer.abort()
         if rows == 0:
             raise DataError(f"{path}: no valid rows (every line was malformed and skipped)")
         return rows
+
+
+def encode_chunk(
+    chunk: RowChunk, schema: Schema, encoders: dict[str, Encoder]
+) -> tuple[np.ndarray, dict[str, tuple[np.ndarray, np.ndarray]]]:
+    """A chunk's raw keys as table ids: int32 one-hot ids ``[n, n_onehot]`` and
+    ``{feature: (int32 ids, int64 bag sizes)}``. Preprocessing and prediction
+    (:mod:`hybridrec.serve.predict`) both go through here, so new rows get the ids
+    the training rows got."""
+    onehot = np.empty((len(chunk), len(schema.onehot)), dtype=np.int32)
+    for j, f in enumerate(schema.onehot):
+        onehot[:, j] = encoders[f.name](chunk.onehot[:, j])
+    mh = {
+        f.name: (encoders[f.name](chunk.multihot[f.name][0]), chunk.multihot[f.name][1])
+        for f in schema.multihot
+    }
+    return onehot, mh
+
+
+def load_encoders(meta: DatasetMeta) -> dict[str, Encoder]:
+    """The encoders a dataset was written with, from its ``meta.json`` and ``vocab/``
+    (the inverse of :func:`_save_vocab`): raw keys of new rows map to the ids training saw;
+    a key the vocabulary lacks maps to 0, as a rare key did."""
+    pre = meta.preprocessing
+    names = meta.feature_names
+    sizes = pre.get("table_size")
+    if pre.get("categorical") == "modulo":
+        return {n: ModuloEncoder(sizes[n]) for n in names}
+    if pre.get("categorical") != "vocabulary":
+        raise DataError(f"{meta._where()}: preprocessing.categorical "
+                        f"{pre.get('categorical')!r} is neither modulo nor vocabulary")
+    out: dict[str, Encoder] = {}
+    for n in names:
+        file = meta.part_dir("vocab") / f"{n}.keys.npy"
+        try:
+            vocab = np.load(file)
+        except (OSError, ValueError) as e:
+            raise DataError(f"{file}: cannot read the vocabulary ({e})") from None
+        out[n] = VocabEncoder(vocab, sizes[n] if sizes else None)
+    return out
 
 
 def _keys_by_feature(chunk: RowChunk, features: list[tuple[str, str]]):

@@ -25,6 +25,7 @@ import math
 import threading
 import zlib
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -217,6 +218,36 @@ class _Lookup:
     feature_start: int = 0  # first column of the group in square_sums
 
 
+class EmbeddingCollection(Protocol):
+    """What the step, the optimizers and the checkpointer ask of a model's embedding
+    collection, whichever kind it is: this module's single-device
+    :class:`EmbeddingBagCollection`, a rank's shards
+    (:class:`~hybridrec.parallel.sharded_embedding.ShardedEmbeddingBagCollection`), or
+    rows pulled from parameter servers (:class:`~hybridrec.ps.client.RemoteEmbeddingCollection`).
+    Only the builders (:mod:`hybridrec.train.build`) choose a kind; everyone else calls this."""
+
+    spans_ranks: bool  # made for several ranks (sharded, or served): a checkpoint of several ranks can hold it
+    holds_tables: bool  # its tables are in this process (not a parameter server's)
+    tables: dict[str, TableConfig]
+
+    def step_grads(self) -> dict[str, list]:
+        """The step's row gradients by the name of the collection that applies them
+        (:meth:`updated_collections`' keys; ``"ps"``: pushed to the servers)."""
+
+    def updated_collections(self) -> dict[str, EmbeddingBagCollection]:
+        """The single-device collections a rank's sparse optimizers update, by name."""
+
+    def local_weights(self) -> dict[str, torch.Tensor]:
+        """This process's table weights by local name (``table``, or ``table@i`` for shard i)."""
+
+    def shard_of(self, local_name: str) -> tuple[object, list] | None:
+        """A local name's shard and all shards of its table (:class:`hybridrec.parallel.plan.Shard`);
+        None: the whole table."""
+
+    def plan_dict(self) -> dict | None:
+        """The sharding plan (JSON-ready); None: not sharded."""
+
+
 class EmbeddingBagCollection(nn.Module):
     """Pooled embedding lookup for many features.
 
@@ -320,6 +351,25 @@ class EmbeddingBagCollection(nn.Module):
         """``(group, first_row, rows)`` of a table inside its fused weight."""
         g, start = self._table_rows[name]
         return g, start, self.tables[name].num_embeddings
+
+    # -- the EmbeddingCollection interface ---------------------------------------
+    spans_ranks = False
+    holds_tables = True
+
+    def step_grads(self) -> dict[str, list]:
+        return {"tables": self.pop_sparse_grads()}
+
+    def updated_collections(self) -> dict[str, EmbeddingBagCollection]:
+        return {"tables": self}
+
+    def local_weights(self) -> dict[str, torch.Tensor]:
+        return {n: self.table_weight(n) for n in self.tables}
+
+    def shard_of(self, local_name: str) -> None:
+        return None
+
+    def plan_dict(self) -> None:
+        return None
 
     def table_weight(self, name: str) -> torch.Tensor:
         """The table's ``[rows, dim]`` weight (a view into the fused storage)."""

@@ -134,7 +134,6 @@ from hybridrec.parallel.checkpoint_layout import (
     sparse_targets,
     table_key,
 )
-from hybridrec.parallel.sharded_embedding import ShardedEmbeddingBagCollection
 from hybridrec.parallel.topology import Topology
 from hybridrec.threads import single_threaded
 
@@ -154,7 +153,7 @@ def _sparse_header(sparse_opts: Sequence) -> dict | None:
 def _tensor_state(model, sparse_opts, topo) -> dict:
     """This rank's tables and sparse optimizer state as DCP objects, plus the dense arches."""
     ebc = model.sparse
-    if topo.world_size > 1 and not isinstance(ebc, ShardedEmbeddingBagCollection) and not getattr(ebc, "remote", False):
+    if topo.world_size > 1 and not ebc.spans_ranks:
         raise CheckpointError("a checkpoint of several ranks needs a ShardedEmbeddingBagCollection")
     g: dict[str, GlobalTensor] = {}
     for name, w in local_weights(ebc).items():
@@ -178,11 +177,11 @@ def _save_state(model, dense_opt, sparse_opts, extra, per_rank, topo) -> tuple[d
     tensors: dict[str, torch.Tensor] = {}
     # every rank alike: every table of the model (a rank holds shards of only some)
     shapes = {k: tuple(v.shape) for k, v in dense_tensors(model).items()}
-    if not getattr(ebc, "remote", False):  # (a parameter-server run's tables: in ps/)
+    if ebc.holds_tables:  # (a parameter-server run's tables: in ps/)
         shapes.update({table_key(t): (tc.num_embeddings, tc.embedding_dim) for t, tc in ebc.tables.items()})
     meta = {"format": FORMAT, "world_size": topo.world_size,
             "model": {"fingerprint": model_fingerprint(shapes), "tensors": len(shapes)},
-            "plan": ebc.plan.to_dict() if isinstance(ebc, ShardedEmbeddingBagCollection) else None,
+            "plan": ebc.plan_dict(),
             "dense_opt": None if dense_opt is None else
             encode_skeleton(dense_opt_state(dense_opt, model), "dense_opt", tensors),
             "sparse_opt": _sparse_header(sparse_opts)}

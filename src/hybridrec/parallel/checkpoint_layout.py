@@ -23,10 +23,9 @@ from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetada
 from torch.distributed._shard.sharded_tensor.metadata import TensorProperties as STProperties
 from torch.nn.parallel import DistributedDataParallel
 
-from hybridrec.model.embedding import EmbeddingBagCollection, TableConfig
+from hybridrec.model.embedding import TableConfig
 from hybridrec.parallel.checkpoint_io import CheckpointError
 from hybridrec.parallel.plan import Shard
-from hybridrec.parallel.sharded_embedding import ShardedEmbeddingBagCollection
 from hybridrec.parallel.topology import Topology
 
 # -- global tensors ---------------------------------------------------------------------
@@ -130,21 +129,14 @@ class Where:
 
 
 def locate(ebc: nn.Module, local_name: str) -> Where:
-    base, _, idx = local_name.partition("@")
-    if isinstance(ebc, ShardedEmbeddingBagCollection) and idx not in ("", "*"):
-        shards = list(ebc.layout.table_shards(base))
-        return Where(ebc.tables[base], shards[int(idx)], shards)
-    return Where(ebc.tables[base], None, None)
+    table = ebc.tables[local_name.partition("@")[0]]
+    found = ebc.shard_of(local_name)
+    return Where(table, *found) if found is not None else Where(table, None, None)
 
 
 def local_weights(ebc: nn.Module) -> dict[str, torch.Tensor]:
-    if isinstance(ebc, ShardedEmbeddingBagCollection):
-        return {k: w for k, (_, w) in ebc.local_shards().items()}
-    if isinstance(ebc, EmbeddingBagCollection):
-        return {n: ebc.table_weight(n) for n in ebc.tables}
-    if getattr(ebc, "remote", False):  # tables held by parameter servers: nothing here
-        return {}
-    raise TypeError(f"model.sparse is a {type(ebc).__name__}, not an embedding-bag collection")
+    """This process's table weights by local name (none where parameter servers hold them)."""
+    return ebc.local_weights()
 
 
 def add_block(out: dict[str, GlobalTensor], key: str, where: Where, t: torch.Tensor, two_d: bool) -> None:

@@ -64,8 +64,10 @@ def exchange_ms(layout, batch_sizes: list[int], topo, per_row, dtype: torch.dtyp
     """Milliseconds of one forward exchange of ``per_row(block)`` elements of ``dtype`` per
     sample and block, through ``topo``'s all-to-all, after a warm-up."""
     to, frm = _splits(layout, batch_sizes, topo.rank, per_row)
-    send = torch.zeros(sum(to), dtype=dtype)
-    recv = torch.empty(sum(frm), dtype=dtype)
+    # (On the host as the codecs' timing is, except where NCCL takes device tensors only:
+    # on GPU ranks this check compares host timings, a simplification.)
+    send = torch.zeros(sum(to), dtype=dtype, device=topo.comm_device)
+    recv = torch.empty(sum(frm), dtype=dtype, device=topo.comm_device)
     topo.all_to_all(recv, send, frm, to)  # (warm-up: every rank has arrived)
     return _best_ms(lambda: topo.all_to_all(recv, send, frm, to), reps)
 
@@ -79,7 +81,7 @@ def measure(ebc, batch_size: int, *, reps: int = 3) -> dict:
     mine = [codec_ms(layout, sizes, topo.rank, reps=reps),
             exchange_ms(layout, sizes, topo, lambda i: layout.all_blocks[i].width, torch.float32, reps=reps),
             exchange_ms(layout, sizes, topo, lambda i: layout.coded_of(i).fwd_bytes, torch.uint8, reps=reps)]
-    worst = torch.tensor(mine, dtype=torch.float64)
+    worst = torch.tensor(mine, dtype=torch.float64, device=topo.comm_device)
     dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=topo.group)
     codec, plain, coded = worst.tolist()
     saved = 2 * (plain - coded)

@@ -16,6 +16,7 @@ pipeline) is counted in the step whose forward consumes it, like its prediction.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -133,12 +134,14 @@ def start_input_dist(kjt: KeyedJagged, layout: EmbeddingLayout, topo: Topology,
             sent_ids[(me, d, j)] = v.numel()
             if d != me:
                 sent_bytes[s.table] = sent_bytes.get(s.table, 0) + (ln.numel() + v.numel()) * item
-        bufs.append(torch.cat(lengths + values) if lengths else torch.empty(0, dtype=wire))
+        bufs.append(torch.cat(lengths + values) if lengths else torch.empty(0, dtype=wire, device=kjt.values.device))
         counts += [b, bufs[-1].numel()]
-    send_counts = torch.tensor(counts, dtype=torch.int64)
+    send_counts = torch.tensor(counts, dtype=torch.int64, device=topo.comm_device)
     recv_counts = send_counts.new_empty(2 * world)
     topo.all_to_all(recv_counts, send_counts, [2] * world, [2] * world)
     recv_counts = recv_counts.view(world, 2)
+    # Host sync (NCCL only; gloo's counts are on the CPU): the receive buffer's size and the
+    # splits of the ids all-to-all are host values.
     batch_sizes, sizes = recv_counts[:, 0].tolist(), recv_counts[:, 1].tolist()
     send = torch.cat(bufs)
     recv = send.new_empty(sum(sizes))
@@ -157,17 +160,20 @@ def owner_kjt(recv: torch.Tensor, sizes: list[int], batch_sizes: list[int],
     lengths and one gather for the ids, whatever the number of slots and ranks.
 
     Returns the KJT and the ids per (source rank, slot), ``[world, len(mine)]``."""
-    k = len(mine)
-    starts = [0] + torch.tensor(sizes).cumsum(0).tolist()[:-1]
+    k, dev = len(mine), recv.device
+    starts = [0, *itertools.accumulate(sizes)][:-1]
     lengths = [recv[s0 : s0 + k * b].view(k, b) for s0, b in zip(starts, batch_sizes)]
-    per_slot = torch.stack([ln.sum(1) for ln in lengths])  # [world, k] ids per (rank, slot)
-    # Start of each (rank, slot) run of ids inside recv, then reorder slot-major.
-    first = torch.tensor([s0 + k * b for s0, b in zip(starts, batch_sizes)]).unsqueeze(1)
+    # Host sync on a GPU, the owner side's one: the ids per (source rank, slot) size the
+    # gather below and feed the step's byte prediction and the ledger (PendingInput.wait).
+    per_slot = torch.stack([ln.sum(1) for ln in lengths]).cpu()  # [world, k] ids per (rank, slot)
+    # Start of each (rank, slot) run of ids inside recv, then reorder slot-major (host ints).
+    first = torch.tensor([s0 + k * b for s0, b in zip(starts, batch_sizes)], device="cpu").unsqueeze(1)
     run_start = first + torch.cumsum(per_slot, 1) - per_slot
     run_start, run_len = run_start.t().reshape(-1), per_slot.t().reshape(-1)
     out_start = torch.cumsum(run_len, 0) - run_len
     total = int(run_len.sum())
-    src = torch.repeat_interleave(run_start - out_start, run_len) + torch.arange(total)
+    src = (torch.repeat_interleave((run_start - out_start).to(dev), run_len.to(dev), output_size=total)
+           + torch.arange(total, device=dev))
     kjt = KeyedJagged([s.name for s in mine], recv.index_select(0, src).to(torch.int64),
                       torch.cat(lengths, dim=1).reshape(-1).to(torch.int32))
     return kjt, per_slot

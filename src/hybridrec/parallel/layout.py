@@ -221,15 +221,27 @@ class BlockLayout:
     @cached_property
     def _index(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         # Column indices as tensors, built once per layout (the hot path reuses them).
-        sq = None if self.sq_cols is None else torch.tensor(self.sq_cols, dtype=torch.long)
-        return (torch.tensor(self.field_cols, dtype=torch.long), torch.tensor(self.lr_cols, dtype=torch.long),
-                sq)
+        sq = None if self.sq_cols is None else torch.tensor(self.sq_cols, dtype=torch.long, device="cpu")
+        return (torch.tensor(self.field_cols, dtype=torch.long, device="cpu"),
+                torch.tensor(self.lr_cols, dtype=torch.long, device="cpu"), sq)
+
+    @cached_property
+    def _indexes(self) -> dict:
+        return {}
+
+    def _index_on(self, device: torch.device) -> tuple:
+        """:attr:`_index` on ``device``, copied there once (a copy per step from pageable
+        host memory would make the host wait for the GPU)."""
+        got = self._indexes.get(device)
+        if got is None:
+            got = self._indexes[device] = tuple(None if i is None else i.to(device) for i in self._index)
+        return got
 
     def encode(self, kt: KeyedTensor) -> torch.Tensor:
         """A local collection's output -> this block, ``[rows, width]`` (a view of the
         output when the block is all of it)."""
         v = kt.values
-        fields_idx, lr_idx, sq_idx = (None if i is None else i.to(v.device) for i in self._index)
+        fields_idx, lr_idx, sq_idx = self._index_on(v.device)
         fields = v if self.whole else v.index_select(1, fields_idx)
         if not self.has_fm:
             return fields

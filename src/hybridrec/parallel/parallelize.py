@@ -15,7 +15,6 @@ from hybridrec.comm.codecs import Codec
 from hybridrec.comm.ddp_hooks import HookFactory
 from hybridrec.comm.ledger import CommLedger
 from hybridrec.model.dlrm import DLRM
-from hybridrec.model.embedding import EmbeddingBagCollection
 from hybridrec.parallel.dense_sync import DDPSync, DenseSync, NoSync, allreduce_hook
 from hybridrec.parallel.plan import ShardingPlan
 from hybridrec.parallel.sharded_embedding import ShardedEmbeddingBagCollection
@@ -35,11 +34,9 @@ def parallelize_dlrm(model: DLRM, plan: ShardingPlan, topo: Topology, *,
     module)`` gives each arch's DDP comm hook; None = the plain all-reduce) on several
     ranks, nothing on one."""
     ebc = model.sparse
-    if isinstance(ebc, EmbeddingBagCollection):
+    if not ebc.spans_ranks:  # (a single-device collection: sharded here)
         model.sparse = ShardedEmbeddingBagCollection(list(ebc.tables.values()), plan, topo,
                                                      seed=ebc.seed, ledger=ledger, codecs=codecs)
-    elif not isinstance(ebc, ShardedEmbeddingBagCollection):
-        raise TypeError(f"cannot shard a {type(ebc).__name__}")
     if dense_sync is None:
         dense_sync = DDPSync(topo, hooks=dense_hooks, ledger=ledger) if topo.world_size > 1 else NoSync()
     return dense_sync.wrap(model)

@@ -240,7 +240,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
             local = self.replicated(kjt.select_keys(self.replicated.feature_names))
             replicated = layout.replicated.encode(local)
         else:
-            replicated = torch.empty(b, 0)
+            replicated = torch.empty(b, 0, device=self.topo.device)
         if self.wire_dtype is not None:  # the output is assembled in the wire's dtype
             replicated = replicated.to(self.wire_dtype)
 
@@ -248,7 +248,8 @@ class ShardedEmbeddingBagCollection(nn.Module):
             if exchange is not None:
                 blocks, hosts = exchange.wait()
             else:  # replicated tables only: nothing is distributed
-                blocks, hosts = [torch.empty(b, 0)] * world, [torch.empty(b, 0)] * layout.num_hosts
+                none = torch.empty(b, 0, device=self.topo.device)
+                blocks, hosts = [none] * world, [none] * layout.num_hosts
             out, fm = self._combine([*blocks, replicated, *hosts], b)
             out = scale_grad(out, 1.0 / world)
             if fm is not None:
@@ -272,7 +273,8 @@ class ShardedEmbeddingBagCollection(nn.Module):
                 reduced = host_reduce(layout.trw_blocks[rank].encode(kt), layout, sizes, self.topo,
                                       self.ledger)
         else:  # still joins the collectives, forward and backward
-            pooled = torch.zeros(sum(sizes), 0, requires_grad=self.training and torch.is_grad_enabled())
+            pooled = torch.zeros(sum(sizes), 0, device=self.topo.device,
+                                 requires_grad=self.training and torch.is_grad_enabled())
         reduced = pooled.new_zeros(0, 0) if reduced is None else reduced
         if self.wire_dtype is not None:  # cast where the dense arches would (module docstring)
             pooled, reduced = pooled.to(self.wire_dtype), reduced.to(self.wire_dtype)
@@ -398,6 +400,31 @@ class ShardedEmbeddingBagCollection(nn.Module):
         return {**grads, REPLICATED: reduced}
 
     # -- optimizer and state plumbing ------------------------------------------------
+    # -- the EmbeddingCollection interface (hybridrec.model.embedding) -------------
+    spans_ranks = True
+    holds_tables = True
+
+    def step_grads(self) -> dict[str, RowGrads]:
+        """This rank's row gradients, the replicated tables' all-reduced (a collective
+        every rank runs every step)."""
+        return self.reduce_sparse_grads(self.pop_sparse_grads())
+
+    def updated_collections(self) -> dict[str, EmbeddingBagCollection]:
+        return {k: c for k, c in ((SHARDS, self.local), (REPLICATED, self.replicated)) if c is not None}
+
+    def local_weights(self) -> dict[str, torch.Tensor]:
+        return {k: w for k, (_, w) in self.local_shards().items()}
+
+    def shard_of(self, local_name: str) -> tuple[Shard, list[Shard]] | None:
+        base, _, idx = local_name.partition("@")
+        if idx in ("", "*"):
+            return None
+        shards = list(self.layout.table_shards(base))
+        return shards[int(idx)], shards
+
+    def plan_dict(self) -> dict:
+        return self.plan.to_dict()
+
     def local_shards(self) -> dict[str, tuple[Shard, torch.Tensor]]:
         """``{"table@i": (shard, weight)}`` of the shards held here (replicated: ``table@*``)."""
         out = {}

@@ -166,7 +166,7 @@ def _table_entries(layout: EmbeddingLayout, owner: int, cols: torch.Tensor) -> d
     tables, ids = _col_tables(layout, owner)
     if not tables:
         return {}
-    n = torch.bincount(ids[cols], minlength=len(tables)).tolist()
+    n = torch.bincount(ids.to(cols.device)[cols], minlength=len(tables)).tolist()
     out: dict[str | None, int] = {}
     for t, k in zip(tables, n):
         out[t] = out.get(t, 0) + k
@@ -214,6 +214,8 @@ class ThresholdAllToAll(torch.autograd.Function):
                 ledger, state: ThresholdMP, training: bool):
         me, world, b = topo.rank, topo.world_size, batch_sizes[topo.rank]
         x = pooled.detach().contiguous()
+        dev = x.device  # (on a GPU the hop waits for the device at its sizes and byte counts:
+        # the sizes travel before the entries, by design; see the module docstring)
         width = x.shape[1]
         vb = _item(state.dtype)
         with phase("mp_select"):
@@ -231,7 +233,7 @@ class ThresholdAllToAll(torch.autograd.Function):
                                                      torch.split(vals_all, per_dest),
                                                      torch.split(cols_all, per_dest))):
             if width == 0:
-                msgs.append(torch.empty(0, dtype=torch.uint8))
+                msgs.append(torch.empty(0, dtype=torch.uint8, device=dev))
                 continue
             msgs.append(torch.cat([to_bytes(cnt.to(cdt)), to_bytes(vals), to_bytes(cols.to(idt))]))
             if d != me:
@@ -240,18 +242,19 @@ class ThresholdAllToAll(torch.autograd.Function):
                 book.add(None, sent=n * cb + SIZE_BYTES)
         in_splits = [m.numel() for m in msgs]
         with phase("mp_wait"):
-            sizes = torch.empty(world, dtype=torch.int64)
-            topo.all_to_all(sizes, torch.tensor(in_splits, dtype=torch.int64), [1] * world, [1] * world)
+            sizes = torch.empty(world, dtype=torch.int64, device=topo.comm_device)
+            topo.all_to_all(sizes, torch.tensor(in_splits, dtype=torch.int64, device=topo.comm_device),
+                            [1] * world, [1] * world)
             out_splits = sizes.tolist()
-            recv = torch.empty(sum(out_splits), dtype=torch.uint8)
+            recv = torch.empty(sum(out_splits), dtype=torch.uint8, device=dev)
             topo.all_to_all(recv, torch.cat(msgs), out_splits, in_splits)
         total_w = sum(layout.blocks[o].width for o in range(world))
-        out = torch.zeros(b * total_w)
+        out = torch.zeros(b * total_w, device=dev)
         recv_pos, at_col = [], 0
         for o, part in enumerate(torch.split(recv, out_splits)):
             w_o = layout.blocks[o].width
             if w_o == 0:
-                recv_pos.append(torch.empty(0, dtype=torch.int64))
+                recv_pos.append(torch.empty(0, dtype=torch.int64, device=dev))
                 continue
             kc_o = state.budget(w_o)
             cdt_o, idt_o = count_dtype(kc_o), index_dtype(w_o)
@@ -262,7 +265,7 @@ class ThresholdAllToAll(torch.autograd.Function):
             cols = from_bytes(part[at + nnz * vb:], idt_o).to(torch.int64)
             if cols.numel() != nnz:
                 raise ValueError(f"threshold hop: rank {o} sent {cols.numel()} positions for {nnz} values")
-            rows = torch.repeat_interleave(torch.arange(b), cnt)
+            rows = torch.repeat_interleave(torch.arange(b, device=dev), cnt, output_size=nnz)
             pos = rows * total_w + (cols + at_col)  # flat positions in the received [b, total_w]
             out.index_copy_(0, pos, vals)
             recv_pos.append(pos)
@@ -293,7 +296,7 @@ class ThresholdAllToAll(torch.autograd.Function):
             at_col += layout.blocks[o].width
         in_splits = [m.numel() for m in msgs]
         out_splits = [n * vb for n in per_dest]
-        recv = torch.empty(sum(out_splits), dtype=torch.uint8)
+        recv = torch.empty(sum(out_splits), dtype=torch.uint8, device=grad.device)
         with phase("mp_grad_wait"):
             topo.all_to_all(recv, torch.cat(msgs), out_splits, in_splits)
         gx = grad.new_zeros(sum(batch_sizes) * width)

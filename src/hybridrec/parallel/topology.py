@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from hybridrec.comm.exchange import PairwiseExchange
+from hybridrec.parallel.devices import choose_backend
 
 
 @dataclass
@@ -75,6 +76,13 @@ class Topology:
         raise ValueError(f"unknown exchange {self.exchange!r}: collective or pairwise")
 
     @property
+    def comm_device(self) -> torch.device:
+        """Where small host-made tensors of a collective live (input_dist's counts, the
+        threshold's sizes): the rank's GPU with NCCL (it takes CUDA tensors only), else the
+        CPU (gloo takes them there without a copy, and the host reads them anyway)."""
+        return self.device if self.backend == "nccl" else torch.device("cpu")
+
+    @property
     def global_rank(self) -> int:
         return self.group_index * self.world_size + self.rank
 
@@ -109,21 +117,26 @@ class Topology:
     def init(*, backend: str | None = None, timeout_s: float = 300.0,
              local_world_size: int | None = None, store: dist.Store | None = None,
              rank: int | None = None, world_size: int | None = None,
-             group_size: int | None = None) -> Topology:
+             group_size: int | None = None, ranks_per_machine: int | None = None) -> Topology:
         """Join (or start) the default process group from torchrun's environment
         (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT), or
         with ``store``, ``rank`` and ``world_size`` given (a group of some of torchrun's
         processes, e.g. a parameter-server run's trainers).
 
-        Backend: NCCL when CUDA is available, gloo otherwise. ``timeout_s`` bounds
-        every collective, so a dead peer ends in an error instead of a hang.
-        ``group_size``: ranks per group of hierarchical training (None: one group).
+        Backend and device: ``backend`` is the ``dist.backend`` setting (None: ``auto``),
+        resolved by :func:`~hybridrec.parallel.devices.choose_backend` from the ranks per
+        machine (``ranks_per_machine``, else LOCAL_WORLD_SIZE) and the GPUs here: NCCL and
+        ``cuda:LOCAL_RANK`` with a GPU per rank, gloo on shared GPUs with fewer, gloo on the
+        CPU without. ``timeout_s`` bounds every collective, so a dead peer ends in an error
+        instead of a hang. ``group_size``: ranks per group of hierarchical training (None: one group).
         """
-        use_cuda = torch.cuda.is_available() and backend != "gloo"
-        backend = backend or ("nccl" if use_cuda else "gloo")
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        device = torch.device("cuda", local_rank) if backend == "nccl" else torch.device("cpu")
-        if backend == "nccl":
+        per_machine = ranks_per_machine or int(os.environ.get("LOCAL_WORLD_SIZE", world_size or
+                                                              os.environ.get("WORLD_SIZE", "1")))
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        choice = choose_backend(backend or "auto", per_machine, gpus)
+        backend, device = choice.backend, torch.device(choice.device(local_rank))
+        if device.type == "cuda":  # (the current device: kernels and NCCL's communicator use it)
             torch.cuda.set_device(device)
         if not dist.is_initialized():
             dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s),

@@ -65,9 +65,12 @@ class ServerGone(ServerError, PeerGone):
 def wait_reply(fut, what: str, to: str):
     """The value of an RPC future, or a :class:`ServerError` naming the server and the request."""
     try:
-        return fut.wait()
+        value = fut.wait()
     except RuntimeError as e:
         raise server_error(e, what, to) from e
+    if isinstance(value, Exception):  # a failed asynchronous handler's (server.rpc_pull) error comes as its value
+        raise server_error(RuntimeError(repr(value)), what, to) from value
+    return value
 
 
 _GONE = re.compile(r"^(eof|end of file)\b|connection (reset|refused|closed|aborted)|broken pipe|"
@@ -121,7 +124,24 @@ class RemoteEmbeddingCollection(nn.Module):
     """Pooled embeddings from tables held by parameter servers (same output as
     :class:`~hybridrec.model.embedding.EmbeddingBagCollection`)."""
 
-    remote = True  # no table is held here (checkpoints: the servers save them)
+    # -- the EmbeddingCollection interface (hybridrec.model.embedding) -------------
+    spans_ranks = True
+    holds_tables = False  # no table is held here (checkpoints: the servers save them)
+
+    def step_grads(self) -> dict[str, list]:
+        return {"ps": self.pop_sparse_grads()}  # (pushed by the "ps" optimizer)
+
+    def updated_collections(self) -> dict:
+        return {}
+
+    def local_weights(self) -> dict:
+        return {}
+
+    def shard_of(self, local_name: str) -> None:
+        return None
+
+    def plan_dict(self) -> None:
+        return None  # (the servers' plan is the run's plan.json)
 
     def __init__(self, tables: list[TableConfig], plan: ShardingPlan, *, trainer: int,
                  num_trainers: int = 1, ledger: CommLedger | None = None, timeout_s: float = 300.0) -> None:
@@ -141,7 +161,8 @@ class RemoteEmbeddingCollection(nn.Module):
             shards = sorted(tp.shards, key=lambda s: s.rows[0])
             self._owners[name] = (torch.tensor([s.rows[0] for s in shards]), [s.rank for s in shards])
         self.pushed_steps = 0  # training steps pushed (the next pull is for the step after)
-        self.staleness: list[float] = []  # per push: mean over servers of its staleness
+        # per push: mean of its staleness over the servers it updated (those pulled in its step)
+        self.staleness: list[float] = []
         # Per training thread (train.workers; one thread: one entry): its lookups not popped
         # yet, the (server, future) pairs of its last push, and per server the version at its
         # step's pull.
@@ -182,7 +203,7 @@ class RemoteEmbeddingCollection(nn.Module):
             for server, (pos, _) in routes[t].items():
                 rows[pos] = got[server][1][t]
             out[t] = rows
-        if step is not None:
+        if step is not None:  # the servers read in this step: its push's staleness counts from them
             mine.versions = {j: v for j, (v, _) in got.items()}
             if self.ledger is not None:
                 sent = sum(x.numel() * 8 for a in asks.values() for x in a.values())
@@ -203,7 +224,12 @@ class RemoteEmbeddingCollection(nn.Module):
         for t, feats in by_table.items():
             values = torch.cat([parts[f][0] for f in feats])
             unique[t], inverse[t] = torch.unique(values, sorted=True, return_inverse=True)
-        rows = self._pull(unique)
+        device = kjt.values.device
+        # The servers are CPU processes and RPC carries host tensors: on a GPU trainer the
+        # distinct ids come to the host (a host sync, the pull's round trip waits anyway) and
+        # the pulled rows go to the device. (No-ops on a CPU trainer.)
+        unique = {t: u.cpu() for t, u in unique.items()}
+        rows = {t: r.to(device) for t, r in self._pull(unique).items()}
         all_offsets, b = kjt.offsets(), kjt.batch_size
         key_at = {f: k for k, f in enumerate(kjt.keys)}
         train = self.training and torch.is_grad_enabled()
@@ -248,9 +274,9 @@ class RemoteEmbeddingCollection(nn.Module):
         asks: dict[int, dict] = {j: {} for j in range(self.plan.world_size)}
         for t, ids, rows in grads:
             for server, (pos, sub) in self._route(t, ids).items():
-                asks[server][t] = (sub, rows.index_select(0, pos).mul_(self.grad_scale))
+                asks[server][t] = (sub, rows.index_select(0, pos.to(rows.device)).mul_(self.grad_scale).cpu())
         mine.pushes = [(j, rpc.rpc_async(server_name(j), srv.rpc_push,
-                                         args=(self.trainer, step, lr, a, mine.versions.get(j, 0)),
+                                         args=(self.trainer, step, lr, a, mine.versions.get(j)),
                                          timeout=self.timeout_s)) for j, a in asks.items()]
         if self.ledger is not None:
             sent = sum(ids.numel() * 8 + r.numel() * 4 for a in asks.values() for ids, r in a.values())
@@ -261,7 +287,8 @@ class RemoteEmbeddingCollection(nn.Module):
         training thread's (and note their staleness)."""
         for state in list(self._threads.values()) if every_thread else [self._mine]:
             pushes, state.pushes = state.pushes, []
-            stale = [wait_reply(f, "push", server_name(j)) for j, f in pushes]
+            # (None: a push without rows, to a server not pulled in its step: no update)
+            stale = [x for x in (wait_reply(f, "push", server_name(j)) for j, f in pushes) if x is not None]
             if stale:
                 self.staleness.append(sum(stale) / len(stale))
         if every_thread:  # (no thread trains now) threads that ended leave nothing behind

@@ -7,14 +7,20 @@ ranks; it never runs a forward), and one of the project's sparse optimizers over
 
 - ``pull(trainer, step, ids)``: the rows of global ids per table, and the server's version
   (updates applied so far). With a staleness bound ``B`` a pull for step ``s`` waits until
-  every trainer has pushed step ``s - 1 - B`` (unbounded (``B < 0``): never waits).
+  every trainer has pushed step ``s - 1 - B`` (unbounded (``B < 0``): never waits). Over
+  RPC the wait holds no thread (``pull_later``: a future that the push which lets the pull
+  through completes, ``rpc.functions.async_execution``): with blocking handlers, pulls held
+  back by the bound filled the RPC agent's worker threads (16 by default) once 17 trainers
+  or more waited, and the push that would release them found no thread to run on.
 - ``push(trainer, step, lr, grads, pulled_version)``: row gradients per table. ``B != 0``:
   applied at once under a lock (asynchronous across trainers: pushes apply in arrival
   order); returns the staleness of the update, the other trainers' updates applied
   between its pull and its push. ``B = 0`` (synchronous): a step's pushes wait in a buffer
   until every trainer has pushed that step, then their sum is applied as one update (the
   update of one process with the global batch, for every optimizer, row-wise Adagrad and
-  lazy Adam included); staleness 0.
+  lazy Adam included); staleness 0. A push without rows (the trainer read nothing from
+  this server in that step: ``pulled_version`` None) is no update: it counts the trainer's
+  step for the bound, changes no version and has no staleness (None).
 - ``save(path)`` / ``load(path)``: a sharded checkpoint of the servers (DCP, collective
   over the servers, the checkpoint module's format).
 
@@ -26,9 +32,11 @@ from __future__ import annotations
 
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed.rpc as rpc
 from torch import nn
 
 from hybridrec.model.embedding import TableConfig
@@ -46,6 +54,16 @@ class _Tables(nn.Module):
     def __init__(self, sparse: ShardedEmbeddingBagCollection) -> None:
         super().__init__()
         self.sparse = sparse
+
+
+@dataclass
+class _Held:
+    """A pull the staleness bound holds back until every trainer has pushed ``need``."""
+
+    need: int
+    ids: dict
+    fut: torch.futures.Future
+    deadline: float  # monotonic seconds
 
 
 class EmbeddingServer:
@@ -66,6 +84,8 @@ class EmbeddingServer:
         self.version = 0  # updates applied
         self.pushed = [0] * num_trainers  # steps each trainer has pushed
         self._waiting: dict[int, list[dict]] = {}  # synchronous: step -> the pushes so far
+        self._waiting_pulls: list[_Held] = []  # pulls held back by the staleness bound
+        self._expiry: threading.Thread | None = None  # fails held pulls at their deadline
 
     def _rows(self, table: str, ids: torch.Tensor) -> tuple[int, torch.Tensor]:
         try:
@@ -75,41 +95,93 @@ class EmbeddingServer:
         return group, ids - first + start
 
     def pull(self, trainer: int, step: int | None, ids: dict[str, torch.Tensor]) -> tuple[int, dict]:
-        with self._cond:
-            if step is not None and self.max_staleness >= 0:
-                self._wait_for(step - 1 - self.max_staleness)
-            out = {}
-            for table, gids in ids.items():
-                group, rows = self._rows(table, gids)
-                out[table] = self.model.sparse.local.group_weight(group).index_select(0, rows)
-            return self.version, out
+        """The rows (waiting in the calling thread, if the bound says so)."""
+        return self.pull_later(trainer, step, ids).wait()
 
-    def _wait_for(self, step: int) -> None:
-        deadline = time.monotonic() + self.timeout_s
-        while min(self.pushed) < step:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                late = [i for i, s in enumerate(self.pushed) if s < step]
-                raise TimeoutError(f"staleness bound: trainer(s) {late} did not push step {step} within "
-                                   f"dist.timeout_s={self.timeout_s:g}")
-            self._cond.wait(left)
-
-    def push(self, trainer: int, step: int, lr: float, grads: dict, pulled_version: int) -> int:
+    def pull_later(self, trainer: int, step: int | None, ids: dict[str, torch.Tensor]) -> torch.futures.Future:
+        """:meth:`pull` as a future, completed at once if the staleness bound lets the pull
+        through, else by the push that does (or failed with ``TimeoutError`` after
+        ``timeout_s``); nothing waits meanwhile."""
+        fut = torch.futures.Future()
         with self._cond:
-            staleness = self.version - pulled_version
+            need = step - 1 - self.max_staleness if step is not None and self.max_staleness >= 0 else None
+            if need is None or min(self.pushed) >= need:
+                _complete(fut, self._answer(ids))
+                return fut
+            self._waiting_pulls.append(_Held(need, ids, fut, time.monotonic() + self.timeout_s))
+            self._cond.notify_all()  # (the expiry thread: a new deadline)
+            self._start_expiry()
+        return fut
+
+    def _answer(self, ids: dict[str, torch.Tensor]) -> tuple[int, dict] | Exception:
+        """The pull's reply, or its error (set on the future: an asynchronous RPC function
+        that raises leaves its caller without a reply)."""
+        try:
+            return self._read(ids)
+        except Exception as e:  # noqa: BLE001 - the trainer's error (one line, client.server_error)
+            return e
+
+    def _read(self, ids: dict[str, torch.Tensor]) -> tuple[int, dict]:
+        out = {}
+        for table, gids in ids.items():
+            group, rows = self._rows(table, gids)
+            out[table] = self.model.sparse.local.group_weight(group).index_select(0, rows)
+        return self.version, out
+
+    def _release(self) -> list:
+        """Under the lock: the held pulls the pushes now let through, with their rows
+        (completed by the caller once it let go of the lock)."""
+        ready = [h for h in self._waiting_pulls if min(self.pushed) >= h.need]
+        self._waiting_pulls = [h for h in self._waiting_pulls if min(self.pushed) < h.need]
+        return [(h.fut, self._answer(h.ids)) for h in ready]
+
+    def _start_expiry(self) -> None:
+        """Under the lock: one thread per server fails held pulls past their deadline."""
+        if self._expiry is None:
+            self._expiry = threading.Thread(target=self._expire, name="hybridrec-ps-expiry", daemon=True)
+            self._expiry.start()
+
+    def _expire(self) -> None:
+        while True:
+            with self._cond:
+                now = time.monotonic()
+                late = [h for h in self._waiting_pulls if h.deadline <= now]
+                self._waiting_pulls = [h for h in self._waiting_pulls if h.deadline > now]
+                errors = [(h.fut, self._late(h.need)) for h in late]
+                if not errors:
+                    nxt = min((h.deadline for h in self._waiting_pulls), default=None)
+                    self._cond.wait(None if nxt is None else max(0.0, nxt - now))
+            for fut, e in errors:
+                fut.set_exception(e)
+
+    def _late(self, step: int) -> TimeoutError:
+        late = [i for i, s in enumerate(self.pushed) if s < step]
+        return TimeoutError(f"staleness bound: trainer(s) {late} did not push step {step} within "
+                            f"dist.timeout_s={self.timeout_s:g}")
+
+    def push(self, trainer: int, step: int, lr: float, grads: dict, pulled_version: int | None) -> int | None:
+        with self._cond:
+            rows = any(ids.numel() for ids, _ in grads.values()) and pulled_version is not None
             if self.max_staleness == 0 and self.num_trainers > 1:
                 waiting = self._waiting.setdefault(step, [])
                 waiting.append(grads)
                 if len(waiting) == self.num_trainers:  # the step's last push: one update
                     self._apply(lr, _summed(self._waiting.pop(step)))
-                staleness = 0
+                staleness = 0 if rows else None
             else:
+                staleness = self.version - pulled_version if rows else None
                 self._apply(lr, grads)
             self.pushed[trainer] = max(self.pushed[trainer], step)
+            released = self._release()
             self._cond.notify_all()
-            return staleness
+        for fut, value in released:
+            _complete(fut, value)
+        return staleness
 
     def _apply(self, lr: float, grads: dict) -> None:
+        """One update, unless no rows (no version either)."""
+        if not any(ids.numel() for ids, _ in grads.values()):
+            return
         rows = [(g, fused, r, True) for table, (ids, r) in grads.items() for g, fused in [self._rows(table, ids)]]
         self.opt.lr = lr
         self.opt.step({"shards": rows})
@@ -125,8 +197,19 @@ class EmbeddingServer:
             extra = load_state(Path(path), model=self.model, dense_opt=None, sparse_opts=list(self.opt),
                                topo=self.topo).extra
             self.version, self.pushed = int(extra["version"]), [int(s) for s in extra["pushed"]]
+            released = self._release()
             self._cond.notify_all()
-            return extra
+        for fut, value in released:
+            _complete(fut, value)
+        return extra
+
+
+def _complete(fut: torch.futures.Future, value) -> None:
+    """Complete ``fut`` with ``value``, or fail it with ``value`` if an exception."""
+    if isinstance(value, Exception):
+        fut.set_exception(value)
+    else:
+        fut.set_result(value)
 
 
 def _summed(pushes: list[dict]) -> dict:
@@ -154,11 +237,13 @@ def _server() -> EmbeddingServer:
     return _SERVER
 
 
-def rpc_pull(trainer: int, step: int | None, ids: dict) -> tuple[int, dict]:
-    return _server().pull(trainer, step, ids)
+@rpc.functions.async_execution
+def rpc_pull(trainer: int, step: int | None, ids: dict) -> torch.futures.Future:
+    """Returns at once: the reply goes when the future is completed (no thread waits)."""
+    return _server().pull_later(trainer, step, ids)
 
 
-def rpc_push(trainer: int, step: int, lr: float, grads: dict, pulled_version: int) -> int:
+def rpc_push(trainer: int, step: int, lr: float, grads: dict, pulled_version: int | None) -> int | None:
     return _server().push(trainer, step, lr, grads, pulled_version)
 
 

@@ -75,7 +75,8 @@ def init_world(r: Roles, *, timeout_s: float, backend: str | None = None,
                              local_world_size=r.num_ps if r.all_local else 1)
     return Topology.init(backend=backend, timeout_s=timeout_s, store=dist.PrefixStore("hybridrec-trainers", store),
                          rank=r.rank, world_size=r.num_trainers,
-                         local_world_size=r.num_trainers if r.all_local else 1, group_size=group_size)
+                         local_world_size=r.num_trainers if r.all_local else 1, group_size=group_size,
+                         ranks_per_machine=r.num_trainers if r.all_local else None)  # (servers: no GPU)
 
 
 def join_rpc(r: Roles, *, timeout_s: float, interface: str = "") -> None:

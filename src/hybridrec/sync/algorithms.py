@@ -8,9 +8,15 @@ and returns the *target* ``t`` ``[n]`` the replica should become; the runner
 
 - :class:`ModelAveraging` (MA): ``t = mean_i s_i``. No state.
 - :class:`ElasticAveraging` (EASGD, centre replicated on every rank): with the centre ``c``,
-  ``t = s - alpha (s - c)``, then ``c <- c + beta (mean_i s_i - c)``, ``beta = min(1, N alpha)``
-  (the synchronous EASGD of Zhang et al. 2015 with ``beta = N alpha``, capped so the centre
-  never overshoots the mean). ``alpha = 0``: independent training.
+  ``t = s - alpha (s - c)``, then ``c <- c + beta (mean_i s_i - c)``: the synchronous EASGD
+  of Zhang, Choromanska and LeCun 2015, whose centre moves at ``beta = N alpha`` (N ranks:
+  the elastic force is symmetric). By default ``beta`` is fixed at 0.9, the value of the
+  paper's experiments, and ``alpha = beta / N``, so ``beta < 1`` for any N (a fixed
+  ``alpha`` of 0.25 gave ``N alpha >= 1`` from 4 ranks on: the centre became each round's
+  mean, and EASGD "move alpha toward last round's mean"). An explicit ``alpha`` keeps
+  ``beta = min(1, N alpha)``. The final model (:meth:`ElasticAveraging.final`) is the
+  centre, as in the paper, moved once more toward the replicas' last mean. ``alpha = 0``:
+  independent training.
 - :class:`BlockMomentum` (BMUF, Chen & Huo 2016): with the global model ``g`` and the block
   momentum ``delta``: the replicas started the block from ``b``, the previous round's target
   (``b = g + mu delta`` with Nesterov, ``b = g`` without); ``d = mean_i s_i - b``,
@@ -21,12 +27,17 @@ and returns the *target* ``t`` ``[n]`` the replica should become; the runner
   becomes ``delta <- mu (1 + zeta) delta + zeta p`` (``p``: the replicas' mean progress),
   momentum 1 at ``mu = 0.5, zeta = 1``: the block momentum never decays and the dense model
   runs away (the divergence measured at 100 Mbit/s before this was fixed, docs/benchmarks.md).
-  In steady state BMUF multiplies the replicas' progress by ``zeta / (1 - mu)``.
+  In steady state BMUF multiplies the replicas' progress by ``zeta / (1 - mu)``. The block
+  momentum defaults to ``1 - 1/N`` (N ranks), Chen and Huo's advice (with ``zeta = 1``):
+  the more replicas a block averages, the less each block's mean progress is worth alone.
 
 The centre and the global model start as the replica at :meth:`Synchronizer.init` (every
 rank holds the same initial dense model: same seed, or the same checkpoint) and are kept
 identical on every rank by construction (each rank applies the same all-reduced mean), so
 they are checkpointed once, as global state.
+
+A synchronizer may also say what the final model is (``final(snapshot, mean)``, collective
+like a round): EASGD's centre. Without one the runner's last average is the replicas' mean.
 """
 
 from __future__ import annotations
@@ -127,14 +138,26 @@ class ModelAveraging:
         _check_name(self, state)
 
 
+EASGD_BETA = 0.9  # the centre's moving rate N alpha by default: the paper's experiments
+
+
 class ElasticAveraging:
     name = "easgd"
 
-    def __init__(self, alpha: float) -> None:
-        if not 0 <= alpha <= 1:
+    def __init__(self, alpha: float | None = None, *, beta: float = EASGD_BETA) -> None:
+        """``alpha`` None: ``beta / N`` (N: the sync group's size, known at the first round)."""
+        if alpha is not None and not 0 <= alpha <= 1:
             raise ValueError(f"EASGD alpha must be in [0, 1], got {alpha}")
-        self.alpha = alpha
+        if not 0 < beta < 1:
+            raise ValueError(f"EASGD beta must be in (0, 1), got {beta}")
+        self.alpha, self.beta = alpha, beta
         self.centre: torch.Tensor | None = None  # [n], identical on every rank
+
+    def rates(self, n: int) -> tuple[float, float]:
+        """``(alpha, beta)`` over ``n`` ranks: the replicas' and the centre's moving rates."""
+        if self.alpha is None:
+            return self.beta / n, self.beta
+        return self.alpha, min(1.0, n * self.alpha)  # (capped: the centre never overshoots the mean)
 
     def init(self, replica: torch.Tensor) -> None:
         if self.centre is None:
@@ -142,11 +165,20 @@ class ElasticAveraging:
 
     def round(self, snapshot, mean):
         mean = as_mean(mean)
+        alpha, beta = self.rates(mean.size())
         c = self.centre
-        target = snapshot - self.alpha * (snapshot - c)  # uses the centre before its update
-        beta = min(1.0, mean.size() * self.alpha)
+        target = snapshot - alpha * (snapshot - c)  # uses the centre before its update
         self.centre = c + beta * (mean(snapshot) - c)
         return target
+
+    def final(self, snapshot, mean):
+        """The final model: the centre after one more move toward the replicas' mean (the
+        elastic average the paper evaluates; measured against the replicas' mean in
+        docs/benchmarks.md)."""
+        mean = as_mean(mean)
+        _, beta = self.rates(mean.size())
+        self.centre = self.centre + beta * (mean(snapshot) - self.centre)
+        return self.centre.clone()
 
     def state_dict(self) -> dict:
         return {"name": self.name, "alpha": self.alpha, "centre": self.centre}
@@ -159,10 +191,12 @@ class ElasticAveraging:
 class BlockMomentum:
     name = "bmuf"
 
-    def __init__(self, block_momentum: float, block_lr: float, *, nesterov: bool = True) -> None:
-        if not 0 <= block_momentum < 1 or block_lr <= 0:
+    def __init__(self, block_momentum: float | None = None, block_lr: float = 1.0, *, nesterov: bool = True) -> None:
+        """``block_momentum`` None: ``1 - 1/N`` (N: the sync group's size, at the first round)."""
+        if (block_momentum is not None and not 0 <= block_momentum < 1) or block_lr <= 0:
             raise ValueError(f"BMUF needs 0 <= mu < 1 and zeta > 0, got {block_momentum}, {block_lr}")
-        self.mu, self.zeta, self.nesterov = block_momentum, block_lr, nesterov
+        self.block_momentum, self.zeta, self.nesterov = block_momentum, block_lr, nesterov
+        self.mu = 0.0 if block_momentum is None else block_momentum  # (None: set by the first round)
         self.global_model: torch.Tensor | None = None  # [n] g, identical on every rank
         self.delta: torch.Tensor | None = None  # [n] block momentum
 
@@ -172,11 +206,17 @@ class BlockMomentum:
             self.delta = torch.zeros_like(self.global_model)
 
     def round(self, snapshot, mean):
+        mean = as_mean(mean)
+        self.mu = self.momentum(mean.size())
         start = self.global_model + self.mu * self.delta if self.nesterov else self.global_model
-        d = as_mean(mean)(snapshot) - start  # the block's progress from where it started
+        d = mean(snapshot) - start  # the block's progress from where it started
         self.delta = self.mu * self.delta + self.zeta * d
         self.global_model = self.global_model + self.delta
         return self.global_model + self.mu * self.delta if self.nesterov else self.global_model.clone()
+
+    def momentum(self, n: int) -> float:
+        """The block momentum over ``n`` ranks."""
+        return 1.0 - 1.0 / n if self.block_momentum is None else self.block_momentum
 
     def state_dict(self) -> dict:
         return {"name": self.name, "global_model": self.global_model, "delta": self.delta}
@@ -191,12 +231,20 @@ def _check_name(sync, state: dict) -> None:
         raise ValueError(f"synchronizer state is for {state.get('name')!r}, not {sync.name!r}")
 
 
-def make_synchronizer(algorithm: str, *, alpha: float = 0.25, block_momentum: float = 0.5,
-                      block_lr: float = 1.0, nesterov: bool = True) -> Synchronizer:
+def make_synchronizer(algorithm: str, *, alpha: float | str | None = None,
+                      block_momentum: float | str | None = None, block_lr: float = 1.0,
+                      nesterov: bool = True) -> Synchronizer:
+    """``alpha`` / ``block_momentum`` None or ``"auto"`` (the config's default): from the
+    number of ranks, as the papers advise (module docstring)."""
     if algorithm == "ma":
         return ModelAveraging()
     if algorithm == "easgd":
-        return ElasticAveraging(alpha)
+        return ElasticAveraging(_given(alpha))
     if algorithm == "bmuf":
-        return BlockMomentum(block_momentum, block_lr, nesterov=nesterov)
+        return BlockMomentum(_given(block_momentum), block_lr, nesterov=nesterov)
     raise ValueError(f"unknown synchronizer {algorithm!r}: ma, easgd or bmuf")
+
+
+def _given(value: float | str | None) -> float | None:
+    """A rate the user set, or None for ``"auto"``."""
+    return None if value is None or value == "auto" else float(value)

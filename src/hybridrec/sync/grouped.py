@@ -31,6 +31,7 @@ import contextlib
 import torch
 import torch.distributed as dist
 
+from hybridrec.comm.exchange import collective_device
 from hybridrec.sync.runners import BackgroundRunner
 
 AGREE_CATEGORY = "sync_members"  # the per-step agreement inside a group (ledger)
@@ -82,7 +83,7 @@ class GroupedBackgroundRunner(BackgroundRunner):
         with self._cond:
             self.step = step
             flags = torch.tensor([int(self._want and self._given is None), int(self._pending is not None)],
-                                 dtype=torch.int32)
+                                 dtype=torch.int32, device=collective_device(self.members))
         # Collective on the group, every step: both flags only ever go from 0 to 1 in the
         # thread meanwhile, so a MIN of 1 means every member can do it now.
         dist.all_reduce(flags, op=dist.ReduceOp.MIN, group=self.members)
@@ -95,6 +96,7 @@ class GroupedBackgroundRunner(BackgroundRunner):
             if snap:
                 self._given = self.flat()
             self._cond.notify_all()
+        self.raise_if_dead()  # (after the members' agreement: every member took part in it)
 
     def stop(self) -> None:
         with self._cond:

@@ -53,6 +53,11 @@ Background rounds are not reproducible (they start wherever the training thread 
 until the shadow thread has decided on that step (a round done, or its turn not yet come),
 so rounds start at fixed steps and land one step later, and two runs are bitwise equal.
 
+A shadow thread that dies (its round raised) is noticed at the training thread's next step
+boundary: :meth:`BackgroundRunner.after_step` raises :class:`ShadowSyncDied` (one line: the
+step, the rounds done, the thread's error), so the run ends within one step instead of
+training on with replicas that no longer meet.
+
 The runner counts what it moves in the ledger (category ``sync``, direction ``sync``: one
 ring all-reduce of the replica per round, plus the 4-byte stop flag in the background) and
 keeps the *sync gap*: training steps between two rounds of this rank.
@@ -67,9 +72,16 @@ import time
 import torch
 import torch.distributed as dist
 
+from hybridrec.comm.exchange import collective_device
 from hybridrec.comm.ledger import CommLedger, ring_allreduce_bytes
+from hybridrec.errors import HybridrecError
 from hybridrec.sync.algorithms import CATEGORY, GroupMean, Mean, Synchronizer
 from hybridrec.threads import single_threaded
+
+
+class ShadowSyncDied(HybridrecError):
+    """The shadow thread of background synchronization raised: the run ends at the next
+    training step (:meth:`BackgroundRunner.raise_if_dead`) with its error in one line."""
 
 
 class SyncRunner:
@@ -107,9 +119,13 @@ class SyncRunner:
             self._capture = None
 
     def flat(self) -> torch.Tensor:
-        """This rank's replica, ``[n]`` float32 (a copy)."""
+        """This rank's replica, ``[n]`` float32 (a copy), on the host: the rounds run over
+        gloo groups of their own on host copies, so on a GPU a round never shares a
+        communicator (or a CUDA stream's collectives) with the step. ``.cpu()``: the
+        round's one device-to-host copy (a host sync of the thread that takes it; a no-op
+        on CPU ranks)."""
         with torch.no_grad():
-            return torch.cat([p.detach().reshape(-1) for p in self.params])
+            return torch.cat([p.detach().reshape(-1) for p in self.params]).cpu()
 
     def start(self) -> None:
         replica = self.flat()
@@ -121,8 +137,9 @@ class SyncRunner:
         self.step = step
 
     def finish(self) -> None:
-        """Stop rounds and average the replicas once, so every rank ends with the same
-        dense model (the one evaluated and saved)."""
+        """Stop rounds and make every rank's dense model the same final one (the one
+        evaluated and saved): the synchronizer's own (EASGD: the centre), else the
+        replicas' mean."""
         self._average()
 
     def one_round(self) -> None:
@@ -141,8 +158,10 @@ class SyncRunner:
 
     def _average(self) -> None:
         snapshot = self.flat()
+        exact = _FinalMean(self.mean) if hasattr(self.mean, "final") else self.exact
+        final = getattr(self.sync, "final", None)
         with torch.no_grad():
-            self._write(getattr(self.mean, "final", self.exact)(snapshot), None)
+            self._write(exact(snapshot) if final is None else final(snapshot, exact), None)
 
     def _write(self, target: torch.Tensor, snapshot: torch.Tensor | None) -> None:
         at = 0
@@ -151,8 +170,8 @@ class SyncRunner:
             t = target[at : at + n].view_as(p)
             if snapshot is None:
                 p.copy_(t)
-            else:  # keep what trained since the snapshot
-                p.add_(t - snapshot[at : at + n].view_as(p))
+            else:  # keep what trained since the snapshot (host values: to the device, a no-op on CPU)
+                p.add_((t - snapshot[at : at + n].view_as(p)).to(p.device))
             at += n
 
     # -- checkpoints ------------------------------------------------------------
@@ -243,6 +262,19 @@ class ForegroundRunner(SyncRunner):
             self.one_round()
 
 
+class _FinalMean:
+    """A compressed mean's exact last average (its ``final``) as a :class:`Mean`."""
+
+    def __init__(self, mean: Mean) -> None:
+        self.mean = mean
+
+    def size(self) -> int:
+        return self.mean.size()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mean.final(x)
+
+
 def cloned(state):
     """``state`` (dicts, lists, tuples of tensors and plain values) with its tensors copied."""
     if isinstance(state, torch.Tensor):
@@ -314,7 +346,8 @@ class BackgroundRunner(SyncRunner):
         self._done = 0  # rounds this invocation's thread finished (their state and target out)
         self._running = False  # the thread's loop has not ended
         self._thread: threading.Thread | None = None
-        self.error: BaseException | None = None
+        self.error: BaseException | None = None  # the thread's, raised at the next step
+        self._died_at: int | None = None  # the training step when the thread died
         # Each round's start (monotonic seconds), the training step then, and its seconds.
         self.round_starts: list[tuple[float, int, float]] = []
         self.busy_s = 0.0  # seconds this rank's thread spent in rounds
@@ -355,8 +388,9 @@ class BackgroundRunner(SyncRunner):
                 self.round_starts.append((t0, step0, took))
                 last = (t0, step0, took)
                 self._wait_written_back()  # by the training thread, then the next turn
-        except BaseException as e:  # noqa: BLE001 - reported to the training thread in stop()
-            self.error = e
+        except BaseException as e:  # noqa: BLE001 - raised in the training thread at its next step
+            with self._cond:  # (the step it died at, and the error, seen together)
+                self._died_at, self.error = self.step, e
         finally:
             with self._cond:
                 self._running = False
@@ -407,6 +441,18 @@ class BackgroundRunner(SyncRunner):
             self._apply_pending()
             self._cond.notify_all()  # a thread waiting for its turn counts steps
         self._wait_in_lockstep()
+        self.raise_if_dead()
+
+    def raise_if_dead(self) -> None:
+        """:class:`ShadowSyncDied` once the thread has died (its error in one line): with no
+        more rounds the replicas would drift apart unsynchronized, so the run ends at the
+        step after the thread's death, not when training ends."""
+        if self.error is None:
+            return
+        e = self.error
+        why = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise ShadowSyncDied(f"the shadow sync thread died at step {self._died_at} after {self._done} "
+                             f"round(s): {type(e).__name__}{': ' + why if why else ''}") from e
 
     def _wait_in_lockstep(self) -> None:
         """``lockstep``: wait until the thread has decided on this step: its round's target
@@ -444,7 +490,7 @@ class BackgroundRunner(SyncRunner):
         capture, done = self._capture_once()
         if self._capture is None or self.train_group is None:
             return capture
-        most = torch.tensor([done], dtype=torch.int64)
+        most = torch.tensor([done], dtype=torch.int64, device=collective_device(self.train_group))
         dist.all_reduce(most, op=dist.ReduceOp.MAX, group=self.train_group)
         most_done = int(most.item())  # host read: the checkpoint's decision
         if most_done == done:
@@ -485,8 +531,7 @@ class BackgroundRunner(SyncRunner):
             self._thread = None
             self._span.append(time.monotonic())
         self._apply_pending()
-        if self.error is not None:
-            raise RuntimeError(f"background synchronization failed: {self.error}") from self.error
+        self.raise_if_dead()
 
     def finish(self) -> None:
         self.stop()

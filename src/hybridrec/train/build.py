@@ -47,6 +47,7 @@ from hybridrec.train.optim import (
     dense_parameters,
 )
 from hybridrec.parallel.dense_sync import AllReduceSync, DDPSync, DenseSync, NoSync, dense_arches, synced_parameters
+from hybridrec.parallel.devices import choose_backend
 from hybridrec.parallel.parallelize import parallelize_dlrm
 from hybridrec.parallel.plan import ShardingPlan
 from hybridrec.parallel.sharded_embedding import SHARDS, ShardedEmbeddingBagCollection
@@ -55,10 +56,11 @@ from hybridrec.parallel.topology import Topology, group_problem
 from hybridrec.ps.client import PushOptimizer, RemoteEmbeddingCollection
 from hybridrec.train.memory import check_memory
 from hybridrec.train.ps_run import ServerCheckpoints, ps_plan
-from hybridrec.train.sparse_optim import CombinedSparseOptimizer, combined_sparse_optimizer, local_collections
+from hybridrec.train.sparse_optim import CombinedSparseOptimizer, combined_sparse_optimizer
 from hybridrec.train.thread_governor import thread_governor
 from hybridrec.train.tables import build_plan, build_tables, load_dataset, plan_file_problem
 from hybridrec.train import checkpoint as ckpt
+from hybridrec.train import init_from
 from hybridrec.sync import BackgroundRunner, ForegroundRunner, RankReplica, SyncRunner, make_synchronizer
 from hybridrec.sync.algorithms import CATEGORY as SYNC_CATEGORY, GroupMean
 from hybridrec.sync.compressed import CompressedMean
@@ -76,7 +78,20 @@ from hybridrec.train.recovery import (
     shards_go_resident,
     survivors_step,
 )
-from hybridrec.train.trainer import Trainer
+from hybridrec.train.checkpoint_policy import Checkpoints, RecoveryWatch, nothing_updating
+from hybridrec.train.hogwild import HogwildSteps
+from hybridrec.train.parts import (
+    Evaluation,
+    FailureInjection,
+    Part,
+    Progress,
+    ServerSteps,
+    StepSource,
+    StopEarly,
+    Sync,
+    ThreadTiming,
+)
+from hybridrec.train.trainer import Optimizers, Trainer
 
 
 def build_model(cfg: Config, meta: DatasetMeta, *, plan: ShardingPlan | None = None,
@@ -227,8 +242,19 @@ def build_topology(cfg: Config) -> Topology:
         raise ConfigError(problem)
     topo = Topology.init(backend=ranks_backend(cfg), timeout_s=cfg.dist.timeout_s,
                          group_size=group_size(cfg, world, local))
+    if problem := exchange_problem(cfg.dist.exchange, topo.device):
+        raise ConfigError(problem)
     topo.exchange = cfg.dist.exchange
     return topo
+
+
+def exchange_problem(exchange: str, device: torch.device) -> str | None:
+    """Why ``dist.exchange`` cannot run on ranks on ``device`` (None: it can): the pairwise
+    exchange is gloo's point-to-point send/recv, which takes CPU tensors only."""
+    if exchange == "pairwise" and device.type != "cpu":
+        return (f"dist.exchange=pairwise on {device}: gloo's point-to-point sends take CPU tensors "
+                "only; use dist.exchange=collective on GPUs")
+    return None
 
 
 def single_device(cfg: Config) -> torch.device:
@@ -242,17 +268,16 @@ def single_device(cfg: Config) -> torch.device:
 
 
 def ranks_backend(cfg: Config) -> str:
-    """Several ranks' backend: gloo, with the model on the CPU. Their sharded collections and
-    collectives are built on the CPU; NCCL would need them on the GPUs (not built yet), so
-    ``nccl`` is refused and ``auto`` says once, where CUDA is available, that it is not used."""
-    if cfg.dist.backend == "nccl":
-        raise ConfigError("dist.backend=nccl with several ranks: the multi-GPU path is not built yet "
-                          "(several ranks train on the CPU with gloo); use dist.backend=auto or gloo, "
-                          "or one process (dist.nproc=1), which trains on one GPU")
-    if cfg.dist.backend == "auto" and torch.cuda.is_available() and os.environ.get("RANK", "0") == "0":
-        print("several ranks train on the CPU with gloo (the multi-GPU path is not built yet); "
-              "one process (dist.nproc=1) trains on the GPU", file=sys.stderr, flush=True)
-    return "gloo"
+    """Several ranks' ``dist.backend`` setting, checked against this machine's GPUs before any
+    process group is made (``nccl`` without a GPU per rank: ConfigError); rank 0 says once
+    when the ranks share GPUs over gloo. :meth:`Topology.init` makes the same choice
+    (:func:`~hybridrec.parallel.devices.choose_backend`) and places the rank."""
+    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    choice = choose_backend(cfg.dist.backend, ranks, gpus)
+    if (note := choice.note(ranks)) and os.environ.get("RANK", "0") == "0":
+        print(note, file=sys.stderr, flush=True)
+    return cfg.dist.backend
 
 
 def build_sparse_optimizers(cfg: Config, sparse) -> CombinedSparseOptimizer:
@@ -432,7 +457,10 @@ def build_ps_model(cfg: Config, meta: DatasetMeta, topo: Topology, ledger: CommL
     return model, ServerCheckpoints(topo, cfg.dist.num_ps, cfg.dist.timeout_s)
 
 
-def build_trainer(cfg: Config, *, meta: DatasetMeta | None = None, topo: Topology | None = None) -> Trainer:
+def build_trainer(cfg: Config, *, meta: DatasetMeta | None = None, topo: Topology | None = None,
+                  started_at: str | None = None) -> Trainer:
+    """The run's trainer; ``started_at``: when this invocation started (the run's start,
+    unless its checkpoint knows an earlier one)."""
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
     allocator = configure_allocator(cfg.train.allocator)  # before the model and the loaders allocate
@@ -455,8 +483,6 @@ def build_trainer(cfg: Config, *, meta: DatasetMeta | None = None, topo: Topolog
     keep_until = latest[-1][0] if latest else 0
     if cfg.train.resume and cfg.train.recovery == "partial":  # (kept up to the survivors' step)
         keep_until = max(keep_until, survivors_step(run_dir) or 0)
-    if not cfg.train.resume and topo.lead:
-        start_over(run_dir)
     # (Hierarchical training: every rank of every group its own part of the data.)
     train_loader, eval_loader = build_loaders(cfg, meta, rank=topo.global_rank, world_size=topo.global_world_size,
                                               pin_memory=topo.device.type == "cuda")
@@ -469,7 +495,7 @@ def build_trainer(cfg: Config, *, meta: DatasetMeta | None = None, topo: Topolog
     init_tables = not latest or cfg.sync.algorithm != "none" or bool(cfg.dist.num_ps)
     recovering = (cfg.train.save_checkpoints and topo.world_size > 1
                   and not (cfg.dist.num_ps or topo.hierarchical or cfg.train.workers > 1))
-    if not init_tables and recovering and shards_go_resident(cfg):
+    if not init_tables and recovering and shards_go_resident(cfg) and topo.device.type == "cpu":
         init_tables = None  # (not even zeroed: the trainer moves them into files of local memory first)
     if cfg.dist.num_ps:
         model, servers = build_ps_model(cfg, meta, topo, ledger, dense_sync, run_dir)
@@ -490,6 +516,8 @@ def build_trainer(cfg: Config, *, meta: DatasetMeta | None = None, topo: Topolog
     scheduler = LRScheduler(schedule, dense_opt, sparse_opt,
                             dense_lr=cfg.optim.dense_lr, sparse_lr=cfg.optim.sparse_lr)
     totals = RunTotals()
+    if started_at is not None:
+        totals.begin(started_at)
     components = [Component("loader", pipeline), Component("run_totals", totals),
                   Component("dense_sync", dense_sync, per_rank=True), Component("rng", TorchRNG(), per_rank=True)]
     if (reducer := getattr(model.sparse, "dp_reducer", None)) is not None:
@@ -514,25 +542,59 @@ def build_trainer(cfg: Config, *, meta: DatasetMeta | None = None, topo: Topolog
                          deltas=build_shard_deltas(cfg, topo, model, sparse_opt, run_dir))
                 if recovering else None)
     run_dir.mkdir(parents=True, exist_ok=True)
+    # train.init_from: another run's weights, only when this run has no checkpoint to resume.
+    init_from.apply(cfg, meta, model=model, dense_opt=dense_opt, sparse_opt=sparse_opt, topo=topo,
+                    run_dir=run_dir, resuming=bool(latest))
     logger = (MetricLogger(run_dir, tensorboard=cfg.train.tensorboard, keep_until=keep_until)
               if topo.lead else None)
-    return Trainer(cfg=cfg, model=model, dense_opt=dense_opt, sparse_opt=sparse_opt, dense_sync=dense_sync,
-                   scheduler=scheduler, pipeline=pipeline, eval_loader=eval_loader,
-                   checkpointer=checkpointer, logger=logger, ledger=ledger, run_dir=run_dir,
-                   total_steps=total_steps, topo=topo, sync_runner=sync_runner, totals=totals, early_stop=early_stop,
-                   kernels=kernels, recovery=recovery, tables_drawn=init_tables,
-                   threads=thread_governor(cfg.train.threads, world_size=topo.global_world_size,
-                                           workers=cfg.train.workers, device=topo.device))
+    optim = Optimizers(dense_opt, sparse_opt, dense_sync, scheduler,
+                       recovery.updating if recovery is not None else nothing_updating)
+    source = (ServerSteps(pipeline, model.sparse) if servers else
+              HogwildSteps(pipeline, cfg.train.workers) if cfg.train.workers > 1 else StepSource(pipeline))
+    checkpoints = Checkpoints(checkpointer, cfg.train, total_steps=total_steps, run_dir=run_dir, topo=topo,
+                              logger=logger, recovery=recovery, tables_drawn=init_tables)
+    parts = loop_parts(cfg, topo, total_steps=total_steps, run_dir=run_dir, logger=logger, totals=totals,
+                       schedule=schedule, eval_loader=eval_loader, early_stop=early_stop, sync_runner=sync_runner,
+                       remote=bool(servers), checkpoints=checkpoints, recovery=recovery)
+    return Trainer(model=model, optim=optim, source=source, checkpoints=checkpoints, parts=parts, logger=logger,
+                   ledger=ledger, total_steps=total_steps, topo=topo, kernels=kernels)
+
+
+def loop_parts(cfg: Config, topo: Topology, *, total_steps: int, run_dir: Path, logger, totals, schedule,
+               eval_loader, early_stop, sync_runner, remote: bool, checkpoints: Checkpoints,
+               recovery: Recovery | None) -> list[Part]:
+    """The training loop's parts besides its step source, in the order of their hooks
+    (:mod:`hybridrec.train.parts`): failure injection, the thread count, the
+    synchronizer, progress, evaluation (and early stopping), checkpoints, recovery."""
+    t = cfg.train
+    parts: list[Part] = [FailureInjection(t.inject_failure, rank=topo.global_rank, run_dir=run_dir)]
+    governor = thread_governor(t.threads, world_size=topo.global_world_size, workers=t.workers, device=topo.device)
+    if governor is not None:
+        parts.append(ThreadTiming(governor))
+    if sync_runner is not None:
+        parts.append(Sync(sync_runner))
+    parts.append(Progress(total_steps=total_steps, log_every=t.log_every, show=t.progress and topo.lead,
+                          tty=sys.stderr.isatty(), log_interval_s=t.log_interval_s, logger=logger, totals=totals,
+                          lr_factor=schedule.factor))
+    parts.append(Evaluation(eval_loader, eval_every=t.eval_every, total_steps=total_steps, early_stop=early_stop,
+                            save_best=t.save_checkpoints, changes_after_stop=sync_runner is not None or remote,
+                            logger=logger))
+    if early_stop is not None:
+        parts.append(StopEarly(early_stop, total_steps=total_steps, run_dir=run_dir, saved=t.save_checkpoints))
+    parts.append(checkpoints)
+    if recovery is not None:
+        parts.append(RecoveryWatch(recovery, checkpoints, logger=logger))
+    return parts
 
 
 def build_shard_deltas(cfg: Config, topo: Topology, model, sparse_opt, run_dir: Path) -> ShardDeltas | None:
     """``train.shard_delta_every``: this rank's incremental saves of its shards (None: off,
     one process, or no shard here)."""
     t, ebc = cfg.train, model.sparse
-    if not t.shard_delta_every or not isinstance(ebc, ShardedEmbeddingBagCollection) \
-            or ebc.local is None or SHARDS not in sparse_opt.optimizers:
+    shards = ebc.updated_collections().get(SHARDS)
+    if not t.shard_delta_every or shards is None or SHARDS not in sparse_opt.optimizers:
         return None
-    return ShardDeltas(ebc.local, sparse_opt.optimizers[SHARDS], directory=deltas_dir(recovery_dir(run_dir), topo.rank),
+    return ShardDeltas(shards, sparse_opt.optimizers[SHARDS], directory=deltas_dir(recovery_dir(run_dir), topo.rank),
                        plan=plan_json(ebc), every=t.shard_delta_every,
                        rows=t.shard_delta_rows, hot=t.shard_delta_hot)
 
@@ -560,7 +622,7 @@ def tune_kernels(cfg: Config, model: torch.nn.Module, topo: Topology,
     rows = (sparse_opt.tune_kernels(cfg.data.batch_size * topo.world_size, mode=cfg.train.kernels)
             if sparse_opt is not None else [])
     ebc = getattr(model, "sparse", None)
-    local = [c for c in local_collections(ebc).values() if isinstance(c, EmbeddingBagCollection)] if ebc is not None else []
+    local = list(ebc.updated_collections().values()) if ebc is not None else []
     lookups = tune_lookups(local, cfg.data.batch_size * topo.world_size, mode=cfg.train.kernels)
     out = {"mode": cfg.train.kernels, "machine": machine_id(), "cache": str(cache_path()),
            "linear": [c.to_dict() for c in choices], "interaction": [c.to_dict() for c in dots],
@@ -583,7 +645,9 @@ RUN_FILES = ("summary.json", "eval.json", "plan.json", "metrics.jsonl", "failure
 
 def start_over(run_dir: Path) -> None:
     """``train.resume=false``: the previous run's checkpoints, metrics, summary and events
-    go, so that nothing of it is resumed or mixed into the new run's files later."""
+    go, so that nothing of it is resumed or mixed into the new run's files later. Called
+    by :func:`hybridrec.train.run.train` (rank 0) before the trainer is built: building
+    deletes nothing."""
     shutil.rmtree(ckpt.checkpoint_dir(run_dir), ignore_errors=True)
     shutil.rmtree(run_dir / "tensorboard", ignore_errors=True)
     clear_snapshots(run_dir)  # (also those on the launcher's local memory)

@@ -177,6 +177,15 @@ class TrainConfig:
     deleting the directory's checkpoints, metrics and summary first. The ranks the
     launcher starts again after a failure (``dist.max_restarts``) resume the run this
     command started, either way."""
+    init_from: str = ""
+    """Warm start: a run directory (its best checkpoint when it recorded one, else its
+    newest) or a checkpoint directory (``RUN/checkpoints/step-N``) whose weights this run
+    starts from, whatever world size saved it; only when this run has no checkpoint of its
+    own to resume. The step and the LR schedule start from 0. See
+    :mod:`hybridrec.train.init_from`."""
+    init_optimizer: bool = False
+    """With ``train.init_from``: the optimizers' state too (dense state, per-row sparse
+    state such as row-wise Adagrad's sums); the source must use the same optimizers."""
     reevaluate: bool = False
     """A finished run named again (its summary and final checkpoint at the planned step)
     is left alone; true: evaluate its final checkpoint again and rewrite its summary."""
@@ -259,9 +268,10 @@ class DistConfig:
     """A sharding plan JSON file (``hybridrec plan --out``); overrides ``sharding``."""
     backend: str = "auto"
     """Where training runs. ``auto``: one process on the current GPU when CUDA is available,
-    else on the CPU; several ranks on the CPU with gloo (the multi-GPU NCCL path is not built
-    yet). ``gloo``: the CPU always. ``nccl``: one process on the GPU (refused without CUDA,
-    and with several ranks)."""
+    else on the CPU; several ranks: NCCL with one GPU per rank (``cuda:LOCAL_RANK``) when the
+    machine has a GPU per rank, gloo on shared GPUs with fewer, gloo on the CPU without
+    (``parallel/devices.py``). ``gloo``: the CPU always. ``nccl``: a GPU per rank (refused
+    otherwise)."""
     timeout_s: float = 300.0
     """Bound on every collective: a dead peer ends the run with an error, not a hang."""
     pipeline: bool = False
@@ -381,11 +391,12 @@ class SyncConfig:
     (docs/benchmarks.md): back to back, the rounds' all-reduces took the link from the
     all-to-alls (100 Mbit/s, MLPerf-sized MLPs: 1.24x DDP's throughput; 0.5: 1.66x), while a
     quick round (1 Gbit/s, the bench model) still runs after every step."""
-    alpha: float = 0.25
+    alpha: float | str = "auto"
     """``easgd``: moving rate: each replica moves ``alpha`` of the way to the centre per round,
-    the centre ``min(1, N alpha)`` of the way to the replicas' mean (N ranks)."""
-    block_momentum: float = 0.5
-    """``bmuf``: block momentum (mu)."""
+    the centre ``beta = N alpha`` of the way to the replicas' mean (N ranks; capped at 1).
+    ``auto``: ``alpha = 0.9 / N``, so ``beta = 0.9`` for any N (Zhang et al. 2015's choice)."""
+    block_momentum: float | str = "auto"
+    """``bmuf``: block momentum (mu); ``auto``: ``1 - 1/N`` (N ranks; Chen and Huo 2016)."""
     block_lr: float = 1.0
     """``bmuf``: block learning rate (zeta)."""
     nesterov: bool = True
@@ -703,8 +714,10 @@ def _sync_checks(cfg: Config) -> list[tuple[bool, str]]:
         (s.every >= 1, "sync.every must be >= 1"),
         (s.interval_s >= 0, f"sync.interval_s must be >= 0, got {s.interval_s}"),
         (0 < s.duty <= 1, f"sync.duty must be in (0, 1], got {s.duty}"),
-        (0 <= s.alpha <= 1, f"sync.alpha must be in [0, 1], got {s.alpha}"),
-        (0 <= s.block_momentum < 1, f"sync.block_momentum must be in [0, 1), got {s.block_momentum}"),
+        (s.alpha == "auto" or (isinstance(s.alpha, float) and 0 <= s.alpha <= 1),
+         f"sync.alpha must be auto or in [0, 1], got {s.alpha!r}"),
+        (s.block_momentum == "auto" or (isinstance(s.block_momentum, float) and 0 <= s.block_momentum < 1),
+         f"sync.block_momentum must be auto or in [0, 1), got {s.block_momentum!r}"),
         (s.block_lr > 0, "sync.block_lr must be positive"),
         (s.write_back in ("delta", "overwrite"), f"sync.write_back {s.write_back!r}: delta or overwrite"),
         (s.algorithm == "none" or cfg.compress.dense == "none" or cfg.dist.group_size > 0,
@@ -769,6 +782,9 @@ def validate(cfg: Config) -> None:
         *_checkpoint_checks(t),
         *_early_stop_checks(t),
         (t.keep_checkpoints >= 1, "train.keep_checkpoints must be >= 1"),
+        (bool(t.init_from) or not t.init_optimizer, "train.init_optimizer=true needs train.init_from=RUN"),
+        (not t.init_from or not cfg.dist.num_ps,
+         "train.init_from with dist.num_ps: the tables live on the parameter servers, which do not load it"),
         (t.log_interval_s >= 0, f"train.log_interval_s must be >= 0, got {t.log_interval_s}"),
         (t.precision in ("fp32", "bf16"), f"train.precision {t.precision!r}: fp32 or bf16"),
         (t.allocator in ("retain", "system"), f"train.allocator {t.allocator!r}: retain or system"),

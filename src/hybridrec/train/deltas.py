@@ -48,7 +48,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from hybridrec.parallel.checkpoint_io import FORMAT, MANIFEST, SafeFileSystemReader, is_complete, quiet, write_json
-from hybridrec.parallel.sharded_embedding import SHARDS, ShardedEmbeddingBagCollection
+from hybridrec.parallel.sharded_embedding import SHARDS
 from hybridrec.threads import single_threaded
 
 DELTA_KIND = "shard-delta"
@@ -84,7 +84,8 @@ def _largest(values: torch.Tensor, k: int) -> torch.Tensor:
 def plan_json(ebc) -> dict | None:
     """A sharded collection's plan as JSON holds it (so a plan read back from a manifest
     compares equal); None for any other collection."""
-    return json.loads(json.dumps(ebc.plan.to_dict())) if isinstance(ebc, ShardedEmbeddingBagCollection) else None
+    plan = ebc.plan_dict()
+    return json.loads(json.dumps(plan)) if plan is not None else None
 
 
 def deltas_dir(recovery_dir: Path, rank: int) -> Path:
@@ -167,6 +168,15 @@ class ShardDeltas:
         :data:`READ_TIMINGS`), into ``read_probe``:
         ``{"seconds", "rows"}`` (what ``train.checkpoint_every=auto`` prices a replay at)."""
         self._time_read, self.read_probe = True, None
+
+    def replay_seconds(self) -> float | None:
+        """The measured read-back (:meth:`time_next_read`) scaled to the mean delta's rows:
+        what replaying one delta costs; None until that read is measured."""
+        measured = self.read_probe
+        if measured is None or measured["rows"] <= 0 or not self.saved["deltas"]:
+            return None
+        mean_rows = self.saved["rows"] / self.saved["deltas"]
+        return max(measured["seconds"] * mean_rows / measured["rows"], 1e-6)
 
     def save(self, step: int) -> None:
         """Stage the pending rows of ``step`` (copies, now) and write them in the background."""

@@ -1,6 +1,6 @@
 """Hogwild: several training threads in one trainer process share one model without locks.
 
-With ``train.workers=N > 1``, :meth:`HogwildWorkers.steps` runs ``N`` threads. Each thread
+With ``train.workers=N > 1``, :meth:`HogwildSteps.steps` runs ``N`` threads. Each thread
 takes the next batch from the trainer's pipeline (a lock around taking the batch, and only
 around that) and runs the ordinary :func:`~hybridrec.train.step.training_step` on a
 *thread replica* of the model:
@@ -43,6 +43,7 @@ import torch
 from torch import nn
 
 from hybridrec.parallel.dense_sync import NoSync
+from hybridrec.train.parts import StepSource
 from hybridrec.train.step import training_step
 
 _EXIT = object()  # a thread's last message
@@ -75,50 +76,45 @@ def thread_optimizer(opt: torch.optim.Optimizer, aliases: dict) -> torch.optim.O
     return mine
 
 
-class HogwildWorkers:
-    """The remaining steps of a :class:`~hybridrec.train.trainer.Trainer` in
-    ``trainer.cfg.train.workers`` threads (module docstring). Built by ``Trainer.fit``
-    after it resumed (the optimizers' state must be the restored one)."""
+class HogwildSteps(StepSource):
+    """The remaining steps of a :class:`~hybridrec.train.trainer.Trainer` in ``workers``
+    threads (module docstring): a step source whose pauses are the loop's
+    (:meth:`Trainer.pause_at`, the parts' next evaluation or checkpoint). The threads'
+    replicas are built when training starts, after the resume (the optimizers' state must
+    be the restored one)."""
 
-    def __init__(self, trainer) -> None:
-        self.trainer = trainer
-        self.workers = trainer.cfg.train.workers
-        self.replicas = []
-        for _ in range(self.workers):
-            replica, aliases = thread_replica(trainer.model)
-            self.replicas.append((replica, thread_optimizer(trainer.dense_opt, aliases)))
+    def __init__(self, pipeline, workers: int) -> None:
+        super().__init__(pipeline)
+        self.workers = workers
+        self.replicas: list = []
         self._lock = threading.Lock()  # around taking a batch
         self._batches: Iterator | None = None  # the pipeline's current pass
-        self._claimed = trainer.step  # steps handed to a thread so far
-        self._until = trainer.step  # no step past this one before the next pause
+        self._claimed = 0  # steps handed to a thread so far
+        self._until = 0  # no step past this one before the next pause
+        self._total = 0
         self._stop = threading.Event()
         self._done: queue.SimpleQueue = queue.SimpleQueue()
 
-    # -- the main thread ----------------------------------------------------------
-    def pause_at(self, step: int) -> int:
-        """The first step after ``step`` at which every thread must have stopped: the next
-        evaluation or checkpoint of the loop, else the last step."""
-        tr, t = self.trainer, self.trainer.cfg.train
-        stops = [tr.total_steps]
-        for every, on in ((t.eval_every, True), (tr.checkpoint_every, t.save_checkpoints)):
-            if every and on:
-                stops.append((step // every + 1) * every)
-        if tr.probe is not None and tr.probe.at > step:  # checkpoint_every=auto's measured save
-            stops.append(tr.probe.at)
-        return min(stops)
+    def start(self, loop) -> None:
+        self.replicas = []
+        for _ in range(self.workers):
+            replica, aliases = thread_replica(loop.model)
+            self.replicas.append((replica, thread_optimizer(loop.optim.dense, aliases)))
+        self._claimed = self._until = loop.step
+        self._total = loop.total_steps
 
-    def steps(self) -> Iterator[tuple[torch.Tensor, int]]:
+    # -- the main thread ----------------------------------------------------------
+    def steps(self, loop) -> Iterator[tuple[torch.Tensor, int]]:
         """Trains every remaining step; yields ``(loss, global samples)`` of each as it
-        finishes, with the trainer's step advanced. When the yielded step is a pause, every
-        thread has stopped (the caller may evaluate or save), and the threads start again
-        when the caller asks for the next step."""
-        tr = self.trainer
-        first = tr.step
-        counts = [(o, o.step_count) for o in tr.sparse_opt]
-        while tr.step < tr.total_steps:
-            self._until = self.pause_at(tr.step)
-            threads = [threading.Thread(target=self._work, args=(i,), name=f"hybridrec-hogwild-{i}", daemon=True)
-                       for i in range(self.workers)]
+        finishes, with the loop's step closed. When the yielded step is a pause, every
+        thread has stopped (the loop may evaluate or save), and the threads start again
+        when the loop asks for the next step."""
+        first = loop.step
+        counts = [(o, o.step_count) for o in loop.optim.sparse]
+        while loop.step < loop.total_steps:
+            self._until = loop.pause_at(loop.step)
+            threads = [threading.Thread(target=self._work, args=(i, loop), name=f"hybridrec-hogwild-{i}",
+                                        daemon=True) for i in range(self.workers)]
             for th in threads:
                 th.start()
             try:
@@ -132,13 +128,10 @@ class HogwildWorkers:
                         raise item
                     if finished is not None:  # the previous step was not the pause's
                         yield finished
-                    tr.step += 1
-                    if tr.sync_runner is not None:
-                        tr.sync_runner.after_step(tr.step)
-                    tr.ledger.step_end()
+                    loop.close_step()
                     finished = item
             finally:
-                if running:  # an error, or the caller stopped early: the others stop too
+                if running:  # an error, or the loop stopped early: the others stop too
                     self._stop.set()
                 for th in threads:
                     th.join()
@@ -148,8 +141,8 @@ class HogwildWorkers:
             # threads without a lock) and the learning rates become what one thread leaves
             # after this step, then the pause's step goes out.
             for o, n in counts:
-                o.step_count = n + tr.step - first
-            tr.scheduler.apply(tr.step - 1)
+                o.step_count = n + loop.step - first
+            loop.optim.scheduler.apply(loop.step - 1)
             yield finished
 
     # -- the training threads -----------------------------------------------------
@@ -160,26 +153,26 @@ class HogwildWorkers:
                 return None
             item = next(self._batches, None) if self._batches is not None else None
             if item is None:  # a new pass over the data
-                self._batches = iter(self.trainer.pipeline.batches(self.trainer.total_steps - self._claimed))
+                self._batches = iter(self.pipeline.batches(self._total - self._claimed))
                 item = next(self._batches, None)
                 if item is None:
                     return None
             self._claimed += 1
             return item, self._claimed - 1
 
-    def _work(self, i: int) -> None:
-        tr = self.trainer
+    def _work(self, i: int, loop) -> None:
         replica, opt = self.replicas[i]
-        sched, sync = tr.scheduler, NoSync()
-        world = tr.topo.world_size
+        sched, sync = loop.optim.scheduler, NoSync()
+        sparse_opt = loop.optim.sparse
+        world = loop.topo.world_size
         try:
             while (claim := self._claim()) is not None:
                 (batch, pending), step = claim
                 f = sched.schedule.factor(step)
                 for g in opt.param_groups:
                     g["lr"] = sched.dense_lr * f
-                tr.sparse_opt.lr = sched.sparse_lr * f
-                loss = training_step(replica, batch, dense_opt=opt, sparse_opt=tr.sparse_opt,
+                sparse_opt.lr = sched.sparse_lr * f
+                loss = training_step(replica, batch, dense_opt=opt, sparse_opt=sparse_opt,
                                      dense_sync=sync, pending=pending)
                 self._done.put((loss, batch.batch_size * world))
         except BaseException as e:  # noqa: BLE001 - handed to the main thread, which raises it

@@ -310,7 +310,8 @@ class Recovery:
         initial values (kept); False, zeros; None, nothing yet: they start as zeros (also
         where the files cannot be made: then zeroed where they are)."""
         fast, parts = _fast_dir(), self._shard_parts()
-        if self.mode != "partial" or fast is None or parts is None or self.resident is not None:
+        on_host = self.topo.device.type == "cpu"  # (a GPU's shards stay there: the files are host memory)
+        if self.mode != "partial" or fast is None or parts is None or self.resident is not None or not on_host:
             if drawn is None:
                 self._zero_shards()
             return

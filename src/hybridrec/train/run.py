@@ -45,6 +45,7 @@ from hybridrec.train.build import (
     build_trainer,
     planned_steps,
     ranks_backend,
+    start_over,
     steps_per_epoch,
     versions,
 )
@@ -53,7 +54,7 @@ from hybridrec.train.memory import memory_problem
 from hybridrec.train.tables import load_dataset, plan_file_problem
 from hybridrec.train.early_stop import early_stop_problem, resolve_checkpoint
 from hybridrec.train.faults import injection_problem
-from hybridrec.train.recovery import elastic_restarts, read_events
+from hybridrec.train.recovery import elastic_restarts
 from hybridrec.train.step import evaluate_model
 
 RUNS_ROOT = "runs"
@@ -129,8 +130,10 @@ def _train(cfg: Config, meta, topo, shown: str, started_at: str, clock: float, e
         finished = inspect_run_dir(cfg, meta, world_size=world, shown=shown)
         if finished is not None and not cfg.train.reevaluate:
             return finished
+        if not cfg.train.resume and rank == 0:
+            start_over(Path(cfg.train.run_dir))  # (before any rank builds: nothing of it is mixed in)
         try:
-            trainer = build_trainer(cfg, meta=meta, topo=topo)
+            trainer = build_trainer(cfg, meta=meta, topo=topo, started_at=started_at)
         except HybridrecError:
             if created and rank == 0:  # refused (e.g. memory): leave no empty directory behind
                 run_lock.remove_empty(created)
@@ -140,11 +143,9 @@ def _train(cfg: Config, meta, topo, shown: str, started_at: str, clock: float, e
 
 def _fit(cfg: Config, meta, trainer, shown: str, started_at: str, clock: float, extra_summary) -> dict:
     """The rest of :func:`_train` once the trainer is built: fit, summarize, write summary.json."""
-    run_dir, topo = trainer.run_dir, trainer.topo
+    run_dir, topo = Path(cfg.train.run_dir), trainer.topo
     if topo.lead:
         write_json_atomic(run_dir / "config.json", cfg.to_dict())
-    if trainer.totals is not None:
-        trainer.totals.begin(started_at)  # the run's start, unless its checkpoint has an earlier one
     try:
         result = trainer.fit()
     finally:
@@ -163,7 +164,7 @@ def _fit(cfg: Config, meta, trainer, shown: str, started_at: str, clock: float, 
 
 def run_summary(trainer, result, meta, cfg: Config, *, shown: str, started_at: str, clock: float) -> dict:
     """What summary.json holds after :meth:`Trainer.fit` (collective: memory per rank)."""
-    es = trainer.early_stop
+    parts = result.parts  # every loop part's entries (hybridrec.train.parts)
     return {
         "run_dir": shown,
         "step": result.step,
@@ -187,32 +188,29 @@ def run_summary(trainer, result, meta, cfg: Config, *, shown: str, started_at: s
                     "eval_rows": meta.split_rows("eval")},
         "config": cfg.to_dict(),
         "versions": {**versions(), **code_version()},
-        # Each MLP layer's linear implementation, measured or cached, with its timings.
-        "kernels": {**(trainer.kernels or {}),
-                    **({"threads": trainer.threads.summary()} if trainer.threads is not None else {})},
+        # Each MLP layer's linear implementation, measured or cached, with its timings
+        # (train.threads=0: the thread count chosen by timing steps).
+        "kernels": {**(trainer.kernels or {}), **({"threads": t} if (t := parts.get("threads")) else {})},
         "command": list(sys.argv),
         "started_at": started_at,
         "ended_at": now_iso(),
         "wall_seconds": time.monotonic() - clock,
         # Over every invocation that trained the final checkpoint's steps (resumes included).
-        "run": trainer.totals.summary() if trainer.totals is not None else None,
+        "run": parts.get("run"),
         # Rounds and the sync gap of this rank's synchronizer of dense replicas (rank 0's).
-        "sync": trainer.sync_runner.summary() if trainer.sync_runner is not None else None,
+        "sync": parts.get("sync"),
         # A parameter-server run: this trainer's pushes and their staleness (rank 0's).
-        "ps": trainer.model.sparse.summary() if getattr(trainer.model.sparse, "remote", False) else None,
+        "ps": parts.get("ps"),
         # Why training ended, and with train.early_stop the best evaluation and its checkpoint.
-        "stop_reason": "early_stop" if es is not None and es.stopped else "planned_steps",
-        "early_stop": (es.summary(result.step, trainer.total_steps, trainer.run_dir,
-                                  saved=cfg.train.save_checkpoints) if es is not None else None),
+        "stop_reason": parts.get("stop_reason", "planned_steps"),
+        "early_stop": parts.get("early_stop"),
         # Steps between checkpoints: the configured number, or train.checkpoint_every=auto's
         # choice (mtbf_s, save_s, step_s, steps, reason); None: the run ended before choosing.
-        "checkpoint_interval": trainer.checkpoint_interval,
+        "checkpoint_interval": parts.get("checkpoint_interval"),
         # Every recovery of the run from a failure (RUN/recovery.jsonl): the steps each shard
         # lost (train.recovery=partial: only the failed rank's) or trained again (full).
         # With train.shard_delta_every, rank 0's incremental saves of its shards (this invocation's).
-        "recovery": ({"mode": cfg.train.recovery, "events": read_events(trainer.run_dir),
-                      "shard_deltas": trainer.recovery.deltas.saved if trainer.recovery.deltas is not None else None}
-                     if trainer.recovery is not None else None),
+        "recovery": parts.get("recovery"),
     }
 
 
@@ -475,7 +473,7 @@ def code_version() -> dict:
 def _gather_ints(value: int, topo) -> list[int]:
     if topo.global_world_size == 1:
         return [value]
-    out = torch.zeros(topo.global_world_size, dtype=torch.int64)
+    out = torch.zeros(topo.global_world_size, dtype=torch.int64, device=topo.comm_device)
     out[topo.global_rank] = value
     dist.all_reduce(out, group=topo.run_group)
     return out.tolist()

@@ -29,7 +29,6 @@ import torch
 from hybridrec.model.embedding import stochastic_round
 from hybridrec.model.id_groups import aggregate_rows
 from hybridrec.model.kernels import Choice, choose_rows_add, rows_add_
-from hybridrec.parallel.sharded_embedding import REPLICATED, SHARDS
 
 
 class SparseOptimizer:
@@ -226,10 +225,7 @@ def local_collections(sparse) -> dict:
     """The embedding collections a rank updates, by the names its row gradients carry
     (:func:`hybridrec.train.step.sparse_grads`): a sharded collection's ``shards`` and
     ``replicated`` (those it has), or a single-device collection's ``tables``."""
-    if hasattr(sparse, "reduce_sparse_grads"):
-        return {k: c for k, c in ((SHARDS, sparse.local), (REPLICATED, sparse.replicated))
-                if c is not None}
-    return {"tables": sparse}
+    return sparse.updated_collections()
 
 
 def combined_sparse_optimizer(name: str, sparse, *, lr: float, **kwargs) -> CombinedSparseOptimizer:

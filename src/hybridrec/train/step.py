@@ -17,7 +17,6 @@ import torch.nn.functional as F
 
 from hybridrec.metrics.classification import BinaryMetrics
 from hybridrec.parallel.dense_sync import DenseSync
-from hybridrec.parallel.sharded_embedding import ShardedEmbeddingBagCollection
 from hybridrec.parallel.topology import Topology
 from hybridrec.phases import phase
 from hybridrec.sparse.keyed_jagged import Batch
@@ -48,11 +47,7 @@ def sparse_grads(sparse) -> dict[str, list]:
     """The row gradients of the step for the sparse optimizers, by collection name
     (``CombinedSparseOptimizer``'s keys). With several ranks the replicated tables' rows
     are all-reduced here: an explicit collective every rank runs every step."""
-    if isinstance(sparse, ShardedEmbeddingBagCollection):
-        return sparse.reduce_sparse_grads(sparse.pop_sparse_grads())
-    if getattr(sparse, "remote", False):  # parameter servers: pushed by the "ps" optimizer
-        return {"ps": sparse.pop_sparse_grads()}
-    return {"tables": sparse.pop_sparse_grads()}
+    return sparse.step_grads()
 
 
 def training_step(model: torch.nn.Module, batch: Batch, *, dense_opt: torch.optim.Optimizer,

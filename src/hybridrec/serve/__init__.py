@@ -1,0 +1,1 @@
+"""Using a trained run: predictions for raw rows (``hybridrec predict``, ``hybridrec.load``)."""
