@@ -20,7 +20,6 @@ from hybridrec.parallel.dense_sync import AllReduceSync, DDPSync, NoSync
 from hybridrec.parallel.devices import DeviceChoice, choose_backend
 from hybridrec.parallel.parallelize import parallelize_dlrm
 from hybridrec.parallel.topology import Topology
-from hybridrec.train.build import exchange_problem
 from hybridrec.train.sparse_optim import combined_sparse_optimizer
 
 
@@ -63,9 +62,16 @@ def test_unknown_backend_is_refused():
 
 
 def test_pairwise_exchange_is_refused_on_a_gpu_only():
-    assert exchange_problem("pairwise", torch.device("cpu")) is None
-    assert exchange_problem("collective", torch.device("cuda", 0)) is None
-    assert "dist.exchange=pairwise on cuda:0" in exchange_problem("pairwise", torch.device("cuda", 0))
+    from hybridrec.train.config import build_config
+    from hybridrec.train.rules import RUN_RULES, RunFacts, check_run
+
+    pairwise, collective = (build_config(overrides=[f"dist.exchange={e}", "train.run_dir=r"])
+                            for e in ("pairwise", "collective"))
+    check_run(pairwise, RunFacts(world=2, local_world=2, device="cpu"))
+    check_run(collective, RunFacts(world=2, local_world=2, device="cuda", gpus=2))
+    with pytest.raises(ConfigError, match="dist.exchange=pairwise on cuda: gloo's point-to-point"):
+        check_run(pairwise, RunFacts(world=2, local_world=2, device="cuda", gpus=2))
+    assert len(RUN_RULES) > 1
 
 
 def test_choice_is_a_frozen_value():

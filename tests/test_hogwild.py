@@ -19,7 +19,8 @@ from hybridrec.sparse.keyed_jagged import KeyedJagged
 from hybridrec.train import hogwild
 from hybridrec.train.build import build_loaders, build_trainer
 from hybridrec.train.tables import load_dataset
-from hybridrec.train.config import build_config, workers_problem
+from hybridrec.train.config import build_config
+from hybridrec.train.rules import workers_problem
 from hybridrec.train.recipes import recipe
 
 SMALL = ["model.embedding_dim=8", "model.bottom_mlp=16,8", "model.top_mlp=16,1", "data.batch_size=128",

@@ -138,8 +138,7 @@ def test_config_builds_the_threshold_and_refuses_what_it_does_not_take():
     for extra, words in (("compress.embedding_tables=t0", "embedding_tables"),
                          ("compress.embedding_min_rows=10", "embedding_min_rows"),
                          ("model.arch=deepfm", "model.arch=dlrm")):
-        bad = build_config(None, overrides=["compress.embedding=dct", "compress.embedding_select=threshold", extra])
-        with pytest.raises(ConfigError, match=words):
-            build_threshold_mp(bad, plan, 100)
+        with pytest.raises(ConfigError, match=words):  # (the config rules, before anything is built)
+            build_config(None, overrides=["compress.embedding=dct", "compress.embedding_select=threshold", extra])
     with pytest.raises(ConfigError, match="embedding_select"):
         build_config(None, overrides=["compress.embedding_select=global"])

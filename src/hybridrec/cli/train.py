@@ -132,7 +132,7 @@ def _launch(cfg, args) -> int:
         # (across machines, by machine 0's launcher: the others' ranks train the same one).
         if named and cfg.dist.node_rank == 0:
             held.enter_context(holding(os.path.abspath(cfg.train.run_dir), cfg.train.run_dir))
-        finished, run_dir = preflight(cfg, world_size=cfg.dist.nproc * cfg.dist.nnodes)
+        finished, run_dir, cfg = preflight(cfg, world_size=cfg.dist.nproc * cfg.dist.nnodes)
         if finished is not None:
             print(finished["already_finished"])
             return 0

@@ -29,17 +29,16 @@ from hybridrec.comm.ddp_hooks import CompressedAllReduce, HookFactory, PowerSGDH
 from hybridrec.comm.ledger import CommLedger
 from hybridrec.data.loader import ShardedLoader
 from hybridrec.data.schema import DatasetMeta
-from hybridrec.errors import ConfigError
 from hybridrec.metrics.logger import MetricLogger, write_text_atomic
 from hybridrec.metrics.throughput import RunTotals
 from hybridrec.model.deepfm import DeepFM
 from hybridrec.model.dlrm import DLRM
 from hybridrec.model.embedding import WEIGHT_DTYPES, EmbeddingBagCollection, TableConfig, tune_lookups
 from hybridrec.model.interaction import tune_interactions
-from hybridrec.model.kernels import PRECISIONS, cache_path, machine_id, precision_problem
+from hybridrec.model.kernels import PRECISIONS, cache_path, machine_id
 from hybridrec.model.mlp import tune_mlps
 from hybridrec.train.allocator import configure_allocator
-from hybridrec.train.config import CompressConfig, Config, steps_problem, workers_problem
+from hybridrec.train.config import CompressConfig, Config
 from hybridrec.train.optim import (
     LRSchedule,
     LRScheduler,
@@ -52,13 +51,14 @@ from hybridrec.parallel.parallelize import parallelize_dlrm
 from hybridrec.parallel.plan import ShardingPlan
 from hybridrec.parallel.sharded_embedding import SHARDS, ShardedEmbeddingBagCollection
 from hybridrec.parallel.threshold_dist import ThresholdMP
-from hybridrec.parallel.topology import Topology, group_problem
+from hybridrec.parallel.topology import Topology
 from hybridrec.ps.client import PushOptimizer, RemoteEmbeddingCollection
 from hybridrec.train.memory import check_memory
 from hybridrec.train.ps_run import ServerCheckpoints, ps_plan
 from hybridrec.train.sparse_optim import CombinedSparseOptimizer, combined_sparse_optimizer
 from hybridrec.train.thread_governor import thread_governor
-from hybridrec.train.tables import build_plan, build_tables, load_dataset, plan_file_problem
+from hybridrec.train.rules import RunFacts, check_plan, check_run, dense_plan, group_size
+from hybridrec.train.tables import build_plan, build_tables, load_dataset
 from hybridrec.train import checkpoint as ckpt
 from hybridrec.train import init_from
 from hybridrec.sync import BackgroundRunner, ForegroundRunner, RankReplica, SyncRunner, make_synchronizer
@@ -120,12 +120,8 @@ def build_model(cfg: Config, meta: DatasetMeta, *, plan: ShardingPlan | None = N
                                             weight_dtype=WEIGHT_DTYPES[cfg.model.embedding_dtype],
                                             init_values=init_tables)
     arch = DeepFM if cfg.model.arch == "deepfm" else DLRM
-    try:
-        return arch(num_dense=len(meta.schema.dense), sparse=ebc, bottom_mlp=cfg.model.bottom_mlp,
-                    top_mlp=cfg.model.top_mlp, interaction=cfg.model.interaction,
-                    precision=cfg.train.precision)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
+    return arch(num_dense=len(meta.schema.dense), sparse=ebc, bottom_mlp=cfg.model.bottom_mlp,
+                top_mlp=cfg.model.top_mlp, interaction=cfg.model.interaction, precision=cfg.train.precision)
 
 
 def build_embedding_codecs(cfg: Config, tables: list[TableConfig],
@@ -140,10 +136,6 @@ def build_embedding_codecs(cfg: Config, tables: list[TableConfig],
     codec = make_codec(c.embedding, eta=c.embedding_ratio, values=c.embedding_values)
     if codec is None:
         return {}
-    names = {t.name for t in tables}
-    unknown = sorted(set(c.embedding_tables) - names)
-    if unknown:
-        raise ConfigError(f"compress.embedding_tables: no tables named {unknown}")
     return {t.name: codec for t in tables
             if plan.tables[t.name].sharding_type != "data_parallel"
             and (not c.embedding_tables or t.name in c.embedding_tables)
@@ -167,20 +159,10 @@ def build_replicated_reducer(cfg: Config, plan: ShardingPlan, ledger: CommLedger
 def build_threshold_mp(cfg: Config, plan: ShardingPlan, total_steps: int) -> ThresholdMP | None:
     """``compress.embedding=dct`` with ``embedding_select=threshold``: DCT-MP's threshold over
     every sample's whole boundary vector (:mod:`hybridrec.parallel.threshold_dist`), for every
-    sharded table; None otherwise. Refuses what that hop does not take."""
+    sharded table; None otherwise (what that hop does not take: :mod:`hybridrec.train.rules`)."""
     c = cfg.compress
     if c.embedding != "dct" or c.embedding_select != "threshold":
         return None
-    if c.embedding_tables or c.embedding_min_rows:
-        raise ConfigError("compress.embedding_select=threshold codes every sharded table: leave "
-                          "compress.embedding_tables and compress.embedding_min_rows unset")
-    if cfg.model.arch != "dlrm":
-        raise ConfigError(f"compress.embedding_select=threshold needs model.arch=dlrm (got "
-                          f"{cfg.model.arch}: its FM piece is not an activation to threshold)")
-    trw = sorted(n for n, tp in plan.tables.items() if tp.sharding_type == "table_row_wise")
-    if trw:
-        raise ConfigError(f"compress.embedding_select=threshold takes no table_row_wise tables "
-                          f"({', '.join(trw[:3])}): use dist.sharding=row_wise or the top-k selection")
     every = c.embedding_refresh_every or auto_refresh_every(total_steps)
     return ThresholdMP(c.embedding_ratio, every, cap=c.embedding_cap, values=c.embedding_values)
 
@@ -193,42 +175,10 @@ def build_loaders(cfg: Config, meta: DatasetMeta, *, rank: int = 0, world_size: 
     train = ShardedLoader(meta, split="train", batch_size=d.batch_size, rank=rank,
                           world_size=world_size, shuffle=d.shuffle, shuffle_window=d.shuffle_window,
                           seed=cfg.train.seed, drop_last=True, prefetch=d.prefetch, pin_memory=pin_memory)
-    if len(train) == 0:
-        raise ConfigError(
-            f"data.batch_size={d.batch_size} x {world_size} rank(s) is larger than the "
-            f"{meta.split_rows('train')} training rows of {meta.path}"
-        )
     evals = ShardedLoader(meta, split="eval", batch_size=d.eval_batch_size, rank=rank,
                           world_size=world_size, shuffle=False, drop_last=False, prefetch=d.prefetch,
                           pin_memory=pin_memory)
     return train, evals
-
-
-def group_size(cfg: Config, world: int, local_world: int) -> int:
-    """Ranks per group of ``dist.group_size`` (0: the ranks of one machine when a
-    synchronizer joins the groups and the run spans several machines, else every rank)."""
-    if cfg.dist.group_size:
-        return cfg.dist.group_size
-    return local_world if cfg.sync.algorithm != "none" and world > local_world else world
-
-
-def hierarchy_problem(cfg: Config, world: int, local_world: int) -> str | None:
-    """Why ``dist.group_size`` cannot run with the rest of ``cfg`` on ``world`` ranks
-    (None: it can, or the run is flat). Checked before any process group is made."""
-    m = group_size(cfg, world, local_world)
-    if problem := group_problem(world, m, min(local_world, world)):
-        return problem
-    if m == world:
-        if cfg.sync.algorithm != "none" and cfg.compress.dense != "none":
-            return (f"sync.algorithm={cfg.sync.algorithm} with one group of all {world} ranks averages "
-                    "replicas, not gradients: compress.dense must be none")
-        return None
-    what = f"dist.group_size={m} makes {world // m} groups of the {world} ranks"
-    if cfg.sync.algorithm == "none":
-        return f"{what}, but nothing keeps them together: set sync.algorithm (ma, easgd or bmuf)"
-    if cfg.train.workers > 1:
-        return f"{what}; train.workers > 1 runs on one rank only"
-    return None
 
 
 def build_topology(cfg: Config) -> Topology:
@@ -238,32 +188,32 @@ def build_topology(cfg: Config) -> Topology:
     if world <= 1:
         return Topology.single(single_device(cfg))
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    if problem := hierarchy_problem(cfg, world, local) or plan_file_problem(cfg, group_size(cfg, world, local), world):
-        raise ConfigError(problem)
     topo = Topology.init(backend=ranks_backend(cfg), timeout_s=cfg.dist.timeout_s,
                          group_size=group_size(cfg, world, local))
-    if problem := exchange_problem(cfg.dist.exchange, topo.device):
-        raise ConfigError(problem)
     topo.exchange = cfg.dist.exchange
     return topo
 
 
-def exchange_problem(exchange: str, device: torch.device) -> str | None:
-    """Why ``dist.exchange`` cannot run on ranks on ``device`` (None: it can): the pairwise
-    exchange is gloo's point-to-point send/recv, which takes CPU tensors only."""
-    if exchange == "pairwise" and device.type != "cpu":
-        return (f"dist.exchange=pairwise on {device}: gloo's point-to-point sends take CPU tensors "
-                "only; use dist.exchange=collective on GPUs")
-    return None
+def run_facts(cfg: Config, meta: DatasetMeta | None, topo: Topology | None, *, building: bool = False) -> RunFacts:
+    """What the run rules (:mod:`hybridrec.train.rules`) check the config against: the
+    ranks of ``topo``, or else of torchrun's environment, and the device they will train
+    on (chosen as :func:`build_topology` chooses it, before any process group is made)."""
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if topo is not None:
+        return RunFacts(world=topo.global_world_size, local_world=topo.local_world_size,
+                        device=topo.device.type, gpus=gpus, meta=meta, building=building)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    device = (single_device(cfg).type if world <= 1 else
+              "cuda" if choose_backend(cfg.dist.backend, local, gpus).gpus else "cpu")
+    return RunFacts(world=world, local_world=local, device=device, gpus=gpus, meta=meta, building=building)
 
 
 def single_device(cfg: Config) -> torch.device:
     """One process's device: the current GPU when CUDA is available and ``dist.backend`` is
-    not ``gloo``, else the CPU (``nccl`` without CUDA: an error)."""
+    not ``gloo``, else the CPU (``nccl`` without CUDA: refused by the run rules)."""
     if cfg.dist.backend != "gloo" and torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
-    if cfg.dist.backend == "nccl":
-        raise ConfigError("dist.backend=nccl: CUDA is not available here; use dist.backend=auto or gloo")
     return torch.device("cpu")
 
 
@@ -300,7 +250,7 @@ def build_dense_compressor(c: CompressConfig, *, total_steps: int = 0) -> Gradie
                               warmup_steps=c.dense_warmup_steps)
     if c.dense in ("fp16", "bf16"):
         return CastCompressor(c.dense, warmup_steps=c.dense_warmup_steps)
-    raise ConfigError(f"compress.dense={c.dense!r} is not a payload compressor")
+    raise ValueError(f"compress.dense={c.dense!r} is not a payload compressor")  # (the config rules refuse it)
 
 
 def build_dense_hooks(c: CompressConfig, ledger: CommLedger, *, seed: int = 0,
@@ -326,8 +276,6 @@ def build_dense_sync(cfg: Config, topo: Topology, ledger: CommLedger, *, total_s
     if kind == "ddp":
         return DDPSync(topo, hooks=build_dense_hooks(cfg.compress, ledger, seed=cfg.train.seed,
                                                      total_steps=total_steps, pairwise=pairwise), ledger=ledger)
-    if cfg.compress.dense == "powersgd":
-        raise ConfigError("compress.dense=powersgd runs as a DDP comm hook: use dist.dense_sync=ddp")
     plain = cfg.compress.dense == "none"
     compressor = NoCompression() if plain else build_dense_compressor(cfg.compress, total_steps=total_steps)
     return AllReduceSync(topo, CompressedAllReduce(compressor, ledger, pairwise=pairwise), ledger=ledger,
@@ -389,9 +337,10 @@ def build_parallel_model(cfg: Config, meta: DatasetMeta, topo: Topology, ledger:
     """Several ranks: plan the sharding (tables, and the dense part from
     ``dist.partition_dense`` or the plan file), build this rank's shards, place the dense
     modules and apply parallelism; rank 0 writes the plan into the run directory."""
-    from hybridrec.parallel.placement import place_dense, resolve_dense
+    from hybridrec.parallel.placement import place_dense
 
     plan = build_plan(cfg, build_tables(meta, cfg), topo, meta)
+    check_plan(cfg, plan, hierarchical=topo.hierarchical)  # (before the model is built)
     cw = [n for n, tp in plan.tables.items() if tp.sharding_type == "column_wise"]
     if cw and cfg.optim.sparse == "rowwise_adagrad" and topo.lead:
         warnings.warn(f"column-wise tables {cw[:3]} with row-wise Adagrad keep one accumulator per "
@@ -400,19 +349,9 @@ def build_parallel_model(cfg: Config, meta: DatasetMeta, topo: Topology, ledger:
                         init_tables=init_tables)
     if cfg.compress.embedding_when == "pays" and model.sparse.codecs:
         decide_embedding_compression(cfg, model.sparse)
-    try:  # (checked on every rank alike, before any collective of the dense part)
-        plan.dense = resolve_dense(cfg.dist.partition_dense, plan.dense, model, topo.world_size)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-    parts = [n for n, d in plan.dense.items() if d.placement == "partitioned"]
-    if parts:
-        what = f"dist.partition_dense: {', '.join(parts)} partitioned over the group's ranks"
-        if cfg.train.save_checkpoints:  # a checkpoint would keep one rank's columns of each
-            raise ConfigError(f"{what}: checkpoints of partitioned modules are not supported yet; "
-                              "set train.save_checkpoints=false")
-        if cfg.sync.algorithm != "none" and not topo.hierarchical:
-            raise ConfigError(f"{what}: sync.algorithm={cfg.sync.algorithm} would average different "
-                              "column blocks; partition inside groups (dist.group_size) instead")
+    # (checked on every rank alike, before any collective of the dense part: a ConfigError)
+    plan.dense = dense_plan(cfg, plan, model, topo.world_size)
+    if any(d.placement == "partitioned" for d in plan.dense.values()):
         model = place_dense(model, plan.dense, topo, ledger=ledger)
     model = parallelize_dlrm(model, plan, topo, ledger=ledger, dense_sync=dense_sync)
     if topo.lead:
@@ -429,9 +368,6 @@ def decide_embedding_compression(cfg: Config, ebc: ShardedEmbeddingBagCollection
     to ``ebc.compression`` (summary.json ``kernels.embedding_compression``)."""
     from hybridrec.parallel.codec_pays import measure
 
-    if any(b.width for b in ebc.layout.host_blocks):
-        raise ConfigError("compress.embedding_when=pays: not measured with table_row_wise tables "
-                          "(their in-host sums take a second hop); use compress.embedding_when=always")
     record = measure(ebc, cfg.data.batch_size)
     if not record["pays"]:
         ebc.drop_codecs()
@@ -464,16 +400,9 @@ def build_trainer(cfg: Config, *, meta: DatasetMeta | None = None, topo: Topolog
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
     allocator = configure_allocator(cfg.train.allocator)  # before the model and the loaders allocate
-    if not cfg.train.run_dir:
-        raise ConfigError("train.run_dir is not set (hybridrec train picks a new runs/<time> itself)")
     meta = meta or load_dataset(cfg)
+    check_run(cfg, run_facts(cfg, meta, topo, building=True))  # every option rule, before anything is built
     topo = topo or build_topology(cfg)
-    if problem := (workers_problem(cfg, topo.world_size) or precision_problem(cfg.train.precision, topo.device)
-                   or steps_problem(cfg, planned_steps(cfg, steps_per_epoch(cfg, meta, topo.global_world_size)))):
-        raise ConfigError(problem)  # (workers: launched by torchrun, dist.nproc is 1)
-    if cfg.train.workers > 1 and topo.device.type != "cpu":
-        raise ConfigError(f"train.workers={cfg.train.workers} on {topo.device}: Hogwild threads share CPU cores "
-                          "and are not supported on a GPU; use train.workers=1, or dist.backend=gloo for the CPU")
     if not cfg.dist.num_ps:  # (a parameter-server run's trainers hold no table)
         check_memory(cfg, meta, topo)  # before the model is allocated
     ledger = CommLedger()

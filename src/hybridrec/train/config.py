@@ -10,6 +10,7 @@ command line (``data.path=...``) or in a recipe is relative to the working direc
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import json
@@ -23,8 +24,22 @@ from pathlib import Path
 from hybridrec.errors import ConfigError
 
 
+class ReadOnly:
+    """A config (or one of its sections) that :func:`validate` made read-only: the options
+    checked are the options the run uses. A changed copy is :meth:`Config.replace`'s."""
+
+    def __setattr__(self, name: str, value) -> None:
+        if self.__dict__.get("_read_only"):
+            raise AttributeError(f"the config is read-only once validated (setting {name!r}): "
+                                 "use cfg.replace({\"SECTION.KEY\": value})")
+        object.__setattr__(self, name, value)
+
+    def _seal(self, read_only: bool) -> None:
+        object.__setattr__(self, "_read_only", read_only)
+
+
 @dataclass(kw_only=True)
-class DataConfig:
+class DataConfig(ReadOnly):
     path: str = ""
     """Preprocessed dataset directory (``hybridrec data preprocess`` output)."""
     batch_size: int = 512
@@ -42,7 +57,7 @@ class DataConfig:
 
 
 @dataclass(kw_only=True)
-class ModelConfig:
+class ModelConfig(ReadOnly):
     arch: str = "dlrm"
     """Model family: ``dlrm`` or ``deepfm`` (DLRM plus first-order and FM terms)."""
     embedding_dim: int = 16
@@ -63,7 +78,7 @@ class ModelConfig:
 
 
 @dataclass(kw_only=True)
-class OptimConfig:
+class OptimConfig(ReadOnly):
     dense: str = "adam"
     """Dense optimizer: ``sgd``, ``adagrad`` or ``adam``. The defaults (Adam 0.001, row-wise
     Adagrad 0.05 for the embeddings, batch 512, 50 warm-up steps) come from a sweep over a
@@ -92,7 +107,7 @@ class OptimConfig:
 
 
 @dataclass(kw_only=True)
-class TrainConfig:
+class TrainConfig(ReadOnly):
     epochs: int = 1
     """Passes over the training split."""
     max_steps: int = 0
@@ -236,7 +251,7 @@ class TrainConfig:
 
 
 @dataclass(kw_only=True)
-class DistConfig:
+class DistConfig(ReadOnly):
     nproc: int = 1
     """Local ranks; > 1 starts them through torch's elastic launcher (torchrun)."""
     port: int = 0
@@ -315,7 +330,7 @@ class DistConfig:
 
 
 @dataclass(kw_only=True)
-class CompressConfig:
+class CompressConfig(ReadOnly):
     dense: str = "none"
     """Dense data-parallel gradients: ``none``, ``dct`` (threshold, refreshed every
     ``dense_refresh_every`` steps), ``topk`` (exact top-k every step), ``fp16``, ``bf16``
@@ -368,7 +383,7 @@ class CompressConfig:
 
 
 @dataclass(kw_only=True)
-class SyncConfig:
+class SyncConfig(ReadOnly):
     algorithm: str = "none"
     """Synchronization of the dense replicas instead of averaging gradients (ShadowSync):
     ``none``, ``ma`` (model averaging), ``easgd`` (elastic averaging) or ``bmuf`` (block
@@ -413,7 +428,7 @@ class SyncConfig:
 
 
 @dataclass(kw_only=True)
-class Config:
+class Config(ReadOnly):
     data: DataConfig = field(default_factory=DataConfig)
     """Dataset and batching."""
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -431,6 +446,21 @@ class Config:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+    def seal(self, read_only: bool = True) -> Config:
+        """This config and its sections read-only (or writable again, on a copy)."""
+        for f in dataclasses.fields(self):
+            getattr(self, f.name)._seal(read_only)
+        self._seal(read_only)
+        return self
+
+    def replace(self, changes: dict) -> Config:
+        """A validated, read-only copy with ``changes`` (``{"SECTION.KEY": value}``) applied."""
+        cfg = copy.deepcopy(self).seal(False)
+        for key, value in changes.items():
+            set_value(cfg, key, value)
+        validate(cfg)
+        return cfg
 
 
 SECTIONS = {"data": DataConfig, "model": ModelConfig, "optim": OptimConfig, "train": TrainConfig,
@@ -590,254 +620,13 @@ def build_config(base: dict | None = None, files: list[str] = (), overrides: lis
     return cfg
 
 
-def _ps_checks(cfg: Config) -> list[tuple[bool, str]]:
-    d = cfg.dist
-    if d.num_ps == 0:
-        return []
-    return [
-        (d.num_ps > 0, f"dist.num_ps must be >= 0, got {d.num_ps}"),
-        (d.ps_sharding in ("row_wise", "table_wise"), f"dist.ps_sharding {d.ps_sharding!r}: row_wise or table_wise"),
-        (d.ps_max_staleness >= -1, f"dist.ps_max_staleness must be >= -1 (-1: unbounded), got {d.ps_max_staleness}"),
-        (cfg.model.arch == "dlrm", "dist.num_ps: parameter servers serve ordinary tables; model.arch=deepfm's "
-         "FM tables need DES (dist.num_ps=0)"),
-        (cfg.compress.embedding == "none", "dist.num_ps: compress.embedding compresses DES's pooled-embedding "
-         "hops, which a parameter-server run does not have"),
-        (not d.plan, "dist.plan is a DES sharding plan; parameter servers place tables by dist.ps_sharding"),
-    ]
-
-
-def workers_problem(cfg: Config, world_size: int) -> str | None:
-    """Why ``train.workers`` cannot run with ``world_size`` trainer ranks, or None."""
-    n, d = cfg.train.workers, cfg.dist
-    if n < 1:
-        return f"train.workers must be >= 1, got {n}"
-    if n == 1 or world_size == 1:
-        return None
-    if not d.num_ps:
-        return (f"train.workers={n} with {world_size} ranks: the embedding all-to-alls (DES) are collectives "
-                f"on one process group that several threads cannot each run; use one rank, or dist.num_ps")
-    if d.dense_sync != "none" and cfg.sync.algorithm == "none":
-        why = ("DDP does not support concurrent backward passes" if d.dense_sync == "ddp" else
-               "its all-reduce is one collective per step, which several threads cannot each run")
-        return (f"train.workers={n} with dist.dense_sync={d.dense_sync}: {why}; use dist.dense_sync=none "
-                f"or a synchronizer (sync.algorithm)")
-    return None
-
-
-def _early_stop_checks(t: TrainConfig) -> list[tuple[bool, str]]:
-    """``train.early_stop`` (held-out rows are checked with the dataset, in train.run)."""
-    return [
-        (t.early_stop >= 0, f"train.early_stop must be >= 0 (evaluations without an AUC "
-         f"improvement before stopping; 0 = off), got {t.early_stop}"),
-        (t.early_stop_min_delta >= 0, f"train.early_stop_min_delta must be >= 0, got {t.early_stop_min_delta}"),
-        (t.early_stop <= 0 or t.eval_every > 0, f"train.early_stop={t.early_stop} counts the evaluations of "
-         "train.eval_every, which is 0 (only at the end): set train.eval_every=N"),
-    ]
-
-
-def _checkpoint_checks(t: TrainConfig) -> list[tuple[bool, str]]:
-    """``train.checkpoint_every`` (a number or ``auto``), ``train.mtbf_hours``,
-    ``train.inject_failure`` (its rank against the world size: in train.run, where that is known)."""
-    from hybridrec.train.faults import parse_inject_failure
-
-    every = t.checkpoint_every
-    parse_inject_failure(t.inject_failure)  # a ConfigError that says what is wrong
-    return [
-        (every == "auto" or (isinstance(every, int) and every >= 0),
-         f"train.checkpoint_every {every!r}: a number of steps >= 0 (0 = only at the end) or auto"),
-        (t.mtbf_hours > 0, f"train.mtbf_hours must be positive, got {t.mtbf_hours}"),
-        (every != "auto" or t.save_checkpoints,
-         "train.checkpoint_every=auto chooses when to save, but train.save_checkpoints=false saves nothing"),
-        (t.recovery in ("full", "partial"), f"train.recovery {t.recovery!r}: full or partial"),
-        (0 < t.lost_fraction < 1, f"train.lost_fraction must be in (0, 1), got {t.lost_fraction}"),
-        (t.shard_delta_every >= 0, f"train.shard_delta_every must be >= 0 (0 = off), got {t.shard_delta_every}"),
-        (t.shard_delta_rows in ("touched", "hot"), f"train.shard_delta_rows {t.shard_delta_rows!r}: touched or hot"),
-        (0 < t.shard_delta_hot <= 1, f"train.shard_delta_hot must be in (0, 1], got {t.shard_delta_hot}"),
-        (not (t.shard_delta_every and t.async_checkpoint),
-         "train.shard_delta_every follows the newest checkpoint on disk, which train.async_checkpoint=true "
-         "writes later: use one of them"),
-        (not t.shard_delta_every or t.recovery == "partial",
-         f"train.shard_delta_every={t.shard_delta_every}: the shards' incremental saves serve partial recovery; "
-         "set train.recovery=partial"),
-    ]
-
-
-def steps_problem(cfg: Config, last_step: int) -> str | None:
-    """A setting that can never take effect in a run whose last step is ``last_step``
-    (``train.eval_every`` past it: no evaluation before the end; a ``train.inject_failure``
-    step past it: no failure), or None. Checked where the run's length is known, once the
-    dataset is open (train.build, and the launcher's preflight), before anything is written."""
-    from hybridrec.train.faults import parse_inject_failure
-
-    t = cfg.train
-    if last_step < 1:  # (no step at all: the training loader says why)
-        return None
-    if t.eval_every > last_step:
-        return (f"train.eval_every={t.eval_every} is past the run's last step ({last_step:,}): it would "
-                f"never evaluate before the end; set train.eval_every <= {last_step}, or 0 (only at the end)")
-    for rank, step in parse_inject_failure(t.inject_failure):
-        if step > last_step:
-            return (f"train.inject_failure={t.inject_failure}: step {step} (rank {rank}) is past the run's "
-                    f"last step ({last_step:,}): that failure would never happen")
-    return None
-
-
-def _bf16_tables_conflict(cfg: Config) -> str | None:
-    """What keeps bf16 tables out of ``cfg`` (None: nothing)."""
-    return ("model.arch=deepfm (its FM tables are float32)" if cfg.model.arch == "deepfm" else
-            "dist.num_ps (the servers' tables are float32)" if cfg.dist.num_ps else
-            f"sync.algorithm={cfg.sync.algorithm} (it averages float32 replicas)"
-            if cfg.sync.algorithm != "none" else None)
-
-
-def recovery_problem(cfg: Config) -> str | None:
-    """Why ``train.recovery=partial`` cannot run with ``cfg`` (None: it can, or it is ``full``)."""
-    t, d = cfg.train, cfg.dist
-    if t.recovery != "partial":
-        return None
-    why = ("train.save_checkpoints=false: the failed rank's shards have no checkpoint to roll back to"
-           if not t.save_checkpoints else
-           f"sync.algorithm={cfg.sync.algorithm}: the replicas differ between synchronizations"
-           if cfg.sync.algorithm != "none" else
-           "dist.num_ps: the tables live on the parameter servers" if d.num_ps else
-           f"train.workers={t.workers}: Hogwild threads update the tables between steps" if t.workers > 1 else
-           "dist.partition_dense: partitioned dense modules are not checkpointed" if d.partition_dense else None)
-    return None if why is None else (f"train.recovery=partial needs synchronous DES training with "
-                                     f"checkpoints: {why}; use train.recovery=full")
-
-
-def _sync_checks(cfg: Config) -> list[tuple[bool, str]]:
-    s = cfg.sync
-    return [
-        (s.algorithm in ("none", "ma", "easgd", "bmuf"), f"sync.algorithm {s.algorithm!r}: none, ma, easgd or bmuf"),
-        (s.mode in ("background", "foreground"), f"sync.mode {s.mode!r}: background or foreground"),
-        (s.every >= 1, "sync.every must be >= 1"),
-        (s.interval_s >= 0, f"sync.interval_s must be >= 0, got {s.interval_s}"),
-        (0 < s.duty <= 1, f"sync.duty must be in (0, 1], got {s.duty}"),
-        (s.alpha == "auto" or (isinstance(s.alpha, float) and 0 <= s.alpha <= 1),
-         f"sync.alpha must be auto or in [0, 1], got {s.alpha!r}"),
-        (s.block_momentum == "auto" or (isinstance(s.block_momentum, float) and 0 <= s.block_momentum < 1),
-         f"sync.block_momentum must be auto or in [0, 1), got {s.block_momentum!r}"),
-        (s.block_lr > 0, "sync.block_lr must be positive"),
-        (s.write_back in ("delta", "overwrite"), f"sync.write_back {s.write_back!r}: delta or overwrite"),
-        (s.algorithm == "none" or cfg.compress.dense == "none" or cfg.dist.group_size > 0,
-         f"sync.algorithm={s.algorithm} averages replicas, not gradients: compress.dense must be none "
-         "(or groups, dist.group_size, whose members average gradients)"),
-        (s.compress in ("none", "fp16", "bf16", "dct"), f"sync.compress {s.compress!r}: none, fp16, bf16 or dct"),
-        (0 < s.compress_ratio <= 1, f"sync.compress_ratio must be in (0, 1], got {s.compress_ratio}"),
-        (cfg.dist.group_size >= 0, f"dist.group_size must be >= 0 (0: automatic), got {cfg.dist.group_size}"),
-    ]
-
-
-def _nodes_checks(cfg: Config) -> list[tuple[bool, str]]:
-    """``dist.nnodes`` > 1: what a launch of several machines needs."""
-    d = cfg.dist
-    if d.nnodes == 1:
-        return [(d.node_rank == 0, f"dist.node_rank={d.node_rank} needs dist.nnodes > 1")]
-    host, _, port = d.master.rpartition(":")
-    return [
-        (d.nnodes >= 1, f"dist.nnodes must be >= 1, got {d.nnodes}"),
-        (0 <= d.node_rank < d.nnodes, f"dist.node_rank must be in [0, dist.nnodes={d.nnodes}), got {d.node_rank}"),
-        (bool(host) and port.isdigit() and 0 < int(port) < 65536,
-         f"dist.master {d.master!r}: HOST:PORT of machine 0's rendezvous (dist.nnodes={d.nnodes})"),
-        (bool(d.interface), f"dist.nnodes={d.nnodes} needs dist.interface: the network interface its sockets "
-                            "bind (e.g. eth0: a private network's)"),
-        (bool(cfg.train.run_dir), f"dist.nnodes={d.nnodes}: name the run directory (train.run_dir, on a file "
-                                  "system every machine shares)"),
-        (d.num_ps == 0, "dist.num_ps with dist.nnodes > 1: launch parameter servers across machines with "
-                        "torchrun (README), not yet with dist.nnodes"),
-        (d.port == 0, "dist.port is the local launch's port; across machines the rendezvous is at dist.master"),
-    ]
-
-
 def validate(cfg: Config) -> None:
-    # The one list of sparse optimizer names (the cost model prices their state); imported
-    # here, not at the top, so that reading a config does not import torch.
-    from hybridrec.parallel.cost_model import OPTIMIZERS as SPARSE_OPTIMIZERS
-    from hybridrec.train.faults import injection_problem
+    """The rules of the config alone (:func:`hybridrec.train.rules.check_config`): the first
+    one broken is a ConfigError with its one line. A valid config is read-only from then on."""
+    from hybridrec.train.rules import check_config
 
-    m, o, d, t, c = cfg.model, cfg.optim, cfg.data, cfg.train, cfg.compress
-    bf16_conflict = _bf16_tables_conflict(cfg) if m.embedding_dtype == "bf16" else None
-    checks = [
-        (d.batch_size > 0, "data.batch_size must be positive"),
-        (d.eval_batch_size > 0, "data.eval_batch_size must be positive"),
-        (m.arch in ("dlrm", "deepfm"), f"model.arch {m.arch!r}: dlrm or deepfm"),
-        (m.interaction in ("dot", "cat"), f"model.interaction {m.interaction!r}: dot or cat"),
-        (m.pooling in ("sum", "mean"), f"model.pooling {m.pooling!r}: sum or mean"),
-        (m.embedding_dtype in ("fp32", "bf16"), f"model.embedding_dtype {m.embedding_dtype!r}: fp32 or bf16"),
-        (not bf16_conflict,
-         f"model.embedding_dtype=bf16 is not supported with {bf16_conflict}; use model.embedding_dtype=fp32"),
-        (m.arch != "deepfm" or m.pooling == "sum", "model.arch=deepfm needs model.pooling=sum (the FM term)"),
-        (bool(m.top_mlp) and m.top_mlp[-1] == 1, f"model.top_mlp must end in 1, got {m.top_mlp}"),
-        (bool(m.bottom_mlp) and m.bottom_mlp[-1] == m.embedding_dim,
-         f"model.bottom_mlp must end in model.embedding_dim ({m.embedding_dim}), got {m.bottom_mlp}"),
-        (o.dense in ("sgd", "adagrad", "adam"), f"optim.dense {o.dense!r}: sgd, adagrad or adam"),
-        (o.sparse in SPARSE_OPTIMIZERS,
-         f"optim.sparse {o.sparse!r}: {', '.join(SPARSE_OPTIMIZERS[:-1])} or {SPARSE_OPTIMIZERS[-1]}"),
-        (o.dense_lr > 0 and o.sparse_lr > 0, "learning rates must be positive"),
-        (o.decay in ("none", "linear", "cosine", "poly2"), f"optim.decay {o.decay!r}: none, linear, cosine or poly2"),
-        (o.warmup_steps >= 0, "optim.warmup_steps must be >= 0"),
-        (t.epochs > 0, "train.epochs must be positive"),
-        (t.max_steps >= 0 and t.eval_every >= 0 and t.log_every >= 0, "step counts must be >= 0"),
-        *_checkpoint_checks(t),
-        *_early_stop_checks(t),
-        (t.keep_checkpoints >= 1, "train.keep_checkpoints must be >= 1"),
-        (bool(t.init_from) or not t.init_optimizer, "train.init_optimizer=true needs train.init_from=RUN"),
-        (not t.init_from or not cfg.dist.num_ps,
-         "train.init_from with dist.num_ps: the tables live on the parameter servers, which do not load it"),
-        (t.log_interval_s >= 0, f"train.log_interval_s must be >= 0, got {t.log_interval_s}"),
-        (t.precision in ("fp32", "bf16"), f"train.precision {t.precision!r}: fp32 or bf16"),
-        (t.allocator in ("retain", "system"), f"train.allocator {t.allocator!r}: retain or system"),
-        (t.kernels in ("auto", "measure", "torch", "onednn"),
-         f"train.kernels {t.kernels!r}: auto, measure, torch or onednn"),
-        (t.memory_limit_gb >= 0,
-         f"train.memory_limit_gb must be >= 0 (0 = the machine's), got {t.memory_limit_gb}"),
-        (cfg.dist.nproc >= 1, "dist.nproc must be >= 1"),
-        (cfg.dist.max_restarts >= 0, f"dist.max_restarts must be >= 0, got {cfg.dist.max_restarts}"),
-        (0 <= cfg.dist.port < 65536, f"dist.port must be a port number (0: a free one), got {cfg.dist.port}"),
-        *_nodes_checks(cfg),
-        (cfg.dist.sharding in ("auto", "table_wise", "row_wise", "column_wise", "table_row_wise",
-                               "data_parallel"), f"dist.sharding {cfg.dist.sharding!r}: auto or a sharding type"),
-        (cfg.dist.backend in ("auto", "gloo", "nccl"), f"dist.backend {cfg.dist.backend!r}: auto, gloo or nccl"),
-        (cfg.dist.timeout_s > 0, "dist.timeout_s must be positive"),
-        (cfg.dist.exchange in ("collective", "pairwise"), f"dist.exchange {cfg.dist.exchange!r}: collective or pairwise"),
-        (cfg.dist.dense_sync in ("ddp", "allreduce", "none"),
-         f"dist.dense_sync {cfg.dist.dense_sync!r}: ddp, allreduce or none"),
-        *_ps_checks(cfg),
-        (c.dense != "powersgd" or cfg.dist.dense_sync == "ddp",
-         "compress.dense=powersgd runs as a DDP comm hook: it needs dist.dense_sync=ddp"),
-        (c.dense == "none" or cfg.dist.dense_sync != "none",
-         f"compress.dense={c.dense} compresses the dense all-reduce, which dist.dense_sync=none does not run"),
-        (c.dense in ("none", "dct", "topk", "fp16", "bf16", "powersgd"),
-         f"compress.dense {c.dense!r}: none, dct, topk, fp16, bf16 or powersgd"),
-        (0 < c.dense_ratio <= 1, f"compress.dense_ratio must be in (0, 1], got {c.dense_ratio}"),
-        (c.dense_refresh_every >= 0, "compress.dense_refresh_every must be >= 0 (0: auto)"),
-        (c.dense_warmup_steps >= 0, "compress.dense_warmup_steps must be >= 0"),
-        *_sync_checks(cfg),
-        (not (problem := workers_problem(cfg, cfg.dist.nproc)), problem),
-        (not (problem := recovery_problem(cfg)), problem),
-        # (torchrun across machines: dist.nproc is 1, and train.run checks the real world size)
-        (not (injected := injection_problem(t.inject_failure, cfg.dist.nproc) if cfg.dist.nproc > 1 else None),
-         injected),
-        (c.powersgd_rank >= 1, "compress.powersgd_rank must be >= 1"),
-        (c.embedding in ("none", "dct", "fp16", "bf16", "int8"),
-         f"compress.embedding {c.embedding!r}: none, dct, fp16, bf16 or int8"),
-        (0 < c.embedding_ratio <= 1, f"compress.embedding_ratio must be in (0, 1], got {c.embedding_ratio}"),
-        (c.embedding_values in ("fp32", "fp16", "bf16"),
-         f"compress.embedding_values {c.embedding_values!r}: fp32, fp16 or bf16"),
-        (c.embedding_min_rows >= 0, "compress.embedding_min_rows must be >= 0"),
-        (c.embedding_select in ("topk", "threshold"),
-         f"compress.embedding_select {c.embedding_select!r}: topk or threshold"),
-        (c.embedding_refresh_every >= 0, "compress.embedding_refresh_every must be >= 0 (0: auto)"),
-        (c.embedding_cap >= 1, f"compress.embedding_cap must be >= 1, got {c.embedding_cap}"),
-        (c.embedding_when in ("always", "pays"), f"compress.embedding_when {c.embedding_when!r}: always or pays"),
-        (c.embedding_when == "always" or c.embedding_select == "topk" or c.embedding != "dct",
-         "compress.embedding_when=pays measures the top-k DCT-MP and the casting codecs, not "
-         "compress.embedding_select=threshold"),
-    ]
-    for ok, msg in checks:
-        if not ok:
-            raise ConfigError(msg)
+    check_config(cfg)
+    cfg.seal()
 
 
 def describe() -> str:

@@ -109,16 +109,6 @@ def _auc(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.4f}"
 
 
-def early_stop_problem(cfg, meta) -> str | None:
-    """Why ``train.early_stop`` cannot run on this dataset (no held-out rows), or None.
-    (The config alone is checked by :func:`hybridrec.train.config.validate`.)"""
-    if cfg.train.early_stop > 0 and meta.split_rows("eval") == 0:
-        return (f"train.early_stop={cfg.train.early_stop}: the dataset {meta.path} has no held-out "
-                "rows (its eval split is empty), so there is no AUC to watch; preprocess with a "
-                "held-out part (--eval-parts), or train.early_stop=0")
-    return None
-
-
 def recorded_best(run_dir: str | Path) -> dict | None:
     """The early-stopping state of a run's newest checkpoint (None: it has none)."""
     from hybridrec.parallel.checkpoint import read_manifest

@@ -74,15 +74,6 @@ def parse_inject_failure(text: str) -> list[tuple[int, int]]:
     return out
 
 
-def injection_problem(spec: str, world_size: int) -> str | None:
-    """Why ``train.inject_failure`` cannot run with ``world_size`` (trainer) ranks, or None."""
-    for rank, _ in parse_inject_failure(spec):
-        if rank >= world_size:
-            return (f"train.inject_failure={spec}: rank {rank} does not exist: this run has "
-                    f"{world_size} rank{'s' if world_size != 1 else ''} (0..{world_size - 1})")
-    return None
-
-
 def read_marker(run_dir: str | Path) -> dict | None:
     """The injections recorded in ``run_dir`` (None: none, or an unreadable file); the
     top level is the last one (see :data:`MARKER`)."""

@@ -26,7 +26,6 @@ import hybridrec
 from hybridrec.data.schema import DatasetMeta
 from hybridrec.errors import ConfigError, HybridrecError, records_errors
 from hybridrec.metrics.logger import cuda_peak_memory_bytes, peak_memory_bytes, write_json_atomic
-from hybridrec.model.kernels import precision_problem
 from hybridrec.parallel.checkpoint import load_sharded, load_state, read_manifest
 from hybridrec.parallel.checkpoint_io import SafeFileSystemReader
 from hybridrec.parallel.checkpoint_layout import table_key
@@ -37,23 +36,21 @@ from hybridrec.train.ps_run import PS_DIR, run_server
 from hybridrec.train import checkpoint as ckpt
 from hybridrec.train import run_lock
 from hybridrec.train.build import (
-    group_size,
-    hierarchy_problem,
     build_loaders,
     build_model,
     build_topology,
     build_trainer,
     planned_steps,
     ranks_backend,
+    run_facts,
     start_over,
-    steps_per_epoch,
     versions,
 )
-from hybridrec.train.config import Config, apply_dict, steps_problem, validate
+from hybridrec.train.config import PATH_KEYS, Config, apply_dict, validate
 from hybridrec.train.memory import memory_problem
-from hybridrec.train.tables import load_dataset, plan_file_problem
-from hybridrec.train.early_stop import early_stop_problem, resolve_checkpoint
-from hybridrec.train.faults import injection_problem
+from hybridrec.train.rules import RunFacts, check_run, group_size
+from hybridrec.train.tables import load_dataset
+from hybridrec.train.early_stop import resolve_checkpoint
 from hybridrec.train.recovery import elastic_restarts
 from hybridrec.train.step import evaluate_model
 
@@ -73,19 +70,17 @@ def train(cfg: Config, *, extra_summary: dict | None = None, hold_run_dir: bool 
     (:mod:`~hybridrec.train.run_lock`); false where a launcher holds it for its ranks."""
     started_at, clock = now_iso(), time.monotonic()
     shown = cfg.train.run_dir  # the run directory as the user wrote it, for messages
-    make_paths_absolute(cfg)
+    cfg = absolute_paths(cfg)
     meta = load_dataset(cfg)
-    if problem := early_stop_problem(cfg, meta):  # every process alike, before anything starts
-        raise ConfigError(problem)
     if not cfg.dist.num_ps:
         return _train(cfg, meta, None, shown, started_at, clock, extra_summary, hold_run_dir)
     # Parameter-server run: servers serve until the trainers leave; trainers train.
     r = ps_world.roles(cfg.dist.num_ps)
+    local = r.num_trainers if r.all_local else 1  # (trainers per machine: the default group)
+    # every process alike (servers too), before any group is made
+    check_run(cfg, RunFacts(world=r.num_trainers, local_world=local, meta=meta))
     if r.is_server:
         return run_server(cfg, meta, r)
-    local = r.num_trainers if r.all_local else 1  # (trainers per machine: the default group)
-    if problem := hierarchy_problem(cfg, r.num_trainers, local):
-        raise ConfigError(problem)
     topo = ps_world.init_world(r, timeout_s=cfg.dist.timeout_s,
                                backend=ranks_backend(cfg),
                                group_size=group_size(cfg, r.num_trainers, local))
@@ -105,11 +100,9 @@ def _train(cfg: Config, meta, topo, shown: str, started_at: str, clock: float, e
     """:func:`train` in this process (``topo``: a parameter-server run's trainers, else
     None: from torchrun's environment)."""
     world, rank = (topo.world_size, topo.rank) if topo is not None else _world_and_rank()
-    if problem := injection_problem(cfg.train.inject_failure, world):  # (torchrun: dist.nproc is 1)
-        raise ConfigError(problem)
     restarts = elastic_restarts()
     if restarts and not cfg.train.resume:  # (false started this launch over; its restarts resume it)
-        cfg.train.resume = True
+        cfg = cfg.replace({"train.resume": True})
     if restarts and rank == 0:  # dist.max_restarts: the agent started the ranks again
         print(f"restarted the ranks after a failure ({restarts} of dist.max_restarts="
               f"{os.environ.get('TORCHELASTIC_MAX_RESTARTS', '?')}); resuming {cfg.train.run_dir or 'the run'}",
@@ -123,14 +116,16 @@ def _train(cfg: Config, meta, topo, shown: str, started_at: str, clock: float, e
             shown = box[0]
         else:
             shown = str(new_run_dir())
-        cfg.train.run_dir = created = os.path.abspath(shown)
+        created = os.path.abspath(shown)
+        cfg = cfg.replace({"train.run_dir": created})
         if rank == 0:
             _announce(shown)
     with run_lock.holding(cfg.train.run_dir, shown) if hold_run_dir and rank == 0 else contextlib.nullcontext():
         finished = inspect_run_dir(cfg, meta, world_size=world, shown=shown)
         if finished is not None and not cfg.train.reevaluate:
             return finished
-        if not cfg.train.resume and rank == 0:
+        if not cfg.train.resume and rank == 0:  # (a run refused by its rules deletes nothing)
+            check_run(cfg, run_facts(cfg, meta, topo, building=True))
             start_over(Path(cfg.train.run_dir))  # (before any rank builds: nothing of it is mixed in)
         try:
             trainer = build_trainer(cfg, meta=meta, topo=topo, started_at=started_at)
@@ -225,12 +220,15 @@ def now_iso() -> str:
     return datetime.datetime.now().astimezone().isoformat(timespec="seconds")
 
 
-def make_paths_absolute(cfg: Config) -> None:
-    """``data.path``, ``dist.plan`` and ``train.run_dir`` (where set) as absolute paths, so
-    that config.json and summary.json mean the same from any working directory."""
-    cfg.data.path = os.path.abspath(cfg.data.path) if cfg.data.path else cfg.data.path
-    cfg.dist.plan = os.path.abspath(cfg.dist.plan) if cfg.dist.plan else cfg.dist.plan
-    cfg.train.run_dir = os.path.abspath(cfg.train.run_dir) if cfg.train.run_dir else cfg.train.run_dir
+def absolute_paths(cfg: Config) -> Config:
+    """``cfg`` with ``data.path``, ``dist.plan`` and ``train.run_dir`` (where set) as absolute
+    paths, so that config.json and summary.json mean the same from any working directory."""
+    return cfg.replace({k: os.path.abspath(v) for k in PATH_KEYS if (v := _value(cfg, k))})
+
+
+def _value(cfg: Config, key: str):
+    section, name = key.split(".")
+    return getattr(getattr(cfg, section), name)
 
 
 def new_run_dir(root: str | Path = RUNS_ROOT) -> Path:
@@ -249,27 +247,23 @@ def new_run_dir(root: str | Path = RUNS_ROOT) -> Path:
     raise ConfigError(f"{root}: no free run directory named {stamp}-N; name one with train.run_dir")
 
 
-def preflight(cfg: Config, *, world_size: int) -> tuple[dict | None, str]:
+def preflight(cfg: Config, *, world_size: int) -> tuple[dict | None, str, Config]:
     """What :func:`train` checks before anything is written, for a launcher about to start
     ``world_size`` local ranks (``hybridrec train dist.nproc=N``): refuse a run directory
     of another run or a plan that does not fit this machine's memory (ConfigError).
-    Returns ``(finished, run_dir)``: a finished run's summary with ``already_finished``
-    (else None) and the run directory as the ranks should be given it; an empty
-    ``train.run_dir`` becomes a new directory."""
+    Returns ``(finished, run_dir, cfg)``: a finished run's summary with ``already_finished``
+    (else None), the run directory as the ranks should be given it, and the config with
+    absolute paths, an empty ``train.run_dir`` become a new directory."""
     shown = cfg.train.run_dir
-    make_paths_absolute(cfg)
+    cfg = absolute_paths(cfg)
     meta = load_dataset(cfg)
-    if problem := (early_stop_problem(cfg, meta) or injection_problem(cfg.train.inject_failure, world_size)
-                   or steps_problem(cfg, planned_steps(cfg, steps_per_epoch(cfg, meta, world_size)))
-                   or precision_problem(cfg.train.precision, "cpu")  # (several ranks: the CPU, ranks_backend)
-                   or hierarchy_problem(cfg, world_size, world_size)
-                   or (not cfg.dist.num_ps and world_size > 1
-                       and plan_file_problem(cfg, group_size(cfg, world_size, world_size), world_size))):
-        raise ConfigError(problem)
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    device = "cuda" if gpus and cfg.dist.backend != "gloo" else "cpu"  # (as the ranks will choose)
+    check_run(cfg, RunFacts(world=world_size, local_world=world_size, device=device, gpus=gpus, meta=meta))
     if cfg.train.run_dir:
         finished = inspect_run_dir(cfg, meta, world_size=world_size, shown=shown)
         if finished is not None and not cfg.train.reevaluate:
-            return finished, shown
+            return finished, shown, cfg
     if cfg.dist.num_ps:  # the tables live on the servers
         from hybridrec.train.ps_run import local_servers_memory_problem
 
@@ -282,9 +276,9 @@ def preflight(cfg: Config, *, world_size: int) -> tuple[dict | None, str]:
         raise ConfigError(problem)
     if not cfg.train.run_dir:
         shown = str(new_run_dir())
-        cfg.train.run_dir = os.path.abspath(shown)
+        cfg = cfg.replace({"train.run_dir": os.path.abspath(shown)})
         _announce(shown)
-    return None, shown
+    return None, shown, cfg
 
 
 def _announce(shown: str) -> None:
@@ -531,7 +525,7 @@ def load_run_model(run_dir: str | Path, *, checkpoint: str | None = None,
     error says why each failed. Returns ``(cfg, meta, model, path, extra)`` (``extra``: the checkpoint's global state: step, loader position)."""
     cfg = load_run_config(run_dir)
     if data_path:
-        cfg.data.path = data_path
+        cfg = cfg.replace({"data.path": data_path})
     meta = load_dataset(cfg)
     path, _ = resolve_checkpoint(run_dir, checkpoint)
     if path is None:

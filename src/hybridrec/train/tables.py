@@ -40,26 +40,11 @@ def build_tables(meta: DatasetMeta, cfg: Config) -> list[TableConfig]:
 AUTO_PLAN_BANDWIDTH = 10e9 / 8
 
 
-def plan_file_problem(cfg: Config, group: int, world: int) -> str | None:
-    """Why ``dist.plan`` cannot run on groups of ``group`` of the ``world`` ranks (None: no
-    file, or it can): unreadable, invalid (a shard or a column block on a rank that does
-    not exist), or made for another number of ranks. Checked before any process group is
-    made, and again when the plan is read (:func:`build_plan`)."""
-    if not cfg.dist.plan:
-        return None
-    try:
-        plan = ShardingPlan.from_json(Path(cfg.dist.plan).read_text())
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        return f"dist.plan {cfg.dist.plan}: {e}"
-    if plan.world_size != group:
-        has = "each group of this run has" if group < world else "this run has"
-        return f"dist.plan {cfg.dist.plan} is for {plan.world_size} ranks, {has} {group}"
-    return None
-
-
 def build_plan(cfg: Config, tables: list[TableConfig], topo: Topology,
                meta: DatasetMeta | None = None) -> ShardingPlan:
     if cfg.dist.plan:
+        from hybridrec.train.rules import plan_file_problem
+
         if problem := plan_file_problem(cfg, topo.world_size, topo.global_world_size):
             raise ConfigError(problem)
         return ShardingPlan.from_json(Path(cfg.dist.plan).read_text())
