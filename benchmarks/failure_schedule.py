@@ -350,7 +350,8 @@ def lost_fraction(failures: list[dict], total_steps: int, *, recorded: bool = Fa
     failures of the steps each shard lost x its share of the embedding parameters (rows x
     columns), over the run's steps (None: no per-shard record).
 
-    A shard's ``steps_lost`` as recorded counts from the checkpoint it rolled back to; when
+    A shard's steps lost are its rows' mean (``mean_steps_lost``; ``steps_lost`` in records
+    without it). As recorded they count from the checkpoint it rolled back to; when
     the same shard rolled back to that checkpoint at an earlier failure, the updates up to
     that recovery were lost then, so (unless ``recorded``) this one lost only the steps
     since: ``failed_at_step - max(checkpoint_step, the step it resumed at then)``."""
@@ -363,7 +364,8 @@ def lost_fraction(failures: list[dict], total_steps: int, *, recorded: bool = Fa
         weights = [(sh.get("rows") or 1) * (sh.get("cols") or 1) for sh in shards]  # (None: one table)
         lost = []
         for sh in shards:
-            n = sh.get("steps_lost") or 0
+            # (the mean over the shard's rows where recorded: rows a hot-row delta left out lost more)
+            n = sh.get("mean_steps_lost", sh.get("steps_lost")) or 0
             key = (sh.get("table"), sh.get("rank"), sh.get("row_start"), sh.get("col_start"))
             if n > 0:
                 if not recorded:

@@ -164,3 +164,186 @@ def test_bad_arguments(ds):
         ShardedLoader(ds, "train", batch_size=4, rank=2, world_size=2)
     with pytest.raises(Exception, match="no split 'test'"):
         ShardedLoader(ds, "test")
+
+
+# -- the same batches, bit for bit, as the loader made them before its fast paths -----------
+# FINGERPRINTS were computed with the row-by-row loader (argsort, gather, scatter; one
+# torch.cat of the keys' values): a change that makes batches faster must not change a bit
+# of them, nor the order a seed trains.
+MH_FIELDS = ("C1", "C3", "C4", "C9")  # runs of one-hot keys between them, one at the start
+
+
+def _wide_line(i: int, multi_hot: bool) -> str:
+    def bag(field: int) -> str:
+        if not multi_hot or f"C{field}" not in MH_FIELDS:
+            return f"{(i * 7 + field * 13) % 997:08x}"
+        return ",".join(f"{(i * 31 + field * 5 + k) % 883:08x}" for k in range((i + field) % 4))
+
+    dense = [str(i), str(i % 5), *[str((i * k) % 11) for k in range(11)]]
+    return "\t".join([str(i % 2), *dense, *[bag(f) for f in range(1, 27)]])
+
+
+@pytest.fixture(scope="module", params=["one-hot", "multi-hot"])
+def wide(request, tmp_path_factory):
+    """1,300 training rows in two parts and 300 held out; 26 one-hot features, or four of
+    them multi-hot (bags of 0-3 ids)."""
+    multi = request.param == "multi-hot"
+    tmp = tmp_path_factory.mktemp(request.param)
+    paths, start = [], 0
+    for p, rows in enumerate([700, 600, 300]):
+        path = tmp / f"day_{p}.tsv"
+        path.write_text("".join(_wide_line(i, multi) + "\n" for i in range(start, start + rows)))
+        paths.append(path)
+        start += rows
+    preprocess_criteo(paths, tmp / "ds", table_size=1 << 10, multi_hot_fields=MH_FIELDS if multi else ())
+    return request.param, tmp / "ds"
+
+
+def fingerprint(batches) -> str:
+    """sha256 of every tensor's dtype, shape and bytes, and the keys, of ``batches``."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for b in batches:
+        kjt = b.sparse
+        h.update(repr(kjt.keys).encode())
+        for t in (b.dense, b.labels, kjt.values, kjt.lengths):
+            h.update(f"{t.dtype}{tuple(t.shape)}".encode())
+            h.update(t.contiguous().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+LOADERS = {  # name: (split, loader arguments)
+    "shuffled": ("train", {"batch_size": 64, "shuffle_window": 100, "seed": 3}),
+    "shuffled-one-window": ("train", {"batch_size": 96, "seed": 5}),
+    "shuffled-rank1": ("train", {"batch_size": 40, "rank": 1, "world_size": 3, "shuffle_window": 256}),
+    "shuffled-epoch2": ("train", {"batch_size": 128, "shuffle_window": 512, "seed": 1, "epoch": 2}),
+    "unshuffled": ("train", {"batch_size": 96, "shuffle": False}),
+    "eval-rank0": ("eval", {"batch_size": 70, "rank": 0, "world_size": 2}),
+    "eval-rank1": ("eval", {"batch_size": 70, "rank": 1, "world_size": 2}),
+    "eval-rank6-of-7": ("eval", {"batch_size": 1, "rank": 6, "world_size": 7}),  # last batch empty
+    "eval-rank0-of-7": ("eval", {"batch_size": 1, "rank": 0, "world_size": 7}),
+}
+FINGERPRINTS = {
+    ("one-hot", "shuffled"): "b28ae7d6ed6584a5",
+    ("one-hot", "shuffled-one-window"): "baa59ac6190d4ecb",
+    ("one-hot", "shuffled-rank1"): "09ba498391d78103",
+    ("one-hot", "shuffled-epoch2"): "7d0cc95a28be1ad3",
+    ("one-hot", "unshuffled"): "8ac9464272137644",
+    ("one-hot", "eval-rank0"): "da520a0b61dd341f",
+    ("one-hot", "eval-rank1"): "be455ccb9b4be2b2",
+    ("one-hot", "eval-rank6-of-7"): "7561bea7258957b2",
+    ("one-hot", "eval-rank0-of-7"): "8335dae846bf105c",
+    ("multi-hot", "shuffled"): "d7293f9820fe109f",
+    ("multi-hot", "shuffled-one-window"): "4ce927bf7e0a0828",
+    ("multi-hot", "shuffled-rank1"): "a91da66cb70eb38c",
+    ("multi-hot", "shuffled-epoch2"): "9dee004281f86d4c",
+    ("multi-hot", "unshuffled"): "8493b6069956551f",
+    ("multi-hot", "eval-rank0"): "e81ad8ef82400bd5",
+    ("multi-hot", "eval-rank1"): "8f8d03be8c56fc8e",
+    ("multi-hot", "eval-rank6-of-7"): "6cbc246474a32c29",
+    ("multi-hot", "eval-rank0-of-7"): "f5e518d0012eb92c",
+}
+
+
+def _epoch(ds, split: str, kw: dict, **extra) -> list:
+    kw = dict(kw)
+    epoch = kw.pop("epoch", 0)
+    loader = ShardedLoader(ds, split, **kw, **extra)
+    loader.set_epoch(epoch)
+    return list(loader)
+
+
+@pytest.mark.parametrize("name", list(LOADERS))
+def test_batches_are_bit_identical_to_the_row_by_row_loader(wide, name):
+    kind, ds = wide
+    split, kw = LOADERS[name]
+    got = fingerprint(_epoch(ds, split, kw, prefetch=0))
+    assert got == FINGERPRINTS[kind, name]
+
+
+@pytest.mark.parametrize("workers, prefetch", [(2, 1), (3, 2)])
+def test_worker_threads_yield_the_same_batches_in_order(wide, workers, prefetch):
+    kind, ds = wide
+    for name in ("shuffled", "shuffled-rank1", "eval-rank1"):
+        split, kw = LOADERS[name]
+        got = fingerprint(_epoch(ds, split, kw, prefetch=prefetch, workers=workers))
+        assert got == FINGERPRINTS[kind, name], name
+
+
+def test_a_batch_brings_its_facts_and_they_are_right(wide):
+    from hybridrec.sparse.keyed_jagged import KeyedJagged
+
+    kind, ds = wide
+    for batch in ShardedLoader(ds, "train", batch_size=100, shuffle_window=64, prefetch=0):
+        kjt = batch.sparse
+        fresh = KeyedJagged(kjt.keys, kjt.values, kjt.lengths)  # works them out from the tensors
+        assert kjt.length_per_key() == fresh.length_per_key()
+        assert kjt.one_id_per_bag() == fresh.one_id_per_bag() == (kind == "one-hot")
+
+
+@pytest.mark.parametrize("k", [0, 5])
+def test_resume_with_worker_threads_is_exact(wide, k):
+    _, ds = wide
+    kw = {"batch_size": 48, "shuffle_window": 200, "seed": 4, "prefetch": 1, "workers": 3}
+    expected = [fingerprint([b]) for b in _epoch(ds, "train", kw) + _epoch(ds, "train", {**kw, "epoch": 1})]
+    first = ShardedLoader(ds, "train", **kw)
+    it = iter(first)
+    got = [fingerprint([next(it)]) for _ in range(k)]
+    state = first.state_dict()
+    del it
+    second = ShardedLoader(ds, "train", **kw)
+    second.load_state_dict(state)
+    got += [fingerprint([b]) for b in second] + [fingerprint([b]) for b in second]
+    assert got == expected
+
+
+def test_worker_error_propagates_and_threads_stop(ds, monkeypatch):
+    loader = ShardedLoader(ds, "train", batch_size=4, prefetch=1, workers=3)
+    real = loader.batch
+
+    def flaky(rows):
+        if 5 in rows.tolist():
+            raise ValueError("bad shard")
+        return real(rows)
+
+    monkeypatch.setattr(loader, "batch", flaky)
+    with pytest.raises(ValueError, match="bad shard"):
+        list(loader)
+    it = iter(ShardedLoader(ds, "train", batch_size=4, prefetch=1, workers=3))
+    next(it)
+    assert any(t.name.startswith("hybridrec-loader") for t in threading.enumerate())
+    del it  # dropping the iterator stops its threads
+    deadline = time.time() + 5
+    while any(t.name.startswith("hybridrec-loader") for t in threading.enumerate()):
+        assert time.time() < deadline, "loader threads still running"
+        time.sleep(0.01)
+
+
+def test_default_workers_share_the_cores_among_local_ranks(ds, monkeypatch):
+    from hybridrec.data.loader import default_workers
+
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(16)))
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert default_workers(pin_memory=False) == 1  # beside a CPU step: the step has the cores
+    assert default_workers(pin_memory=True) == 15
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert default_workers(pin_memory=True) == 3
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "32")
+    assert default_workers(pin_memory=True) == 1
+    assert ShardedLoader(ds, "train").workers == 1
+    with pytest.raises(ConfigError, match="workers must be >= 1"):
+        ShardedLoader(ds, "train", workers=0)
+
+
+def test_keyed_ids_refuses_bags_that_do_not_add_up(ds):
+    from hybridrec.data.loader import keyed_ids
+    from hybridrec.data.schema import DatasetMeta
+    from hybridrec.errors import DataError
+
+    schema = DatasetMeta.load(ds).schema  # C1 multi-hot, C2..C26 one-hot
+    onehot = np.zeros((3, 25), np.int32)
+    kjt = keyed_ids(schema, onehot, {"C1": (np.arange(3), np.array([2, 0, 1]))})
+    assert kjt.values[:3].tolist() == [0, 1, 2] and kjt.lengths[:3].tolist() == [2, 0, 1]
+    with pytest.raises(DataError, match="C1: 4 ids for 3 bags of 3 ids"):
+        keyed_ids(schema, onehot, {"C1": (np.arange(4), np.array([1, 1, 1]))})

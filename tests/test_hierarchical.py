@@ -18,7 +18,7 @@ from hybridrec.sync import ForegroundRunner, make_synchronizer
 from hybridrec.sync.algorithms import GroupMean
 from hybridrec.sync.compressed import CompressedMean
 from hybridrec.sync.grouped import GroupedBackgroundRunner
-from hybridrec.train.build import hierarchy_problem
+from hybridrec.train.rules import hierarchy_problem
 from hybridrec.train.config import Config
 from hybridrec.train.optim import dense_parameters
 from hybridrec.train.sparse_optim import combined_sparse_optimizer
@@ -53,10 +53,11 @@ def flat_worker(topo, steps):
     return _result(model)
 
 
-def hier_worker(topo, steps, mode="foreground", compress=None):
+def hier_worker(topo, steps, mode="foreground", compress=None, rows="all"):
     """Groups of 2 over the ranks ``run_ranks`` started; MA across groups of the whole
     replica (dense part, then the member's shards), after every step (foreground) or in
-    the background."""
+    the background. ``rows="all"``: the table rows' plain mean, SGD's exact one (the
+    default for adaptive optimizers, over the groups that touched a row: test_hier_rows)."""
     h = Topology.init(backend="gloo", group_size=2)
     ledger = CommLedger()
     sync = DDPSync(h, ledger=ledger)
@@ -69,11 +70,11 @@ def hier_worker(topo, steps, mode="foreground", compress=None):
         mean = CompressedMean(group, CompressedAllReduce(DCTCompressor(0.3, 2), ledger, category="sync"),
                               ledger, parts)
     if mode == "foreground":
-        runner = ForegroundRunner(make_synchronizer("ma"), params, group, ledger=ledger, mean=mean)
+        runner = ForegroundRunner(make_synchronizer("ma"), params, group, ledger=ledger, mean=mean, rows=rows)
     else:
         flags = torch.distributed.new_group(list(range(h.global_world_size)), backend="gloo")
         runner = GroupedBackgroundRunner(make_synchronizer("ma"), params, group, ledger=ledger, mean=mean,
-                                         members=h.group, flag_group=flags)
+                                         members=h.group, flag_group=flags, rows=rows)
     runner.start()
     _train(h, model, sync, steps, runner.after_step)
     if mode == "background":
@@ -142,7 +143,7 @@ def test_groups_that_do_not_fit_are_refused_before_any_process_group():
 
 
 def test_default_group_is_one_machine_only_with_a_synchronizer_across_machines():
-    from hybridrec.train.build import group_size
+    from hybridrec.train.rules import group_size
 
     cfg = Config()
     assert group_size(cfg, 8, 4) == 8  # no synchronizer: flat

@@ -67,11 +67,11 @@ def _check_recursions(ranks, alpha, beta, mu):
     for k in range(len(ranks[0][0])):
         rounds = [r[0][k] for r in ranks]
         mean_e = sum(x["s_e"] for x in rounds) / n
-        for x in rounds:  # every replica: alpha of the way to the centre before its update
-            _close(x["t_e"], x["s_e"] - alpha * (x["s_e"] - c))
         c = c + beta * (mean_e - c)
         for x in rounds:  # the centre: beta of the way to the mean, the same on every rank
             _close(x["centre"], c)
+        for x in rounds:  # every replica: alpha of the way to the updated centre
+            _close(x["t_e"], x["s_e"] - alpha * (x["s_e"] - c))
         start = g + mu * delta  # BMUF with Nesterov: the block started from the look-ahead
         delta = mu * delta + (sum(x["s_b"] for x in rounds) / n - start)
         g = g + delta

@@ -22,15 +22,30 @@ Shuffling is windowed so memory stays O(window), not O(N): the index space is cu
 into windows of ``shuffle_window`` rows; an epoch visits the windows in a
 permuted order and each window's rows in a permuted order, every permutation
 drawn from ``(seed, epoch, window)`` only, so any step can be recomputed.
+
+Making a batch (what it costs: docs/benchmarks.md, "Input pipeline"): each column (dense,
+labels, one-hot ids, a multi-hot feature's bag bounds and ids) is one ``np.take`` from the
+part's memory map straight into batch order (a slice copy for consecutive rows; rows of
+several parts are taken part by part, then ordered by one more take), and the ids become
+the :class:`KeyedJagged` in one int64 buffer: the one-hot columns transposed once, each run
+of one-hot keys and each multi-hot key copied into place (:func:`keyed_ids`). The rows and
+their order are the row-by-row loader's, so every batch is bit for bit what it was
+(``tests/test_data_loader.py`` holds the fingerprints). With ``prefetch`` and ``workers``
+> 1, threads make whole batches side by side (numpy's takes and copies release the GIL),
+yielded in step order. The shuffle itself is unchanged: reading shuffled rows as contiguous
+blocks would be faster, but it would change what a seed trains.
 """
 
 from __future__ import annotations
 
+import collections
 import os
 import queue
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -124,16 +139,18 @@ class _Order:
         lengths = np.minimum(window, n - slots * window)
         self.cum = np.concatenate([[0], np.cumsum(lengths)])
         self._cache: dict[int, np.ndarray] = {}
+        self._lock = threading.Lock()
 
     def _window(self, w: int) -> np.ndarray:
-        if w not in self._cache:
-            if len(self._cache) >= 4:  # a batch spans few windows; keep the recent ones
-                self._cache.pop(next(iter(self._cache)))
-            lo = w * self.window
-            size = min(self.window, self.n - lo)
-            perm = np.random.default_rng([self.seed, self.epoch, 1, w]).permutation(size)
-            self._cache[w] = perm + lo
-        return self._cache[w]
+        with self._lock:  # (the loader's worker threads share the order)
+            if w not in self._cache:
+                if len(self._cache) >= 4:  # a batch spans few windows; keep the recent ones
+                    self._cache.pop(next(iter(self._cache)))
+                lo = w * self.window
+                size = min(self.window, self.n - lo)
+                perm = np.random.default_rng([self.seed, self.epoch, 1, w]).permutation(size)
+                self._cache[w] = perm + lo
+            return self._cache[w]
 
     def rows(self, lo: int, hi: int) -> np.ndarray:
         """Global row ids at order positions ``[lo, hi)``."""
@@ -146,6 +163,17 @@ class _Order:
             a, b = max(lo, self.cum[i]) - self.cum[i], min(hi, self.cum[i + 1]) - self.cum[i]
             pieces.append(self._window(int(self.slots[i]))[a:b])
         return np.concatenate(pieces).astype(np.int64, copy=False)
+
+
+def default_workers(pin_memory: bool) -> int:
+    """Loader threads of a rank: 1 beside a step on the CPU (the step has the cores); beside a
+    step on a GPU (``pin_memory``) this rank's share of the cores it may run on
+    (``LOCAL_WORLD_SIZE`` ranks share them), less one for the thread that runs the step."""
+    if not pin_memory:
+        return 1
+    local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, cores // local - 1)
 
 
 def rank_slice(total: int, rank: int, world_size: int) -> tuple[int, int]:
@@ -168,8 +196,12 @@ class ShardedLoader:
         seed: with the epoch, fixes every permutation.
         drop_last: drop a partial last global batch; default True for "train", else False.
         prefetch: batches prepared ahead by a background thread (0: none, no thread).
-        pin_memory: yield batches in page-locked memory (made by the prefetch thread,
-            when there is one), for a copy to a GPU that does not block the host.
+        pin_memory: yield batches in page-locked memory (made there by the prefetch
+            threads, when there are some), for a copy to a GPU that does not block the host.
+        workers: threads that make batches, each a whole batch, when ``prefetch`` > 0
+            (batches are yielded in order whatever thread made them). None:
+            :func:`default_workers`: one beside a CPU step, this rank's share of the
+            machine's cores beside a GPU step (``pin_memory``).
 
     ``len(loader)`` is the number of steps per epoch (the same on every rank).
     ``state_dict()`` is ``{"epoch", "step"}`` of the next batch to yield; a loader
@@ -190,6 +222,7 @@ class ShardedLoader:
         drop_last: bool | None = None,
         prefetch: int = 2,
         pin_memory: bool = False,
+        workers: int | None = None,
     ) -> None:
         self.meta = dataset if isinstance(dataset, DatasetMeta) else DatasetMeta.load(dataset)
         if batch_size < 1 or world_size < 1 or not 0 <= rank < world_size:
@@ -199,6 +232,9 @@ class ShardedLoader:
             )
         if shuffle_window < 1 or seed < 0 or prefetch < 0:
             raise ConfigError("loader: shuffle_window >= 1, seed >= 0 and prefetch >= 0 please")
+        if workers is not None and workers < 1:
+            raise ConfigError(f"loader: workers must be >= 1 (got {workers})")
+        self.workers = default_workers(pin_memory) if workers is None else workers
         self.split, self.batch_size, self.rank, self.world_size = (
             split,
             batch_size,
@@ -263,10 +299,9 @@ class ShardedLoader:
         if self._step >= len(self):  # saved right after the last batch: next epoch
             self.epoch, self._step = self.epoch + 1, 0
         epoch, start = self.epoch, self._step
-        source = self._produce(epoch, start)
-        prefetcher = _Prefetcher(source, self.prefetch) if self.prefetch else None
+        prefetcher = self._prefetcher(epoch, start)
         try:
-            for step, batch in prefetcher or source:
+            for step, batch in prefetcher or self._produce(epoch, start):
                 self._step = step + 1  # the consumer has this batch: resume after it
                 yield batch
             self.epoch, self._step = epoch + 1, 0
@@ -274,83 +309,244 @@ class ShardedLoader:
             if prefetcher is not None:
                 prefetcher.close()  # also when the consumer drops the iterator mid-epoch
 
+    def _prefetcher(self, epoch: int, start: int) -> _Prefetcher | _Workers | None:
+        """The threads that make this pass's batches ahead (None: each made when taken)."""
+        if not self.prefetch:
+            return None
+        if self.workers == 1:
+            return _Prefetcher(self._produce(epoch, start), self.prefetch)
+        order = self._order(epoch)
+        return _Workers(lambda step: self.batch(self.rows(step, order=order)),
+                        range(start, len(self)), self.workers, self.prefetch)
+
     def _produce(self, epoch: int, start: int) -> Iterator[tuple[int, Batch]]:
         order = self._order(epoch)
         for step in range(start, len(self)):
-            batch = self.batch(self.rows(step, order=order))
-            yield step, batch.pin_memory() if self.pin_memory else batch
+            yield step, self.batch(self.rows(step, order=order))  # (pinned as made)
 
     def batch(self, rows: np.ndarray) -> Batch:
         """The Batch of the given global rows, in that order."""
+        return self.assemble(self.gather(rows))
+
+    def gather(self, rows: np.ndarray) -> _Gathered:
+        """The rows' columns read from the shards, in the order given: dense features and
+        labels (into the batch's own tensors, page-locked with ``pin_memory``), the one-hot
+        ids row by row, and each multi-hot feature's bags. A column is one ``np.take`` per
+        part the rows fall in (a slice when the rows are consecutive); rows from several
+        parts are taken part by part, then put in batch order by one more ``np.take``."""
         n = rows.size
-        # Gather in increasing row order (page-cache and readahead friendly), then scatter
-        # each value to its batch position: same result as indexing in batch order.
-        pos = np.argsort(rows, kind="stable")
-        srt = rows[pos]
-        cuts = np.searchsorted(srt, self._bounds)
-        dense = np.empty((n, len(self.schema.dense)), np.float32)
-        labels = np.empty(n, np.float32)
+        dense = _empty((n, len(self.schema.dense)), torch.float32, self.pin_memory)
+        labels = _empty((n,), torch.float32, self.pin_memory)
         onehot = np.empty((n, len(self.schema.onehot)), np.int32)
-        segs = []
-        for p, part in enumerate(self._parts):
-            a, b = cuts[p], cuts[p + 1]
-            if a == b:
-                continue
-            local, at = srt[a:b] - self._bounds[p], pos[a:b]
-            dense[at] = part.dense[local]
-            labels[at] = part.labels[local]
-            onehot[at] = part.onehot[local]
-            segs.append((part, local, at))
-        mh = {f.name: _gather_bags(f.name, segs, n) for f in self.schema.multihot}
-        return Batch(
-            dense=torch.from_numpy(dense),
-            sparse=self._keyed(onehot, mh),
-            labels=torch.from_numpy(labels),
-        )
+        segs, inv = self._segments(rows)
+        _take_rows(segs, "dense", inv, dense.numpy())
+        _take_rows(segs, "labels", inv, labels.numpy())
+        _take_rows(segs, "onehot", inv, onehot)
+        bags = {f.name: _gather_bags(f.name, segs, inv) for f in self.schema.multihot}
+        return _Gathered(dense, labels, onehot, bags)
 
-    def _keyed(self, onehot: np.ndarray, mh: dict) -> KeyedJagged:
-        return keyed_ids(self.schema, onehot, mh)
+    def assemble(self, g: _Gathered) -> Batch:
+        """The Batch of gathered columns: the ids key-major in one int64 buffer."""
+        return Batch(dense=g.dense, sparse=keyed_ids(self.schema, g.onehot, g.bags, pin=self.pin_memory),
+                     labels=g.labels)
+
+    def _segments(self, rows: np.ndarray) -> tuple[list[tuple[_Part, slice | np.ndarray]], np.ndarray | None]:
+        """``[(part, its rows)]`` of the parts the rows fall in (rows as a slice when they are
+        consecutive), and the batch order of their concatenation: None when it is already
+        in batch order, else ``inv`` with batch row ``i`` at position ``inv[i]``."""
+        n = rows.size
+        if n == 0:
+            return [], None
+        bounds = self._bounds
+        first, last = int(rows[0]), int(rows[-1])
+        if last - first == n - 1 and (n == 1 or bool((np.diff(rows) == 1).all())):
+            segs = []
+            for p, part in enumerate(self._parts):
+                a, b = max(first, int(bounds[p])), min(last + 1, int(bounds[p + 1]))
+                if a < b:
+                    segs.append((part, slice(a - int(bounds[p]), b - int(bounds[p]))))
+            return segs, None
+        lo, hi = np.searchsorted(bounds, [rows.min(), rows.max()], side="right") - 1
+        if lo == hi:
+            return [(self._parts[lo], rows - bounds[lo])], None
+        which = np.searchsorted(bounds, rows, side="right") - 1
+        segs, positions = [], []
+        for p in range(int(lo), int(hi) + 1):
+            pos = np.flatnonzero(which == p)  # batch positions of the part's rows
+            if pos.size:
+                segs.append((self._parts[p], rows[pos] - bounds[p]))
+                positions.append(pos)
+        inv = np.empty(n, np.int64)
+        inv[np.concatenate(positions)] = np.arange(n)
+        return segs, inv
 
 
-def keyed_ids(schema: Schema, onehot: np.ndarray, mh: dict) -> KeyedJagged:
+class _Gathered(NamedTuple):
+    """A batch's columns as read (:meth:`ShardedLoader.gather`)."""
+
+    dense: torch.Tensor
+    labels: torch.Tensor
+    onehot: np.ndarray
+    bags: dict[str, tuple[np.ndarray, np.ndarray]]
+
+
+def _empty(shape: tuple[int, ...], dtype: torch.dtype, pin: bool) -> torch.Tensor:
+    """A new tensor, page-locked when ``pin`` (the batch is then made where it is copied
+    from, not copied once more to pin it)."""
+    return torch.empty(shape, dtype=dtype, pin_memory=pin)
+
+
+def _take_rows(segs: list, column: str, inv: np.ndarray | None, out: np.ndarray) -> None:
+    """``out`` = the rows ``segs`` name of one column of the parts, in batch order (``inv``:
+    :meth:`ShardedLoader._segments`). ``np.take``, not indexing: indexing a memory map by
+    an array, or assigning through one, is several times slower."""
+    into = out if inv is None else np.empty(out.shape, getattr(segs[0][0], column).dtype)
+    at = 0
+    for part, local in segs:
+        src = getattr(part, column)
+        size = local.stop - local.start if isinstance(local, slice) else local.size
+        dst = into[at : at + size]
+        if isinstance(local, slice):
+            dst[...] = src[local]
+        elif dst.dtype == src.dtype:
+            np.take(src, local, axis=0, out=dst)
+        else:
+            dst[...] = np.take(src, local, axis=0)
+        at += size
+    if inv is not None:
+        if out.dtype == into.dtype:
+            np.take(into, inv, axis=0, out=out)
+        else:
+            out[...] = np.take(into, inv, axis=0)
+
+
+def keyed_ids(schema: Schema, onehot: np.ndarray, mh: dict, *, pin: bool = False) -> KeyedJagged:
     """A batch's ids as the model takes them: one-hot ids ``[n, n_onehot]`` and
-    ``{feature: (ids, bag sizes [n])}`` (the loader's batches and prediction's)."""
-    names = schema.feature_names
-    if not mh:
-        return KeyedJagged.from_dense(names, torch.from_numpy(onehot))
-    cols = np.ascontiguousarray(onehot.T)
-    ones = torch.ones(onehot.shape[0], dtype=torch.int32)
-    values, lengths, j = [], [], 0
+    ``{feature: (ids, bag sizes [n])}`` (the loader's batches and prediction's).
+
+    Made in one int64 values buffer and one int32 lengths buffer (page-locked with
+    ``pin``): the one-hot columns transposed once, then each run of consecutive one-hot
+    keys and each multi-hot key copied into its place, so a batch costs a few copies
+    whatever its number of features. The facts the forward asks of a batch (ids per key,
+    one id per bag) are known here and handed to it."""
+    n = onehot.shape[0]
+    bags = {name: (np.asarray(ids), np.asarray(sizes)) for name, (ids, sizes) in mh.items()}
+    per_key = []
     for f in schema.features:
         if f.kind == "onehot":
-            values.append(torch.from_numpy(cols[j]))
-            lengths.append(ones)
-            j += 1
-        else:
-            values.append(torch.from_numpy(mh[f.name][0]))
-            lengths.append(torch.from_numpy(mh[f.name][1]))
-    return KeyedJagged.from_lengths_per_key(names, values, lengths)
-
-
-def _gather_bags(name: str, segs: list, n: int) -> tuple[np.ndarray, np.ndarray]:
-    """Bags of a multi-hot feature for the batch: (int64 values, int32 lengths [n])."""
-    lengths = np.zeros(n, np.int64)
-    spans = []
-    for part, local, at in segs:
-        offsets = part.mh[name][1]
-        starts, ends = offsets[local], offsets[local + 1]
-        lengths[at] = ends - starts
-        spans.append((part.mh[name][0], starts, ends - starts, at))
-    out_off = np.concatenate([[0], np.cumsum(lengths)])
-    values = np.empty(int(out_off[-1]), np.int64)
-    for src, starts, lens, at in spans:
-        total = int(lens.sum())
-        if total == 0:
+            per_key.append(n)
             continue
-        step = np.arange(total) - np.repeat(np.cumsum(lens) - lens, lens)
-        src_idx = np.repeat(starts, lens) + step  # ascending: rows sorted, offsets monotone
-        values[np.repeat(out_off[at], lens) + step] = src[src_idx]
-    return values, lengths.astype(np.int32)
+        ids, sizes = bags[f.name]
+        if ids.size != int(sizes.sum()) or sizes.shape != (n,):
+            raise DataError(f"{f.name}: {ids.size} ids for {sizes.size} bags of {int(sizes.sum())} "
+                            f"ids in a batch of {n}")
+        per_key.append(ids.size)
+    values = _empty((sum(per_key),), torch.int64, pin)
+    lengths = _empty((len(per_key) * n,), torch.int32, pin)
+    v, ln = values.numpy(), lengths.numpy()
+    cols = torch.from_numpy(np.ascontiguousarray(onehot)).t().contiguous().numpy()  # [n_onehot, n]
+    at = 0
+    for first, count, source in _runs(schema):
+        key_lengths = ln[first * n : (first + count) * n]
+        if isinstance(source, int):  # one-hot columns source .. source + count - 1
+            v[at : at + count * n].reshape(count, n)[...] = cols[source : source + count]
+            key_lengths[:] = 1
+            at += count * n
+        else:
+            ids, sizes = bags[source]
+            v[at : at + ids.size] = ids
+            key_lengths[:] = sizes
+            at += ids.size
+    one_id = all(bool((sizes == 1).all()) for _, sizes in bags.values())
+    return KeyedJagged(schema.feature_names, values, lengths, length_per_key=per_key,
+                       one_id_per_bag=one_id)
+
+
+def _runs(schema: Schema) -> tuple[tuple[int, int, int | str], ...]:
+    """The keys in order as ``(first key, keys, source)``: a run of consecutive one-hot
+    keys (source: its first column of the one-hot ids) or one multi-hot key (its name)."""
+    runs: list[tuple[int, int, int | str]] = []
+    column = 0
+    for key, f in enumerate(schema.features):
+        if f.kind != "onehot":
+            runs.append((key, 1, f.name))
+        elif runs and isinstance(runs[-1][2], int) and runs[-1][0] + runs[-1][1] == key:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1, runs[-1][2])
+        else:
+            runs.append((key, 1, column))
+        column += f.kind == "onehot"
+    return tuple(runs)
+
+
+def _gather_bags(name: str, segs: list, inv: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+    """Bags of a multi-hot feature for the batch, in batch order: (ids as stored, int32
+    lengths). Consecutive rows' bags are one slice of a part's ids; other rows' are taken
+    with :func:`_jagged_take`, part by part, then put in batch order by ``inv``."""
+    if not segs:
+        return np.empty(0, np.int64), np.empty(0, np.int32)
+    ids, lengths = [], []
+    for part, local in segs:
+        src, offsets = part.mh[name]
+        if isinstance(local, slice):
+            edges = np.asarray(offsets[local.start : local.stop + 1])
+            lengths.append(np.diff(edges))
+            ids.append(np.asarray(src[int(edges[0]) : int(edges[-1])]))
+        else:
+            starts = np.take(offsets, local)
+            lengths.append(np.take(offsets, local + 1) - starts)
+            ids.append(_jagged_take(src, starts, lengths[-1]))
+    values, sizes = (ids[0], lengths[0]) if len(segs) == 1 else (np.concatenate(ids), np.concatenate(lengths))
+    if inv is not None:
+        starts = np.cumsum(sizes) - sizes
+        sizes = np.take(sizes, inv)
+        values = _jagged_take(values, np.take(starts, inv), sizes)
+    return values, sizes.astype(np.int32)
+
+
+def _jagged_take(src: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """``concatenate([src[s : s + n] for s, n in zip(starts, lengths)])``, vectorized."""
+    total = int(lengths.sum())
+    if total == 0:
+        return np.empty(0, src.dtype)
+    index = np.repeat(starts - (np.cumsum(lengths) - lengths), lengths)  # start - bag's place
+    index += np.arange(total)
+    return np.take(src, index)
+
+
+class _Workers:
+    """Batches made by ``n`` threads, one whole batch each, yielded in step order.
+
+    ``make(step)`` runs in the threads; at most ``n + depth`` steps are under way or made
+    and not yet taken. numpy's gathers and copies release the GIL, so the threads make
+    batches side by side. An exception in a thread is re-raised in the consumer when its
+    step is due; :meth:`close` drops the steps not started and waits for those running.
+    """
+
+    def __init__(self, make: Callable[[int], Batch], steps: range, n: int, depth: int) -> None:
+        self._make, self._steps, self._ahead = make, steps, n + depth
+        self._pool = ThreadPoolExecutor(n, thread_name_prefix="hybridrec-loader",
+                                        initializer=single_threaded)  # (the step has the cores)
+        self._pending: collections.deque = collections.deque()
+
+    def __iter__(self) -> Iterator[tuple[int, Batch]]:
+        steps = iter(self._steps)
+        for step in steps:
+            self._pending.append((step, self._pool.submit(self._make, step)))
+            if len(self._pending) >= self._ahead:
+                break
+        while self._pending:
+            step, future = self._pending.popleft()
+            batch = future.result()
+            nxt = next(steps, None)
+            if nxt is not None:
+                self._pending.append((nxt, self._pool.submit(self._make, nxt)))
+            yield step, batch
+
+    def close(self) -> None:
+        for _, future in self._pending:
+            future.cancel()
+        self._pending.clear()
+        self._pool.shutdown(wait=True, cancel_futures=True)
 
 
 _END = object()

@@ -34,11 +34,14 @@ class KeyedJagged:
         keys: feature names, one per key.
         values: int64 ids, shape ``[nnz]``.
         lengths: int32 bag sizes, shape ``[len(keys) * batch_size]``.
+        length_per_key, one_id_per_bag: what :meth:`length_per_key` and
+            :meth:`one_id_per_bag` return, when the maker knows it (not checked).
     """
 
     __slots__ = ("keys", "values", "lengths", "_offsets", "_length_per_key", "_one_id")
 
-    def __init__(self, keys: list[str], values: torch.Tensor, lengths: torch.Tensor) -> None:
+    def __init__(self, keys: list[str], values: torch.Tensor, lengths: torch.Tensor, *,
+                 length_per_key: list[int] | None = None, one_id_per_bag: bool | None = None) -> None:
         if lengths.dim() != 1 or values.dim() != 1:
             raise ValueError("KeyedJagged: values and lengths must be 1-D")
         if len(keys) == 0:
@@ -52,8 +55,9 @@ class KeyedJagged:
         self.values = values
         self.lengths = lengths
         self._offsets: torch.Tensor | None = None
-        self._length_per_key: list[int] | None = None
-        self._one_id: bool | None = None
+        # Facts its maker may know already (the loader does), else worked out when asked.
+        self._length_per_key: list[int] | None = length_per_key
+        self._one_id: bool | None = one_id_per_bag
 
     @staticmethod
     def from_dense(keys: list[str], ids: torch.Tensor) -> KeyedJagged:

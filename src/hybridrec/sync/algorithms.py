@@ -8,9 +8,19 @@ and returns the *target* ``t`` ``[n]`` the replica should become; the runner
 
 - :class:`ModelAveraging` (MA): ``t = mean_i s_i``. No state.
 - :class:`ElasticAveraging` (EASGD, centre replicated on every rank): with the centre ``c``,
-  ``t = s - alpha (s - c)``, then ``c <- c + beta (mean_i s_i - c)``: the synchronous EASGD
-  of Zhang, Choromanska and LeCun 2015, whose centre moves at ``beta = N alpha`` (N ranks:
-  the elastic force is symmetric). By default ``beta`` is fixed at 0.9, the value of the
+  ``c <- c + beta (mean_i s_i - c)``, then ``t = s - alpha (s - c)`` toward the *updated*
+  centre: the EASGD of Zhang, Choromanska and LeCun 2015, whose centre moves at
+  ``beta = N alpha`` (N ranks: the elastic force is symmetric). The paper's synchronous
+  equations pull toward the centre *before* its update (``pull="stale"``); the centre then
+  lags the replicas by about the progress of one round, and the pull drags every replica
+  back: in steady state the replicas and the centre move ``beta / (alpha + beta) =
+  N / (N + 1)`` of what the replicas trained, 2/3 across 2 groups (with the updated centre:
+  ``beta / (beta + alpha (1 - beta))``, 0.95). That drag, and the table rows' elastic
+  averaging (:mod:`hybridrec.sync.rows`), were why background EASGD across 2 groups trained
+  0.020-0.030 AUC below flat training (docs/benchmarks.md). Both pulls contract the
+  replicas' differences alike (by ``1 - alpha`` a round); the updated centre is the order
+  of the paper's asynchronous algorithm, whose centre already holds the moves of the
+  workers that communicated before. By default ``beta`` is fixed at 0.9, the value of the
   paper's experiments, and ``alpha = beta / N``, so ``beta < 1`` for any N (a fixed
   ``alpha`` of 0.25 gave ``N alpha >= 1`` from 4 ranks on: the centre became each round's
   mean, and EASGD "move alpha toward last round's mean"). An explicit ``alpha`` keeps
@@ -144,13 +154,17 @@ EASGD_BETA = 0.9  # the centre's moving rate N alpha by default: the paper's exp
 class ElasticAveraging:
     name = "easgd"
 
-    def __init__(self, alpha: float | None = None, *, beta: float = EASGD_BETA) -> None:
-        """``alpha`` None: ``beta / N`` (N: the sync group's size, known at the first round)."""
+    def __init__(self, alpha: float | None = None, *, beta: float = EASGD_BETA, pull: str = "updated") -> None:
+        """``alpha`` None: ``beta / N`` (N: the sync group's size, known at the first round).
+        ``pull``: the centre the replicas move toward, ``updated`` (this round's) or
+        ``stale`` (the previous round's: the paper's synchronous equations; module docstring)."""
         if alpha is not None and not 0 <= alpha <= 1:
             raise ValueError(f"EASGD alpha must be in [0, 1], got {alpha}")
         if not 0 < beta < 1:
             raise ValueError(f"EASGD beta must be in (0, 1), got {beta}")
-        self.alpha, self.beta = alpha, beta
+        if pull not in ("updated", "stale"):
+            raise ValueError(f"EASGD pull {pull!r}: updated or stale")
+        self.alpha, self.beta, self.pull = alpha, beta, pull
         self.centre: torch.Tensor | None = None  # [n], identical on every rank
 
     def rates(self, n: int) -> tuple[float, float]:
@@ -167,9 +181,8 @@ class ElasticAveraging:
         mean = as_mean(mean)
         alpha, beta = self.rates(mean.size())
         c = self.centre
-        target = snapshot - alpha * (snapshot - c)  # uses the centre before its update
         self.centre = c + beta * (mean(snapshot) - c)
-        return target
+        return snapshot - alpha * (snapshot - (self.centre if self.pull == "updated" else c))
 
     def final(self, snapshot, mean):
         """The final model: the centre after one more move toward the replicas' mean (the

@@ -76,6 +76,7 @@ from hybridrec.comm.exchange import collective_device
 from hybridrec.comm.ledger import CommLedger, ring_allreduce_bytes
 from hybridrec.errors import HybridrecError
 from hybridrec.sync.algorithms import CATEGORY, GroupMean, Mean, Synchronizer
+from hybridrec.sync.rows import with_table_rows
 from hybridrec.threads import single_threaded
 
 
@@ -90,16 +91,21 @@ class SyncRunner:
     mode = ""
 
     def __init__(self, sync: Synchronizer, params: list[torch.nn.Parameter], group: dist.ProcessGroup, *,
-                 ledger: CommLedger | None = None, write_back: str = "delta", mean: Mean | None = None) -> None:
+                 ledger: CommLedger | None = None, write_back: str = "delta", mean: Mean | None = None,
+                 rows: str = "touched") -> None:
         """``mean``: how a round averages over ``group`` (default: exact, :class:`GroupMean`;
         ``sync.compress``: a :class:`~hybridrec.sync.compressed.CompressedMean`). The last
-        average (:meth:`finish`) is always exact."""
+        average (:meth:`finish`) is always exact. A replica that ends with table rows
+        (hierarchical training) has them synced by their changes, averaged over the groups
+        that touched each row (``rows="touched"``) or over all (``"all"``: SGD's exact
+        mean): :mod:`hybridrec.sync.rows`."""
         if write_back not in ("delta", "overwrite"):
             raise ValueError(f"write_back {write_back!r}: delta or overwrite")
-        self.sync, self.params, self.group = sync, list(params), group
+        self.params, self.group = list(params), group
         self.ledger, self.write_back = ledger, write_back
         self.exact = GroupMean(group, ledger)
         self.mean = mean or self.exact
+        self.sync = with_table_rows(sync, self.params, self.mean, rows=rows)
         self.step = 0  # the trainer's step, as of its last after_step()
         self.rounds = 0
         self._last_round_step: int | None = None

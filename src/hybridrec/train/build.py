@@ -174,10 +174,11 @@ def build_loaders(cfg: Config, meta: DatasetMeta, *, rank: int = 0, world_size: 
     d = cfg.data
     train = ShardedLoader(meta, split="train", batch_size=d.batch_size, rank=rank,
                           world_size=world_size, shuffle=d.shuffle, shuffle_window=d.shuffle_window,
-                          seed=cfg.train.seed, drop_last=True, prefetch=d.prefetch, pin_memory=pin_memory)
+                          seed=cfg.train.seed, drop_last=True, prefetch=d.prefetch, pin_memory=pin_memory,
+                          workers=d.workers or None)
     evals = ShardedLoader(meta, split="eval", batch_size=d.eval_batch_size, rank=rank,
                           world_size=world_size, shuffle=False, drop_last=False, prefetch=d.prefetch,
-                          pin_memory=pin_memory)
+                          pin_memory=pin_memory, workers=d.workers or None)
     return train, evals
 
 
@@ -305,10 +306,13 @@ def build_sync_runner(cfg: Config, topo: Topology, model: torch.nn.Module, ledge
         params, parts = same + own, (sum(p.numel() for p in same),)
         group = topo.cross_groups(1)[0]
     mean = build_sync_mean(cfg, group, ledger, parts)
+    # The tables' rows move by the mean change of the groups that touched them; SGD's plain
+    # mean of values is exact (sync/rows.py).
+    rows = "all" if cfg.optim.sparse == "sgd" else "touched"
     if s.mode == "foreground":
-        return ForegroundRunner(sync, params, group, ledger=ledger, every=s.every, mean=mean)
+        return ForegroundRunner(sync, params, group, ledger=ledger, every=s.every, mean=mean, rows=rows)
     kw = dict(ledger=ledger, write_back=s.write_back, every=s.every, interval_s=s.interval_s,
-              duty=s.duty, mean=mean)
+              duty=s.duty, mean=mean, rows=rows)
     if not topo.hierarchical:  # (a checkpoint's ranks agree on its rounds over the training group)
         return BackgroundRunner(sync, params, group, train_group=topo.group, **kw)
     return GroupedBackgroundRunner(sync, params, group, members=topo.group,

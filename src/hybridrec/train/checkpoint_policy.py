@@ -164,20 +164,22 @@ class Checkpoints(Part):
         rank takes rank 0's measurements and interval (one broadcast)."""
         deltas = self.deltas
         share = deltas.share_per_delta(loop.step) if deltas is not None else 1.0  # (before the save resets it)
+        update = deltas.update_share() if deltas is not None else 1.0  # (the updates a delta saves)
         if self.saved_step != loop.step:  # (else an early-stopping best at this step: its time)
             loop.save_checkpoint()
         save_s, step_s = self.last_save_s, self.probe.step_s()
         if self.topo.global_world_size > 1:  # rank 0's measurements
-            box = torch.tensor([save_s, step_s, share], dtype=torch.float64, device=self.topo.comm_device)
+            box = torch.tensor([save_s, step_s, share, update], dtype=torch.float64, device=self.topo.comm_device)
             dist.broadcast(box, group=self.topo.run_group, group_src=0)
-            save_s, step_s, share = box.tolist()
+            save_s, step_s, share, update = box.tolist()
         t = self.t
         mtbf_s = t.mtbf_hours * 3600.0
         self.probe = None
         if t.recovery == "partial" and self.topo.world_size > 1:
             inputs = dict(save_s=save_s, step_s=step_s, mtbf_s=mtbf_s, total_steps=self.total_steps,
                           ranks=self.topo.world_size, lost_fraction=t.lost_fraction,
-                          delta_steps=deltas.every if deltas is not None else 0, delta_share=share)
+                          delta_steps=deltas.every if deltas is not None else 0, delta_share=share,
+                          delta_update_share=update)
             self._take(partial_recovery_interval(**inputs))
             if deltas is not None:  # a replay's cost, measured on the next delta, chooses again
                 deltas.time_next_read()
@@ -204,12 +206,19 @@ class Checkpoints(Part):
         self._take(partial_recovery_interval(**inputs, replay_s=replay_s))
 
     def _take(self, choice: dict) -> None:
-        """Train on with ``choice``'s interval; rank 0 keeps it for restarted ranks and says it."""
+        """Train on with ``choice``'s interval; rank 0 keeps it for restarted ranks and says it.
+        A choice that falls back to full recovery (partial recovery cannot keep
+        ``train.lost_fraction`` at a cost below full's) ends partial recovery here."""
         self.every, self.interval = choice["steps"], choice
+        self._fall_back(choice)
         if self.topo.lead:
             save_choice(self.run_dir, choice, self._inputs())
             print(f"checkpoint interval: every {choice['steps']:,} steps (train.checkpoint_every=auto, "
                   f"train.mtbf_hours={self.t.mtbf_hours:g}: {choice['reason']})", file=sys.stderr, flush=True)
+
+    def _fall_back(self, choice: dict) -> None:
+        if choice.get("fallback") == "full" and self.recovery is not None:
+            self.recovery.fall_back(choice["fallback_reason"])
 
     def _inputs(self) -> dict:
         """The settings a checkpoint interval is chosen for (a kept choice serves the same)."""
@@ -234,6 +243,7 @@ class Checkpoints(Part):
             return False
         choice = {**choice, "reason": f"{choice['reason']} (chosen before the restart)"}
         self.every, self.interval = choice["steps"], choice
+        self._fall_back(choice)
         if self.topo.lead:
             print(f"checkpoint interval: every {choice['steps']:,} steps, as chosen before the restart "
                   f"(train.checkpoint_every=auto)", file=sys.stderr, flush=True)

@@ -126,6 +126,8 @@ class Checkpointer:
         whose checkpoint could still be lost with it)."""
         path = ckpt.step_dir(self.run_dir, step)
         self.wait()
+        if self.servers is not None:  # every group's pushes land before group 0's servers save
+            self.servers.quiesce(self.sparse_opt)
         if self.topo.group_index == 0:
             self._save(path, step)
         if self.topo.hierarchical:

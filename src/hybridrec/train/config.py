@@ -54,6 +54,10 @@ class DataConfig(ReadOnly):
     """Rows per shuffle window: larger mixes more, reads less sequentially."""
     prefetch: int = 2
     """Batches prepared ahead by a background thread (0 = none)."""
+    workers: int = 0
+    """Loader threads making whole batches ahead of the step (with ``data.prefetch`` > 0);
+    0 = automatic: one beside a CPU step, this rank's share of the machine's cores beside
+    a GPU step (:func:`hybridrec.data.loader.default_workers`)."""
 
 
 @dataclass(kw_only=True)

@@ -11,7 +11,10 @@ since its newest delta instead of those since the checkpoint.
 accessed ``train.shard_delta_hot`` of the touched rows (by the number of lookups since
 their last save); the others stay pending until they are hot enough or the next full
 checkpoint saves them. Smaller, faster deltas; the hot rows, which carry most of the
-updates, are saved most often.
+updates, are saved most often. A row left out holds the values of its own newest save, older
+than the delta's: with hot rows each rank keeps the step of every row's newest save
+(``saved_at``, int32 per row, like the counts), and each delta's manifest counts its pending rows by that step
+and shard (``pending_held``), so a recovery counts what such rows really lost.
 
 Layout: ``RUN/recovery/deltas/rank-R/step-N/`` with ``rows.pt`` (the rows' ids, weights and
 optimizer state: a dict of tensors by ``torch.save``, read back with ``torch.load(...,
@@ -105,12 +108,16 @@ class ShardDeltas:
         self.dir, self.plan, self.every, self.rows, self.hot = Path(directory), plan, every, rows, hot
         self.counts = [torch.zeros(collection.group_weight(g).shape[0], dtype=torch.int32,
                                    device=collection.group_weight(g).device) for g in range(collection.num_groups)]
+        # hot rows: the step of each row's newest save (a checkpoint's or a delta's), what it holds if
+        # the rank fails (every touched row saved: a delta's step for all, not kept)
+        self.saved_at = [torch.zeros_like(c) for c in self.counts] if rows == "hot" else []
         self.base_step = 0  # the newest full checkpoint's step (what the deltas follow)
         self.last_step: int | None = None  # the newest delta's step
         self._writer: threading.Thread | None = None
         self._cleaner: threading.Thread | None = None  # deleting the deltas a checkpoint made obsolete
         self._error: BaseException | None = None
-        self.saved = {"deltas": 0, "rows": 0, "bytes": 0, "stage_seconds": 0.0, "write_seconds": 0.0}
+        self.saved = {"deltas": 0, "rows": 0, "bytes": 0, "stage_seconds": 0.0, "write_seconds": 0.0,
+                      "lookups": 0, "lookups_saved": 0}
         self._prefetch: dict | None = None  # deltas read ahead of apply(): see prefetch()
         self._time_read = False  # time_next_read(): the next delta written is read back, timed
         self.read_probe: dict | None = None  # its {"seconds", "rows"}, once measured
@@ -136,6 +143,45 @@ class ShardDeltas:
             pending = math.ceil(self.hot * pending)
         return min(1.0, pending / total * self.every / covered) if covered > 0 else 1.0
 
+    def update_share(self) -> float:
+        """The share of the updates (lookups counted) a delta saves: 1 for every touched row;
+        with hot rows, measured over the deltas written so far (the lookups of the rows saved
+        over those of every row pending then), else estimated from the counts now. What the
+        interval prices a hot-row delta's coverage at (:func:`~hybridrec.train.checkpoint_interval.
+        partial_recovery_interval`'s ``delta_update_share``)."""
+        if self.rows != "hot":
+            return 1.0
+        if self.saved["lookups"]:
+            return max(1e-6, self.saved["lookups_saved"] / self.saved["lookups"])
+        total = hot = 0
+        for c in self.counts:
+            touched = c[c > 0]
+            if touched.numel():
+                k = max(1, math.ceil(self.hot * touched.numel()))
+                total += int(touched.sum())
+                hot += int(touched.topk(k).values.sum())
+        return max(1e-6, hot / total) if total else self.hot
+
+    def _table_starts(self, g: int) -> tuple[list[str], torch.Tensor]:
+        """The local tables (shards) fused in group ``g``, by first row, and their first rows."""
+        found = sorted((self.collection.table_slice(n)[1], n) for n in self.collection.tables
+                       if self.collection.table_slice(n)[0] == g)
+        return [n for _, n in found], torch.tensor([r for r, _ in found], dtype=torch.int64)
+
+    def _held(self, g: int, ids: torch.Tensor, out: dict[str, dict[str, int]]) -> None:
+        """Count rows ``ids`` of group ``g`` (left out of a delta) into ``out[table][step]``
+        by the step of their newest save."""
+        if not ids.numel():
+            return
+        names, starts = self._table_starts(g)
+        table = torch.bucketize(ids.cpu(), starts, right=True) - 1
+        key = table * (1 << 32) + self.saved_at[g].index_select(0, ids).cpu().to(torch.int64)
+        uniq, n = key.unique(return_counts=True)
+        for k, c in zip(uniq.tolist(), n.tolist(), strict=True):
+            held = out.setdefault(names[k >> 32], {})
+            step = str(k & 0xFFFFFFFF)
+            held[step] = held.get(step, 0) + c
+
     def checkpointed(self, step: int) -> None:
         """A full checkpoint of ``step`` is on disk: every row is saved; older deltas go. They
         are renamed into ``.obsolete-*`` at once (no longer deltas: :meth:`list` skips them)
@@ -145,6 +191,8 @@ class ShardDeltas:
         self.wait()
         for c in self.counts:
             c.zero_()
+        for a in self.saved_at:
+            a.fill_(step)
         self.base_step, self.last_step = step, None
         old = [p for s, p in self.list() if s <= step]
         if not old:
@@ -184,12 +232,20 @@ class ShardDeltas:
         start = time.perf_counter()
         tensors: dict[str, torch.Tensor] = {}
         saved = pending = 0
+        held: dict[str, dict[str, int]] = {}  # the rows left pending: {shard: {step of their newest save: rows}}
         for g, c in enumerate(self.counts):
             touched = c.nonzero().squeeze(1)
             n = touched.numel()
             if self.rows == "hot" and n:
                 k = max(1, math.ceil(self.hot * n))
-                touched = touched[_largest(c.index_select(0, touched), k)]  # (ascending, as touched)
+                looked = c.index_select(0, touched)
+                pick = _largest(looked, k)  # (ascending, as touched)
+                left = torch.ones(n, dtype=torch.bool, device=touched.device)
+                left[pick] = False
+                self._held(g, touched[left], held)
+                self.saved["lookups"] += int(looked.sum())
+                self.saved["lookups_saved"] += int(looked.index_select(0, pick).sum())
+                touched = touched[pick]
             pending += n - touched.numel()
             saved += touched.numel()
             if not touched.numel():
@@ -199,8 +255,10 @@ class ShardDeltas:
             for k, v in self.optimizer.row_state(g).items():
                 tensors[f"g{g}.state.{k}"] = v.index_select(0, touched).cpu()
             c.index_fill_(0, touched, 0)
+            if self.saved_at:
+                self.saved_at[g].index_fill_(0, touched, step)
         meta = {"format": FORMAT, "kind": DELTA_KIND, "step": step, "base_step": self.base_step, "plan": self.plan,
-                "rows": saved, "pending_rows": pending, "mode": self.rows,
+                "rows": saved, "pending_rows": pending, "pending_held": held, "mode": self.rows,
                 "groups": sorted(int(k[1:].split(".")[0]) for k in tensors if k.endswith(".ids"))}
         self.saved["stage_seconds"] += time.perf_counter() - start
         self.saved["deltas"] += 1
@@ -258,18 +316,30 @@ class ShardDeltas:
 
     # -- snapshot and recovery ---------------------------------------------------------------
     def state_dict(self) -> dict:
-        """What a survivor's snapshot keeps: the lookups since each row's last save."""
-        return {"counts": [c.clone() for c in self.counts], "base_step": self.base_step, "last_step": self.last_step}
+        """What a survivor's snapshot keeps: the lookups since each row's last save, and the
+        step of that save."""
+        return {"counts": [c.clone() for c in self.counts], "saved_at": [a.clone() for a in self.saved_at],
+                "base_step": self.base_step, "last_step": self.last_step}
 
     def load_state_dict(self, state: dict) -> None:
         for c, saved in zip(self.counts, state["counts"], strict=True):
             c.copy_(saved)
         self.base_step, self.last_step = int(state["base_step"]), state["last_step"]
+        kept = state.get("saved_at") or []
+        for a, saved in zip(self.saved_at, kept if len(kept) == len(self.saved_at) else [None] * len(self.saved_at),
+                            strict=True):
+            if saved is None:  # (an earlier version's snapshot: none kept)
+                a.fill_(self.base_step)
+            else:
+                a.copy_(saved)
 
     def resumed(self, *, checkpoint_step: int, step: int) -> None:
         """Training resumes at ``step`` from the checkpoint of ``checkpoint_step``: deltas
-        after ``step`` or of another checkpoint belong to a trajectory this run left."""
+        after ``step`` or of another checkpoint belong to a trajectory this run left. No row
+        holds values older than the checkpoint."""
         self.base_step = checkpoint_step
+        for a in self.saved_at:
+            a.clamp_(min=checkpoint_step)
         if self.dir.is_dir():  # (left by a process that ended while deleting them)
             for p in self.dir.glob(f"{OBSOLETE}*"):
                 shutil.rmtree(p, ignore_errors=True)
@@ -335,10 +405,10 @@ class ShardDeltas:
                         mask = seen.setdefault(g, torch.zeros(self.counts[g].shape[0], dtype=torch.bool))
                         keep = ~mask[ids]
                         mask[ids] = True
-                        rows = {"ids": ids[keep], "weight": t[f"g{g}.weight"][keep],
+                        rows = {"step": step, "ids": ids[keep], "weight": t[f"g{g}.weight"][keep],
                                 **{f"state.{k}": t[f"g{g}.state.{k}"][keep] for k in self.optimizer.row_state(g)}}
                         box["rows"].setdefault(g, []).append(rows)
-                    box["deltas"].append((step, int(meta["pending_rows"])))
+                    box["deltas"].append((step, int(meta["pending_rows"]), meta.get("pending_held") or {}))
             except BaseException as e:  # noqa: BLE001 - apply() reads them again itself
                 box["error"] = e
 
@@ -356,28 +426,36 @@ class ShardDeltas:
             for k, v in self.optimizer.row_state(g).items():
                 v.index_copy_(0, ids.to(v.device), rows[f"{prefix}state.{k}"].to(v.device))
 
-    def apply(self, checkpoint_step: int, until: int) -> tuple[int | None, int]:
+    def apply(self, checkpoint_step: int, until: int) -> tuple[int | None, int, dict[str, dict[str, int]]]:
         """After the checkpoint of ``checkpoint_step`` was loaded: apply this rank's deltas
         that follow it, up to step ``until``, oldest first (those :meth:`prefetch` read, when
         they are these). Returns ``(the newest applied delta's step or None, rows of it that
-        were still pending)``. A delta of another plan or checkpoint is not applied."""
+        were still pending, those rows by shard and the step of their newest save: {shard:
+        {step: rows}})``: the rows a delta left out hold older values than its step. A
+        delta of another plan or checkpoint is not applied."""
         box, self._prefetch = self._prefetch, None
+        for a in self.saved_at:
+            a.fill_(checkpoint_step)
         if box is not None:
             box["thread"].join()
-            steps = [s for s, _ in box["deltas"]]
+            steps = [d[0] for d in box["deltas"]]
             if (box["error"] is None and box["checkpoint_step"] == checkpoint_step
                     and sorted(steps) == [s for s, _, _ in self._usable(checkpoint_step, until)]):
                 for g, parts in box["rows"].items():
                     for rows in parts:
                         self._write_rows(g, rows, "")
-                newest, pending = box["deltas"][0] if box["deltas"] else (None, 0)
+                        if self.saved_at:
+                            self.saved_at[g].index_fill_(0, rows["ids"].to(self.saved_at[g].device), rows["step"])
+                newest, pending, held = box["deltas"][0] if box["deltas"] else (None, 0, {})
                 self.base_step, self.last_step = checkpoint_step, newest
-                return newest, pending
-        newest, pending = None, 0
+                return newest, pending, held
+        newest, pending, held = None, 0, {}
         for step, path, meta in self._usable(checkpoint_step, until):
             targets = self._read(path)
             for g in meta["groups"]:
                 self._write_rows(g, targets, f"g{g}.")
-            newest, pending = step, int(meta["pending_rows"])
+                if self.saved_at:
+                    self.saved_at[g].index_fill_(0, targets[f"g{g}.ids"].to(self.saved_at[g].device), step)
+            newest, pending, held = step, int(meta["pending_rows"]), meta.get("pending_held") or {}
         self.base_step, self.last_step = checkpoint_step, newest
-        return newest, pending
+        return newest, pending, held

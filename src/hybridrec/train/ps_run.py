@@ -104,6 +104,17 @@ class ServerCheckpoints:
                 err = e
         agree(self.topo, err, path, what)
 
+    def quiesce(self, sparse_opt) -> None:
+        """Collective over every trainer, before a checkpoint (every rank, before group 0
+        saves): this trainer's pushes in flight land (``sparse_opt.flush()``), then, in
+        hierarchical training, a world barrier, so that the servers save only after every
+        group's pushes landed. (Only group 0 saves: a flush inside its save left the other
+        groups' pushes in flight, a torn server checkpoint in async mode, and in lockstep
+        mode a resumed run waited for a step never pushed again.)"""
+        sparse_opt.flush()
+        if self.topo.hierarchical:
+            torch.distributed.barrier(group=self.topo.world_group)
+
     def save(self, path: Path, step: int) -> None:
         """Into ``path/ps`` (``path``: the trainers' checkpoint, not yet published)."""
         self._all(srv.rpc_save, (str(path / PS_DIR), {"step": step}), "saving the servers' checkpoint", path)

@@ -46,9 +46,20 @@ share of the run), but no step is trained again.
 
 What a recovery lost is appended to ``RUN/recovery.jsonl`` and summary.json ``recovery``:
 per shard, the steps of updates it lost (``failed_at_step - checkpoint_step`` for the shards
-of a failed rank, 0 for the survivors') and the samples of those steps. With
+of a failed rank, 0 for the survivors') and the samples of those steps. With incremental
+saves the rows of a failed rank's shard hold the step of their own newest save: those a
+hot-row delta left out are older than the delta (``ShardDeltas.apply``'s
+``pending_held``), so ``steps_lost`` is the most any row of the shard lost (the
+``samples_lost`` of those steps), ``mean_steps_lost`` the mean over its rows, and
+``held_rows`` (only where rows differ) ``{steps lost: rows}``. With
 ``train.recovery=full`` the survivors write only ``rank-R.json`` (the step they reached),
 so the same record says how many steps every shard trains again.
+
+A run whose ``checkpoint_every=auto`` choice falls back to full recovery (partial recovery
+cannot keep ``train.lost_fraction`` at a cost below full recovery's:
+:func:`~hybridrec.train.checkpoint_interval.partial_recovery_interval`) calls
+:meth:`Recovery.fall_back`: from then on its ranks recover fully (no snapshot, no deltas),
+and its records say ``full``.
 
 Simplifications: the snapshot is written to the run directory (``RUN/recovery/``), which
 every rank of a run already shares for its checkpoints; a rank that stops inside an update
@@ -373,7 +384,20 @@ class Recovery:
             self._loader_state = dict(loader.obj.state_dict()) if loader is not None else None
 
     def delta_due(self, step: int) -> bool:
-        return self.deltas is not None and step % self.deltas.every == 0
+        return self.deltas is not None and self.mode == "partial" and step % self.deltas.every == 0
+
+    def fall_back(self, reason: str) -> None:
+        """Recover fully from now on (the interval's choice: partial recovery cannot keep
+        ``train.lost_fraction`` at a sensible cost, ``reason``): a failure writes no snapshot,
+        the shards' deltas stop, and the restarted run restores every rank from the
+        checkpoint (its record says ``full``). Said once, by the lead rank."""
+        if self.mode == "full":
+            return
+        with self._state_lock:  # (not while a snapshot is being written)
+            self.mode = "full"
+        if self.topo.lead:
+            print(f"hybridrec: train.recovery=partial falls back to full recovery ({reason})",
+                  file=sys.stderr, flush=True)
 
     def save_delta(self, step: int) -> None:
         with self._state_lock:  # (not while a snapshot reads the counts)
@@ -528,7 +552,7 @@ class Recovery:
             shutil.rmtree(final, ignore_errors=True)
             os.replace(tmp, final)
         write_json_atomic(_progress_file(self.run_dir, rank), {
-            "rank": rank, "step": self.step, "snapshot": snapshot, "time": time.time(),
+            "rank": rank, "step": self.step, "snapshot": snapshot, "mode": self.mode, "time": time.time(),
             "seconds": time.perf_counter() - start, "pid": os.getpid(), "boot": boot,
             **({"path": str(final)} if snapshot else {})})
         if snapshot:  # (full recovery: the step reached is for the record only, said after the restart)
@@ -630,10 +654,13 @@ class Recovery:
         survivors = [r for r, (p, ok) in enumerate(everyone) if ok]
         # (partial: every rank without a usable snapshot rolls back; full: the ranks that died)
         failed = [r for r, (p, ok) in enumerate(everyone) if (not ok if survivors else p is None)]
-        event = {"mode": self.mode, "checkpoint_step": checkpoint_step, "failed_at_step": failed_at,
+        # (a run that fell back to full recovery before the failure: its ranks' records say so)
+        mode = "full" if any(p is not None and p.get("mode") == "full" for p, _ in everyone) else self.mode
+        event = {"mode": mode, "checkpoint_step": checkpoint_step, "failed_at_step": failed_at,
                  "failed_ranks": failed, "survivors": survivors,
                  "failed_at_time": min(p["time"] for p, _ in everyone if p is not None)}
-        resumed_at, held = c, (c, None)  # (the step this rank's shards hold; rows a delta left pending)
+        # (the step this rank's shards hold; rows a delta left pending, and those by shard and held step)
+        resumed_at, held = c, (c, None, {})
         if survivors:  # partial: the survivors' state; the donor is the lowest of the newest
             donor = min(r for r in survivors if everyone[r][0]["step"] == max(everyone[s][0]["step"]
                                                                                   for s in survivors))
@@ -643,10 +670,10 @@ class Recovery:
                     raise self._own_error
                 self._load(path, mine, _written_at(everyone[donor][0], self.run_dir, donor), shards=not early)
                 if mine is not None:
-                    held = (progress["step"], None)
+                    held = (progress["step"], None, {})
                 elif self.deltas is not None:  # a failed rank: its shards' incremental saves
-                    newest, pending = self.deltas.apply(c, resumed_at)
-                    held = (newest if newest is not None else c, pending if newest is not None else None)
+                    newest, pending, older = self.deltas.apply(c, resumed_at)
+                    held = (newest, pending, older) if newest is not None else (c, None, {})
             except Exception as e:  # noqa: BLE001 - every rank learns of it below
                 err = e
             agree(self.topo, err, recovery_dir(self.run_dir), "loading the survivors' snapshots")
@@ -662,10 +689,16 @@ class Recovery:
             if e.get("checkpoint_step") == checkpoint_step and e.get("survivors"):
                 for r in e.get("failed_ranks", []):
                     before[r] = max(before.get(r, 0), int(e["resumed_at_step"]))
-        lost = {r: max(0, failed_at - max(step, before.get(r, step))) for r, (step, _) in enumerate(holds)}
+        def lost_since(r: int, step: int) -> int:
+            return max(0, failed_at - max(step, before.get(r, step)))
+
+        lost = {r: lost_since(r, step) for r, (step, *_) in enumerate(holds)}
+        # rows a hot-row delta left out: {rank: {shard: {steps lost: rows}}}, by the step of their newest save
+        older = {r: {shard: _by_lost(by_step, lambda s, r=r: lost_since(r, s))
+                     for shard, by_step in holds[r][2].items()} for r in failed if holds[r][2]}
         if self.deltas is not None and survivors:
             event["deltas"] = {str(r): {"step": holds[r][0], "pending_rows": holds[r][1]} for r in failed}
-        event.update(resumed_at_step=resumed_at, shards=self._shards(lost),
+        event.update(resumed_at_step=resumed_at, shards=self._shards(lost, older),
                      dense_steps_lost=max(0, failed_at - resumed_at),
                      restore_seconds=time.perf_counter() - start, resumed_time=time.time())
         event["restore_seconds"] = max(gather(self.topo, event["restore_seconds"]))
@@ -763,15 +796,24 @@ class Recovery:
             if not x.per_rank and x.name in state["components"]:
                 x.obj.load_state_dict(state["components"][x.name])
 
-    def _shards(self, lost: dict[int, int]) -> list[dict]:
+    def _shards(self, lost: dict[int, int], older: dict[int, dict[str, dict[int, int]]] | None = None) -> list[dict]:
+        """Per shard what it lost: ``lost[rank]`` steps for its rows, except the rows of
+        ``older[rank][shard]`` (``{steps lost: rows}``: those a hot-row delta left out, which
+        hold an older save's values)."""
         ebc = self.ckpt.model.sparse  # (several ranks without parameter servers: sharded)
+        slots = {(x.table, x.index): x.shard for rank_slots in ebc.layout.slots for x in rank_slots}
         out = []
         for name in ebc.tables:
-            for s in ebc.layout.table_shards(name):
+            for i in sorted(i for t, i in slots if t == name):
+                s = slots[(name, i)]
                 n = lost.get(s.rank, 0)
+                rows = _held_rows(n, s.num_rows, (older or {}).get(s.rank, {}).get(f"{name}@{i}", {}))
+                worst = max(rows)
                 out.append({"table": name, "rank": s.rank, "rows": s.num_rows, "cols": s.num_cols,
                             "row_start": s.rows[0], "col_start": s.cols[0],
-                            "steps_lost": n, "samples_lost": n * self.global_batch})
+                            "steps_lost": worst, "samples_lost": worst * self.global_batch,
+                            "mean_steps_lost": sum(k * r for k, r in rows.items()) / max(1, s.num_rows),
+                            **({"held_rows": {str(k): r for k, r in sorted(rows.items())}} if len(rows) > 1 else {})})
         return out
 
     def _record(self, event: dict) -> None:
@@ -795,10 +837,30 @@ class Recovery:
         deltas = event.get("deltas") or {}
         if not deltas:
             return f"rolled back to step {base} ({event['failed_at_step'] - base} steps of their updates lost)"
-        parts = [f"rank {r} to step {d['step']}" + (f" ({d['pending_rows']:,} rows to step {base})"
+        parts = [f"rank {r} to step {d['step']}" + (f" ({d['pending_rows']:,} rows left out of it to their own "
+                                                    f"newest save, step {base} or later)"
                                                     if d["pending_rows"] else "")
                  for r, d in sorted(deltas.items(), key=lambda kv: int(kv[0]))]
         return f"rolled back to their incremental saves: {', '.join(parts)}"
+
+
+def _by_lost(by_step: dict[str, int], lost_since) -> dict[int, int]:
+    """``{step of the newest save: rows}`` as ``{steps lost: rows}`` (``lost_since(step)``)."""
+    out: dict[int, int] = {}
+    for step, rows in by_step.items():
+        n = lost_since(int(step))
+        out[n] = out.get(n, 0) + int(rows)
+    return out
+
+
+def _held_rows(steps: int, rows: int, older: dict[int, int]) -> dict[int, int]:
+    """A shard's ``rows`` by the steps of updates each lost: ``older`` (``{steps lost:
+    rows}``, rows that hold an older save's values), the others ``steps``."""
+    out = dict(older)
+    rest = rows - sum(older.values())
+    if rest > 0 or not out:
+        out[steps] = out.get(steps, 0) + max(0, rest)
+    return out
 
 
 def clear_snapshots(run_dir: Path) -> None:

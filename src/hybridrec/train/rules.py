@@ -240,6 +240,7 @@ def config_rules(cfg: Config) -> list[tuple[bool, str]]:
     checks = [
         (d.batch_size > 0, "data.batch_size must be positive"),
         (d.eval_batch_size > 0, "data.eval_batch_size must be positive"),
+        (d.workers >= 0, f"data.workers must be >= 0 (0: automatic), got {d.workers}"),
         (m.arch in ("dlrm", "deepfm"), f"model.arch {m.arch!r}: dlrm or deepfm"),
         (m.interaction in ("dot", "cat"), f"model.interaction {m.interaction!r}: dot or cat"),
         (m.pooling in ("sum", "mean"), f"model.pooling {m.pooling!r}: sum or mean"),
