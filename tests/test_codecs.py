@@ -224,8 +224,10 @@ def test_policy_picks_tables_by_name_and_rows():
     assert chosen("compress.embedding=dct") == ["t0", "t1"]
     assert chosen("compress.embedding=int8", "compress.embedding_min_rows=30") == ["t1"]
     assert chosen("compress.embedding=fp16", "compress.embedding_tables=t0,t2") == ["t0"]
+    from hybridrec.train.rules import check_plan  # (a table the plan lacks: a plan rule)
+
     with pytest.raises(ConfigError, match="t9"):
-        chosen("compress.embedding=dct", "compress.embedding_tables=t9")
+        check_plan(build_config(overrides=["compress.embedding=dct", "compress.embedding_tables=t9"]), plan)
 
 
 # -- 2 gloo ranks ----------------------------------------------------------------------

@@ -166,7 +166,7 @@ def _recovery(tmp_path, c, opt):
     from hybridrec.train.recovery import Recovery
     from hybridrec.train.sparse_optim import CombinedSparseOptimizer
 
-    ckpt = SimpleNamespace(topo=SimpleNamespace(rank=0, world_size=2), run_dir=tmp_path / "run",
+    ckpt = SimpleNamespace(topo=SimpleNamespace(rank=0, world_size=2, device=torch.device("cpu")), run_dir=tmp_path / "run",
                            model=SimpleNamespace(sparse=SimpleNamespace(local=c)),
                            sparse_opt=CombinedSparseOptimizer({SHARDS: opt}), components=[])
     return Recovery(ckpt, mode="partial", global_batch=64)

@@ -485,20 +485,9 @@ def _partitioned(cfg: Config, f: RunFacts) -> str | None:
     return None
 
 
-def _embedding_tables(cfg: Config, f: RunFacts) -> str | None:
-    """``compress.embedding_tables`` names tables of the dataset."""
-    c = cfg.compress
-    if f.meta is None or not c.embedding_tables or c.embedding == "none":
-        return None
-    from hybridrec.train.tables import build_tables
-
-    unknown = sorted(set(c.embedding_tables) - {t.name for t in build_tables(f.meta, cfg)})
-    return f"compress.embedding_tables: no tables named {unknown}" if unknown else None
-
-
 RUN_RULES: tuple[Rule, ...] = (
     _run_dir, _held_out, _injection, _batches, _steps, _workers, _precision, _backend, _exchange, _groups,
-    _plan_file, _partitioned, _embedding_tables,
+    _plan_file, _partitioned,
 )
 """The config against the run (:func:`check_run`), in the order they are checked."""
 
@@ -528,7 +517,16 @@ def _threshold_tables(cfg: Config, plan, hierarchical: bool) -> str | None:
     return None
 
 
-PLAN_RULES: tuple[Callable, ...] = (_plan_partitioned, _threshold_tables)
+def _embedding_tables(cfg: Config, plan, hierarchical: bool) -> str | None:
+    """``compress.embedding_tables`` names tables of the model."""
+    c = cfg.compress
+    if not c.embedding_tables or c.embedding == "none":
+        return None
+    unknown = sorted(set(c.embedding_tables) - set(plan.tables))
+    return f"compress.embedding_tables: no tables named {unknown}" if unknown else None
+
+
+PLAN_RULES: tuple[Callable, ...] = (_plan_partitioned, _threshold_tables, _embedding_tables)
 """The config against the sharding plan (:func:`check_plan`)."""
 
 
