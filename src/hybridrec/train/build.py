@@ -87,6 +87,7 @@ from hybridrec.train.parts import (
     Progress,
     ServerSteps,
     StepSource,
+    StopEarly,
     Sync,
     ThreadTiming,
 )
@@ -194,23 +195,18 @@ def build_topology(cfg: Config) -> Topology:
     return topo
 
 
-def run_facts(cfg: Config, meta: DatasetMeta | None, topo: Topology | None, *, building: bool = False,
-              world: int | None = None) -> RunFacts:
+def run_facts(cfg: Config, meta: DatasetMeta | None, topo: Topology | None, *, building: bool = False) -> RunFacts:
     """What the run rules (:mod:`hybridrec.train.rules`) check the config against: the
-    ranks of ``topo``, or else ``world`` ranks on this machine (a launcher about to start
-    them), or else torchrun's environment; and the device they will train on (chosen as
-    :func:`build_topology` chooses it, before any process group is made)."""
+    ranks of ``topo``, or else of torchrun's environment, and the device they will train
+    on (chosen as :func:`build_topology` chooses it, before any process group is made)."""
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if topo is not None:
         return RunFacts(world=topo.global_world_size, local_world=topo.local_world_size,
                         device=topo.device.type, gpus=gpus, meta=meta, building=building)
-    if world is None:
-        world = int(os.environ.get("WORLD_SIZE", "1"))
-        local = here = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    else:  # (the launcher's rules see every rank as local, as before; its machine starts dist.nproc)
-        local, here = world, cfg.dist.nproc
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     device = (single_device(cfg).type if world <= 1 else
-              "cuda" if choose_backend(cfg.dist.backend, here, gpus).gpus else "cpu")
+              "cuda" if choose_backend(cfg.dist.backend, local, gpus).gpus else "cpu")
     return RunFacts(world=world, local_world=local, device=device, gpus=gpus, meta=meta, building=building)
 
 
@@ -515,7 +511,9 @@ def loop_parts(cfg: Config, topo: Topology, *, total_steps: int, run_dir: Path, 
                           lr_factor=schedule.factor))
     parts.append(Evaluation(eval_loader, eval_every=t.eval_every, total_steps=total_steps, early_stop=early_stop,
                             save_best=t.save_checkpoints, changes_after_stop=sync_runner is not None or remote,
-                            logger=logger, run_dir=run_dir))
+                            logger=logger))
+    if early_stop is not None:
+        parts.append(StopEarly(early_stop, total_steps=total_steps, run_dir=run_dir, saved=t.save_checkpoints))
     parts.append(checkpoints)
     if recovery is not None:
         parts.append(RecoveryWatch(recovery, checkpoints, logger=logger))

@@ -179,16 +179,14 @@ class Evaluation(Part):
     at the same step."""
 
     def __init__(self, eval_loader, *, eval_every: int, total_steps: int, early_stop: EarlyStopping | None,
-                 save_best: bool, changes_after_stop: bool, logger: MetricLogger | None, run_dir: Path) -> None:
+                 save_best: bool, changes_after_stop: bool, logger: MetricLogger | None) -> None:
         """``changes_after_stop``: the model changes after the last step (replicas averaged,
-        pushes landing on servers), so the evaluation that stopped training is done again.
-        ``save_best``: checkpoints are saved (a new best one at once; ``run_dir``'s)."""
+        pushes landing on servers), so the evaluation that stopped training is done again."""
         self.loader, self.every, self.total_steps = eval_loader, eval_every, total_steps
         self.early_stop, self.save_best = early_stop, save_best
-        self.changes_after_stop, self.logger, self.run_dir = changes_after_stop, logger, run_dir
+        self.changes_after_stop, self.logger = changes_after_stop, logger
         self.history: list[dict] = []
         self.final: dict | None = None
-        self._last_step = 0
 
     def evaluate(self, loop) -> dict:
         with loop.ledger.suspended():  # evaluation traffic is not a training step's
@@ -224,14 +222,9 @@ class Evaluation(Part):
     def close(self, loop) -> None:
         if self.final is None:
             self.final = self._eval_and_log(loop)
-        self._last_step = loop.step
 
     def summary(self) -> dict:
-        out = {"eval_metrics": self.final, "history": self.history}
-        if (es := self.early_stop) is not None:  # why training ended, the best evaluation and its checkpoint
-            out.update(stop_reason="early_stop" if es.stopped else "planned_steps",
-                       early_stop=es.summary(self._last_step, self.total_steps, self.run_dir, saved=self.save_best))
-        return out
+        return {"eval_metrics": self.final, "history": self.history}
 
     def _drop(self, step: int) -> None:
         if self.logger:
@@ -258,6 +251,22 @@ class Evaluation(Part):
         if self.logger:
             self.logger.log(loop.step, m, split="eval")
         return {"step": loop.step, **m}
+
+
+class StopEarly(Part):
+    """Early stopping's summary entries (the part that stops is :class:`Evaluation`)."""
+
+    def __init__(self, early_stop: EarlyStopping, *, total_steps: int, run_dir: Path, saved: bool) -> None:
+        self.early_stop, self.total_steps, self.run_dir, self.saved = early_stop, total_steps, run_dir, saved
+        self._step = 0
+
+    def close(self, loop) -> None:
+        self._step = loop.step
+
+    def summary(self) -> dict:
+        es = self.early_stop
+        return {"stop_reason": "early_stop" if es.stopped else "planned_steps",
+                "early_stop": es.summary(self._step, self.total_steps, self.run_dir, saved=self.saved)}
 
 
 class FailureInjection(Part):

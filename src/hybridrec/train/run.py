@@ -257,7 +257,9 @@ def preflight(cfg: Config, *, world_size: int) -> tuple[dict | None, str, Config
     shown = cfg.train.run_dir
     cfg = absolute_paths(cfg)
     meta = load_dataset(cfg)
-    check_run(cfg, run_facts(cfg, meta, None, world=world_size))  # (the device as the ranks will choose it)
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    device = "cuda" if gpus and cfg.dist.backend != "gloo" else "cpu"  # (as the ranks will choose)
+    check_run(cfg, RunFacts(world=world_size, local_world=world_size, device=device, gpus=gpus, meta=meta))
     if cfg.train.run_dir:
         finished = inspect_run_dir(cfg, meta, world_size=world_size, shown=shown)
         if finished is not None and not cfg.train.reevaluate:
