@@ -8,7 +8,7 @@ One process: a DLRM with one table of ``--rows`` x 64 float32 (4,000,000 rows: 1
 and row-wise Adagrad, saved with :func:`~hybridrec.parallel.checkpoint.save_sharded`
 (synchronous; "async": :func:`save_sharded_async`, where the checksums are computed in the
 writing thread: its seconds until published, and the seconds it blocked) and loaded as a
-resume loads it: :func:`~hybridrec.train.checkpoint.problem` (the checks before a tensor is
+resume loads it: :func:`~hybridrec.train.checkpointing.checkpoint.problem` (the checks before a tensor is
 read, the files' contents included), then :func:`load_state`. "Without": the same with the
 checksums switched off (no file read back at the save, a manifest without them, as one saved
 before them, so ``problem`` reads no file's contents).
@@ -38,7 +38,7 @@ def build(rows: int, seed: int):
 
     from hybridrec.model.dlrm import DLRM
     from hybridrec.model.embedding import EmbeddingBagCollection, TableConfig
-    from hybridrec.train.sparse_optim import build_sparse_optimizer
+    from hybridrec.train.loop.sparse_optim import build_sparse_optimizer
 
     torch.manual_seed(seed)
     model = DLRM(num_dense=3, sparse=EmbeddingBagCollection([TableConfig(name="big", num_embeddings=rows,
@@ -68,7 +68,7 @@ def one_round(out: Path, model, opts, target, target_opts, on: bool) -> dict[str
 
     from hybridrec.parallel.checkpoint import load_state, save_sharded, save_sharded_async
     from hybridrec.parallel.topology import Topology
-    from hybridrec.train.checkpoint import problem
+    from hybridrec.train.checkpointing.checkpoint import problem
 
     topo, path = Topology.single(), out / f"ck-{'on' if on else 'off'}"
     shutil.rmtree(path, ignore_errors=True)

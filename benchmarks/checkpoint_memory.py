@@ -103,10 +103,10 @@ def worker(args) -> None:
 
     from hybridrec.parallel import checkpoint as C
     from hybridrec.parallel import checkpoint_layout as L
-    from hybridrec.train import recipes
+    from hybridrec.train.setup import recipes
     from hybridrec.train.build import build_trainer
-    from hybridrec.train.tables import load_dataset
-    from hybridrec.train.config import build_config
+    from hybridrec.train.setup.tables import load_dataset
+    from hybridrec.train.setup.config import build_config
 
     mode = args.worker
     run_dir = Path(args.out) / f"run-{mode}"
@@ -155,7 +155,7 @@ def worker(args) -> None:
             "staging_s": pending.staging_s if pending is not None else None,
             "step_s_before": ref, "step_s_after": statistics.median(after),
             "table_view_bytes": views}
-    out = [None] * topo.world_size
+    out = [None] * topo.group_size
     dist.all_gather_object(out, mine, group=topo.group)
     if topo.rank == 0:
         files = sorted((p.name, p.stat().st_size) for p in next(run_dir.glob("checkpoints/step-*")).iterdir())

@@ -45,7 +45,7 @@ SETTINGS = {
     "spin 10000": ({"GOMP_SPINCOUNT": "10000"}, ["train.threads=2"]),
 }
 """name: (environment, overrides). ``default`` is what a user gets (``train.threads=0``: the
-count chosen by timing steps, :mod:`hybridrec.train.thread_governor`); ``threads=2`` is
+count chosen by timing steps, :mod:`hybridrec.train.loop.thread_governor`); ``threads=2`` is
 torch's own count on 2 cores, fixed (the default before); ``passive`` and ``spin 10000`` are
 GNU OpenMP's other wait policies at that count."""
 

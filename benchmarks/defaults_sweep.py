@@ -52,7 +52,7 @@ from pathlib import Path
 
 from throughput import machine  # this folder's: the CPU model and cores
 
-from hybridrec.train.config import Config
+from hybridrec.train.setup.config import Config
 
 ROOT = Path(__file__).resolve().parents[1]
 

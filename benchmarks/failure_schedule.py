@@ -243,7 +243,7 @@ def checkpoint_saves(run_dir: Path, stderr: list[tuple[float, str]], failures: l
                 "source": "metrics.jsonl checkpoint records"}
     # Estimate: per invocation [start, end), the probe's save PROBE_STEPS after its first
     # step, then every interval N, and the final save; at the invocation's measured save.
-    from hybridrec.train.checkpoint_interval import PROBE_STEPS
+    from hybridrec.train.checkpointing.checkpoint_interval import PROBE_STEPS
 
     starts = [0] + [f["resumed_at_step"] for f in failures]
     ends = [f["failed_at_step"] for f in failures] + [total_steps]
@@ -298,7 +298,7 @@ def failures_of(run_dir: Path, summary: dict, stderr: list[tuple[float, str]]) -
     """One record per failure the run recovered from: ``failed_rank``, ``failed_at_step``,
     ``checkpoint_step``, ``resumed_at_step``, ``kill_time``, ``resumed_time``,
     ``restore_seconds`` (None: not recorded), ``shards`` (partial: per shard steps lost)."""
-    from hybridrec.train.faults import injections, read_marker
+    from hybridrec.train.checkpointing.faults import injections, read_marker
 
     kills = injections(read_marker(run_dir))
     # stderr: the failures and resumptions in the order they happened, timed as read. A

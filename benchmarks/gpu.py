@@ -22,7 +22,7 @@ the loader is not in the measurement (benchmarks/loader.py measures the loader).
 Runs, each in fp32 and in bf16 (``--precisions``):
 
 - ``hybridrec``: the library's DLRM (fused tables, row-sparse SGD, kernels chosen at start-up
-  as a run chooses them) stepped by ``hybridrec.train.step.training_step``, the function
+  as a run chooses them) stepped by ``hybridrec.train.loop.step.training_step``, the function
   ``hybridrec train`` runs each step (the learning-rate schedule, the loader and the metric
   log are left out). bf16: ``train.precision=bf16`` (fp32 tables and master weights).
 - ``plain``: the DLRM reference's structure in plain PyTorch: one ``nn.EmbeddingBag(mode="sum",
@@ -133,11 +133,11 @@ def build_hybridrec(spec: dict, rows: int, batch: int, precision: str, device: t
     from hybridrec.model.kernels import PRECISIONS
     from hybridrec.parallel.dense_sync import NoSync
     from hybridrec.parallel.topology import Topology
-    from hybridrec.train import recipes
+    from hybridrec.train.setup import recipes
     from hybridrec.train.build import build_sparse_optimizers, tune_kernels
-    from hybridrec.train.config import build_config
-    from hybridrec.train.optim import build_dense_optimizer, dense_parameters
-    from hybridrec.train.step import training_step
+    from hybridrec.train.setup.config import build_config
+    from hybridrec.train.loop.optim import build_dense_optimizer, dense_parameters
+    from hybridrec.train.loop.step import training_step
 
     cfg = build_config(recipes.recipe("bench"), overrides=[
         f"model.embedding_dim={spec['dim']}", "model.bottom_mlp=" + ",".join(map(str, spec["bottom"])),

@@ -4,7 +4,7 @@ and 16 machines x 8 GPUs (400 Gbit/s between machines), with and without DCT.
 
     .venv/bin/python benchmarks/gpu_cost_table.py            # prints the Markdown table
 
-Pure arithmetic (:mod:`hybridrec.parallel.hier_cost`, the bytes of
+Pure arithmetic (:mod:`hybridrec.bench.hier_cost`, the bytes of
 :mod:`hybridrec.parallel.cost_model`'s layout), calibrated on one measurement only: the
 one-GPU step of this model at batch 65,536 on an H200 (benchmarks/results/gpu-2026-11-27,
 fp32 24.90 ms, bf16 6.48 ms), taken as every rank's computation at that batch per GPU.
@@ -40,7 +40,7 @@ from hybridrec.comm.codecs import make_codec
 from hybridrec.comm.sparse_message import encoded_size
 from hybridrec.model.embedding import TableConfig
 from hybridrec.parallel import plan as P
-from hybridrec.parallel.hier_cost import (
+from hybridrec.bench.hier_cost import (
     Links,
     dlrm_dense_params,
     plan_owners,

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Predicted scaling of flat against hierarchical training (hybridrec.parallel.hier_cost).
+"""Predicted scaling of flat against hierarchical training (hybridrec.bench.hier_cost).
 
     .venv/bin/python benchmarks/hier_scaling.py                 # 1..512 machines x 8 ranks
     .venv/bin/python benchmarks/hier_scaling.py --compute-s 0.17 --sharding table_wise \\
@@ -77,7 +77,7 @@ def parse_args(argv=None):
 def parse_setting(text: str):
     """``NAME=INTRA,CROSS[,A2A_EFF,ALLREDUCE_EFF]`` -> ``(name, Links)``; rates in tc units."""
     from hybridrec.bench.netns import parse_rate
-    from hybridrec.parallel.hier_cost import Links
+    from hybridrec.bench.hier_cost import Links
 
     name, _, rest = text.partition("=")
     parts = rest.split(",")
@@ -100,15 +100,15 @@ def parse_measured(text: str) -> tuple[int, int, float, bool]:
 
 
 def bench_workload(args):
-    """The bench model as :class:`~hybridrec.parallel.hier_cost.Workload`."""
+    """The bench model as :class:`~hybridrec.bench.hier_cost.Workload`."""
     from hybridrec.model.embedding import TableConfig
-    from hybridrec.parallel.hier_cost import Workload, dlrm_dense_params
+    from hybridrec.bench.hier_cost import Workload, dlrm_dense_params
 
     tables = tuple(TableConfig(name=f"C{i}", num_embeddings=ROWS, embedding_dim=DIM)
                    for i in range(1, TABLES + 1))
     plan = None
     if args.sharding == "table_wise":
-        from hybridrec.train.tables import uniform_plan
+        from hybridrec.train.setup.tables import uniform_plan
 
         def plan(n):
             return uniform_plan("table_wise", list(tables), n, n)
@@ -118,7 +118,7 @@ def bench_workload(args):
 
 
 def sync_spec(args):
-    from hybridrec.parallel.hier_cost import SyncSpec
+    from hybridrec.bench.hier_cost import SyncSpec
 
     return SyncSpec(algorithm=args.sync_algorithm, mode=args.sync_mode, every=args.sync_every,
                     duty=args.sync_duty, compress=args.sync_compress, ratio=args.sync_ratio)
@@ -126,7 +126,7 @@ def sync_spec(args):
 
 def predict_rows(w, links, sync, machines: list[int], m: int) -> list[dict]:
     """Flat and hierarchical predictions for every machine count."""
-    from hybridrec.parallel.hier_cost import predict_step
+    from hybridrec.bench.hier_cost import predict_step
 
     rows = []
     for g in machines:
@@ -138,7 +138,7 @@ def predict_rows(w, links, sync, machines: list[int], m: int) -> list[dict]:
 
 def scaling_table(name: str, links, rows: list[dict]) -> str:
     from hybridrec.bench.netns import format_rate
-    from hybridrec.train.memory import size_text
+    from hybridrec.train.setup.memory import size_text
 
     base = rows[0]["hier"].samples_per_s / rows[0]["machines"]
 
@@ -166,7 +166,7 @@ def scaling_table(name: str, links, rows: list[dict]) -> str:
 
 
 def measured_table(w, links, sync, points) -> str:
-    from hybridrec.parallel.hier_cost import predict_step
+    from hybridrec.bench.hier_cost import predict_step
 
     lines = [("| G x M | mode | measured samples/s | predicted | error | predicted step s "
               "(compute / a2a / all-reduce / sync) |"), "|---|---|---|---|---|---|"]
@@ -215,7 +215,7 @@ def main(argv=None) -> int:
             f"step, {args.sharding} sharding; sync {sync.algorithm} {sync.mode}, every "
             f"{sync.every}, duty {sync.duty:g}, compress {sync.compress}"
             + (f" {sync.ratio:g}" if sync.compress == "dct" else ""))
-    out = [(f"Predicted by hybridrec.parallel.hier_cost: {spec}; {args.group_size} ranks per "
+    out = [(f"Predicted by hybridrec.bench.hier_cost: {spec}; {args.group_size} ranks per "
             "machine."),
            "", *[x for name, links in settings.items()
                  for x in (scaling_table(name, links, results[name]), "")]]

@@ -34,7 +34,7 @@ level (``bytes_by_level`` intra / cross, where the trainer writes it), and the b
 crossed the capped links (``Cluster.cross_bytes()``, Ethernet headers included) over the
 whole run (rendezvous and evaluation included) per training step.
 
-Cost model (hybridrec.parallel.hier_cost, benchmarks/hier_scaling.py): first W 1-rank runs at
+Cost model (hybridrec.bench.hier_cost, benchmarks/hier_scaling.py): first W 1-rank runs at
 once, one per namespace (each rank's CPU share, no network), --compute-steps steps each, give
 the compute per step; at the end the script prints it with every variant's samples/s as a
 ``hier_scaling.py --measured`` command line.

@@ -99,10 +99,10 @@ def interleaved(args, data: Path, recipe: str, variants: list[tuple[int, int]]) 
     import torch
 
     from hybridrec.train.build import build_trainer
-    from hybridrec.train.hogwild import HogwildSteps
-    from hybridrec.train.parts import StepSource
-    from hybridrec.train.config import build_config
-    from hybridrec.train.recipes import recipe as named
+    from hybridrec.train.loop.hogwild import HogwildSteps
+    from hybridrec.train.loop.parts import StepSource
+    from hybridrec.train.setup.config import build_config
+    from hybridrec.train.setup.recipes import recipe as named
 
     default_threads = torch.get_num_threads()
     cfg = build_config(named(recipe), overrides=[

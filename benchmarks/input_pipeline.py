@@ -20,7 +20,7 @@ What is timed (after one untimed pass over the same batches, so the page cache i
 
 - ``loader``: ``ShardedLoader`` as training iterates it (shuffled, windowed as the default
   ``data.shuffle_window``), for each ``--workers`` count; ``pin`` adds ``pin_memory=True``
-  when CUDA exists, and ``copy`` the copy to the GPU that ``train/pipeline.py: to_device``
+  when CUDA exists, and ``copy`` the copy to the GPU that ``train/loop/pipeline.py: to_device``
   queues (with a synchronize per batch, so the copy is counted).
 - The breakdown of one batch on one thread, phase by phase, as ``ShardedLoader.batch`` does
   them, in CPU time of the thread: the rows of the step, the gather of the rows' dense
@@ -92,7 +92,7 @@ def loader_rate(meta, batch: int, batches: int, reps: int, *, workers: int, pin:
     import torch
 
     from hybridrec.data.loader import ShardedLoader
-    from hybridrec.train.pipeline import to_device
+    from hybridrec.train.loop.pipeline import to_device
 
     device = torch.device("cuda") if copy else None
 

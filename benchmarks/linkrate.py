@@ -144,7 +144,7 @@ def worker(args) -> None:
 
     torch.set_num_threads(1)
     topo = Topology.init(backend="gloo")
-    rank, world = topo.rank, topo.world_size
+    rank, world = topo.rank, topo.group_size
     addrs = [None] * world
     dist.all_gather_object(addrs, os.environ["HRC_ADDR"])
     raw = RawTcp(rank, addrs) if "raw_tcp" in args.ops else None

@@ -58,9 +58,9 @@ def worker(args) -> dict | None:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from hybridrec.train import recipes
+    from hybridrec.train.setup import recipes
     from hybridrec.train.build import build_trainer
-    from hybridrec.train.config import build_config
+    from hybridrec.train.setup.config import build_config
 
     precision = args.precision[0]
     cfg = build_config(recipes.recipe("bench"), overrides=[
@@ -87,9 +87,9 @@ def worker(args) -> dict | None:
     ops = sorted((e for e in avg if e.key not in PHASES and not e.key.startswith("ProfilerStep")),
                  key=lambda e: e.self_cpu_time_total, reverse=True)[: args.top]
     return {
-        "precision": precision, "world_size": trainer.topo.world_size, "batch_size": args.batch_size,
+        "precision": precision, "world_size": trainer.topo.group_size, "batch_size": args.batch_size,
         "threads": torch.get_num_threads(), "step_ms": step_ms,
-        "samples_per_sec": args.batch_size * trainer.topo.world_size / (wall / n),
+        "samples_per_sec": args.batch_size * trainer.topo.group_size / (wall / n),
         "phases_ms": phases, "outside_phases_ms": step_ms - top_level,
         "ops": [{"op": e.key + (f" {e.input_shapes}" if args.shapes else ""), "self_ms": e.self_cpu_time_total / 1e3 / n, "calls": e.count / n} for e in ops],
         "kernels": trainer.kernels,

@@ -126,16 +126,16 @@ def worker_hybridrec(args) -> dict:
     """Train the benchmark model from the shards; print one JSON line."""
     import torch
 
-    from hybridrec.train import recipes
+    from hybridrec.train.setup import recipes
     from hybridrec.train.build import build_trainer
-    from hybridrec.train.config import build_config
+    from hybridrec.train.setup.config import build_config
 
     cfg = build_config(recipes.recipe("bench"), overrides=[
         f"data.path={args.data}", f"data.batch_size={args.batch_size}",
         f"train.run_dir={Path(args.out) / 'run-hybridrec'}", "train.resume=false",
         "train.progress=false", f"dist.sharding={args.sharding}", *args.override])
     trainer = build_trainer(cfg)
-    world = trainer.topo.world_size
+    world = trainer.topo.group_size
     total = args.warmup + args.steps
     # Through the trainer's pipeline (dist.pipeline: the next batch's ids travel during a step).
     it = trainer.pipeline.batches(total)

@@ -49,7 +49,7 @@ def free_port() -> int:
 # the rank takes the environment of the test that starts it (see ``_entry``).
 _PRELOAD = ["torch", "torch.distributed", "torch.distributed.checkpoint", "hybridrec.parallel.topology",
             "hybridrec.parallel.parallelize", "hybridrec.parallel.checkpoint", "hybridrec.model.dlrm",
-            "hybridrec.train.run", "hybridrec.train.trainer", "hybridrec.sync.runners", "pytest"]
+            "hybridrec.train.run", "hybridrec.train.loop.trainer", "hybridrec.sync.runners", "pytest"]
 
 
 def _context():

@@ -7,12 +7,12 @@ import sys
 
 import pytest
 
-from hybridrec.train.allocator import configure_allocator
+from hybridrec.train.loop.allocator import configure_allocator
 
 PROBE = """
 import json, resource, sys
 import torch
-from hybridrec.train.allocator import configure_allocator
+from hybridrec.train.loop.allocator import configure_allocator
 done = configure_allocator(sys.argv[1])
 def faults():
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt

@@ -112,6 +112,6 @@ def test_train_refuses_what_it_cannot_run(tmp_path):
 def test_import_hybridrec_stays_cheap():
     code = ("import sys, hybridrec; assert 'torch' not in sys.modules; "
             "assert callable(hybridrec.train) and 'torch' not in sys.modules; "
-            "import hybridrec.train.config; assert callable(hybridrec.train); "
+            "import hybridrec.train.setup.config; assert callable(hybridrec.train); "
             "assert callable(hybridrec.load)")
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -10,8 +10,8 @@ from hybridrec.parallel import plan as P
 from hybridrec.parallel.cost_model import memory_by_rank
 from hybridrec.parallel.sharded_embedding import ShardedEmbeddingBagCollection
 from hybridrec.sparse.keyed_jagged import KeyedJagged
-from hybridrec.train.config import ConfigError, build_config
-from hybridrec.train.sparse_optim import build_sparse_optimizer
+from hybridrec.train.setup.config import ConfigError, build_config
+from hybridrec.train.loop.sparse_optim import build_sparse_optimizer
 
 BF16 = torch.bfloat16
 
@@ -120,8 +120,8 @@ def test_bf16_tables_refused_where_float32_is_needed(override, message):
 
 
 def sharded_worker(topo, precision_wire):
-    tp = {t.name: P.table_wise(t.name, t.num_embeddings, 8, i % topo.world_size) for i, t in enumerate(tables())}
-    plan = P.ShardingPlan(world_size=topo.world_size, local_world_size=topo.world_size, tables=tp)
+    tp = {t.name: P.table_wise(t.name, t.num_embeddings, 8, i % topo.group_size) for i, t in enumerate(tables())}
+    plan = P.ShardingPlan(world_size=topo.group_size, local_world_size=topo.group_size, tables=tp)
     ebc = ShardedEmbeddingBagCollection(tables(), plan, topo, seed=3, weight_dtype=BF16, wire_dtype=precision_wire)
     kjt = batch(seed=10 + topo.rank)
     out = ebc(kjt).values

@@ -9,14 +9,14 @@ from hybridrec.comm.ledger import CommLedger
 from hybridrec.model.dlrm import DLRM
 from hybridrec.parallel.dense_sync import DDPSync
 from hybridrec.parallel.sharded_embedding import ShardedEmbeddingBagCollection
-from hybridrec.train.sparse_optim import combined_sparse_optimizer
+from hybridrec.train.loop.sparse_optim import combined_sparse_optimizer
 from test_sharded_embedding import DIM, GLOBAL_B, global_batches, make_plan, tables, train
 
 pytestmark = pytest.mark.distributed
 
 
 def worker(topo, kind, wire):
-    plan = make_plan(kind, topo.world_size)
+    plan = make_plan(kind, topo.group_size)
     ledger = CommLedger()
     torch.manual_seed(0)
     ebc = ShardedEmbeddingBagCollection(tables(), plan, topo, seed=7, ledger=ledger, wire_dtype=wire)
@@ -24,7 +24,7 @@ def worker(topo, kind, wire):
     model = sync.wrap(DLRM(num_dense=3, sparse=ebc, bottom_mlp=[8, DIM], top_mlp=[6, 1], precision="bf16"))
     dense_opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
     sparse = combined_sparse_optimizer("sgd", model.sparse, lr=0.1)
-    per = GLOBAL_B // topo.world_size
+    per = GLOBAL_B // topo.group_size
     lo = topo.rank * per
     losses = train(model, (dense_opt, sparse), global_batches(True), lo, lo + per, sync=sync)
     shards = {k: w.detach().clone() for k, (_, w) in model.sparse.local_shards().items()}
@@ -61,7 +61,7 @@ def test_bf16_wire_trains_the_same_with_half_the_bytes(kind, world):
 
 
 def placement_worker(topo, kind):
-    ebc = ShardedEmbeddingBagCollection(tables(), make_plan(kind, topo.world_size), topo, seed=7,
+    ebc = ShardedEmbeddingBagCollection(tables(), make_plan(kind, topo.group_size), topo, seed=7,
                                         wire_dtype=torch.bfloat16)
     return ebc.wire_dtype
 

@@ -13,10 +13,10 @@ from hybridrec.model.embedding import EmbeddingBagCollection, TableConfig
 from hybridrec.parallel.dense_sync import AllReduceSync
 from hybridrec.parallel.checkpoint_io import MANIFEST
 from hybridrec.parallel.topology import Topology
-from hybridrec.train import checkpoint as ckpt
-from hybridrec.train.checkpointer import Checkpointer, Component, TorchRNG
-from hybridrec.train.optim import dense_parameters
-from hybridrec.train.sparse_optim import CombinedSparseOptimizer, build_sparse_optimizer
+from hybridrec.train.checkpointing import checkpoint as ckpt
+from hybridrec.train.checkpointing.checkpointer import Checkpointer, Component, TorchRNG
+from hybridrec.train.loop.optim import dense_parameters
+from hybridrec.train.loop.sparse_optim import CombinedSparseOptimizer, build_sparse_optimizer
 
 
 class Counter:

@@ -20,8 +20,8 @@ from distributed import run_ranks
 from hybridrec.cli.main import main
 from hybridrec.parallel.checkpoint_io import CHECKSUMS, MANIFEST, checked_files, file_checksum
 from hybridrec.parallel.topology import Topology
-from hybridrec.train import checkpoint as ckpt
-from hybridrec.train.checkpointer import Checkpointer
+from hybridrec.train.checkpointing import checkpoint as ckpt
+from hybridrec.train.checkpointing.checkpointer import Checkpointer
 from hybridrec.train.run import load_run_model
 
 # The integrity tests' one-process runs (their fixtures, used here as they are there): two

@@ -20,8 +20,8 @@ from hybridrec.parallel import checkpoint_io
 from hybridrec.parallel.checkpoint import read_manifest
 from hybridrec.parallel.checkpoint_io import CHECKSUMS, MANIFEST, CheckpointError
 from hybridrec.parallel.topology import Topology
-from hybridrec.train import checkpoint as ckpt
-from hybridrec.train.checkpointer import Checkpointer
+from hybridrec.train.checkpointing import checkpoint as ckpt
+from hybridrec.train.checkpointing.checkpointer import Checkpointer
 from hybridrec.train.run import load_run_model
 
 
@@ -183,8 +183,8 @@ def test_the_manifest_holds_a_fingerprint_and_old_checkpoints_without_one_load(t
 def _tiny_checkpointer(run: Path):
     from hybridrec.model.dlrm import DLRM
     from hybridrec.model.embedding import EmbeddingBagCollection, TableConfig
-    from hybridrec.train.optim import dense_parameters
-    from hybridrec.train.sparse_optim import CombinedSparseOptimizer, build_sparse_optimizer
+    from hybridrec.train.loop.optim import dense_parameters
+    from hybridrec.train.loop.sparse_optim import CombinedSparseOptimizer, build_sparse_optimizer
 
     torch.manual_seed(0)
     tables = [TableConfig(name="a", num_embeddings=20, embedding_dim=4)]

@@ -18,8 +18,8 @@ from hybridrec.parallel.checkpoint import TMP_MARK, CheckpointError, is_complete
 from hybridrec.parallel.checkpoint_layout import local_weights, own_storage
 from hybridrec.parallel.parallelize import parallelize_dlrm
 from hybridrec.parallel.topology import Topology
-from hybridrec.train.checkpointer import Checkpointer
-from hybridrec.train.sparse_optim import combined_sparse_optimizer
+from hybridrec.train.checkpointing.checkpointer import Checkpointer
+from hybridrec.train.loop.sparse_optim import combined_sparse_optimizer
 
 DIM = 4
 TABLES = {"t0": 50, "t1": 30, "t2": 20}
@@ -30,7 +30,7 @@ def build(seed, topo=None):
     tables = [TableConfig(name=n, num_embeddings=r, embedding_dim=DIM) for n, r in TABLES.items()]
     model = DLRM(num_dense=3, sparse=EmbeddingBagCollection(tables, seed=seed), bottom_mlp=[8, DIM],
                  top_mlp=[6, 1])
-    if topo is not None and topo.world_size > 1:
+    if topo is not None and topo.group_size > 1:
         plan = P.ShardingPlan(world_size=2, local_world_size=2, tables={
             "t0": P.row_wise("t0", TABLES["t0"], DIM, [0, 1]), "t1": P.table_wise("t1", TABLES["t1"], DIM, 1),
             "t2": P.column_wise("t2", TABLES["t2"], DIM, [0, 1])})

@@ -21,8 +21,8 @@ def dataset(tmp_path_factory):
 def _build(topo, data, run_dir, codec_ms):
     import hybridrec.parallel.codec_pays as pays
     from hybridrec.train.build import build_trainer
-    from hybridrec.train.config import build_config
-    from hybridrec.train.recipes import recipe
+    from hybridrec.train.setup.config import build_config
+    from hybridrec.train.setup.recipes import recipe
 
     if codec_ms is not None:  # a codec this slow (or this fast) on rank 1 only: the slowest rank decides
         real = pays.codec_ms
@@ -53,7 +53,7 @@ def test_the_slowest_ranks_codec_decides_and_the_hop_follows(dataset, tmp_path, 
 
 def test_pays_is_refused_with_the_threshold_variant():
     from hybridrec.errors import ConfigError
-    from hybridrec.train.config import build_config
+    from hybridrec.train.setup.config import build_config
 
     with pytest.raises(ConfigError, match="compress.embedding_when=pays measures the top-k"):
         build_config(overrides=["compress.embedding=dct", "compress.embedding_select=threshold",

@@ -32,8 +32,8 @@ from hybridrec.parallel.layout import build_layout, owner_layout
 from hybridrec.parallel.parallelize import parallelize_dlrm
 from hybridrec.parallel.sharded_embedding import ShardedEmbeddingBagCollection
 from hybridrec.sparse.keyed_jagged import Batch, KeyedJagged
-from hybridrec.train.sparse_optim import combined_sparse_optimizer
-from hybridrec.train.step import sparse_grads
+from hybridrec.train.loop.sparse_optim import combined_sparse_optimizer
+from hybridrec.train.loop.step import sparse_grads
 
 CODECS = {
     "fp32": lambda: CastCodec(torch.float32),
@@ -212,7 +212,7 @@ def test_owner_layout_groups_neighbours_with_the_same_codec_and_width():
 def test_policy_picks_tables_by_name_and_rows():
     from hybridrec.errors import ConfigError
     from hybridrec.train.build import build_embedding_codecs
-    from hybridrec.train.config import build_config
+    from hybridrec.train.setup.config import build_config
 
     plan = make_plan("mixed")  # t2 is data-parallel: it has no hop to code
 
@@ -224,7 +224,7 @@ def test_policy_picks_tables_by_name_and_rows():
     assert chosen("compress.embedding=dct") == ["t0", "t1"]
     assert chosen("compress.embedding=int8", "compress.embedding_min_rows=30") == ["t1"]
     assert chosen("compress.embedding=fp16", "compress.embedding_tables=t0,t2") == ["t0"]
-    from hybridrec.train.rules import check_plan  # (a table the plan lacks: a plan rule)
+    from hybridrec.train.setup.rules import check_plan  # (a table the plan lacks: a plan rule)
 
     with pytest.raises(ConfigError, match="t9"):
         check_plan(build_config(overrides=["compress.embedding=dct", "compress.embedding_tables=t9"]), plan)
@@ -397,8 +397,8 @@ def dataset(tmp_path_factory):
 
 def config_worker(topo, data, run_root):
     from hybridrec.train.build import build_trainer
-    from hybridrec.train.config import build_config
-    from hybridrec.train.recipes import demo
+    from hybridrec.train.setup.config import build_config
+    from hybridrec.train.setup.recipes import demo
 
     out = {}
     for codec in ("dct", "fp16", "bf16", "int8"):

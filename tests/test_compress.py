@@ -234,7 +234,7 @@ def _hook_run(topo, make):
         for n, p in model.named_parameters():
             avg = GradientCompressor.decompress(sent[n])
             dist.all_reduce(avg, group=topo.group)
-            step["max_err"] = max(step["max_err"], (p.grad.reshape(-1) - avg / topo.world_size).abs().max().item())
+            step["max_err"] = max(step["max_err"], (p.grad.reshape(-1) - avg / topo.group_size).abs().max().item())
             a, b = comp.residual(f"m.{n}"), ref.residual(f"m.{n}")
             step["residuals_equal"] &= (a is None and b is None) or torch.equal(a, b)
         steps.append(step)
@@ -331,8 +331,8 @@ def dataset(tmp_path_factory):
 
 def _train_settings(topo, data, run_root):
     from hybridrec.train.build import build_trainer
-    from hybridrec.train.config import build_config
-    from hybridrec.train.recipes import recipe
+    from hybridrec.train.setup.config import build_config
+    from hybridrec.train.setup.recipes import recipe
 
     out = {}
     for name, extra in SETTINGS.items():

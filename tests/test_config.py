@@ -11,9 +11,9 @@ import pytest
 from hybridrec.cli.main import main
 from hybridrec.errors import ConfigError
 from hybridrec.parallel.cost_model import OPTIMIZERS
-from hybridrec.train import recipes
-from hybridrec.train.config import PATH_KEYS, SECTIONS, build_config, describe
-from hybridrec.train.optim import LRSchedule
+from hybridrec.train.setup import recipes
+from hybridrec.train.setup.config import PATH_KEYS, SECTIONS, build_config, describe
+from hybridrec.train.loop.optim import LRSchedule
 
 
 def test_defaults_recipe_file_override_precedence(tmp_path):
@@ -88,7 +88,7 @@ def test_lr_schedule():
 def test_sparse_optimizer_names_are_one_list():
     """cost_model.OPTIMIZERS is the list: the registry builds exactly those, the config
     accepts exactly those (and documents each)."""
-    from hybridrec.train.sparse_optim import SPARSE_OPTIMIZERS
+    from hybridrec.train.loop.sparse_optim import SPARSE_OPTIMIZERS
 
     assert len(set(OPTIMIZERS)) == len(OPTIMIZERS)
     assert set(SPARSE_OPTIMIZERS) == set(OPTIMIZERS)

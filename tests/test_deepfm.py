@@ -13,8 +13,8 @@ from hybridrec.parallel import plan as P
 from hybridrec.parallel.cost_model import predict_step_bytes
 from hybridrec.parallel.parallelize import parallelize_dlrm
 from hybridrec.sparse.keyed_jagged import Batch, KeyedJagged
-from hybridrec.train.sparse_optim import combined_sparse_optimizer
-from hybridrec.train.step import sparse_grads
+from hybridrec.train.loop.sparse_optim import combined_sparse_optimizer
+from hybridrec.train.loop.step import sparse_grads
 
 K, GLOBAL_B, STEPS = 4, 12, 3
 TABLES = [("t0", 23), ("t1", 40), ("t2", 7)]
@@ -134,15 +134,15 @@ def train(model, sparse_opts, batches, lo, hi, ledger=None):
 
 def worker(topo, kind, sparse_opt):
     ledger = CommLedger()
-    model = parallelize_dlrm(build(), make_plan(kind, topo.world_size), topo, ledger=ledger)
+    model = parallelize_dlrm(build(), make_plan(kind, topo.group_size), topo, ledger=ledger)
     opts = combined_sparse_optimizer(sparse_opt, model.sparse, lr=0.05)
-    per = GLOBAL_B // topo.world_size
+    per = GLOBAL_B // topo.group_size
     losses = train(model, opts, global_batches(), topo.rank * per, (topo.rank + 1) * per, ledger)
     shards = {k: (s, w.detach().clone()) for k, (s, w) in model.sparse.local_shards().items()}
     counted = {d: (ledger.totals(category="output_dist", direction=d).sent // STEPS,
                    ledger.totals(category="output_dist", direction=d).received // STEPS) for d in ("fwd", "bwd")}
-    pred = predict_step_bytes(make_plan(kind, topo.world_size), tables(), rank=topo.rank,
-                              batch_sizes=[per] * topo.world_size)
+    pred = predict_step_bytes(make_plan(kind, topo.group_size), tables(), rank=topo.rank,
+                              batch_sizes=[per] * topo.group_size)
     predicted = {d: pred.get(("output_dist", d), (0, 0)) for d in ("fwd", "bwd")}
     matched = {k: v["match"] for k, v in ledger.summary()["predicted_vs_counted"].items()}
     return losses, shards, (counted, predicted, matched), model.sparse.layout.widths
@@ -195,9 +195,9 @@ def full_tables(results):
 
 def codec_worker(topo, kind, codec_args, steps):
     out = {}
-    per = GLOBAL_B // topo.world_size
+    per = GLOBAL_B // topo.group_size
     for name, codecs in (("plain", {}), ("coded", {n: make_codec("dct", **codec_args) for n, _ in TABLES})):
-        plan = make_plan(kind, topo.world_size)
+        plan = make_plan(kind, topo.group_size)
         codecs = {n: c for n, c in codecs.items() if plan.tables[n].sharding_type != "data_parallel"}
         model = parallelize_dlrm(build(zero_top=steps == 1), plan, topo, codecs=codecs)
         opts = combined_sparse_optimizer("sgd", model.sparse, lr=0.05)
@@ -241,8 +241,8 @@ def test_lossy_codec_keeps_the_fm_term_exact():
 
 
 def logits_worker(topo, kind):
-    per = GLOBAL_B // topo.world_size
-    plan = make_plan(kind, topo.world_size)
+    per = GLOBAL_B // topo.group_size
+    plan = make_plan(kind, topo.group_size)
     codecs = {n: make_codec("dct", eta=0.25) for n, _ in TABLES if plan.tables[n].sharding_type != "data_parallel"}
     model = parallelize_dlrm(build(), plan, topo, codecs=codecs)
     batch = local_batch(global_batches(steps=1)[0], topo.rank * per, (topo.rank + 1) * per)

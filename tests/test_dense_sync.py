@@ -11,9 +11,9 @@ from hybridrec.comm.ddp_hooks import CompressedAllReduce
 from hybridrec.comm.ledger import CommLedger
 from hybridrec.parallel.dense_sync import AllReduceSync, DDPSync, NoSync, dense_arches
 from hybridrec.parallel.parallelize import parallelize_dlrm
-from hybridrec.train.optim import dense_parameters
-from hybridrec.train.sparse_optim import combined_sparse_optimizer
-from hybridrec.train.step import training_step
+from hybridrec.train.loop.optim import dense_parameters
+from hybridrec.train.loop.sparse_optim import combined_sparse_optimizer
+from hybridrec.train.loop.step import training_step
 from test_sharded_embedding import GLOBAL_B, build, global_batches, local_batch, make_plan
 
 pytestmark = pytest.mark.distributed
@@ -33,11 +33,11 @@ def _sync(kind, compressor, topo, ledger):
 def worker(topo, kind, dct):
     ledger = CommLedger()
     sync = _sync(kind, DCTCompressor(0.2, 2) if dct else None, topo, ledger)
-    model = parallelize_dlrm(build("sum"), make_plan("table_wise", topo.world_size), topo, ledger=ledger,
+    model = parallelize_dlrm(build("sum"), make_plan("table_wise", topo.group_size), topo, ledger=ledger,
                              dense_sync=sync)
     dense_opt = torch.optim.SGD(dense_parameters(model), lr=0.1)
     sparse_opt = combined_sparse_optimizer("sgd", model.sparse, lr=0.1)
-    b = GLOBAL_B // topo.world_size
+    b = GLOBAL_B // topo.group_size
     for g in global_batches(False):
         training_step(model, local_batch(g, topo.rank * b, (topo.rank + 1) * b), dense_opt=dense_opt,
                       sparse_opt=sparse_opt, dense_sync=sync)

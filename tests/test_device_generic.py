@@ -20,7 +20,7 @@ from hybridrec.parallel.dense_sync import AllReduceSync, DDPSync, NoSync
 from hybridrec.parallel.devices import DeviceChoice, choose_backend
 from hybridrec.parallel.parallelize import parallelize_dlrm
 from hybridrec.parallel.topology import Topology
-from hybridrec.train.sparse_optim import combined_sparse_optimizer
+from hybridrec.train.loop.sparse_optim import combined_sparse_optimizer
 
 
 # -- the choice: a pure function ---------------------------------------------------------
@@ -62,8 +62,8 @@ def test_unknown_backend_is_refused():
 
 
 def test_pairwise_exchange_is_refused_on_a_gpu_only():
-    from hybridrec.train.config import build_config
-    from hybridrec.train.rules import RUN_RULES, RunFacts, check_run
+    from hybridrec.train.setup.config import build_config
+    from hybridrec.train.setup.rules import RUN_RULES, RunFacts, check_run
 
     pairwise, collective = (build_config(overrides=[f"dist.exchange={e}", "train.run_dir=r"])
                             for e in ("pairwise", "collective"))
@@ -105,20 +105,20 @@ def _plain():
 def meta_default_worker(topo, kind, sync_kind, meta):
     """Training steps of a sharded DLRM; with ``meta``, torch's default device is ``meta``
     during the steps (the model, its optimizers and the batches are made before)."""
-    plan = T.make_plan(kind, topo.world_size)
+    plan = T.make_plan(kind, topo.group_size)
     topo = T.plan_topology(topo, plan)
     sync = SYNCS[sync_kind](topo)
     model = parallelize_dlrm(T.build("sum"), plan, topo, dense_sync=sync)
     dense_opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
     sparse = combined_sparse_optimizer("sgd", model.sparse, lr=0.1)
-    per = T.GLOBAL_B // topo.world_size
+    per = T.GLOBAL_B // topo.group_size
     lo = topo.rank * per
     batches = T.global_batches(True)
     local = [T.local_batch(b, lo, lo + per) for b in batches]
     if meta:
         torch.set_default_device("meta")
     try:
-        from hybridrec.train.step import training_step
+        from hybridrec.train.loop.step import training_step
 
         losses = [training_step(model, b, dense_opt=dense_opt, sparse_opt=sparse, dense_sync=sync).item()
                   for b in local]

@@ -12,7 +12,7 @@ import torch
 from processor import needs_bf16
 from synth_data import synth_dataset
 from hybridrec.cli.main import main
-from hybridrec.train import checkpoint as ckpt
+from hybridrec.train.checkpointing import checkpoint as ckpt
 from hybridrec.train.run import load_run_model
 
 SMALL = ["model.embedding_dim=8", "model.bottom_mlp=16,8", "model.top_mlp=16,1",

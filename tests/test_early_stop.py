@@ -13,8 +13,8 @@ from synth_data import synth_dataset
 
 from hybridrec.cli.main import main
 from hybridrec.errors import ConfigError
-from hybridrec.train.config import build_config
-from hybridrec.train.early_stop import EarlyStopping
+from hybridrec.train.setup.config import build_config
+from hybridrec.train.loop.early_stop import EarlyStopping
 from hybridrec.train.run import load_run_model
 
 SMALL = ["model.embedding_dim=8", "model.bottom_mlp=16,8", "model.top_mlp=16,1",

@@ -33,11 +33,11 @@ def test_slices_cover_the_block_in_order():
 def _compare(topo):
     """One group and one group per rank: the same results as gloo's all_to_all_single."""
     return [_compare_with(topo, [topo.group]),
-            _compare_with(topo, topo.parallel_groups(topo.world_size))]
+            _compare_with(topo, topo.parallel_groups(topo.group_size))]
 
 
 def _compare_with(topo, groups):
-    rank, world = topo.rank, topo.world_size
+    rank, world = topo.rank, topo.group_size
     ex = PairwiseExchange(groups, rank=rank, world_size=world)
     g = torch.Generator().manual_seed(rank)
     # Rows rank r sends to rank p: (r + 2p) % 4, a zero among them (an empty block).
@@ -64,7 +64,7 @@ def test_equals_all_to_all_single(world):
 
 
 def _bad_splits(topo):
-    ex = PairwiseExchange([topo.group], rank=topo.rank, world_size=topo.world_size)
+    ex = PairwiseExchange([topo.group], rank=topo.rank, world_size=topo.group_size)
     with pytest.raises(ValueError, match="do not cover"):
         ex.all_to_all_single(torch.empty(4), torch.empty(4), [1, 1], [2, 1])
     with pytest.raises(ValueError, match="not divisible"):

@@ -13,11 +13,11 @@ from synth_data import synth_dataset
 from hybridrec.cli.launch import _injected_pid, failure_line
 from hybridrec.cli.main import main
 from hybridrec.errors import ConfigError
-from hybridrec.train import checkpoint as ckpt
-from hybridrec.train import faults
-from hybridrec.train.checkpoint_interval import PROBE_STEPS, young_daly_interval
-from hybridrec.train.config import build_config
-from hybridrec.train.faults import MARKER, FailureInjector, parse_inject_failure, read_marker
+from hybridrec.train.checkpointing import checkpoint as ckpt
+from hybridrec.train.checkpointing import faults
+from hybridrec.train.checkpointing.checkpoint_interval import PROBE_STEPS, young_daly_interval
+from hybridrec.train.setup.config import build_config
+from hybridrec.train.checkpointing.faults import MARKER, FailureInjector, parse_inject_failure, read_marker
 from hybridrec.train.run import load_run_model
 
 SMALL = ["model.embedding_dim=8", "model.bottom_mlp=16,8", "model.top_mlp=16,1",

@@ -19,9 +19,9 @@ import torch
 
 from synth_data import synth_dataset
 from hybridrec.cli.main import main
-from hybridrec.train import recipes
+from hybridrec.train.setup import recipes
 from hybridrec.train.build import build_trainer
-from hybridrec.train.config import build_config
+from hybridrec.train.setup.config import build_config
 from hybridrec.train.run import load_run_model
 
 pytestmark = [pytest.mark.gpu,

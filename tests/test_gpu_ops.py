@@ -59,7 +59,7 @@ from hybridrec.model.embedding import EmbeddingBagCollection, TableConfig
 from hybridrec.model.id_groups import aggregate_rows, group_ids
 from hybridrec.parallel.threshold_dist import ThresholdMP
 from hybridrec.sparse.keyed_jagged import KeyedJagged
-from hybridrec.train.sparse_optim import build_sparse_optimizer
+from hybridrec.train.loop.sparse_optim import build_sparse_optimizer
 
 DEV = os.environ.get("HYBRIDREC_TEST_DEVICE", "cuda")
 

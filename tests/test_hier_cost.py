@@ -10,7 +10,7 @@ from hybridrec.comm.codecs import make_codec
 from hybridrec.model.embedding import TableConfig
 from hybridrec.parallel import plan as P
 from hybridrec.parallel.cost_model import predict_all_ranks
-from hybridrec.parallel.hier_cost import (
+from hybridrec.bench.hier_cost import (
     Links,
     Owner,
     SyncSpec,

@@ -18,11 +18,11 @@ from hybridrec.sync import ForegroundRunner, make_synchronizer
 from hybridrec.sync.algorithms import GroupMean
 from hybridrec.sync.compressed import CompressedMean
 from hybridrec.sync.grouped import GroupedBackgroundRunner
-from hybridrec.train.rules import hierarchy_problem
-from hybridrec.train.config import Config
-from hybridrec.train.optim import dense_parameters
-from hybridrec.train.sparse_optim import combined_sparse_optimizer
-from hybridrec.train.step import training_step
+from hybridrec.train.setup.rules import hierarchy_problem
+from hybridrec.train.setup.config import Config
+from hybridrec.train.loop.optim import dense_parameters
+from hybridrec.train.loop.sparse_optim import combined_sparse_optimizer
+from hybridrec.train.loop.step import training_step
 from test_sharded_embedding import GLOBAL_B, build, full_tables_from_shards, global_batches, local_batch, make_plan
 
 pytestmark = pytest.mark.distributed
@@ -31,8 +31,8 @@ pytestmark = pytest.mark.distributed
 def _train(topo, model, sync, steps, after_step=None):
     dense_opt = torch.optim.SGD(dense_parameters(model), lr=0.1)
     sparse_opt = combined_sparse_optimizer("sgd", model.sparse, lr=0.1)
-    batches, b = global_batches(True), GLOBAL_B // topo.global_world_size
-    lo = topo.global_rank * b
+    batches, b = global_batches(True), GLOBAL_B // topo.job_size
+    lo = topo.job_rank * b
     for step in range(1, steps + 1):
         batch = local_batch(batches[step % len(batches)], lo, lo + b)
         training_step(model, batch, dense_opt=dense_opt, sparse_opt=sparse_opt, dense_sync=sync)
@@ -48,7 +48,7 @@ def _result(model):
 
 def flat_worker(topo, steps):
     sync = DDPSync(topo)
-    model = parallelize_dlrm(build("sum"), make_plan("table_wise", topo.world_size), topo, dense_sync=sync)
+    model = parallelize_dlrm(build("sum"), make_plan("table_wise", topo.group_size), topo, dense_sync=sync)
     _train(topo, model, sync, steps)
     return _result(model)
 
@@ -61,7 +61,7 @@ def hier_worker(topo, steps, mode="foreground", compress=None, rows="all"):
     h = Topology.init(backend="gloo", group_size=2)
     ledger = CommLedger()
     sync = DDPSync(h, ledger=ledger)
-    model = parallelize_dlrm(build("sum"), make_plan("table_wise", h.world_size), h, ledger=ledger, dense_sync=sync)
+    model = parallelize_dlrm(build("sum"), make_plan("table_wise", h.group_size), h, ledger=ledger, dense_sync=sync)
     dense = dense_parameters(model)
     params, parts = dense + list(model.sparse.parameters()), (sum(p.numel() for p in dense),)
     group = h.cross_groups(1)[0]
@@ -72,7 +72,7 @@ def hier_worker(topo, steps, mode="foreground", compress=None, rows="all"):
     if mode == "foreground":
         runner = ForegroundRunner(make_synchronizer("ma"), params, group, ledger=ledger, mean=mean, rows=rows)
     else:
-        flags = torch.distributed.new_group(list(range(h.global_world_size)), backend="gloo")
+        flags = torch.distributed.new_group(list(range(h.job_size)), backend="gloo")
         runner = GroupedBackgroundRunner(make_synchronizer("ma"), params, group, ledger=ledger, mean=mean,
                                          members=h.group, flag_group=flags, rows=rows)
     runner.start()
@@ -143,7 +143,7 @@ def test_groups_that_do_not_fit_are_refused_before_any_process_group():
 
 
 def test_default_group_is_one_machine_only_with_a_synchronizer_across_machines():
-    from hybridrec.train.rules import group_size
+    from hybridrec.train.setup.rules import group_size
 
     cfg = Config()
     assert group_size(cfg, 8, 4) == 8  # no synchronizer: flat
@@ -186,8 +186,8 @@ def test_cli_a_group_size_that_does_not_divide_the_ranks_is_one_line_before_laun
 def test_cli_a_dead_group_member_ends_the_run_and_the_same_command_resumes(dataset, tmp_path):
     import json
 
-    from hybridrec.train import checkpoint as ckpt
-    from hybridrec.train.faults import read_marker
+    from hybridrec.train.checkpointing import checkpoint as ckpt
+    from hybridrec.train.checkpointing.faults import read_marker
 
     run = tmp_path / "run"
     proc = _launch(dataset, run, "train.inject_failure=3:6")
@@ -248,8 +248,8 @@ def test_cli_a_plan_for_other_ranks_or_with_missing_members_is_one_line_before_l
 
 
 def one_group_worker(topo):
-    h = Topology.init(backend="gloo", group_size=topo.world_size)
-    return h.hierarchical, h.group is torch.distributed.group.WORLD, h.cross_group, h.global_rank == h.rank
+    h = Topology.init(backend="gloo", group_size=topo.group_size)
+    return h.hierarchical, h.group is torch.distributed.group.WORLD, h.cross_group, h.job_rank == h.rank
 
 
 def test_one_group_is_the_flat_topology():

@@ -62,8 +62,8 @@ def world(tmp_path_factory):
 
 
 def _config(data, run, *extra):
-    from hybridrec.train.config import build_config
-    from hybridrec.train.recipes import demo
+    from hybridrec.train.setup.config import build_config
+    from hybridrec.train.setup.recipes import demo
 
     return build_config(demo(), overrides=[f"data.path={data}", f"train.run_dir={run}", *SMALL, *extra])
 
@@ -73,8 +73,8 @@ def _checkpoint_state(path, cfg) -> dict:
     from hybridrec.parallel.checkpoint import load_state
     from hybridrec.parallel.topology import Topology
     from hybridrec.train.build import build_model, build_sparse_optimizers
-    from hybridrec.train.optim import build_dense_optimizer, dense_parameters
-    from hybridrec.train.tables import load_dataset
+    from hybridrec.train.loop.optim import build_dense_optimizer, dense_parameters
+    from hybridrec.train.setup.tables import load_dataset
 
     model = build_model(cfg, load_dataset(cfg))
     dense = build_dense_optimizer(dense_parameters(model), cfg.optim)
@@ -95,7 +95,7 @@ def _state(model, dense, sparse) -> dict:
 
 
 def _newest(run):
-    from hybridrec.train.checkpoint import latest_checkpoint
+    from hybridrec.train.checkpointing.checkpoint import latest_checkpoint
 
     return latest_checkpoint(run)
 
@@ -138,7 +138,7 @@ def test_a_newest_checkpoint_that_fails_its_checks_is_skipped_for_the_older_one(
     import shutil
 
     from hybridrec.train.build import build_trainer
-    from hybridrec.train.checkpoint import list_checkpoints
+    from hybridrec.train.checkpointing.checkpoint import list_checkpoints
 
     run = tmp_path / "source"
     shutil.copytree(world["one"], run)

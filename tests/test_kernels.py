@@ -153,7 +153,7 @@ def test_bf16_dlrm_keeps_fp32_parameters_and_logits_near_fp32():
 
 def _agree_on_kernels(topo):
     from hybridrec.train.build import tune_kernels
-    from hybridrec.train.config import Config
+    from hybridrec.train.setup.config import Config
 
     cfg = Config()
     cfg.data.batch_size = 16

@@ -150,7 +150,7 @@ def _sources(under: Path = PACKAGE):
     ("hybridrec.sparse.keyed_jagged", "import importlib\nimportlib.import_module('hybridrec.data')"),
     ("hybridrec.errors", "from hybridrec.metrics import auc"),
     ("hybridrec", "from hybridrec import cli"),
-    ("hybridrec.train.config", "from hybridrec.bench import compression"),
+    ("hybridrec.train.setup.config", "from hybridrec.bench import compression"),
 ])
 def test_checker_finds_a_planted_upward_import(module, source):
     assert len(layer_violations(source, module)) == 1
@@ -225,3 +225,63 @@ def test_model_does_not_import_torch_distributed():
              _sources(PACKAGE / "model") for v in distributed_imports(source)]
     assert list(_sources(PACKAGE / "model")), "no model/ sources found"
     assert found == [], "\n".join(found)
+
+
+# ---------------------------------------------------------------- inside train/
+
+TRAIN_ORDER = ("", "loop", "setup", "checkpointing")
+"""train/'s own order, top to bottom: the package's top modules (build, run, ps_run,
+init_from, demo: they assemble a run), loop/ (the trainer, its parts, the step),
+setup/ (config, rules, tables, memory), checkpointing/ (checkpoint directories, the
+checkpointer, recovery); train/loop/__init__.py says the same."""
+
+
+def train_rank(module: str) -> int | None:
+    """Position of a ``hybridrec.train...`` module in :data:`TRAIN_ORDER` (None: outside train/,
+    or the package itself)."""
+    parts = module.split(".")
+    if parts[:2] != ["hybridrec", "train"] or len(parts) < 3:
+        return None
+    return TRAIN_ORDER.index(parts[2]) if parts[2] in TRAIN_ORDER else 0
+
+
+def train_violations(source: str, module: str, *, is_package: bool = False) -> list[str]:
+    """Every import of ``source`` that reaches a part of train/ above ``module``'s own part
+    (``from hybridrec.train import x`` counts as ``hybridrec.train.x``)."""
+    own = train_rank(module)
+    if own is None:
+        return []
+    targets = imported_modules(source, module, is_package=is_package)
+    targets += [(n.lineno, f"hybridrec.train.{a.name}") for n in ast.walk(ast.parse(source))
+                if isinstance(n, ast.ImportFrom) and n.module == "hybridrec.train" for a in n.names]
+    bad = []
+    for line, target in targets:
+        r = train_rank(target)
+        if r is not None and r < own:
+            bad.append(f"{module}:{line} imports {target} (train/{TRAIN_ORDER[r] or '*.py'} is above "
+                       f"train/{TRAIN_ORDER[own]})")
+    return bad
+
+
+@pytest.mark.parametrize("module, source", [
+    ("hybridrec.train.setup.rules", "from hybridrec.train.loop.parts import Part"),
+    ("hybridrec.train.checkpointing.recovery", "from hybridrec.train.setup import config"),
+    ("hybridrec.train.loop.trainer", "def f():\n    from hybridrec.train import build"),
+    ("hybridrec.train.checkpointing", "from ..loop import step"),
+])
+def test_train_checker_finds_a_planted_upward_import(module, source):
+    assert len(train_violations(source, module, is_package=module.endswith("checkpointing"))) == 1
+
+
+def test_train_checker_passes_imports_that_go_down():
+    assert train_violations("from hybridrec.train.setup.config import Config\n"
+                            "from hybridrec.train.checkpointing import checkpoint", "hybridrec.train.loop.optim") == []
+    assert train_violations("from hybridrec.train.loop.trainer import Trainer", "hybridrec.train.build") == []
+
+
+def test_train_subpackages_import_only_downward():
+    subpackages = {p.parent.name for p in (PACKAGE / "train").glob("*/__init__.py")}
+    assert subpackages == set(TRAIN_ORDER) - {""}, ("add new train/ subpackages to TRAIN_ORDER", subpackages)
+    bad = [v for _, name, is_package, source in _sources(PACKAGE / "train")
+           for v in train_violations(source, name, is_package=is_package)]
+    assert bad == [], "\n".join(bad)

@@ -16,8 +16,8 @@ from hybridrec.parallel.cost_model import predict_step_bytes
 from hybridrec.parallel.dense_sync import DDPSync
 from hybridrec.parallel.parallelize import parallelize_dlrm
 from hybridrec.sparse.keyed_jagged import Batch, KeyedJagged
-from hybridrec.train.sparse_optim import combined_sparse_optimizer
-from hybridrec.train.step import training_step
+from hybridrec.train.loop.sparse_optim import combined_sparse_optimizer
+from hybridrec.train.loop.step import training_step
 
 pytestmark = pytest.mark.distributed
 
@@ -41,7 +41,7 @@ def skewed_batch(tables, rank, step):
 
 def worker(topo, arch, kind, codec, pipeline):
     case = fm_case if arch == "deepfm" else dlrm_case
-    plan = case.make_plan(kind, topo.world_size)
+    plan = case.make_plan(kind, topo.group_size)
     topo = dlrm_case.plan_topology(topo, plan)  # table_row_wise: the plan's host groups
     codecs = {} if codec is None else {n: make_codec(codec, eta=0.25) for n, _ in case.TABLES
                                        if plan.tables[n].sharding_type != "data_parallel"}
@@ -65,7 +65,7 @@ def worker(topo, arch, kind, codec, pipeline):
                 model(batch)
             model.train()
         pending = nxt
-    static = predict_step_bytes(plan, case.tables(), rank=topo.rank, batch_sizes=[B] * topo.world_size,
+    static = predict_step_bytes(plan, case.tables(), rank=topo.rank, batch_sizes=[B] * topo.group_size,
                                 ids_per_bag=2.0, codecs=codecs)
     return ledger.summary(), input_bytes, static
 

@@ -1,4 +1,4 @@
-"""The training loop over parts (hybridrec.train.parts): a part added to a trainer sees
+"""The training loop over parts (hybridrec.train.loop.parts): a part added to a trainer sees
 every hook in order, a part's pause is where Hogwild's threads stop, and every kind of
 embedding collection answers the one interface the step and the checkpointer call."""
 
@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 from synth_data import synth_dataset
 
-from hybridrec.train import hogwild
+from hybridrec.train.loop import hogwild
 from hybridrec.train.build import build_trainer
-from hybridrec.train.config import build_config
-from hybridrec.train.parts import Part
-from hybridrec.train.recipes import recipe
+from hybridrec.train.setup.config import build_config
+from hybridrec.train.loop.parts import Part
+from hybridrec.train.setup.recipes import recipe
 
 SMALL = ["model.embedding_dim=8", "model.bottom_mlp=16,8", "model.top_mlp=16,1", "data.batch_size=128",
          "data.eval_batch_size=4000", "train.progress=false", "train.threads=1", "train.eval_every=0"]

@@ -12,7 +12,7 @@ from hybridrec.model.deepfm import DeepFM
 from hybridrec.model.dlrm import DLRM
 from hybridrec.parallel.dense_sync import DDPSync
 from hybridrec.parallel.sharded_embedding import ShardedEmbeddingBagCollection
-from hybridrec.train.sparse_optim import combined_sparse_optimizer
+from hybridrec.train.loop.sparse_optim import combined_sparse_optimizer
 from test_sharded_embedding import DIM, GLOBAL_B, global_batches, make_plan, tables, train
 
 pytestmark = pytest.mark.distributed
@@ -41,16 +41,16 @@ def worker(topo, kind, arch="dlrm", codec=None):
         events.append(("bottom forward", None))
         out.register_hook(lambda g: events.append(("bottom backward", None)))
 
-    per = GLOBAL_B // topo.world_size
+    per = GLOBAL_B // topo.group_size
     if arch == "deepfm":  # one forward and backward of DeepFM's first batch (its FM pieces travel too)
-        ebc = ShardedEmbeddingBagCollection(fm.tables(), fm.make_plan(kind, topo.world_size), topo, seed=7)
+        ebc = ShardedEmbeddingBagCollection(fm.tables(), fm.make_plan(kind, topo.group_size), topo, seed=7)
         model = DeepFM(num_dense=3, sparse=ebc, bottom_mlp=[8, fm.K], top_mlp=[6, 1])
         model.bottom.register_forward_hook(bottom_ran)
         batch = fm.local_batch(fm.global_batches()[0], topo.rank * per, (topo.rank + 1) * per)
         model(batch).sum().backward()
         return events
     codecs = {t.name: make_codec(codec, eta=0.25, values="fp16") for t in tables()} if codec else None
-    ebc = ShardedEmbeddingBagCollection(tables(), make_plan(kind, topo.world_size), topo, seed=7, codecs=codecs)
+    ebc = ShardedEmbeddingBagCollection(tables(), make_plan(kind, topo.group_size), topo, seed=7, codecs=codecs)
     sync = DDPSync(topo)
     model = sync.wrap(DLRM(num_dense=3, sparse=ebc, bottom_mlp=[8, DIM], top_mlp=[6, 1]))
     model.bottom.register_forward_hook(bottom_ran)

@@ -6,9 +6,9 @@ from torch.profiler import profile
 
 from hybridrec.parallel.dense_sync import NoSync
 from hybridrec.phases import phase
-from hybridrec.train.optim import dense_parameters
-from hybridrec.train.sparse_optim import combined_sparse_optimizer
-from hybridrec.train.step import training_step
+from hybridrec.train.loop.optim import dense_parameters
+from hybridrec.train.loop.sparse_optim import combined_sparse_optimizer
+from hybridrec.train.loop.step import training_step
 from test_kernels import _batch, _tiny_dlrm
 
 PHASES = {"forward", "embeddings", "bottom_mlp", "interaction", "top_mlp", "backward", "grad_sync",

@@ -2,7 +2,7 @@
 
 import pytest
 
-from hybridrec.train.pipeline import TrainPipeline
+from hybridrec.train.loop.pipeline import TrainPipeline
 
 
 class Loader:

@@ -28,8 +28,8 @@ from hybridrec.parallel.placement import (
     resolve_dense,
 )
 from hybridrec.parallel.topology import Topology
-from hybridrec.train.sparse_optim import combined_sparse_optimizer
-from hybridrec.train.step import training_step
+from hybridrec.train.loop.sparse_optim import combined_sparse_optimizer
+from hybridrec.train.loop.step import training_step
 
 K = 4
 # (arch, bottom_mlp, modules to partition, dense sync): every dense module type, both
@@ -74,11 +74,11 @@ def shard_cols(dense, rank):
 def placed(topo, arch, bottom, names, kind, ledger=None):
     """The rank's model: tables sharded, ``names`` partitioned, the rest synced by ``kind``."""
     model = build(arch, bottom)
-    dense = plan_dense(model_linears(model), names, topo.world_size)
+    dense = plan_dense(model_linears(model), names, topo.group_size)
     model = place_dense(model, dense, topo, ledger=ledger)
     sync = (DDPSync(topo, ledger=ledger) if kind == "ddp" else
             AllReduceSync(topo, CompressedAllReduce(NoCompression(), ledger), ledger=ledger))
-    return parallelize_dlrm(model, table_plan(arch, topo.world_size), topo, dense_sync=sync), dense, sync
+    return parallelize_dlrm(model, table_plan(arch, topo.group_size), topo, dense_sync=sync), dense, sync
 
 
 def train_worker(topo, arch, bottom, names, kind):
@@ -86,7 +86,7 @@ def train_worker(topo, arch, bottom, names, kind):
     model, dense, sync = placed(topo, arch, bottom, names, kind, ledger)
     dense_opt = torch.optim.SGD(list(dense_params(model).values()), lr=0.1)
     sparse_opt = combined_sparse_optimizer("sgd", model.sparse, lr=0.1)
-    per = GLOBAL_B // topo.world_size
+    per = GLOBAL_B // topo.group_size
     batches = [local_batch(b, topo.rank * per, (topo.rank + 1) * per) for b in global_batches(True)]
     with torch.no_grad(), ledger.suspended():
         logits = model(batches[0])
@@ -154,7 +154,7 @@ def test_partitioned_training_equals_one_process(world, arch, bottom, names, kin
 
 def uneven_worker(topo, arch, bottom, names):
     model, dense, _ = placed(topo, arch, bottom, names, "ddp")
-    sizes = UNEVEN[topo.world_size]
+    sizes = UNEVEN[topo.group_size]
     lo = sum(sizes[: topo.rank])
     batch = local_batch(global_batches(True)[0], lo, lo + sizes[topo.rank])
     logits = model(batch)

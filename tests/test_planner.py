@@ -23,8 +23,8 @@ from hybridrec.parallel.dense_sync import DDPSync
 from hybridrec.parallel.parallelize import parallelize_dlrm
 from hybridrec.parallel.planner import TableConstraint, plan_sharding
 from hybridrec.sparse.keyed_jagged import Batch, KeyedJagged
-from hybridrec.train.sparse_optim import combined_sparse_optimizer
-from hybridrec.train.step import sparse_grads
+from hybridrec.train.loop.sparse_optim import combined_sparse_optimizer
+from hybridrec.train.loop.step import sparse_grads
 
 GiB = 2**30
 
@@ -191,7 +191,7 @@ def counted(ledger):
 def predicted_vs_counted_worker(topo):
     results = {}
     batch = even_batch(topo.rank, BATCH[topo.rank])
-    for name, plan in small_plans(topo.world_size).items():
+    for name, plan in small_plans(topo.group_size).items():
         torch.manual_seed(0)
         model = DLRM(num_dense=3, sparse=EmbeddingBagCollection(small_tables(), seed=7),
                      bottom_mlp=[8, DIM], top_mlp=[6, 1])

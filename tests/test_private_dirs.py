@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from hybridrec.train import recovery
+from hybridrec.train.checkpointing import recovery
 
 
 @pytest.fixture
@@ -21,7 +21,6 @@ def shm(tmp_path, monkeypatch):
     d.mkdir()
     d.chmod(0o1777)
     monkeypatch.setattr(recovery, "SHM", d)
-    monkeypatch.delenv(recovery.FAST_DIR_ENV, raising=False)
     return d
 
 
@@ -33,8 +32,7 @@ def _launch(run: Path, capsys) -> tuple[Path | None, str | None, list[str]]:
     """What the launcher's context gives: the directory, the ranks' view of it, its warnings."""
     capsys.readouterr()
     with recovery.fast_snapshots(run) as d:
-        seen = os.environ.get(recovery.FAST_DIR_ENV)
-        assert (recovery._fast_dir() is not None) == (d is not None)
+        seen = None if d is None else str(recovery.usable_fast_dir(d))
         if d is not None:
             assert _mode(d) == 0o700 and os.lstat(d).st_uid == os.getuid()
     return d, seen, capsys.readouterr().err.splitlines()
@@ -55,7 +53,7 @@ def test_a_fresh_directory_is_0700_and_goes_at_the_end(shm, tmp_path, capsys):
     finally:
         os.umask(old)
     assert d is not None and d.parent == shm and seen == str(d) and err == []
-    assert not d.exists() and recovery.FAST_DIR_ENV not in os.environ
+    assert not d.exists()
 
 
 @pytest.mark.parametrize("mode", [0o777, 0o755, 0o770], ids=["0777", "0755", "0770"])
@@ -124,14 +122,13 @@ def test_the_ranks_ignore_a_directory_handed_to_them_that_is_open_to_others(tmp_
     d = tmp_path / "fast"
     d.mkdir()
     d.chmod(0o777)
-    monkeypatch.setenv(recovery.FAST_DIR_ENV, str(d))
-    assert recovery._fast_dir() is None  # (their snapshots and shards stay in the run directory)
+    assert recovery.usable_fast_dir(d) is None  # (their snapshots and shards stay in the run directory)
+    assert recovery.usable_fast_dir(None) is None
     d.chmod(0o700)
-    assert recovery._fast_dir() == d
+    assert recovery.usable_fast_dir(str(d)) == d
 
 
 @pytest.mark.skipif(not os.access("/dev/shm", os.W_OK), reason="no writable /dev/shm")
-def test_the_real_dev_shm_directory_is_0700(tmp_path, capsys, monkeypatch):
-    monkeypatch.delenv(recovery.FAST_DIR_ENV, raising=False)
+def test_the_real_dev_shm_directory_is_0700(tmp_path, capsys):
     d, _, err = _launch(tmp_path / "run", capsys)
     assert d is not None and d.parent == Path("/dev/shm") and err == []

@@ -169,10 +169,10 @@ def _server(num_trainers: int, max_staleness: int, timeout_s: float = 30.0):
     from hybridrec.model.embedding import TableConfig
     from hybridrec.parallel.topology import Topology
     from hybridrec.ps.server import EmbeddingServer
-    from hybridrec.train.tables import uniform_plan
+    from hybridrec.train.setup.tables import uniform_plan
 
     tables = [TableConfig(name="t", num_embeddings=10, embedding_dim=2)]
-    from hybridrec.train.sparse_optim import combined_sparse_optimizer
+    from hybridrec.train.loop.sparse_optim import combined_sparse_optimizer
 
     return EmbeddingServer(tables, uniform_plan("row_wise", tables, 1, 1), Topology.single(),
                            optimizer=lambda ebc: combined_sparse_optimizer("sgd", ebc, lr=1.0),
@@ -237,8 +237,8 @@ def test_a_server_counts_only_the_servers_of_its_machine(data):
     """torchrun over machines: each server checks its own machine's servers."""
     from hybridrec.data.schema import DatasetMeta
     from hybridrec.parallel.topology import Topology
-    from hybridrec.train.tables import build_tables
-    from hybridrec.train.config import build_config
+    from hybridrec.train.setup.tables import build_tables
+    from hybridrec.train.setup.config import build_config
     from hybridrec.train.ps_run import ps_plan, server_memory_problem
 
     cfg = build_config(None, [], [f"data.path={data}", "dist.num_ps=2", "dist.ps_sharding=row_wise"])

@@ -18,8 +18,8 @@ from hybridrec.ps import server as srv
 from hybridrec.ps.client import RemoteEmbeddingCollection, ServerError, wait_reply
 from hybridrec.ps.world import server_name
 from hybridrec.sparse.keyed_jagged import KeyedJagged
-from hybridrec.train.sparse_optim import combined_sparse_optimizer
-from hybridrec.train.tables import uniform_plan
+from hybridrec.train.loop.sparse_optim import combined_sparse_optimizer
+from hybridrec.train.setup.tables import uniform_plan
 
 pytestmark = pytest.mark.distributed
 

@@ -13,11 +13,11 @@ from synth_data import synth_dataset
 from hybridrec.errors import ConfigError
 from hybridrec.model.embedding import EmbeddingBagCollection, TableConfig
 from hybridrec.parallel.sharded_embedding import SHARDS
-from hybridrec.train.checkpoint_interval import partial_recovery_interval, young_daly_interval
-from hybridrec.train.config import build_config
-from hybridrec.train.deltas import OBSOLETE, ShardDeltas, _largest
+from hybridrec.train.checkpointing.checkpoint_interval import partial_recovery_interval, young_daly_interval
+from hybridrec.train.setup.config import build_config
+from hybridrec.train.checkpointing.deltas import OBSOLETE, ShardDeltas, _largest
 from hybridrec.train.run import load_run_model
-from hybridrec.train.sparse_optim import RowWiseAdagrad
+from hybridrec.train.loop.sparse_optim import RowWiseAdagrad
 
 SMALL = ["model.embedding_dim=8", "model.bottom_mlp=16,8", "model.top_mlp=16,1",
          "data.batch_size=64", "data.eval_batch_size=1000", "train.progress=false",
@@ -384,7 +384,7 @@ def test_deltas_of_the_earlier_layout_are_still_applied(tmp_path):
     import torch.distributed.checkpoint as dcp
 
     from hybridrec.parallel.checkpoint_io import FORMAT, MANIFEST, quiet, write_json
-    from hybridrec.train.deltas import DELTA_KIND, ROWS
+    from hybridrec.train.checkpointing.deltas import DELTA_KIND, ROWS
 
     ebc = EmbeddingBagCollection([TableConfig(name="t0", num_embeddings=20, embedding_dim=4)], seed=0)
     opt = RowWiseAdagrad(ebc, lr=0.1)

@@ -11,13 +11,13 @@ import torch
 from hybridrec.model.embedding import EmbeddingBagCollection, TableConfig
 from hybridrec.parallel.checkpoint_io import MANIFEST
 from hybridrec.parallel.sharded_embedding import SHARDS
-from hybridrec.train.checkpoint_interval import (
+from hybridrec.train.checkpointing.checkpoint_interval import (
     partial_recovery_interval,
     recovery_overheads,
     young_daly_interval,
 )
-from hybridrec.train.deltas import ShardDeltas
-from hybridrec.train.sparse_optim import RowWiseAdagrad
+from hybridrec.train.checkpointing.deltas import ShardDeltas
+from hybridrec.train.loop.sparse_optim import RowWiseAdagrad
 
 
 def _loss(steps, step_s, mtbf_s, ranks, delta_steps=0, u=1.0):
@@ -168,7 +168,7 @@ def test_a_fallback_makes_the_rank_recover_fully(tmp_path, capsys):
     run's record then says)."""
     from types import SimpleNamespace
 
-    from hybridrec.train.recovery import Recovery, read_progress
+    from hybridrec.train.checkpointing.recovery import Recovery, read_progress
 
     ebc = EmbeddingBagCollection([TableConfig(name="t@0", num_embeddings=8, embedding_dim=4)], seed=0)
     deltas = ShardDeltas(ebc, RowWiseAdagrad(ebc, lr=0.1), directory=tmp_path / "d", plan=None, every=2)

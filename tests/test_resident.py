@@ -1,4 +1,4 @@
-"""A rank's shards in files of local memory (hybridrec.train.resident): the tensors move into
+"""A rank's shards in files of local memory (hybridrec.train.checkpointing.resident): the tensors move into
 the files with their values, updates land in the files, a snapshot takes the files by a
 rename and a restarted process maps them again or reads them back."""
 
@@ -10,8 +10,8 @@ import torch
 
 from hybridrec.cli import launch
 from hybridrec.model.embedding import EmbeddingBagCollection, TableConfig
-from hybridrec.train.resident import ResidentShards, files_fit, read_into, shard_tensors
-from hybridrec.train.sparse_optim import RowWiseAdagrad
+from hybridrec.train.checkpointing.resident import ResidentShards, files_fit, read_into, shard_tensors
+from hybridrec.train.loop.sparse_optim import RowWiseAdagrad
 
 
 def _shards(seed: int):
@@ -159,17 +159,17 @@ def test_a_failed_move_gives_the_tensors_process_memory_again_with_their_values(
         assert torch.equal(_file(tmp_path / "shm" / "snap" / e["file"], want[k]), want[k]), k
 
 
-def _recovery(tmp_path, c, opt):
+def _recovery(tmp_path, c, opt, fast_dir=None):
     from types import SimpleNamespace
 
     from hybridrec.parallel.sharded_embedding import SHARDS
-    from hybridrec.train.recovery import Recovery
-    from hybridrec.train.sparse_optim import CombinedSparseOptimizer
+    from hybridrec.train.checkpointing.recovery import Recovery
+    from hybridrec.train.loop.sparse_optim import CombinedSparseOptimizer
 
-    ckpt = SimpleNamespace(topo=SimpleNamespace(rank=0, world_size=2, device=torch.device("cpu")), run_dir=tmp_path / "run",
+    ckpt = SimpleNamespace(topo=SimpleNamespace(rank=0, group_size=2, device=torch.device("cpu")), run_dir=tmp_path / "run",
                            model=SimpleNamespace(sparse=SimpleNamespace(local=c)),
                            sparse_opt=CombinedSparseOptimizer({SHARDS: opt}), components=[])
-    return Recovery(ckpt, mode="partial", global_batch=64)
+    return Recovery(ckpt, mode="partial", global_batch=64, fast_dir=fast_dir)
 
 
 @pytest.mark.parametrize("room", [True, False])
@@ -178,9 +178,9 @@ def test_tables_left_unset_start_as_zeros_with_or_without_room(tmp_path, monkeyp
     """A restarted rank's shards are built untouched (``drawn`` None): they start as zeros in
     new files, or, where the directory has no room, zeroed where they are (with a note).
     Drawn values are kept either way."""
-    from hybridrec.train import recovery, resident
+    from hybridrec.train.checkpointing import recovery
+    from hybridrec.train.checkpointing import resident
 
-    monkeypatch.setenv(recovery.FAST_DIR_ENV, str(tmp_path / "shm"))
     (tmp_path / "shm").mkdir(mode=0o700)  # (the launcher makes it so: recovery.private_dir)
     if not room:
         monkeypatch.setattr(resident, "ROOM", 1e12)
@@ -190,7 +190,7 @@ def test_tables_left_unset_start_as_zeros_with_or_without_room(tmp_path, monkeyp
             for t in shard_tensors(c, opt).values():
                 t.fill_(7.0)  # (what untouched memory may hold)
     want = {k: (t.clone() if drawn else torch.zeros_like(t)) for k, t in shard_tensors(c, opt).items()}
-    rec = _recovery(tmp_path, c, opt)
+    rec = _recovery(tmp_path, c, opt, fast_dir=tmp_path / "shm")
     rec.start_resident(resume=False, drawn=drawn)
     assert (rec.resident is not None and rec.resident.intact()) == room
     for k, t in shard_tensors(c, opt).items():

@@ -18,7 +18,7 @@ from synth_data import synth_dataset
 
 import hybridrec
 from hybridrec.cli.main import main
-from hybridrec.train.run_lock import LOCK_NAME
+from hybridrec.train.checkpointing.run_lock import LOCK_NAME
 
 SMALL = ["model.embedding_dim=8", "model.bottom_mlp=16,8", "model.top_mlp=16,1",
          "data.batch_size=64", "data.eval_batch_size=1000", "train.progress=false"]

@@ -26,8 +26,8 @@ from hybridrec.parallel.checkpoint import (
 from hybridrec.parallel.parallelize import parallelize_dlrm
 from hybridrec.parallel.topology import Topology
 from hybridrec.sparse.keyed_jagged import Batch, KeyedJagged
-from hybridrec.train.sparse_optim import build_sparse_optimizer, combined_sparse_optimizer
-from hybridrec.train.step import sparse_grads
+from hybridrec.train.loop.sparse_optim import build_sparse_optimizer, combined_sparse_optimizer
+from hybridrec.train.loop.step import sparse_grads
 
 DIM, GLOBAL_B, STEPS = 4, 12, 4  # save after 2 steps, then 2 more
 TABLES = {"t0": 23, "t1": 40, "t2": 7, "t3": 11}
@@ -134,7 +134,7 @@ def make_extra(step):
 def worker_save_resume(topo, root):
     """Plan A on 2 ranks: train 2 steps, save, train 2 more; a fresh model (another seed)
     loads the checkpoint and trains the same 2 steps."""
-    per = GLOBAL_B // topo.world_size
+    per = GLOBAL_B // topo.group_size
     lo, hi = topo.rank * per, (topo.rank + 1) * per
     out = {}
     for name in OPTS:

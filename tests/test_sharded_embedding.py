@@ -11,8 +11,8 @@ from hybridrec.parallel import plan as P
 from hybridrec.parallel.dense_sync import DDPSync, NoSync
 from hybridrec.parallel.parallelize import parallelize_dlrm
 from hybridrec.sparse.keyed_jagged import Batch, KeyedJagged
-from hybridrec.train.sparse_optim import combined_sparse_optimizer
-from hybridrec.train.step import training_step
+from hybridrec.train.loop.sparse_optim import combined_sparse_optimizer
+from hybridrec.train.loop.step import training_step
 
 pytestmark = pytest.mark.distributed
 
@@ -115,14 +115,14 @@ def plan_topology(topo, plan):
 
 
 def worker(topo, kind, sparse_opt, multi_hot, pooling, pipeline=False, exchange="collective"):
-    plan = make_plan(kind, topo.world_size)
+    plan = make_plan(kind, topo.group_size)
     topo = plan_topology(topo, plan)
     topo.exchange = exchange
     sync = DDPSync(topo)
     model = parallelize_dlrm(build(pooling), plan, topo, dense_sync=sync)
     dense_opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
     sparse = combined_sparse_optimizer(sparse_opt, model.sparse, lr=0.1)
-    per = GLOBAL_B // topo.world_size
+    per = GLOBAL_B // topo.group_size
     lo = topo.rank * per
     losses = train(model, (dense_opt, sparse), global_batches(multi_hot), lo, lo + per, pipeline, sync)
     shards = {k: (s, w.detach().clone()) for k, (s, w) in model.sparse.local_shards().items()}
@@ -187,9 +187,9 @@ def test_pairwise_exchange_changes_nothing(kind, world):
 def api_worker(topo):
     import torch.distributed as dist
 
-    per = GLOBAL_B // topo.world_size
+    per = GLOBAL_B // topo.group_size
     batch = local_batch(global_batches(True)[0], topo.rank * per, (topo.rank + 1) * per)
-    model = parallelize_dlrm(build("sum"), make_plan("mixed", topo.world_size), topo)
+    model = parallelize_dlrm(build("sum"), make_plan("mixed", topo.group_size), topo)
     sparse = model.sparse
     pending = sparse.start_input_dist(batch.sparse)
     F.binary_cross_entropy_with_logits(model(batch, sparse_input=pending), batch.labels).backward()
@@ -212,7 +212,7 @@ def api_worker(topo):
     own = [(g, ids.clone(), rows.clone()) for g, ids, rows, _ in grads["replicated"]]
     reduced = sparse.reduce_sparse_grads(grads)
     assert reduced["shards"] is grads["shards"] and all(u for *_, u in reduced["replicated"])
-    row_wise = parallelize_dlrm(build("sum"), make_plan("row_wise", topo.world_size), topo).sparse
+    row_wise = parallelize_dlrm(build("sum"), make_plan("row_wise", topo.group_size), topo).sparse
     untouched = row_wise.pop_sparse_grads()
     assert set(untouched) == {"shards"} and row_wise.reduce_sparse_grads(untouched) is untouched
 
@@ -238,7 +238,7 @@ def test_row_gradients_popped_locally_then_reduced_explicitly():
 def zero_start_worker(topo, kind):
     from hybridrec.parallel.sharded_embedding import ShardedEmbeddingBagCollection
 
-    plan = make_plan(kind, topo.world_size)
+    plan = make_plan(kind, topo.group_size)
     drawn = ShardedEmbeddingBagCollection(tables(), plan, topo, seed=7)
     zeros = ShardedEmbeddingBagCollection(tables(), plan, topo, seed=7, init_values=False)
     parts = [(a, b) for a, b in ((drawn.local, zeros.local), (drawn.replicated, zeros.replicated)) if a is not None]

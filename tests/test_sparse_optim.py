@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from hybridrec.model.embedding import EmbeddingBagCollection, TableConfig
 from hybridrec.model.id_groups import aggregate_rows
 from hybridrec.sparse.keyed_jagged import KeyedJagged
-from hybridrec.train.sparse_optim import (
+from hybridrec.train.loop.sparse_optim import (
     LazyAdam,
     RowWiseAdagrad,
     SparseSGD,

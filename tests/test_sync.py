@@ -13,9 +13,9 @@ from hybridrec.comm.ledger import CommLedger, ring_allreduce_bytes
 from hybridrec.parallel.dense_sync import DDPSync, NoSync
 from hybridrec.parallel.parallelize import parallelize_dlrm
 from hybridrec.sync import BackgroundRunner, BlockMomentum, ForegroundRunner, make_synchronizer
-from hybridrec.train.optim import dense_parameters
-from hybridrec.train.sparse_optim import combined_sparse_optimizer
-from hybridrec.train.step import training_step
+from hybridrec.train.loop.optim import dense_parameters
+from hybridrec.train.loop.sparse_optim import combined_sparse_optimizer
+from hybridrec.train.loop.step import training_step
 from test_sharded_embedding import GLOBAL_B, build, global_batches, local_batch, make_plan
 
 pytestmark = pytest.mark.distributed
@@ -28,7 +28,7 @@ def worker(topo, algo, mode="foreground", steps=3, finish=False, kw=None, runner
     the background runner's round starts and the seconds from its start to its stop."""
     ledger = CommLedger()
     sync = DDPSync(topo, ledger=ledger) if algo == "ddp" else NoSync()
-    model = parallelize_dlrm(build("sum"), make_plan("table_wise", topo.world_size), topo, ledger=ledger,
+    model = parallelize_dlrm(build("sum"), make_plan("table_wise", topo.group_size), topo, ledger=ledger,
                              dense_sync=sync)
     dense_opt = torch.optim.SGD(dense_parameters(model), lr=0.1)
     sparse_opt = combined_sparse_optimizer("sgd", model.sparse, lr=0.1)
@@ -40,7 +40,7 @@ def worker(topo, algo, mode="foreground", steps=3, finish=False, kw=None, runner
                      **(runner_kw or {}))
         runner.start()
     began = time.monotonic()
-    batches, b = global_batches(False), GLOBAL_B // topo.world_size
+    batches, b = global_batches(False), GLOBAL_B // topo.group_size
     for step in range(1, steps + 1):
         batch = local_batch(batches[step % len(batches)], topo.rank * b, (topo.rank + 1) * b)
         training_step(model, batch, dense_opt=dense_opt, sparse_opt=sparse_opt, dense_sync=sync)

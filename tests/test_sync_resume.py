@@ -27,10 +27,10 @@ from hybridrec.sync import BackgroundRunner, ForegroundRunner, RankReplica, make
 from hybridrec.sync.algorithms import CATEGORY
 from hybridrec.sync.compressed import CompressedMean
 from hybridrec.sync.runners import cloned
-from hybridrec.train.checkpointer import Checkpointer, Component
-from hybridrec.train.optim import dense_parameters
-from hybridrec.train.sparse_optim import combined_sparse_optimizer
-from hybridrec.train.step import training_step
+from hybridrec.train.checkpointing.checkpointer import Checkpointer, Component
+from hybridrec.train.loop.optim import dense_parameters
+from hybridrec.train.loop.sparse_optim import combined_sparse_optimizer
+from hybridrec.train.loop.step import training_step
 
 pytestmark = pytest.mark.distributed
 
@@ -40,7 +40,7 @@ def _make(topo, run_dir, algo, kw, mode, runner_kw, compress, cls=None):
     replica (per-rank state that differs between the ranks), a runner and a checkpointer
     with the components the trainer registers for a synchronizer."""
     ledger = CommLedger()
-    model = parallelize_dlrm(build("sum"), make_plan("table_wise", topo.world_size), topo, ledger=ledger,
+    model = parallelize_dlrm(build("sum"), make_plan("table_wise", topo.group_size), topo, ledger=ledger,
                              dense_sync=NoSync())
     dense_opt = torch.optim.Adam(dense_parameters(model), lr=0.01)
     sparse_opt = combined_sparse_optimizer("sgd", model.sparse, lr=0.1)
@@ -61,7 +61,7 @@ def _make(topo, run_dir, algo, kw, mode, runner_kw, compress, cls=None):
 
 
 def _train(topo, model, dense_opt, sparse_opt, runner, first, last, pause_s=0.0):
-    batches, b = global_batches(False), GLOBAL_B // topo.world_size
+    batches, b = global_batches(False), GLOBAL_B // topo.group_size
     for step in range(first, last + 1):
         batch = local_batch(batches[step % len(batches)], topo.rank * b, (topo.rank + 1) * b)
         training_step(model, batch, dense_opt=dense_opt, sparse_opt=sparse_opt, dense_sync=NoSync())

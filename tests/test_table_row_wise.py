@@ -23,7 +23,7 @@ from hybridrec.parallel.layout import build_layout
 from hybridrec.parallel.sharded_embedding import ShardedEmbeddingBagCollection
 from hybridrec.parallel.topology import Topology
 from hybridrec.sparse.keyed_jagged import KeyedJagged
-from hybridrec.train.sparse_optim import combined_sparse_optimizer
+from hybridrec.train.loop.sparse_optim import combined_sparse_optimizer
 
 SEED, LR = 7, 0.1
 # (name, rows, dim, features, pooling). On host 0, rank 1 holds "a" (dim 4) ahead of the
@@ -113,7 +113,7 @@ def reference(batch_sizes, scale, weights_of=None):
 def sharded_step(topo, plan, ledger=None, codecs=None):
     """This rank's ``(output rows, row gradients per shard, shards after one
     rowwise_adagrad step)``; the loss is ``sum(out * w)`` over its own samples."""
-    sizes = BATCH[topo.world_size]
+    sizes = BATCH[topo.group_size]
     kjt_of, weights = global_batch(sizes)
     lo = sum(sizes[: topo.rank])
     sharded = ShardedEmbeddingBagCollection(tables(), plan, topo, seed=SEED, ledger=ledger, codecs=codecs)
@@ -218,10 +218,10 @@ def test_byte_formulas_split_in_host_from_cross_host():
 # -- gloo ranks ---------------------------------------------------------------------------
 def equality_worker(topo, lw, root):
     topo = Topology.init(backend="gloo", local_world_size=lw)  # hosts of lw ranks
-    plan = make_plan(topo.world_size, lw)
+    plan = make_plan(topo.group_size, lw)
     out = {"plain": sharded_step(topo, plan, ledger := CommLedger()),
            "plain_ledger": ledger.summary()["predicted_vs_counted"]}
-    if topo.world_size == 4:
+    if topo.group_size == 4:
         # fp16 on "b" (a TRW table of host 0), lossless DCT on "c" (host 1): the sums are
         # coded once, by the member that serves the samples.
         codecs = {"b": make_codec("fp16"), "c": make_codec("dct", eta=1.0)}
@@ -331,7 +331,7 @@ def checkpoint_round_trip(topo, root):
         "t0": P.table_row_wise("t0", t["t0"], ck.DIM, [0, 1]),
         "t1": P.table_row_wise("t1", t["t1"], ck.DIM, [2, 3]),
         "t2": P.table_wise("t2", t["t2"], ck.DIM, 3), "t3": P.data_parallel("t3", t["t3"], ck.DIM, 4)})
-    per = ck.GLOBAL_B // topo.world_size
+    per = ck.GLOBAL_B // topo.group_size
     lo, hi = topo.rank * per, (topo.rank + 1) * per
     model, dense, sparse = ck.build(0, "rowwise_adagrad", plan, topo)
     ck.train(model, dense, sparse, ck.batches()[:2], lo, hi)

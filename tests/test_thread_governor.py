@@ -6,7 +6,7 @@ import itertools
 import pytest
 import torch
 
-from hybridrec.train.thread_governor import ThreadGovernor, thread_governor
+from hybridrec.train.loop.thread_governor import ThreadGovernor, thread_governor
 
 
 @pytest.fixture(autouse=True)

@@ -12,7 +12,7 @@ from hybridrec.errors import ConfigError
 from hybridrec.parallel.sharded_embedding import ShardedEmbeddingBagCollection
 from hybridrec.parallel.threshold_dist import ThresholdMP, count_dtype
 from hybridrec.train.build import build_threshold_mp
-from hybridrec.train.config import build_config
+from hybridrec.train.setup.config import build_config
 from test_codecs import BATCH, local_kjt, make_plan, tables
 
 

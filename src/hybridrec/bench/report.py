@@ -37,13 +37,13 @@ from hybridrec.bench.compression_report import byte_ratio, fmt_bytes
 from hybridrec.bench.svg import Bar, BarGroup, Series, bar_svg, color, line_svg
 from hybridrec.errors import HybridrecError, os_error_message
 from hybridrec.metrics.logger import METRICS_FILE, write_text_atomic
-from hybridrec.train.faults import MARKER as INJECTED_FILE
-from hybridrec.train.faults import injections, read_marker
+from hybridrec.train.checkpointing.faults import MARKER as INJECTED_FILE
+from hybridrec.train.checkpointing.faults import injections, read_marker
 
 REPORT_DIR = "report"
 SUMMARY_FILE, CONFIG_FILE, PLAN_FILE = "summary.json", "config.json", "plan.json"
 RECOVERY_FILE = "recovery.jsonl"
-"""Every recovery of a run (:data:`hybridrec.train.recovery.EVENTS`, named again here: that
+"""Every recovery of a run (:data:`hybridrec.train.checkpointing.recovery.EVENTS`, named again here: that
 module imports torch's distributed checkpointing, seconds of start-up for a report)."""
 
 _log = logging.getLogger(__name__)

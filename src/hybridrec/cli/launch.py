@@ -215,7 +215,7 @@ def _injected_pid(marker: str | None) -> int | None:
     schedule of several records them all, the newest last)."""
     if not marker:
         return None
-    from hybridrec.train.faults import last_injected_pid
+    from hybridrec.train.checkpointing.faults import last_injected_pid
 
     return last_injected_pid(os.path.dirname(marker))
 

@@ -7,7 +7,7 @@ import re
 from pathlib import Path
 
 from hybridrec.errors import ConfigError
-from hybridrec.train.config import DataConfig, ModelConfig, OptimConfig
+from hybridrec.train.setup.config import DataConfig, ModelConfig, OptimConfig
 
 _EPILOG = """\
 examples:

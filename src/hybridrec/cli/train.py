@@ -11,8 +11,8 @@ import sys
 from pathlib import Path
 
 from hybridrec.errors import os_error_message
-from hybridrec.train import recipes
-from hybridrec.train.config import PATH_KEYS, SECTIONS, build_config, describe
+from hybridrec.train.setup import recipes
+from hybridrec.train.setup.config import PATH_KEYS, SECTIONS, build_config, describe
 
 _TRAIN_EPILOG = f"""\
 examples:
@@ -43,6 +43,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--recipe", choices=sorted(recipes.RECIPES), help="start from a named configuration")
     p.add_argument("--list-keys", action="store_true", help="print every config key with its default and meaning")
     p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    # Set by the local launcher on its ranks' command line (partial recovery's snapshots on
+    # local memory: hybridrec.train.checkpointing.recovery.fast_snapshots), not by users.
+    p.add_argument("--snapshot-dir", help=argparse.SUPPRESS)
     p.set_defaults(func=_train)
 
     e = sub.add_parser("eval", help="evaluate a run's checkpoint on the held-out split",
@@ -93,7 +96,7 @@ def _train(args) -> int:
     if "RANK" in os.environ and not launched and "TORCHELASTIC_RUN_ID" in os.environ:
         end_with(os.getppid(), "its torchrun agent")  # (torchrun's ranks are its children)
     try:  # (hybridrec's own launcher holds the run directory for its ranks)
-        summary = train(cfg, hold_run_dir=not launched)
+        summary = train(cfg, hold_run_dir=not launched, snapshot_dir=args.snapshot_dir)
     except OSError as e:
         if getattr(e, "summary", None) is not None:  # trained, but summary.json failed: the numbers
             print(format_results(e.summary))
@@ -124,7 +127,7 @@ def _launch(cfg, args) -> int:
     :mod:`hybridrec.cli.launch`). The run directory is checked here first (a refusal is
     one line, nothing starts), and a new one chosen here is handed to every process."""
     from hybridrec.train.run import preflight
-    from hybridrec.train.run_lock import holding
+    from hybridrec.train.checkpointing.run_lock import holding
 
     named = bool(cfg.train.run_dir)
     with contextlib.ExitStack() as held:
@@ -160,11 +163,13 @@ def _start_ranks(cfg, args, named: bool, run_dir: str) -> int:
         f" and {servers} parameter servers" if servers else "") + (
         f", restarted up to {cfg.dist.max_restarts} times" if cfg.dist.max_restarts else "")
     print(f"launching {what}: hybridrec {' '.join(argv)}", file=sys.stderr, flush=True)
-    from hybridrec.train.faults import MARKER
-    from hybridrec.train.recovery import fast_snapshots
+    from hybridrec.train.checkpointing.faults import MARKER
+    from hybridrec.train.checkpointing.recovery import fast_snapshots
 
     # partial recovery: the survivors' snapshots on this machine's memory while it runs
-    with fast_snapshots(run_dir) if cfg.train.recovery == "partial" else contextlib.nullcontext():
+    with fast_snapshots(run_dir) if cfg.train.recovery == "partial" else contextlib.nullcontext() as fast:
+        if fast is not None:  # (the ranks' command line: the same on a restart)
+            argv[1:1] = ["--snapshot-dir", str(fast)]
         return run_local_ranks(nproc, argv, servers=servers, port=cfg.dist.port, max_restarts=cfg.dist.max_restarts,
                                injection_marker=os.path.join(cfg.train.run_dir, MARKER), nnodes=cfg.dist.nnodes,
                                node_rank=cfg.dist.node_rank, master=cfg.dist.master, interface=cfg.dist.interface)

@@ -20,7 +20,7 @@ payload (slices are views of the caller's tensors).
 
 Worked example, 2 ranks, rank 0 keeps rows [0:3) and sends rows [3:5) to rank 1::
 
-    ex = PairwiseExchange([topo.group], rank=topo.rank, world_size=topo.world_size)
+    ex = PairwiseExchange([topo.group], rank=topo.rank, world_size=topo.group_size)
     out = torch.empty(4, 8)                                # 3 rows from rank 0, 1 from rank 1
     handle = ex.all_to_all_single(out, x, output_split_sizes=[3, 1],
                                   input_split_sizes=[3, 2])  # x: [5, 8]

@@ -8,7 +8,7 @@ the grouping and a sharder can split the collection table by table.
 Gradients never materialise a dense ``[rows, dim]`` table gradient. The pooled
 output is an autograd leaf; after ``backward`` its gradient, together with the
 ids the forward recorded, is what :meth:`pop_sparse_grads` hands to a sparse
-optimizer, which updates only the touched rows (hybridrec.train.sparse_optim).
+optimizer, which updates only the touched rows (hybridrec.train.loop.sparse_optim).
 
 Storage dtype (``weight_dtype``, ``model.embedding_dtype``): float32, or bfloat16 for half
 the memory of the tables and of the lookups' reads. A bf16 table is read as it is (the
@@ -263,7 +263,7 @@ class EmbeddingBagCollection(nn.Module):
     lookups are never popped keeps them, and their tensors, until the next pop).
     Evaluation (``eval()`` or ``torch.no_grad()``) parks nothing. The parked lookups are
     the calling thread's: training threads sharing the collection (``train.workers``,
-    :mod:`hybridrec.train.hogwild`) each pop their own forward's.
+    :mod:`hybridrec.train.loop.hogwild`) each pop their own forward's.
     """
 
     def __init__(
@@ -278,7 +278,7 @@ class EmbeddingBagCollection(nn.Module):
         only); ``output_dtype``: of the pooled output and so of its gradient.
         ``init_values`` False: the tables start as zeros (a checkpoint about to be restored
         overwrites them; :meth:`reset_parameters` draws them); None: as allocated, untouched
-        (their caller gives them other memory, see :mod:`hybridrec.train.resident`)."""
+        (their caller gives them other memory, see :mod:`hybridrec.train.checkpointing.resident`)."""
         super().__init__()
         if weight_dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"embedding weight dtype {weight_dtype}: torch.float32 or torch.bfloat16")

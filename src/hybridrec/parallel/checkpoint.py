@@ -153,7 +153,7 @@ def _sparse_header(sparse_opts: Sequence) -> dict | None:
 def _tensor_state(model, sparse_opts, topo) -> dict:
     """This rank's tables and sparse optimizer state as DCP objects, plus the dense arches."""
     ebc = model.sparse
-    if topo.world_size > 1 and not ebc.spans_ranks:
+    if topo.group_size > 1 and not ebc.spans_ranks:
         raise CheckpointError("a checkpoint of several ranks needs a ShardedEmbeddingBagCollection")
     g: dict[str, GlobalTensor] = {}
     for name, w in local_weights(ebc).items():
@@ -179,7 +179,7 @@ def _save_state(model, dense_opt, sparse_opts, extra, per_rank, topo) -> tuple[d
     shapes = {k: tuple(v.shape) for k, v in dense_tensors(model).items()}
     if ebc.holds_tables:  # (a parameter-server run's tables: in ps/)
         shapes.update({table_key(t): (tc.num_embeddings, tc.embedding_dim) for t, tc in ebc.tables.items()})
-    meta = {"format": FORMAT, "world_size": topo.world_size,
+    meta = {"format": FORMAT, "world_size": topo.group_size,
             "model": {"fingerprint": model_fingerprint(shapes), "tensors": len(shapes)},
             "plan": ebc.plan_dict(),
             "dense_opt": None if dense_opt is None else
@@ -408,7 +408,7 @@ def _plan_load(path: Path, model, dense_opt, sparse_opts, topo, parts: str = "al
 
 
 def _per_rank_fits(meta: dict, topo: Topology) -> bool:
-    return meta["world_size"] == topo.world_size and len(meta.get("per_rank") or []) == topo.world_size
+    return meta["world_size"] == topo.group_size and len(meta.get("per_rank") or []) == topo.group_size
 
 
 @dataclass
@@ -442,7 +442,7 @@ def load_state(path: str | Path, *, model: nn.Module, dense_opt: torch.optim.Opt
         with quiet():
             dcp.load(plan.targets, storage_reader=SafeFileSystemReader(path), **dist_kwargs(topo))
     except DCPException as e:
-        raise_failures([describe(e)] * topo.world_size, path, "loading the checkpoint", e)
+        raise_failures([describe(e)] * topo.group_size, path, "loading the checkpoint", e)
     loaded = None
     try:
         with torch.no_grad():

@@ -69,9 +69,9 @@ def is_complete(path: str | Path) -> bool:
 def gather(topo: Topology, obj) -> list:
     """Collective: every rank's ``obj`` (small, picklable: our own live processes, never
     a file), in rank order."""
-    if topo.group is None or topo.world_size == 1:
+    if topo.group is None or topo.group_size == 1:
         return [obj]
-    out = [None] * topo.world_size
+    out = [None] * topo.group_size
     dist.all_gather_object(out, obj, group=topo.group)
     return out
 
@@ -316,7 +316,7 @@ def write_and_publish(final: Path, tmp: Path, state: dict, meta: dict, topo: Top
         if attach is not None:
             attach(tmp)
         # (dcp.save returns once every rank's files and rank 0's .metadata are written)
-        sums = checksum_files(tmp, [n for n in checked_files(tmp) if _writer(n, topo.world_size) == topo.rank])
+        sums = checksum_files(tmp, [n for n in checked_files(tmp) if _writer(n, topo.group_size) == topo.rank])
     except (Exception, DCPException) as e:  # noqa: BLE001 - DCP's is a BaseException
         err = e
     every = gather(topo, (describe(err), sums))

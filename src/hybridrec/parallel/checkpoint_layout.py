@@ -89,7 +89,7 @@ def save_object(g: GlobalTensor, topo: Topology) -> torch.Tensor:
     """What ``dcp.save`` writes for ``g``: this rank's pieces, not copied (:func:`own_storage`)."""
     if g.layout is None:
         return own_storage(g.pieces[0][1])
-    if topo.world_size > 1:
+    if topo.group_size > 1:
         return _sharded_tensor(GlobalTensor(g.size, [(o, own_storage(t)) for o, t in g.pieces], g.layout), topo)
     if len(g.pieces) == 1 and tuple(g.pieces[0][1].shape) == tuple(g.size):
         return own_storage(g.pieces[0][1])  # the whole tensor in one piece
@@ -103,7 +103,7 @@ def load_object(g: GlobalTensor, topo: Topology) -> tuple[torch.Tensor, Callable
     """What ``dcp.load`` fills, and what then moves it into the pieces (None: in place)."""
     if g.layout is None:
         return g.pieces[0][1], None
-    if topo.world_size > 1:
+    if topo.group_size > 1:
         return _sharded_tensor(g, topo), None
     full = g.pieces[0][1].new_empty(g.size)
 

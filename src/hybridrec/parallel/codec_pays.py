@@ -77,7 +77,7 @@ def measure(ebc, batch_size: int, *, reps: int = 3) -> dict:
     samples: ``{"codec_ms", "float32_ms", "coded_ms", "saved_ms", "pays"}``, the slowest rank's
     numbers, the same on every rank (a collective: every rank of ``ebc.topo`` calls it)."""
     layout, topo = ebc.layout, ebc.topo
-    sizes = [batch_size] * topo.world_size
+    sizes = [batch_size] * topo.group_size
     mine = [codec_ms(layout, sizes, topo.rank, reps=reps),
             exchange_ms(layout, sizes, topo, lambda i: layout.all_blocks[i].width, torch.float32, reps=reps),
             exchange_ms(layout, sizes, topo, lambda i: layout.coded_of(i).fwd_bytes, torch.uint8, reps=reps)]

@@ -76,7 +76,7 @@ Flow = tuple[int, int, str, str | None, str, float]
 
 # -- memory --------------------------------------------------------------------
 def optimizer_state_bytes(optimizer: str, rows: int, cols: int) -> int:
-    """Sparse optimizer state of a ``rows x cols`` shard (hybridrec.train.sparse_optim)."""
+    """Sparse optimizer state of a ``rows x cols`` shard (hybridrec.train.loop.sparse_optim)."""
     if optimizer == "sgd":
         return 0
     if optimizer == "rowwise_adagrad":

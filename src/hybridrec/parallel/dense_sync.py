@@ -129,7 +129,7 @@ class _Predicting:
     def _record_prediction(self) -> None:
         if self.predict:
             for m in self.arches.values():
-                ring = ring_allreduce_bytes(_arch_bytes(m), self.topo.world_size)
+                ring = ring_allreduce_bytes(_arch_bytes(m), self.topo.group_size)
                 self.ledger.predict(CATEGORY, sent=ring, received=ring, direction="bwd")
 
 

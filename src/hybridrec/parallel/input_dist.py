@@ -119,7 +119,7 @@ def start_input_dist(kjt: KeyedJagged, layout: EmbeddingLayout, topo: Topology,
     counts now, the ids asynchronously. Every rank must call it for the same steps in
     the same order (the collectives are matched in call order)."""
     parts = kjt.split_by_key()
-    b, world, me = kjt.batch_size, topo.world_size, topo.rank
+    b, world, me = kjt.batch_size, topo.group_size, topo.rank
     wire = layout.id_dtype
     item = wire.itemsize
     bufs, counts, sent_ids, sent_bytes = [], [], {}, {}

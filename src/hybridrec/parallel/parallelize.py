@@ -38,5 +38,5 @@ def parallelize_dlrm(model: DLRM, plan: ShardingPlan, topo: Topology, *,
         model.sparse = ShardedEmbeddingBagCollection(list(ebc.tables.values()), plan, topo,
                                                      seed=ebc.seed, ledger=ledger, codecs=codecs)
     if dense_sync is None:
-        dense_sync = DDPSync(topo, hooks=dense_hooks, ledger=ledger) if topo.world_size > 1 else NoSync()
+        dense_sync = DDPSync(topo, hooks=dense_hooks, ledger=ledger) if topo.group_size > 1 else NoSync()
     return dense_sync.wrap(model)

@@ -187,7 +187,7 @@ class _Route:
 
     @property
     def size(self) -> int:
-        return self.topo.world_size
+        return self.topo.group_size
 
     def batch_sizes(self, rows: int, device: torch.device) -> list[int]:
         mine = torch.tensor([rows], dtype=torch.int64, device=device)
@@ -281,7 +281,7 @@ class PartitionedMLP(MLP):
 def partition_linear(layer: nn.Linear, dp: DensePlan, topo: Topology, *,
                      ledger: CommLedger | None = None) -> ColumnParallelLinear:
     """This rank's (``topo.rank``, group-relative) block of ``layer`` by ``dp``, copied."""
-    widths = [0] * topo.world_size
+    widths = [0] * topo.group_size
     for s in dp.shards:
         widths[s.rank] = s.num_cols
     c0, c1 = next(s.cols for s in dp.shards if s.rank == topo.rank)
@@ -298,9 +298,9 @@ def place_dense(model: nn.Module, dense: Mapping[str, DensePlan], topo: Topology
     wraps it): each partitioned MLP becomes a :class:`PartitionedMLP` holding this rank's
     columns; replicated modules stay. Checks ``dense`` first (ValueError, before any
     collective). One rank: nothing to split."""
-    check_dense(dense, model_linears(model), topo.world_size)
+    check_dense(dense, model_linears(model), topo.group_size)
     for name, dp in dense.items():
-        if dp.placement != "partitioned" or topo.world_size == 1:
+        if dp.placement != "partitioned" or topo.group_size == 1:
             continue
         mlp = getattr(model, name)
         if type(mlp) is not MLP:

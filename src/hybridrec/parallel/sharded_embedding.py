@@ -147,10 +147,10 @@ class ShardedEmbeddingBagCollection(nn.Module):
         """``init_values`` False: the tables start as zeros, for a checkpoint to overwrite
         (:meth:`reset_parameters` draws their initial values if none does); None: this
         rank's shards as allocated, untouched (given other memory by the caller, see
-        :mod:`hybridrec.train.resident`), the replicated tables as zeros."""
+        :mod:`hybridrec.train.checkpointing.resident`), the replicated tables as zeros."""
         super().__init__()
-        if plan.world_size != topo.world_size:
-            raise ValueError(f"plan is for {plan.world_size} ranks, the world has {topo.world_size}")
+        if plan.world_size != topo.group_size:
+            raise ValueError(f"plan is for {plan.world_size} ranks, the world has {topo.group_size}")
         self.topo, self.plan, self.ledger, self.seed = topo, plan, ledger, seed
         self.tables = {t.name: t for t in tables}
         self.codecs = dict(codecs or {})
@@ -229,7 +229,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
         :class:`KeyedTensor`. Work that does not need it (the DLRM's bottom MLP) runs
         between the two while the pooled rows travel, and in backward while their
         gradients travel back (:func:`~hybridrec.parallel.coded_dist.output_all_to_all_start`)."""
-        layout, world, b = self.layout, self.topo.world_size, kjt.batch_size
+        layout, world, b = self.layout, self.topo.group_size, kjt.batch_size
         if pending is not None and pending.local_batch != b:
             raise ValueError(f"the pending input_dist is of a batch of {pending.local_batch}, not {b}")
         exchange = None
@@ -373,7 +373,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
                     dense.index_add_(0, ids, rows)
                 # original: the dense [rows, dim + 1] all-reduce this exchange replaces.
                 plain = ring_allreduce_bytes(dense.shape[0] * (dense.shape[1] + 1) * dense.element_size(),
-                                             self.topo.world_size)
+                                             self.topo.group_size)
                 total = self.dp_reducer.sum_sparse(self.topo.group, f"replicated.{group}",
                                                    dense.reshape(-1), original=plain).view_as(dense)
                 # Touched: rows with a nonzero entry in the sum (rows held back in the residual
@@ -390,7 +390,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
                 dense[:, d].index_add_(0, ids, torch.ones_like(ids, dtype=rows.dtype))
             dist.all_reduce(dense, group=self.topo.group)
             if self.ledger is not None:
-                ring = ring_allreduce_bytes(tensor_nbytes(dense), self.topo.world_size)
+                ring = ring_allreduce_bytes(tensor_nbytes(dense), self.topo.group_size)
                 self.ledger.record("dp_table_allreduce", sent=ring, received=ring, direction="bwd")
             touched = dense[:, d].nonzero().squeeze(1)
             reduced.append((group, touched, dense[touched, :d], True))

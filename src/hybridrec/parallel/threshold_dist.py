@@ -212,7 +212,7 @@ class ThresholdAllToAll(torch.autograd.Function):
     @staticmethod
     def forward(ctx, pooled, layout: EmbeddingLayout, batch_sizes: list[int], topo: Topology,
                 ledger, state: ThresholdMP, training: bool):
-        me, world, b = topo.rank, topo.world_size, batch_sizes[topo.rank]
+        me, world, b = topo.rank, topo.group_size, batch_sizes[topo.rank]
         x = pooled.detach().contiguous()
         dev = x.device  # (on a GPU the hop waits for the device at its sizes and byte counts:
         # the sizes travel before the entries, by design; see the module docstring)

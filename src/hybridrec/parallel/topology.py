@@ -5,11 +5,13 @@ module calls ``dist.get_rank()`` or creates groups of its own.
 
 Hierarchical training (``dist.group_size=M``) splits the ``W`` ranks into ``G = W / M``
 groups of consecutive ranks. A rank's Topology then describes *its group*: ``rank``,
-``world_size`` and ``group`` are the rank inside the group, ``M`` and the group's process
+``group_size`` and ``group`` are the rank inside the group, ``M`` and the group's process
 group, so every synchronous component (sharded embeddings, dense sync, checkpoints) runs
 over the group unchanged. What spans groups is separate: ``cross_group`` (the ranks
-with this rank's index in every group: they hold the same shards), ``world_group``,
-``global_rank`` and ``global_world_size`` (the data split, evaluation, run-level decisions).
+with this rank's index in every group: they hold the same shards), ``job_group``,
+``job_rank`` and ``job_size`` (every rank of the job: the data split, evaluation, run-level
+decisions). "World" is left to torch's meaning (``dist.get_world_size()``: the job) and to
+torchrun's ``LOCAL_WORLD_SIZE`` (:attr:`local_world_size`: the ranks per machine).
 Worked example, W = 4, M = 2::
 
     global rank:   0  1 | 2  3
@@ -34,10 +36,12 @@ from hybridrec.parallel.devices import choose_backend
 @dataclass
 class Topology:
     rank: int
-    world_size: int
+    """This rank inside its group (the job's rank is :attr:`job_rank`)."""
+    group_size: int
+    """Ranks in this rank's group (the job's ranks: :attr:`job_size`)."""
     local_rank: int
     local_world_size: int
-    """Ranks per host group (ranks that share a machine / fast link)."""
+    """Ranks per host group (ranks that share a machine / fast link; torchrun's LOCAL_WORLD_SIZE)."""
     device: torch.device
     backend: str
     group: dist.ProcessGroup | None
@@ -50,7 +54,7 @@ class Topology:
     """This rank's group."""
     cross_group: dist.ProcessGroup | None = None
     """The ranks with this rank's index in every group (None: one group)."""
-    world_group: dist.ProcessGroup | None = None
+    job_group: dist.ProcessGroup | None = None
     """Every rank of every group (None: one process); equal to :attr:`group` when flat."""
     group_ranks: tuple[tuple[int, ...], ...] = ()
     """Every group's global ranks (collective group creation needs all of them)."""
@@ -69,7 +73,7 @@ class Topology:
         """:meth:`all_to_all` under way: returns a handle whose ``wait()`` must come before
         ``out`` is read or ``inp`` changed."""
         if self.exchange == "pairwise":
-            return PairwiseExchange([self.group], rank=self.rank, world_size=self.world_size).all_to_all_single(
+            return PairwiseExchange([self.group], rank=self.rank, world_size=self.group_size).all_to_all_single(
                 out, inp, out_splits, in_splits)
         if self.exchange == "collective":
             return dist.all_to_all_single(out, inp, out_splits, in_splits, group=self.group, async_op=True)
@@ -83,12 +87,12 @@ class Topology:
         return self.device if self.backend == "nccl" else torch.device("cpu")
 
     @property
-    def global_rank(self) -> int:
-        return self.group_index * self.world_size + self.rank
+    def job_rank(self) -> int:
+        return self.group_index * self.group_size + self.rank
 
     @property
-    def global_world_size(self) -> int:
-        return self.num_groups * self.world_size
+    def job_size(self) -> int:
+        return self.num_groups * self.group_size
 
     @property
     def hierarchical(self) -> bool:
@@ -102,12 +106,12 @@ class Topology:
     def run_group(self) -> dist.ProcessGroup | None:
         """Every rank that trains this run: :attr:`group` when flat, every group's ranks in
         hierarchical training (evaluation's gather, the run's decisions)."""
-        return self.world_group if self.hierarchical else self.group
+        return self.job_group if self.hierarchical else self.group
 
     @property
     def lead(self) -> bool:
         """The one rank that writes run-level files and prints (global rank 0)."""
-        return self.global_rank == 0
+        return self.job_rank == 0
 
     @staticmethod
     def single(device: torch.device | str = "cpu") -> Topology:
@@ -150,17 +154,17 @@ class Topology:
         if m == world:
             host_group = _host_groups(range(world), lws, rank)
             return Topology(rank, world, rank % lws, lws, device, backend, dist.group.WORLD, host_group,
-                            world_group=dist.group.WORLD, group_ranks=(tuple(range(world)),))
+                            job_group=dist.group.WORLD, group_ranks=(tuple(range(world)),))
         return _grouped(rank, world, m, min(lws, m), device, backend)
 
     def cross_groups(self, count: int) -> list[dist.ProcessGroup]:
         """``count`` new gloo groups of this rank's cross group (the ranks with its index in
         every group). Collective: every rank calls it with the same ``count``, in the same order."""
-        return [_cross_group(self.rank, self.world_size, self.num_groups, backend="gloo") for _ in range(count)]
+        return [_cross_group(self.rank, self.group_size, self.num_groups, backend="gloo") for _ in range(count)]
 
-    def world_gloo_group(self) -> dist.ProcessGroup:
+    def job_gloo_group(self) -> dist.ProcessGroup:
         """A new gloo group of every rank of every group (collective)."""
-        return dist.new_group(list(range(self.global_world_size)), backend="gloo")
+        return dist.new_group(list(range(self.job_size)), backend="gloo")
 
     def parallel_groups(self, count: int) -> list[dist.ProcessGroup]:
         """``count`` new gloo groups of all ranks: each has its own connection per pair, so
@@ -217,4 +221,4 @@ def _grouped(rank: int, world: int, m: int, lws: int, device, backend) -> Topolo
         host = h if rank in r else host
     return Topology(rank % m, m, rank % lws, lws, device, backend, made[index], host,
                     num_groups=len(groups), group_index=index, cross_group=_cross_group(rank % m, m, len(groups)),
-                    world_group=dist.group.WORLD, group_ranks=groups)
+                    job_group=dist.group.WORLD, group_ranks=groups)

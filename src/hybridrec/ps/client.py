@@ -16,7 +16,7 @@ how far ahead a trainer may run). With one trainer this is exactly one-process t
 up to floating-point summation order (the server adds a row's gradient summed over its
 occurrences; one process adds the occurrences one by one).
 
-Training threads (``train.workers``, :mod:`hybridrec.train.hogwild`) pull and push on their
+Training threads (``train.workers``, :mod:`hybridrec.train.loop.hogwild`) pull and push on their
 own, as the paper's trainers do: lookups, the last push and the versions seen at the pull
 are per thread, so a pull waits for its own thread's previous push only (a thread reads its
 own updates; its sibling threads' land when they land). A pull's step is the trainer's

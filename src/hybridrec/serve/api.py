@@ -36,7 +36,7 @@ class Model:
 
     @property
     def config(self):
-        """The run's :class:`~hybridrec.train.config.Config` (its config.json)."""
+        """The run's :class:`~hybridrec.train.setup.config.Config` (its config.json)."""
         return self._predictor.cfg
 
     @property
@@ -123,8 +123,8 @@ def build_config(config: str | os.PathLike | dict | None = None, *, recipe: str 
     defaults, the recipe, ``config`` (a TOML/JSON file, its relative paths relative to it,
     or a dict of sections as such a file holds, relative paths relative to the working
     directory), then ``SECTION__KEY=value`` overrides; validated."""
-    from hybridrec.train import recipes
-    from hybridrec.train.config import Config, apply_dict, load_file, set_value, validate
+    from hybridrec.train.setup import recipes
+    from hybridrec.train.setup.config import Config, apply_dict, load_file, set_value, validate
 
     cfg = Config()
     if recipe:

@@ -38,8 +38,8 @@ from hybridrec.data.tabular import _pyarrow
 from hybridrec.errors import ConfigError, DataError
 from hybridrec.serve.inputs import read_file, table_chunks
 from hybridrec.sparse.keyed_jagged import Batch
-from hybridrec.train.pipeline import to_device
-from hybridrec.train.thread_governor import thread_governor
+from hybridrec.train.loop.pipeline import to_device
+from hybridrec.train.loop.thread_governor import thread_governor
 
 PROBABILITY = "probability"
 """The output column of the probabilities."""

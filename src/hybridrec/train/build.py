@@ -37,9 +37,9 @@ from hybridrec.model.embedding import WEIGHT_DTYPES, EmbeddingBagCollection, Tab
 from hybridrec.model.interaction import tune_interactions
 from hybridrec.model.kernels import PRECISIONS, cache_path, machine_id
 from hybridrec.model.mlp import tune_mlps
-from hybridrec.train.allocator import configure_allocator
-from hybridrec.train.config import CompressConfig, Config
-from hybridrec.train.optim import (
+from hybridrec.train.loop.allocator import configure_allocator
+from hybridrec.train.setup.config import CompressConfig, Config
+from hybridrec.train.loop.optim import (
     LRSchedule,
     LRScheduler,
     build_dense_optimizer,
@@ -53,24 +53,24 @@ from hybridrec.parallel.sharded_embedding import SHARDS, ShardedEmbeddingBagColl
 from hybridrec.parallel.threshold_dist import ThresholdMP
 from hybridrec.parallel.topology import Topology
 from hybridrec.ps.client import PushOptimizer, RemoteEmbeddingCollection
-from hybridrec.train.memory import check_memory
+from hybridrec.train.setup.memory import check_memory
 from hybridrec.train.ps_run import ServerCheckpoints, ps_plan
-from hybridrec.train.sparse_optim import CombinedSparseOptimizer, combined_sparse_optimizer
-from hybridrec.train.thread_governor import thread_governor
-from hybridrec.train.rules import RunFacts, check_plan, check_run, dense_plan, group_size
-from hybridrec.train.tables import build_plan, build_tables, load_dataset
-from hybridrec.train import checkpoint as ckpt
+from hybridrec.train.loop.sparse_optim import CombinedSparseOptimizer, combined_sparse_optimizer
+from hybridrec.train.loop.thread_governor import thread_governor
+from hybridrec.train.setup.rules import RunFacts, check_plan, check_run, dense_plan, group_size
+from hybridrec.train.setup.tables import build_plan, build_tables, load_dataset
+from hybridrec.train.checkpointing import checkpoint as ckpt
 from hybridrec.train import init_from
 from hybridrec.sync import BackgroundRunner, ForegroundRunner, RankReplica, SyncRunner, make_synchronizer
 from hybridrec.sync.algorithms import CATEGORY as SYNC_CATEGORY, GroupMean
 from hybridrec.sync.compressed import CompressedMean
 from hybridrec.sync.grouped import GroupedBackgroundRunner
-from hybridrec.train.checkpoint_interval import CHOICE_FILE
-from hybridrec.train.checkpointer import Checkpointer, Component, TorchRNG
-from hybridrec.train.early_stop import COMPONENT as EARLY_STOP, EarlyStopping
-from hybridrec.train.pipeline import TrainPipeline
-from hybridrec.train.deltas import ShardDeltas, deltas_dir, plan_json
-from hybridrec.train.recovery import (
+from hybridrec.train.checkpointing.checkpoint_interval import CHOICE_FILE
+from hybridrec.train.checkpointing.checkpointer import Checkpointer, Component, TorchRNG
+from hybridrec.train.loop.early_stop import COMPONENT as EARLY_STOP, EarlyStopping
+from hybridrec.train.loop.pipeline import TrainPipeline
+from hybridrec.train.checkpointing.deltas import ShardDeltas, deltas_dir, plan_json
+from hybridrec.train.checkpointing.recovery import (
     EVENTS,
     Recovery,
     clear_snapshots,
@@ -78,9 +78,9 @@ from hybridrec.train.recovery import (
     shards_go_resident,
     survivors_step,
 )
-from hybridrec.train.checkpoint_policy import Checkpoints, RecoveryWatch, nothing_updating
-from hybridrec.train.hogwild import HogwildSteps
-from hybridrec.train.parts import (
+from hybridrec.train.loop.checkpoint_policy import Checkpoints, RecoveryWatch, nothing_updating
+from hybridrec.train.loop.hogwild import HogwildSteps
+from hybridrec.train.loop.parts import (
     Evaluation,
     FailureInjection,
     Part,
@@ -91,7 +91,7 @@ from hybridrec.train.parts import (
     Sync,
     ThreadTiming,
 )
-from hybridrec.train.trainer import Optimizers, Trainer
+from hybridrec.train.loop.trainer import Optimizers, Trainer
 
 
 def build_model(cfg: Config, meta: DatasetMeta, *, plan: ShardingPlan | None = None,
@@ -159,7 +159,7 @@ def build_replicated_reducer(cfg: Config, plan: ShardingPlan, ledger: CommLedger
 def build_threshold_mp(cfg: Config, plan: ShardingPlan, total_steps: int) -> ThresholdMP | None:
     """``compress.embedding=dct`` with ``embedding_select=threshold``: DCT-MP's threshold over
     every sample's whole boundary vector (:mod:`hybridrec.parallel.threshold_dist`), for every
-    sharded table; None otherwise (what that hop does not take: :mod:`hybridrec.train.rules`)."""
+    sharded table; None otherwise (what that hop does not take: :mod:`hybridrec.train.setup.rules`)."""
     c = cfg.compress
     if c.embedding != "dct" or c.embedding_select != "threshold":
         return None
@@ -196,12 +196,12 @@ def build_topology(cfg: Config) -> Topology:
 
 
 def run_facts(cfg: Config, meta: DatasetMeta | None, topo: Topology | None, *, building: bool = False) -> RunFacts:
-    """What the run rules (:mod:`hybridrec.train.rules`) check the config against: the
+    """What the run rules (:mod:`hybridrec.train.setup.rules`) check the config against: the
     ranks of ``topo``, or else of torchrun's environment, and the device they will train
     on (chosen as :func:`build_topology` chooses it, before any process group is made)."""
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if topo is not None:
-        return RunFacts(world=topo.global_world_size, local_world=topo.local_world_size,
+        return RunFacts(world=topo.job_size, local_world=topo.local_world_size,
                         device=topo.device.type, gpus=gpus, meta=meta, building=building)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
@@ -272,7 +272,7 @@ def build_dense_sync(cfg: Config, topo: Topology, ledger: CommLedger, *, total_s
     synchronizer of replicas (``sync.algorithm``): none)."""
     kind = cfg.dist.dense_sync
     pairwise = cfg.dist.exchange == "pairwise"
-    if topo.world_size == 1 or kind == "none" or (cfg.sync.algorithm != "none" and not topo.hierarchical):
+    if topo.group_size == 1 or kind == "none" or (cfg.sync.algorithm != "none" and not topo.hierarchical):
         return NoSync()  # (hierarchical: the synchronizer works across groups, DDP inside one)
     if kind == "ddp":
         return DDPSync(topo, hooks=build_dense_hooks(cfg.compress, ledger, seed=cfg.train.seed,
@@ -289,7 +289,7 @@ def build_sync_runner(cfg: Config, topo: Topology, model: torch.nn.Module, ledge
     (several groups): over the cross group, of the whole replica: the dense part, then
     the member's embedding shards (:mod:`hybridrec.sync.grouped`)."""
     s = cfg.sync
-    if s.algorithm == "none" or topo.global_world_size == 1:
+    if s.algorithm == "none" or topo.job_size == 1:
         return None
     sync = make_synchronizer(s.algorithm, alpha=s.alpha, block_momentum=s.block_momentum,
                              block_lr=s.block_lr, nesterov=s.nesterov)
@@ -316,7 +316,7 @@ def build_sync_runner(cfg: Config, topo: Topology, model: torch.nn.Module, ledge
     if not topo.hierarchical:  # (a checkpoint's ranks agree on its rounds over the training group)
         return BackgroundRunner(sync, params, group, train_group=topo.group, **kw)
     return GroupedBackgroundRunner(sync, params, group, members=topo.group,
-                                   flag_group=topo.world_gloo_group(), **kw)
+                                   flag_group=topo.job_gloo_group(), **kw)
 
 
 def build_sync_mean(cfg: Config, group, ledger: CommLedger, parts: tuple[int, ...]):
@@ -354,7 +354,7 @@ def build_parallel_model(cfg: Config, meta: DatasetMeta, topo: Topology, ledger:
     if cfg.compress.embedding_when == "pays" and model.sparse.codecs:
         decide_embedding_compression(cfg, model.sparse)
     # (checked on every rank alike, before any collective of the dense part: a ConfigError)
-    plan.dense = dense_plan(cfg, plan, model, topo.world_size)
+    plan.dense = dense_plan(cfg, plan, model, topo.group_size)
     if any(d.placement == "partitioned" for d in plan.dense.values()):
         model = place_dense(model, plan.dense, topo, ledger=ledger)
     model = parallelize_dlrm(model, plan, topo, ledger=ledger, dense_sync=dense_sync)
@@ -376,7 +376,7 @@ def decide_embedding_compression(cfg: Config, ebc: ShardedEmbeddingBagCollection
     if not record["pays"]:
         ebc.drop_codecs()
     ebc.compression = {**record, "compressed": bool(ebc.codecs)}
-    if ebc.topo.global_rank == 0:
+    if ebc.topo.job_rank == 0:
         verdict = "compressed" if ebc.codecs else "sent uncompressed: compressing does not pay here"
         print(f"compress.embedding={cfg.compress.embedding}: the codecs take {record['codec_ms']:.1f} ms a step, "
               f"the wire time they save {record['saved_ms']:.1f} ms: {verdict}", file=sys.stderr, flush=True)
@@ -388,7 +388,7 @@ def build_ps_model(cfg: Config, meta: DatasetMeta, topo: Topology, ledger: CommL
     here), the dense arches go to ``dense_sync``; rank 0 writes the servers' plan."""
     tables = build_tables(meta, cfg)
     plan = ps_plan(cfg, tables, cfg.dist.num_ps)
-    remote = RemoteEmbeddingCollection(tables, plan, trainer=topo.global_rank, num_trainers=topo.global_world_size,
+    remote = RemoteEmbeddingCollection(tables, plan, trainer=topo.job_rank, num_trainers=topo.job_size,
                                        ledger=ledger, timeout_s=cfg.dist.timeout_s)
     model = dense_sync.wrap(build_model(cfg, meta, sparse=remote))
     if topo.lead:
@@ -398,9 +398,11 @@ def build_ps_model(cfg: Config, meta: DatasetMeta, topo: Topology, ledger: CommL
 
 
 def build_trainer(cfg: Config, *, meta: DatasetMeta | None = None, topo: Topology | None = None,
-                  started_at: str | None = None) -> Trainer:
+                  started_at: str | None = None, snapshot_dir: str | None = None) -> Trainer:
     """The run's trainer; ``started_at``: when this invocation started (the run's start,
-    unless its checkpoint knows an earlier one)."""
+    unless its checkpoint knows an earlier one); ``snapshot_dir``: the local launcher's
+    directory on local memory for partial recovery's snapshots (``hybridrec train
+    --snapshot-dir``; None: ``RUN/recovery/``)."""
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
     allocator = configure_allocator(cfg.train.allocator)  # before the model and the loaders allocate
@@ -417,7 +419,7 @@ def build_trainer(cfg: Config, *, meta: DatasetMeta | None = None, topo: Topolog
     if cfg.train.resume and cfg.train.recovery == "partial":  # (kept up to the survivors' step)
         keep_until = max(keep_until, survivors_step(run_dir) or 0)
     # (Hierarchical training: every rank of every group its own part of the data.)
-    train_loader, eval_loader = build_loaders(cfg, meta, rank=topo.global_rank, world_size=topo.global_world_size,
+    train_loader, eval_loader = build_loaders(cfg, meta, rank=topo.job_rank, world_size=topo.job_size,
                                               pin_memory=topo.device.type == "cuda")
     total_steps = planned_steps(cfg, len(train_loader))
     dense_sync = build_dense_sync(cfg, topo, ledger, total_steps=total_steps)
@@ -426,13 +428,13 @@ def build_trainer(cfg: Config, *, meta: DatasetMeta | None = None, topo: Topolog
     # drawn (0.3 s per 330 MB of a restart); the trainer draws them if none is restored.
     # (Synchronizers take the tables' values when built, parameter servers hold their own: drawn.)
     init_tables = not latest or cfg.sync.algorithm != "none" or bool(cfg.dist.num_ps)
-    recovering = (cfg.train.save_checkpoints and topo.world_size > 1
+    recovering = (cfg.train.save_checkpoints and topo.group_size > 1
                   and not (cfg.dist.num_ps or topo.hierarchical or cfg.train.workers > 1))
-    if not init_tables and recovering and shards_go_resident(cfg) and topo.device.type == "cpu":
+    if not init_tables and recovering and shards_go_resident(cfg, snapshot_dir) and topo.device.type == "cpu":
         init_tables = None  # (not even zeroed: the trainer moves them into files of local memory first)
     if cfg.dist.num_ps:
         model, servers = build_ps_model(cfg, meta, topo, ledger, dense_sync, run_dir)
-    elif topo.world_size == 1:
+    elif topo.group_size == 1:
         model = build_model(cfg, meta, init_tables=init_tables).to(topo.device)
     else:
         model = build_parallel_model(cfg, meta, topo, ledger, dense_sync, run_dir, total_steps=total_steps,
@@ -471,8 +473,8 @@ def build_trainer(cfg: Config, *, meta: DatasetMeta | None = None, topo: Topolog
     # What a failure lost, and with train.recovery=partial the survivors' snapshots (not for
     # one process, which nobody survives, nor parameter servers, groups or Hogwild threads:
     # config.recovery_problem).
-    recovery = (Recovery(checkpointer, mode=cfg.train.recovery, global_batch=cfg.data.batch_size * topo.world_size,
-                         deltas=build_shard_deltas(cfg, topo, model, sparse_opt, run_dir))
+    recovery = (Recovery(checkpointer, mode=cfg.train.recovery, global_batch=cfg.data.batch_size * topo.group_size,
+                         deltas=build_shard_deltas(cfg, topo, model, sparse_opt, run_dir), fast_dir=snapshot_dir)
                 if recovering else None)
     run_dir.mkdir(parents=True, exist_ok=True)
     # train.init_from: another run's weights, only when this run has no checkpoint to resume.
@@ -497,11 +499,11 @@ def loop_parts(cfg: Config, topo: Topology, *, total_steps: int, run_dir: Path, 
                eval_loader, early_stop, sync_runner, remote: bool, checkpoints: Checkpoints,
                recovery: Recovery | None) -> list[Part]:
     """The training loop's parts besides its step source, in the order of their hooks
-    (:mod:`hybridrec.train.parts`): failure injection, the thread count, the
+    (:mod:`hybridrec.train.loop.parts`): failure injection, the thread count, the
     synchronizer, progress, evaluation (and early stopping), checkpoints, recovery."""
     t = cfg.train
-    parts: list[Part] = [FailureInjection(t.inject_failure, rank=topo.global_rank, run_dir=run_dir)]
-    governor = thread_governor(t.threads, world_size=topo.global_world_size, workers=t.workers, device=topo.device)
+    parts: list[Part] = [FailureInjection(t.inject_failure, rank=topo.job_rank, run_dir=run_dir)]
+    governor = thread_governor(t.threads, world_size=topo.job_size, workers=t.workers, device=topo.device)
     if governor is not None:
         parts.append(ThreadTiming(governor))
     if sync_runner is not None:
@@ -547,16 +549,16 @@ def tune_kernels(cfg: Config, model: torch.nn.Module, topo: Topology,
         torch.distributed.broadcast_object_list(box, group=topo.run_group, group_src=0)
         return box[0]
 
-    agree = rank0s if topo.global_world_size > 1 else None
+    agree = rank0s if topo.job_size > 1 else None
     choices = tune_mlps(model, cfg.data.batch_size, mode=cfg.train.kernels, device=device, dtype=dtype,
                         agree=agree)
     dots = tune_interactions(model, cfg.data.batch_size, mode=cfg.train.kernels, device=device, dtype=dtype,
                              agree=agree)
-    rows = (sparse_opt.tune_kernels(cfg.data.batch_size * topo.world_size, mode=cfg.train.kernels)
+    rows = (sparse_opt.tune_kernels(cfg.data.batch_size * topo.group_size, mode=cfg.train.kernels)
             if sparse_opt is not None else [])
     ebc = getattr(model, "sparse", None)
     local = list(ebc.updated_collections().values()) if ebc is not None else []
-    lookups = tune_lookups(local, cfg.data.batch_size * topo.world_size, mode=cfg.train.kernels)
+    lookups = tune_lookups(local, cfg.data.batch_size * topo.group_size, mode=cfg.train.kernels)
     out = {"mode": cfg.train.kernels, "machine": machine_id(), "cache": str(cache_path()),
            "linear": [c.to_dict() for c in choices], "interaction": [c.to_dict() for c in dots],
            "embedding_update": [c.to_dict() for c in rows], "embedding_lookup": [c.to_dict() for c in lookups]}
@@ -564,7 +566,7 @@ def tune_kernels(cfg: Config, model: torch.nn.Module, topo: Topology,
         out["embedding_compression"] = ebc.compression
     if isinstance(ebc, ShardedEmbeddingBagCollection) and ebc.layout.coded is not None:
         # DCT-MP's per-row top-k over this rank's pieces, every rank's samples at once
-        total = cfg.data.batch_size * topo.world_size
+        total = cfg.data.batch_size * topo.group_size
         uses = [(g.codec, total * g.n, g.cols) for g in ebc.layout.coded_of(topo.rank).groups
                 if isinstance(g.codec, TopKCodec)]
         if uses:
@@ -576,14 +578,14 @@ RUN_FILES = ("summary.json", "eval.json", "plan.json", "metrics.jsonl", "failure
 """What a run writes besides config.json and its directories (checkpoints/, tensorboard/)."""
 
 
-def start_over(run_dir: Path) -> None:
+def start_over(run_dir: Path, snapshot_dir: str | None = None) -> None:
     """``train.resume=false``: the previous run's checkpoints, metrics, summary and events
     go, so that nothing of it is resumed or mixed into the new run's files later. Called
     by :func:`hybridrec.train.run.train` (rank 0) before the trainer is built: building
     deletes nothing."""
     shutil.rmtree(ckpt.checkpoint_dir(run_dir), ignore_errors=True)
     shutil.rmtree(run_dir / "tensorboard", ignore_errors=True)
-    clear_snapshots(run_dir)  # (also those on the launcher's local memory)
+    clear_snapshots(run_dir, snapshot_dir)  # (also those on the launcher's local memory)
     shutil.rmtree(recovery_dir(run_dir), ignore_errors=True)
     for name in RUN_FILES:
         (run_dir / name).unlink(missing_ok=True)

@@ -8,8 +8,8 @@ from pathlib import Path
 
 from hybridrec.data.preprocess import preprocess_criteo
 from hybridrec.data.synth import generate
-from hybridrec.train import recipes
-from hybridrec.train.config import build_config
+from hybridrec.train.setup import recipes
+from hybridrec.train.setup.config import build_config
 from hybridrec.train.run import train
 
 

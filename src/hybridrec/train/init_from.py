@@ -75,9 +75,9 @@ from hybridrec.parallel.checkpoint_layout import (
     table_key,
 )
 from hybridrec.parallel.topology import Topology
-from hybridrec.train import checkpoint as ckpt
-from hybridrec.train.config import Config
-from hybridrec.train.early_stop import resolve_checkpoint
+from hybridrec.train.checkpointing import checkpoint as ckpt
+from hybridrec.train.setup.config import Config
+from hybridrec.train.loop.early_stop import resolve_checkpoint
 
 PS_PART = ckpt.PS_PART
 RECORD = "init_from.json"
@@ -264,7 +264,7 @@ def _load_grown(path: Path, model: nn.Module, dense_opt, sparse_opts, topo: Topo
         with quiet():
             dcp.load(targets, storage_reader=SafeFileSystemReader(path), **dist_kwargs(topo))
     except DCPException as e:
-        raise_failures([describe(e)] * topo.world_size, path, "loading the checkpoint", e)
+        raise_failures([describe(e)] * topo.group_size, path, "loading the checkpoint", e)
     with torch.no_grad():
         for live, whole, where in copies:
             _copy_rows(live, whole, where)

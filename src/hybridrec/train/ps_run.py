@@ -1,4 +1,4 @@
-"""Building a parameter-server run from a :class:`~hybridrec.train.config.Config`: the
+"""Building a parameter-server run from a :class:`~hybridrec.train.setup.config.Config`: the
 servers' placement of the tables, a server's whole life, and the trainers' checkpoint hook."""
 
 from __future__ import annotations
@@ -19,10 +19,10 @@ from hybridrec.parallel.topology import Topology
 from hybridrec.ps import server as srv
 from hybridrec.ps.client import ServerError, wait_reply
 from hybridrec.ps.world import Roles, init_world, join_rpc, server_name, shutdown
-from hybridrec.train.config import Config
-from hybridrec.train.memory import memory_limit, size_text
-from hybridrec.train.sparse_optim import combined_sparse_optimizer
-from hybridrec.train.tables import build_tables, uniform_plan
+from hybridrec.train.setup.config import Config
+from hybridrec.train.setup.memory import memory_limit, size_text
+from hybridrec.train.loop.sparse_optim import combined_sparse_optimizer
+from hybridrec.train.setup.tables import build_tables, uniform_plan
 
 PS_DIR = "ps"
 """The servers' part of a checkpoint: ``step-N/ps/``, a sharded checkpoint of its own."""
@@ -65,7 +65,7 @@ def server_memory_problem(cfg: Config, plan: ShardingPlan, topo: Topology) -> st
     or else the memory available now), or None when they fit."""
     need_by = memory_by_rank(plan, cfg.optim.sparse)
     host = topo.rank // topo.local_world_size
-    ranks = range(host * topo.local_world_size, min(topo.world_size, (host + 1) * topo.local_world_size))
+    ranks = range(host * topo.local_world_size, min(topo.group_size, (host + 1) * topo.local_world_size))
     need = sum(need_by[r] for r in ranks)
     limit, source = memory_limit(cfg)
     if limit is None or need <= limit:
@@ -113,7 +113,7 @@ class ServerCheckpoints:
         mode a resumed run waited for a step never pushed again.)"""
         sparse_opt.flush()
         if self.topo.hierarchical:
-            torch.distributed.barrier(group=self.topo.world_group)
+            torch.distributed.barrier(group=self.topo.job_group)
 
     def save(self, path: Path, step: int) -> None:
         """Into ``path/ps`` (``path``: the trainers' checkpoint, not yet published)."""
@@ -122,4 +122,4 @@ class ServerCheckpoints:
     def load(self, path: Path) -> None:
         self._all(srv.rpc_load, (str(path / PS_DIR),), "loading the servers' checkpoint", path)
         if self.topo.hierarchical:  # no group pulls a row before the servers have loaded
-            torch.distributed.barrier(group=self.topo.world_group)
+            torch.distributed.barrier(group=self.topo.job_group)

@@ -33,8 +33,8 @@ from hybridrec.parallel.topology import Topology
 from hybridrec.ps import world as ps_world
 from hybridrec.sync.algorithms import CATEGORY as SYNC_CATEGORY
 from hybridrec.train.ps_run import PS_DIR, run_server
-from hybridrec.train import checkpoint as ckpt
-from hybridrec.train import run_lock
+from hybridrec.train.checkpointing import checkpoint as ckpt
+from hybridrec.train.checkpointing import run_lock
 from hybridrec.train.build import (
     build_loaders,
     build_model,
@@ -46,20 +46,21 @@ from hybridrec.train.build import (
     start_over,
     versions,
 )
-from hybridrec.train.config import PATH_KEYS, Config, apply_dict, validate
-from hybridrec.train.memory import memory_problem
-from hybridrec.train.rules import RunFacts, check_run, group_size
-from hybridrec.train.tables import load_dataset
-from hybridrec.train.early_stop import resolve_checkpoint
-from hybridrec.train.recovery import elastic_restarts
-from hybridrec.train.step import evaluate_model
+from hybridrec.train.setup.config import PATH_KEYS, Config, apply_dict, validate
+from hybridrec.train.setup.memory import memory_problem
+from hybridrec.train.setup.rules import RunFacts, check_run, group_size
+from hybridrec.train.setup.tables import load_dataset
+from hybridrec.train.loop.early_stop import resolve_checkpoint
+from hybridrec.train.checkpointing.recovery import elastic_restarts
+from hybridrec.train.loop.step import evaluate_model
 
 RUNS_ROOT = "runs"
 """Where the run directories that are not named (``train.run_dir`` empty) go."""
 
 
 @records_errors  # a rank's error reaches its launcher even if the rank then dies in teardown
-def train(cfg: Config, *, extra_summary: dict | None = None, hold_run_dir: bool = True) -> dict:
+def train(cfg: Config, *, extra_summary: dict | None = None, hold_run_dir: bool = True,
+          snapshot_dir: str | None = None) -> dict:
     """Train, evaluate on the held-out split, write summary.json; returns the summary.
 
     ``cfg``'s paths are made absolute (config.json works from any directory); an empty
@@ -67,13 +68,15 @@ def train(cfg: Config, *, extra_summary: dict | None = None, hold_run_dir: bool 
     trained again: the returned dict is its summary with ``already_finished``, the line
     that says so (``train.reevaluate=true``: evaluate it again instead).
     ``hold_run_dir``: this process (global rank 0) locks the run directory while it trains
-    (:mod:`~hybridrec.train.run_lock`); false where a launcher holds it for its ranks."""
+    (:mod:`~hybridrec.train.checkpointing.run_lock`); false where a launcher holds it for its ranks.
+    ``snapshot_dir``: the local launcher's directory on local memory for partial recovery
+    (``hybridrec train --snapshot-dir``, :func:`~hybridrec.train.checkpointing.recovery.fast_snapshots`)."""
     started_at, clock = now_iso(), time.monotonic()
     shown = cfg.train.run_dir  # the run directory as the user wrote it, for messages
     cfg = absolute_paths(cfg)
     meta = load_dataset(cfg)
     if not cfg.dist.num_ps:
-        return _train(cfg, meta, None, shown, started_at, clock, extra_summary, hold_run_dir)
+        return _train(cfg, meta, None, shown, started_at, clock, extra_summary, hold_run_dir, snapshot_dir)
     # Parameter-server run: servers serve until the trainers leave; trainers train.
     r = ps_world.roles(cfg.dist.num_ps)
     local = r.num_trainers if r.all_local else 1  # (trainers per machine: the default group)
@@ -88,7 +91,7 @@ def train(cfg: Config, *, extra_summary: dict | None = None, hold_run_dir: bool 
     ps_world.join_rpc(r, timeout_s=cfg.dist.timeout_s, interface=cfg.dist.rpc_interface)
     ok = False
     try:
-        summary = _train(cfg, meta, topo, shown, started_at, clock, extra_summary, hold_run_dir)
+        summary = _train(cfg, meta, topo, shown, started_at, clock, extra_summary, hold_run_dir, snapshot_dir)
         ok = True
         return summary
     finally:  # graceful: the servers leave once every trainer has; after an error, leave now
@@ -96,10 +99,10 @@ def train(cfg: Config, *, extra_summary: dict | None = None, hold_run_dir: bool 
 
 
 def _train(cfg: Config, meta, topo, shown: str, started_at: str, clock: float, extra_summary,
-           hold_run_dir: bool) -> dict:
+           hold_run_dir: bool, snapshot_dir: str | None) -> dict:
     """:func:`train` in this process (``topo``: a parameter-server run's trainers, else
     None: from torchrun's environment)."""
-    world, rank = (topo.world_size, topo.rank) if topo is not None else _world_and_rank()
+    world, rank = (topo.group_size, topo.rank) if topo is not None else _world_and_rank()
     restarts = elastic_restarts()
     if restarts and not cfg.train.resume:  # (false started this launch over; its restarts resume it)
         cfg = cfg.replace({"train.resume": True})
@@ -126,9 +129,9 @@ def _train(cfg: Config, meta, topo, shown: str, started_at: str, clock: float, e
             return finished
         if not cfg.train.resume and rank == 0:  # (a run refused by its rules deletes nothing)
             check_run(cfg, run_facts(cfg, meta, topo, building=True))
-            start_over(Path(cfg.train.run_dir))  # (before any rank builds: nothing of it is mixed in)
+            start_over(Path(cfg.train.run_dir), snapshot_dir)  # (before any rank builds: nothing of it is mixed in)
         try:
-            trainer = build_trainer(cfg, meta=meta, topo=topo, started_at=started_at)
+            trainer = build_trainer(cfg, meta=meta, topo=topo, started_at=started_at, snapshot_dir=snapshot_dir)
         except HybridrecError:
             if created and rank == 0:  # refused (e.g. memory): leave no empty directory behind
                 run_lock.remove_empty(created)
@@ -159,7 +162,7 @@ def _fit(cfg: Config, meta, trainer, shown: str, started_at: str, clock: float, 
 
 def run_summary(trainer, result, meta, cfg: Config, *, shown: str, started_at: str, clock: float) -> dict:
     """What summary.json holds after :meth:`Trainer.fit` (collective: memory per rank)."""
-    parts = result.parts  # every loop part's entries (hybridrec.train.parts)
+    parts = result.parts  # every loop part's entries (hybridrec.train.loop.parts)
     return {
         "run_dir": shown,
         "step": result.step,
@@ -170,13 +173,13 @@ def run_summary(trainer, result, meta, cfg: Config, *, shown: str, started_at: s
         "throughput": result.throughput,
         "peak_memory_bytes": peak_memory_bytes(),
         "peak_memory_bytes_per_rank": _gather_ints(peak_memory_bytes(), trainer.topo),
-        "world_size": trainer.topo.global_world_size,
+        "world_size": trainer.topo.job_size,
         # Where the model trained ("cpu", or "cuda:0 NVIDIA H100 80GB HBM3"), and its peak there.
         "device": device_name(trainer.topo.device),
         "cuda_peak_memory_bytes": cuda_peak_memory_bytes(trainer.topo.device),
         "comm": (comm := trainer.ledger.summary()),  # this rank's (rank 0's in summary.json)
         # Hierarchical training: groups, and rank 0's bytes per step inside its group and across.
-        "hierarchy": ({"groups": trainer.topo.num_groups, "group_size": trainer.topo.world_size}
+        "hierarchy": ({"groups": trainer.topo.num_groups, "group_size": trainer.topo.group_size}
                       if trainer.topo.hierarchical else None),
         "bytes_by_level": bytes_by_level(comm, trainer.topo),
         "dataset": {"path": str(meta.path), "train_rows": meta.split_rows("train"),
@@ -465,10 +468,10 @@ def code_version() -> dict:
 
 
 def _gather_ints(value: int, topo) -> list[int]:
-    if topo.global_world_size == 1:
+    if topo.job_size == 1:
         return [value]
-    out = torch.zeros(topo.global_world_size, dtype=torch.int64, device=topo.comm_device)
-    out[topo.global_rank] = value
+    out = torch.zeros(topo.job_size, dtype=torch.int64, device=topo.comm_device)
+    out[topo.job_rank] = value
     dist.all_reduce(out, group=topo.run_group)
     return out.tolist()
 

@@ -29,7 +29,7 @@ and global shapes).
 
 Resuming (:meth:`Checkpointer.restore_newest`) takes the newest checkpoint that passes its
 integrity checks and loads: files whole and of the checksums the manifest records
-(:func:`hybridrec.train.checkpoint.problem`; a ``step-N`` directory without ``.metadata``
+(:func:`hybridrec.train.checkpointing.checkpoint.problem`; a ``step-N`` directory without ``.metadata``
 fails them), the model's fingerprint and shapes those of the model being built, every
 tensor readable.
 Newer ones that fail are renamed aside to ``step-N.bad`` with one warning each, once a
@@ -55,7 +55,7 @@ from hybridrec.errors import os_error_message
 from hybridrec.parallel.checkpoint import PendingSave, load_state, save_sharded, save_sharded_async
 from hybridrec.parallel.checkpoint_io import gather
 from hybridrec.parallel.topology import Topology
-from hybridrec.train import checkpoint as ckpt
+from hybridrec.train.checkpointing import checkpoint as ckpt
 
 
 class Stateful(Protocol):
@@ -131,7 +131,7 @@ class Checkpointer:
         if self.topo.group_index == 0:
             self._save(path, step)
         if self.topo.hierarchical:
-            torch.distributed.barrier(group=self.topo.world_group)
+            torch.distributed.barrier(group=self.topo.job_group)
         return path
 
     def _save(self, path: Path, step: int) -> None:
@@ -147,7 +147,7 @@ class Checkpointer:
                 "extra": extra, "per_rank": per_rank, "manifest": manifest, "topo": self.topo}
         if self.background and self.servers is None and not self.topo.hierarchical:
             if self._group is None and self.topo.group is not None:  # (collective: every rank saves)
-                self._group = self.topo.world_gloo_group()
+                self._group = self.topo.job_gloo_group()
             self._pending = save_sharded_async(path, group=self._group, **args)
             return
         save_sharded(path, attach=attach, **args)
@@ -173,14 +173,14 @@ class Checkpointer:
 
     def restore_newest(self, *, dense_only: bool = False) -> tuple[int, Path] | None:
         """Collective: restore the newest checkpoint that passes its checks and loads
-        (:func:`hybridrec.train.checkpoint.load_newest`, every rank the same one); returns
+        (:func:`hybridrec.train.checkpointing.checkpoint.load_newest`, every rank the same one); returns
         ``(step, path)``, or None when the run has no checkpoint. Each newer one that failed
         is renamed aside (``step-N.bad``, by rank 0) with a warning naming it and why;
         when none loads, :class:`CheckpointError` and nothing is renamed. ``dense_only``:
         see :meth:`restore` (this rank's; others may differ)."""
         self.wait()
         found = ckpt.resume_candidates(self.run_dir)  # (incomplete ones too: set aside if they fail)
-        if self.topo.world_size == 1 and not found:
+        if self.topo.group_size == 1 and not found:
             return None
         if not gather(self.topo, bool(found))[0]:  # rank 0's listing decides
             return None
@@ -212,7 +212,7 @@ class Checkpointer:
                 c.obj.load_state_dict(loaded.extra[c.name])
             elif loaded.per_rank is None:
                 self._warn(f"{c.name}: saved by {loaded.manifest['world_size']} ranks, this run has "
-                           f"{self.topo.world_size}; its per-rank state restarts from scratch")
+                           f"{self.topo.group_size}; its per-rank state restarts from scratch")
             elif c.name not in loaded.per_rank:
                 self._warn(f"{c.name}: not in the checkpoint {path}; it restarts from scratch")
             else:

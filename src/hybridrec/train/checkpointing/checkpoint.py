@@ -1,7 +1,7 @@
 """Checkpoint directories of a run: ``RUN/checkpoints/step-00001234/``.
 
 Each is a torch.distributed.checkpoint directory written by
-:class:`hybridrec.train.checkpointer.Checkpointer` (one process or many), renamed into
+:class:`hybridrec.train.checkpointing.checkpointer.Checkpointer` (one process or many), renamed into
 place only when complete; a crash mid-write never leaves a directory that looks like a
 checkpoint (:func:`hybridrec.parallel.checkpoint_io.is_complete`).
 
@@ -179,13 +179,13 @@ def load_newest(candidates: list[Path], load: Callable[[Path], T], topo: Topolog
     candidates = [Path(p) for p in gather(topo, [str(p) for p in candidates])[0]]
     skipped: list[tuple[Path, str]] = []
     for path in candidates:  # (each rank reads its share of the files' contents)
-        found = [w for w in gather(topo, problem(path, share=(topo.rank, topo.world_size))) if w is not None]
+        found = [w for w in gather(topo, problem(path, share=(topo.rank, topo.group_size))) if w is not None]
         why = found[0] if found else None
         if why is None:
             try:
                 return path, load(path), skipped
             except CheckpointError as e:
-                if topo.world_size > 1 and not getattr(e, "same_on_every_rank", False):
+                if topo.group_size > 1 and not getattr(e, "same_on_every_rank", False):
                     raise
                 why = _relative(_cause(str(e), path), path)
         skipped.append((path, why))

@@ -163,7 +163,7 @@ class TrainConfig(ReadOnly):
     interval is the longest that keeps it, and at least Young/Daly's. With
     ``train.shard_delta_every`` the deltas bound the loss instead, and the interval weighs a
     save against replaying deltas, timed by reading one back
-    (:mod:`hybridrec.train.checkpoint_interval`)."""
+    (:mod:`hybridrec.train.checkpointing.checkpoint_interval`)."""
     shard_delta_every: int = 0
     """``train.recovery=partial``: besides the checkpoints, every N steps each rank saves the
     rows of its embedding shards touched since its previous save (weights and optimizer
@@ -225,7 +225,7 @@ class TrainConfig(ReadOnly):
     """torch intra-op threads of the training step. 0: chosen while the run trains, by timing
     steps at torch's default count (one per core) and at fewer, again and again (a machine
     whose cores another job takes trains faster on fewer; see
-    :mod:`hybridrec.train.thread_governor`); N: exactly N."""
+    :mod:`hybridrec.train.loop.thread_governor`); N: exactly N."""
     precision: str = "fp32"
     """Compute dtype of the dense arches (MLPs, interaction): ``fp32`` or ``bf16``
     (autocast: parameters, optimizer state, embeddings, the loss and the dense gradients'
@@ -235,7 +235,7 @@ class TrainConfig(ReadOnly):
     allocator: str = "retain"
     """``retain``: glibc's malloc keeps freed blocks up to 32 MiB for the next step instead
     of unmapping them (no page faults on the step's temporaries; 15-20% of a CPU step);
-    ``system``: malloc as it is (:mod:`hybridrec.train.allocator`)."""
+    ``system``: malloc as it is (:mod:`hybridrec.train.loop.allocator`)."""
     kernels: str = "auto"
     """Linear kernels of the MLPs: ``auto`` times the candidates (torch's F.linear, oneDNN)
     on each layer's shape at start-up and keeps the fastest, cached per machine in
@@ -625,9 +625,9 @@ def build_config(base: dict | None = None, files: list[str] = (), overrides: lis
 
 
 def validate(cfg: Config) -> None:
-    """The rules of the config alone (:func:`hybridrec.train.rules.check_config`): the first
+    """The rules of the config alone (:func:`hybridrec.train.setup.rules.check_config`): the first
     one broken is a ConfigError with its one line. A valid config is read-only from then on."""
-    from hybridrec.train.rules import check_config
+    from hybridrec.train.setup.rules import check_config
 
     check_config(cfg)
     cfg.seal()

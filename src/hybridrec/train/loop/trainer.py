@@ -4,7 +4,7 @@ The steps come from a *step source* (one thread, Hogwild's threads, a parameter-
 trainer); everything else a run does between and around steps (logging, evaluation and
 early stopping, checkpoints and their interval, partial recovery, the synchronizer of
 dense replicas, failure injection, the thread count) is a part with one small protocol
-(:mod:`hybridrec.train.parts`), built by :func:`hybridrec.train.build.build_trainer`.
+(:mod:`hybridrec.train.loop.parts`), built by :func:`hybridrec.train.build.build_trainer`.
 """
 
 from __future__ import annotations
@@ -22,11 +22,11 @@ from hybridrec.metrics.logger import MetricLogger
 from hybridrec.parallel.dense_sync import DenseSync
 from hybridrec.parallel.topology import Topology
 from hybridrec.sparse.keyed_jagged import Batch
-from hybridrec.train.checkpoint_policy import Checkpoints
-from hybridrec.train.optim import LRScheduler
-from hybridrec.train.parts import Done, End, Part, StepSource
-from hybridrec.train.sparse_optim import CombinedSparseOptimizer
-from hybridrec.train.step import training_step
+from hybridrec.train.loop.checkpoint_policy import Checkpoints
+from hybridrec.train.loop.optim import LRScheduler
+from hybridrec.train.loop.parts import Done, End, Part, StepSource
+from hybridrec.train.loop.sparse_optim import CombinedSparseOptimizer
+from hybridrec.train.loop.step import training_step
 
 
 @dataclass

@@ -147,7 +147,7 @@ class ShardDeltas:
         """The share of the updates (lookups counted) a delta saves: 1 for every touched row;
         with hot rows, measured over the deltas written so far (the lookups of the rows saved
         over those of every row pending then), else estimated from the counts now. What the
-        interval prices a hot-row delta's coverage at (:func:`~hybridrec.train.checkpoint_interval.
+        interval prices a hot-row delta's coverage at (:func:`~hybridrec.train.checkpointing.checkpoint_interval.
         partial_recovery_interval`'s ``delta_update_share``)."""
         if self.rows != "hot":
             return 1.0

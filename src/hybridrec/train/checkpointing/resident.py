@@ -4,7 +4,7 @@ Partial recovery keeps a survivor's shards across a restart. Without this module
 survivor, stopped by the launcher, writes its shards and their sparse optimizer state into
 a snapshot on ``/dev/shm`` (0.12-0.2 s for a rank's 333 MB, inside every restart), and its
 restarted process reads them back. Here those tensors live all along in files of the
-launcher's local-memory directory (:data:`~hybridrec.train.recovery.FAST_DIR_ENV`), mapped
+launcher's local-memory directory (:func:`~hybridrec.train.checkpointing.recovery.fast_snapshots`), mapped
 shared into the process (:func:`torch.from_file`): training updates the files' pages
 themselves. A survivor's snapshot takes the files by a rename, writing none of their
 bytes; its restarted process maps the same pages again, reading none.

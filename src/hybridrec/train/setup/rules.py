@@ -5,7 +5,7 @@ A rule is a condition and the one line that says what is wrong when it does not 
 anything that depends on it is built:
 
 - :func:`config_rules`: the config alone (values, and options that exclude each other),
-  checked whenever a config is made or read (:func:`hybridrec.train.config.validate`);
+  checked whenever a config is made or read (:func:`hybridrec.train.setup.config.validate`);
 - :data:`RUN_RULES`: the config against what only the run knows (:class:`RunFacts`: its
   ranks, this machine's GPUs, the dataset), checked by the launcher before it starts
   ranks (:func:`hybridrec.train.run.preflight`) and by every rank before it builds
@@ -14,7 +14,7 @@ anything that depends on it is built:
   made, before the model is built.
 
 Resource checks (memory, a server's memory) and data checks (ids past a table) are not
-option rules: they live with what they measure (:mod:`hybridrec.train.memory`,
+option rules: they live with what they measure (:mod:`hybridrec.train.setup.memory`,
 :mod:`hybridrec.data.id_ranges`).
 """
 
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hybridrec.errors import ConfigError
-from hybridrec.train.config import Config, TrainConfig
+from hybridrec.train.setup.config import Config, TrainConfig
 
 
 def check_config(cfg: Config) -> None:
@@ -117,7 +117,7 @@ def _early_stop_checks(t: TrainConfig) -> list[tuple[bool, str]]:
 def _checkpoint_checks(t: TrainConfig) -> list[tuple[bool, str]]:
     """``train.checkpoint_every`` (a number or ``auto``), ``train.mtbf_hours``,
     ``train.inject_failure`` (its rank against the world size: in train.run, where that is known)."""
-    from hybridrec.train.faults import parse_inject_failure
+    from hybridrec.train.checkpointing.faults import parse_inject_failure
 
     every = t.checkpoint_every
     parse_inject_failure(t.inject_failure)  # a ConfigError that says what is wrong
@@ -146,7 +146,7 @@ def steps_problem(cfg: Config, last_step: int) -> str | None:
     (``train.eval_every`` past it: no evaluation before the end; a ``train.inject_failure``
     step past it: no failure), or None. Checked where the run's length is known, once the
     dataset is open (train.build, and the launcher's preflight), before anything is written."""
-    from hybridrec.train.faults import parse_inject_failure
+    from hybridrec.train.checkpointing.faults import parse_inject_failure
 
     t = cfg.train
     if last_step < 1:  # (no step at all: the training loader says why)
@@ -335,7 +335,7 @@ def _threshold_checks(cfg: Config) -> list[tuple[bool, str]]:
 
 def injection_problem(spec: str, world_size: int) -> str | None:
     """Why ``train.inject_failure`` cannot run with ``world_size`` (trainer) ranks, or None."""
-    from hybridrec.train.faults import parse_inject_failure
+    from hybridrec.train.checkpointing.faults import parse_inject_failure
 
     for rank, _ in parse_inject_failure(spec):
         if rank >= world_size:

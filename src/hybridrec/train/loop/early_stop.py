@@ -8,7 +8,7 @@ numbers; rank 0's value is broadcast besides (``Trainer._early_stop``), so every
 the same number and stops at the same step.
 
 The best checkpoint. An evaluation that improves the AUC saves a checkpoint of that step
-(through the run's :class:`~hybridrec.train.checkpointer.Checkpointer`, like any other),
+(through the run's :class:`~hybridrec.train.checkpointing.checkpointer.Checkpointer`, like any other),
 and this object is one of the checkpointer's global components (``early_stop``): every
 checkpoint's manifest says which step is the best so far (``extra.early_stop.best_step``),
 and pruning (``train.keep_checkpoints``) keeps that checkpoint besides the newest ones. So
@@ -28,7 +28,7 @@ import math
 from pathlib import Path
 
 from hybridrec.errors import ConfigError
-from hybridrec.train import checkpoint as ckpt
+from hybridrec.train.checkpointing import checkpoint as ckpt
 
 COMPONENT = "early_stop"
 """The checkpointer's name for it (``manifest["extra"]["early_stop"]``)."""

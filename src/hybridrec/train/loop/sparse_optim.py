@@ -223,7 +223,7 @@ class CombinedSparseOptimizer:
 
 def local_collections(sparse) -> dict:
     """The embedding collections a rank updates, by the names its row gradients carry
-    (:func:`hybridrec.train.step.sparse_grads`): a sharded collection's ``shards`` and
+    (:func:`hybridrec.train.loop.step.sparse_grads`): a sharded collection's ``shards`` and
     ``replicated`` (those it has), or a single-device collection's ``tables``."""
     return sparse.updated_collections()
 

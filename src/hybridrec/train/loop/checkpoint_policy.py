@@ -1,7 +1,7 @@
 """The loop's checkpoint parts: when a run saves (a fixed interval, or
 ``train.checkpoint_every=auto``'s measured choice), what it resumes from, and partial
-recovery's watch and incremental saves (:mod:`hybridrec.train.parts` for the protocol,
-:mod:`hybridrec.train.checkpoint_interval` for the intervals' arithmetic)."""
+recovery's watch and incremental saves (:mod:`hybridrec.train.loop.parts` for the protocol,
+:mod:`hybridrec.train.checkpointing.checkpoint_interval` for the intervals' arithmetic)."""
 
 from __future__ import annotations
 
@@ -14,16 +14,16 @@ import torch
 import torch.distributed as dist
 
 from hybridrec.metrics.logger import MetricLogger
-from hybridrec.train.checkpoint_interval import (
+from hybridrec.train.checkpointing.checkpoint_interval import (
     IntervalProbe,
     partial_recovery_interval,
     restarted_choice,
     save_choice,
     young_daly_interval,
 )
-from hybridrec.train.checkpointer import Checkpointer
-from hybridrec.train.parts import Done, End, Part, next_multiple
-from hybridrec.train.recovery import Recovery, elastic_restarts, read_events
+from hybridrec.train.checkpointing.checkpointer import Checkpointer
+from hybridrec.train.loop.parts import Done, End, Part, next_multiple
+from hybridrec.train.checkpointing.recovery import Recovery, elastic_restarts, read_events
 
 
 class Checkpoints(Part):
@@ -168,16 +168,16 @@ class Checkpoints(Part):
         if self.saved_step != loop.step:  # (else an early-stopping best at this step: its time)
             loop.save_checkpoint()
         save_s, step_s = self.last_save_s, self.probe.step_s()
-        if self.topo.global_world_size > 1:  # rank 0's measurements
+        if self.topo.job_size > 1:  # rank 0's measurements
             box = torch.tensor([save_s, step_s, share, update], dtype=torch.float64, device=self.topo.comm_device)
             dist.broadcast(box, group=self.topo.run_group, group_src=0)
             save_s, step_s, share, update = box.tolist()
         t = self.t
         mtbf_s = t.mtbf_hours * 3600.0
         self.probe = None
-        if t.recovery == "partial" and self.topo.world_size > 1:
+        if t.recovery == "partial" and self.topo.group_size > 1:
             inputs = dict(save_s=save_s, step_s=step_s, mtbf_s=mtbf_s, total_steps=self.total_steps,
-                          ranks=self.topo.world_size, lost_fraction=t.lost_fraction,
+                          ranks=self.topo.group_size, lost_fraction=t.lost_fraction,
                           delta_steps=deltas.every if deltas is not None else 0, delta_share=share,
                           delta_update_share=update)
             self._take(partial_recovery_interval(**inputs))
@@ -192,11 +192,11 @@ class Checkpoints(Part):
         """Partial recovery with deltas, after a delta once the delta after the probe was
         read back (:meth:`ShardDeltas.time_next_read`, rank 0's): the interval again, with a
         replay priced at that read, scaled to the mean delta's rows, instead of a share of a
-        save (:func:`~hybridrec.train.checkpoint_interval.partial_recovery_interval`)."""
+        save (:func:`~hybridrec.train.checkpointing.checkpoint_interval.partial_recovery_interval`)."""
         if self._replay_inputs is None:
             return
         replay_s = self.deltas.replay_seconds() or -1.0
-        if self.topo.global_world_size > 1:  # rank 0's measurement
+        if self.topo.job_size > 1:  # rank 0's measurement
             box = torch.tensor([replay_s], dtype=torch.float64, device=self.topo.comm_device)
             dist.broadcast(box, group=self.topo.run_group, group_src=0)
             replay_s = box.item()
@@ -225,7 +225,7 @@ class Checkpoints(Part):
         t = self.t
         return {"mtbf_hours": t.mtbf_hours, "recovery": t.recovery, "lost_fraction": t.lost_fraction,
                 "shard_delta_every": t.shard_delta_every, "shard_delta_rows": t.shard_delta_rows,
-                "shard_delta_hot": t.shard_delta_hot, "world_size": self.topo.global_world_size,
+                "shard_delta_hot": t.shard_delta_hot, "world_size": self.topo.job_size,
                 "total_steps": self.total_steps}
 
     def _restarted_interval(self) -> bool:
@@ -235,7 +235,7 @@ class Checkpoints(Part):
         if not elastic_restarts():
             return False
         choice = restarted_choice(self.run_dir, self._inputs()) if self.topo.lead else None
-        if self.topo.global_world_size > 1:
+        if self.topo.job_size > 1:
             box = [choice]
             dist.broadcast_object_list(box, group=self.topo.run_group, group_src=0)
             choice = box[0]

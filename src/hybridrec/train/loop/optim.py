@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hybridrec.train.config import OptimConfig
+from hybridrec.train.setup.config import OptimConfig
 
 
 def dense_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:

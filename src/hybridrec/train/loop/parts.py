@@ -1,6 +1,6 @@
 """The training loop's parts: every concern of a run besides the steps themselves.
 
-:class:`~hybridrec.train.trainer.Trainer` is a short loop over finished steps and a list
+:class:`~hybridrec.train.loop.trainer.Trainer` is a short loop over finished steps and a list
 of parts; each part owns its state (and its checkpointed state, through the checkpointer's
 components) and acts through one small protocol, :class:`Part`:
 
@@ -45,9 +45,9 @@ from tqdm import tqdm
 from hybridrec.metrics.classification import RunningLoss
 from hybridrec.metrics.logger import MetricLogger
 from hybridrec.metrics.throughput import RunTotals, Throughput
-from hybridrec.train.early_stop import EarlyStopping
-from hybridrec.train.faults import FailureInjector
-from hybridrec.train.step import evaluate_model
+from hybridrec.train.loop.early_stop import EarlyStopping
+from hybridrec.train.checkpointing.faults import FailureInjector
+from hybridrec.train.loop.step import evaluate_model
 
 
 @dataclass(frozen=True)
@@ -234,7 +234,7 @@ class Evaluation(Part):
         es = self.early_stop
         if es is None:
             return False
-        if loop.topo.global_world_size > 1:
+        if loop.topo.job_size > 1:
             auc = metrics.get("auc")
             box = torch.tensor([float("nan") if auc is None else float(auc)], dtype=torch.float64,
                                device=loop.topo.comm_device)
@@ -286,7 +286,7 @@ class FailureInjection(Part):
 
 class ThreadTiming(Part):
     """``train.threads=0``: the step's thread count, chosen by timing steps
-    (:class:`~hybridrec.train.thread_governor.ThreadGovernor`)."""
+    (:class:`~hybridrec.train.loop.thread_governor.ThreadGovernor`)."""
 
     def __init__(self, governor) -> None:
         self.governor = governor
@@ -334,7 +334,7 @@ class StepSource(Part):
         while loop.step < loop.total_steps:
             for batch, pending in self.pipeline.batches(loop.total_steps - loop.step):
                 loss = loop.train_step(batch, pending)
-                yield loss, batch.batch_size * loop.topo.global_world_size
+                yield loss, batch.batch_size * loop.topo.job_size
 
     def finish(self, loop, end: End) -> None:
         if end.stopped_early:
@@ -353,7 +353,7 @@ class ServerSteps(StepSource):
 
     def finish(self, loop, end: End) -> None:
         super().finish(loop, end)
-        if loop.topo.global_world_size > 1:
+        if loop.topo.job_size > 1:
             dist.barrier(group=loop.topo.run_group)
 
     def summary(self) -> dict:

@@ -2,7 +2,7 @@
 
 With ``train.workers=N > 1``, :meth:`HogwildSteps.steps` runs ``N`` threads. Each thread
 takes the next batch from the trainer's pipeline (a lock around taking the batch, and only
-around that) and runs the ordinary :func:`~hybridrec.train.step.training_step` on a
+around that) and runs the ordinary :func:`~hybridrec.train.loop.step.training_step` on a
 *thread replica* of the model:
 
 - the dense parameters of a replica are aliases of the model's (``nn.Parameter(p.data)``:
@@ -43,8 +43,8 @@ import torch
 from torch import nn
 
 from hybridrec.parallel.dense_sync import NoSync
-from hybridrec.train.parts import StepSource
-from hybridrec.train.step import training_step
+from hybridrec.train.loop.parts import StepSource
+from hybridrec.train.loop.step import training_step
 
 _EXIT = object()  # a thread's last message
 
@@ -77,7 +77,7 @@ def thread_optimizer(opt: torch.optim.Optimizer, aliases: dict) -> torch.optim.O
 
 
 class HogwildSteps(StepSource):
-    """The remaining steps of a :class:`~hybridrec.train.trainer.Trainer` in ``workers``
+    """The remaining steps of a :class:`~hybridrec.train.loop.trainer.Trainer` in ``workers``
     threads (module docstring): a step source whose pauses are the loop's
     (:meth:`Trainer.pause_at`, the parts' next evaluation or checkpoint). The threads'
     replicas are built when training starts, after the resume (the optimizers' state must
@@ -164,7 +164,7 @@ class HogwildSteps(StepSource):
         replica, opt = self.replicas[i]
         sched, sync = loop.optim.scheduler, NoSync()
         sparse_opt = loop.optim.sparse
-        world = loop.topo.world_size
+        world = loop.topo.group_size
         try:
             while (claim := self._claim()) is not None:
                 (batch, pending), step = claim

@@ -23,7 +23,7 @@ share of the run), but no step is trained again.
    snapshot without it is not used). Under the local launcher the snapshot goes to
    ``/dev/shm`` instead (:func:`fast_snapshots`), and there a rank's shards and their
    sparse optimizer state live all along in files of that directory
-   (:mod:`hybridrec.train.resident`, :meth:`Recovery.start_resident`): the snapshot takes
+   (:mod:`hybridrec.train.checkpointing.resident`, :meth:`Recovery.start_resident`): the snapshot takes
    those files by a rename and writes only the rest. A rank killed outright (SIGKILL, a lost
    machine) writes nothing.
    The snapshot is written as the state is, without a copy (no update runs meanwhile),
@@ -57,7 +57,7 @@ so the same record says how many steps every shard trains again.
 
 A run whose ``checkpoint_every=auto`` choice falls back to full recovery (partial recovery
 cannot keep ``train.lost_fraction`` at a cost below full recovery's:
-:func:`~hybridrec.train.checkpoint_interval.partial_recovery_interval`) calls
+:func:`~hybridrec.train.checkpointing.checkpoint_interval.partial_recovery_interval`) calls
 :meth:`Recovery.fall_back`: from then on its ranks recover fully (no snapshot, no deltas),
 and its records say ``full``.
 
@@ -109,15 +109,12 @@ from hybridrec.parallel.checkpoint_layout import (
 )
 from hybridrec.parallel.sharded_embedding import REPLICATED, SHARDS
 from hybridrec.parallel.topology import Topology
-from hybridrec.train.checkpoint import list_checkpoints
-from hybridrec.train.deltas import ShardDeltas, plan_json
-from hybridrec.train.resident import ResidentShards, files_fit, read_into, shard_tensors
+from hybridrec.train.checkpointing.checkpoint import list_checkpoints
+from hybridrec.train.checkpointing.deltas import ShardDeltas, plan_json
+from hybridrec.train.checkpointing.resident import ResidentShards, files_fit, read_into, shard_tensors
 
 RECOVERY_DIR = "recovery"
-RESIDENT_DIR = "resident"  # (in a snapshot: its shards' files, see hybridrec.train.resident)
-FAST_DIR_ENV = "HYBRIDREC_SNAPSHOT_DIR"
-"""Set by the local launcher (:func:`fast_snapshots`): where the ranks write their snapshots,
-on local memory-backed storage, instead of ``RUN/recovery/``."""
+RESIDENT_DIR = "resident"  # (in a snapshot: its shards' files, see hybridrec.train.checkpointing.resident)
 SHM = Path("/dev/shm")
 EVENTS = "recovery.jsonl"
 SNAPSHOT_KIND = "survivor-snapshot"
@@ -139,10 +136,11 @@ def _snapshot_dir(run_dir: Path, rank: int) -> Path:
     return recovery_dir(run_dir) / f"rank-{rank:05d}"
 
 
-def _fast_dir() -> Path | None:
-    """The launcher's directory for snapshots on local memory (None: not launched so, or
-    it is not this user's alone: :func:`not_private`, which the launcher said once)."""
-    d = os.environ.get(FAST_DIR_ENV)
+def usable_fast_dir(d: str | Path | None) -> Path | None:
+    """The launcher's directory for snapshots on local memory, handed to every rank on its
+    command line (``hybridrec train --snapshot-dir``; :func:`fast_snapshots`): ``d`` when it
+    is this user's alone, else None (not launched so, or :func:`not_private` finds a
+    problem, which the launcher said once): the snapshots stay in ``RUN/recovery/``."""
     return Path(d) if d and not_private(Path(d)) is None else None
 
 
@@ -193,7 +191,7 @@ def fast_snapshots(run_dir: str | Path):
     """Around a local launch of partial recovery (every rank on this machine): the
     survivors write their snapshots to a directory of ``/dev/shm`` (memory: 0.24 s for a
     rank's 318 MB where ``RUN/recovery/`` on disk took 0.8 s), named for the run and handed
-    to the ranks in :data:`FAST_DIR_ENV`. When the launch ends, the snapshots still there (the
+    to the ranks on their command line (``--snapshot-dir``; it yields the directory, or None). When the launch ends, the snapshots still there (the
     run failed for good) move into ``RUN/recovery/``, so the same command again still
     recovers partially, and the directory goes: nothing is left in memory. Without a
     writable ``/dev/shm`` the snapshots go to ``RUN/recovery/``, and likewise, with one
@@ -210,15 +208,9 @@ def fast_snapshots(run_dir: str | Path):
                   f"not {d} ({why})", file=sys.stderr, flush=True)
         yield None
         return
-    before = os.environ.get(FAST_DIR_ENV)
-    os.environ[FAST_DIR_ENV] = str(d)
     try:
         yield d
     finally:
-        if before is None:
-            os.environ.pop(FAST_DIR_ENV, None)
-        else:
-            os.environ[FAST_DIR_ENV] = before
         try:
             for p in sorted(d.glob("rank-*")):
                 if p.is_dir() and is_complete(p):
@@ -230,10 +222,10 @@ def fast_snapshots(run_dir: str | Path):
             shutil.rmtree(d, ignore_errors=True)
 
 
-def shards_go_resident(cfg) -> bool:
+def shards_go_resident(cfg, fast_dir: str | Path | None) -> bool:
     """Whether a run's ranks keep their shards in files of local memory (partial recovery
-    under the local launcher; see :meth:`Recovery.start_resident`)."""
-    return cfg.train.recovery == "partial" and _fast_dir() is not None
+    under the local launcher, which gave ``fast_dir``; see :meth:`Recovery.start_resident`)."""
+    return cfg.train.recovery == "partial" and usable_fast_dir(fast_dir) is not None
 
 
 def read_progress(run_dir: str | Path, rank: int) -> dict | None:
@@ -284,12 +276,16 @@ def read_events(run_dir: str | Path) -> list[dict]:
 class Recovery:
     """One rank's side of recovery: the snapshot it writes when the run stops under it, and
     the restore after a restart. Built from the run's
-    :class:`~hybridrec.train.checkpointer.Checkpointer` (the same model, optimizers and
+    :class:`~hybridrec.train.checkpointing.checkpointer.Checkpointer` (the same model, optimizers and
     components)."""
 
-    def __init__(self, checkpointer, *, mode: str, global_batch: int, deltas: ShardDeltas | None = None) -> None:
-        """``deltas``: this rank's incremental saves of its shards (``train.shard_delta_every``)."""
+    def __init__(self, checkpointer, *, mode: str, global_batch: int, deltas: ShardDeltas | None = None,
+                 fast_dir: str | Path | None = None) -> None:
+        """``deltas``: this rank's incremental saves of its shards (``train.shard_delta_every``);
+        ``fast_dir``: the local launcher's directory on local memory (:func:`fast_snapshots`;
+        None: snapshots go to ``RUN/recovery/``)."""
         self.ckpt, self.mode, self.global_batch, self.deltas = checkpointer, mode, global_batch, deltas
+        self.fast_dir = usable_fast_dir(fast_dir)
         self.topo: Topology = checkpointer.topo
         self.run_dir = Path(checkpointer.run_dir)
         self.step = 0  # the last whole step (all of its updates applied)
@@ -316,11 +312,11 @@ class Recovery:
 
     def start_resident(self, *, resume: bool, drawn: bool | None) -> None:
         """Before the restore (partial recovery under the local launcher): this rank's shards
-        move into files of the launcher's local-memory directory (hybridrec.train.resident),
+        move into files of the launcher's local-memory directory (hybridrec.train.checkpointing.resident),
         a survivor's into its own snapshot's files. ``drawn``: True, the tables hold their
         initial values (kept); False, zeros; None, nothing yet: they start as zeros (also
         where the files cannot be made: then zeroed where they are)."""
-        fast, parts = _fast_dir(), self._shard_parts()
+        fast, parts = self.fast_dir, self._shard_parts()
         on_host = self.topo.device.type == "cpu"  # (a GPU's shards stay there: the files are host memory)
         if self.mode != "partial" or fast is None or parts is None or self.resident is not None or not on_host:
             if drawn is None:
@@ -544,7 +540,7 @@ class Recovery:
                              storage_writer=dcp.FileSystemWriter(tmp, sync_files=boot is None), no_dist=True)
                 extra = {"resident": resident.hand_over(tmp / RESIDENT_DIR)} if resident is not None else {}
                 write_json(tmp / MANIFEST, {"format": FORMAT, "kind": SNAPSHOT_KIND, "rank": rank,
-                                            "world_size": self.topo.world_size, "step": self.step,
+                                            "world_size": self.topo.group_size, "step": self.step,
                                             "plan": plan_json(self.ckpt.model.sparse), "state": skeleton, **extra})
             except BaseException:
                 shutil.rmtree(tmp, ignore_errors=True)
@@ -558,11 +554,10 @@ class Recovery:
         if snapshot:  # (full recovery: the step reached is for the record only, said after the restart)
             self._note(f"the run stopped at step {self.step}: wrote its state to {final}")
 
-    @staticmethod
-    def _snapshot_root(run_recovery: Path, nbytes: int) -> Path:
+    def _snapshot_root(self, run_recovery: Path, nbytes: int) -> Path:
         """The launcher's local-memory directory when it has room for ``nbytes`` (and a
         quarter more), else ``RUN/recovery/``."""
-        fast = _fast_dir()
+        fast = self.fast_dir
         if fast is not None:
             with contextlib.suppress(OSError):
                 if fast.is_dir() and shutil.disk_usage(fast).free > nbytes * 1.25:
@@ -726,7 +721,7 @@ class Recovery:
         meta = json.loads((path / MANIFEST).read_text())
         if meta.get("format") != FORMAT or meta.get("kind") != SNAPSHOT_KIND:
             raise CheckpointError(f"{path}: not a recovery snapshot")
-        if (meta.get("world_size"), meta.get("plan"), meta.get("step")) != (self.topo.world_size, plan_json(self.ckpt.model.sparse), step):
+        if (meta.get("world_size"), meta.get("plan"), meta.get("step")) != (self.topo.group_size, plan_json(self.ckpt.model.sparse), step):
             raise CheckpointError(f"{path}: saved by another world size, plan or step")
         resident = meta.get("resident")
         want = {k: tuple(w.shape) for k, w in local_weights(self.ckpt.model.sparse).items()
@@ -821,7 +816,7 @@ class Recovery:
             f.write(json.dumps(event) + "\n")
             f.flush()
             os.fsync(f.fileno())
-        clear_snapshots(self.run_dir)  # consumed (the incremental saves stay: they serve the next failure)
+        clear_snapshots(self.run_dir, self.fast_dir)  # consumed (the incremental saves stay: they serve the next failure)
         what = (f"partial: the survivors {event['survivors']} kept their state at step {event['resumed_at_step']}, "
                 f"the shards of rank(s) {event['failed_ranks']} {self._rolled_back(event)}"
                 if event["survivors"] else
@@ -863,11 +858,11 @@ def _held_rows(steps: int, rows: int, older: dict[int, int]) -> dict[int, int]:
     return out
 
 
-def clear_snapshots(run_dir: Path) -> None:
+def clear_snapshots(run_dir: Path, fast_dir: str | Path | None = None) -> None:
     """Every rank's snapshot and record of the run's stop (``RUN/recovery/rank-*``, the
     launcher's local-memory directory's snapshots, and any left half-written), not the
     shards' incremental saves (``RUN/recovery/deltas/``)."""
-    d, fast = recovery_dir(run_dir), _fast_dir()
+    d, fast = recovery_dir(run_dir), usable_fast_dir(fast_dir)
     found = [*d.glob("rank-*"), *d.glob(".tmp-rank-*")]  # (none when the directory is not there)
     if fast is not None:
         found += [*fast.glob("rank-*"), *fast.glob(".tmp-rank-*")]

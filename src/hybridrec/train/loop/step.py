@@ -1,5 +1,5 @@
 """One training step, in order, and one evaluation: what the training loop
-(:class:`~hybridrec.train.trainer.Trainer`), its Hogwild threads (:mod:`hybridrec.train.hogwild`)
+(:class:`~hybridrec.train.loop.trainer.Trainer`), its Hogwild threads (:mod:`hybridrec.train.loop.hogwild`)
 and the multi-rank tests run.
 
 ``training_step``: input (the pipeline's ``(batch, pending)``), forward, backward, the dense
@@ -20,8 +20,8 @@ from hybridrec.parallel.dense_sync import DenseSync
 from hybridrec.parallel.topology import Topology
 from hybridrec.phases import phase
 from hybridrec.sparse.keyed_jagged import Batch
-from hybridrec.train.pipeline import to_device
-from hybridrec.train.sparse_optim import CombinedSparseOptimizer
+from hybridrec.train.loop.pipeline import to_device
+from hybridrec.train.loop.sparse_optim import CombinedSparseOptimizer
 
 
 @torch.no_grad()
@@ -36,8 +36,8 @@ def evaluate_model(model: torch.nn.Module, loader, topo: Topology | None = None)
         batch = to_device(batch, device)
         metrics.update(model(batch), batch.labels)
     model.train(was_training)
-    if topo is not None and topo.global_world_size > 1:  # (hierarchical: every group's rows)
-        parts = [None] * topo.global_world_size
+    if topo is not None and topo.job_size > 1:  # (hierarchical: every group's rows)
+        parts = [None] * topo.job_size
         dist.all_gather_object(parts, metrics.state(), group=topo.run_group)
         metrics = BinaryMetrics.from_parts(parts)
     return metrics.compute()

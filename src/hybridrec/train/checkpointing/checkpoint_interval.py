@@ -39,7 +39,7 @@ analogue
     T = max(Young/Daly's, sqrt(2 D MTBF C / L))
 
 ``L`` is measured: the seconds of reading back one delta as a restarted rank reads it
-(:meth:`~hybridrec.train.deltas.ShardDeltas.time_next_read`, the first delta after the
+(:meth:`~hybridrec.train.checkpointing.deltas.ShardDeltas.time_next_read`, the first delta after the
 probe's checkpoint, scaled to the mean delta's rows; the writing of its rows into the
 tables, an ``index_copy``, is not timed). Until that delta is written, ``L`` is priced at
 a save per checkpoint's worth of rows, ``phi C`` (``phi``: the share of the shards' rows a

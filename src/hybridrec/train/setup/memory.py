@@ -18,8 +18,8 @@ from hybridrec.model.interaction import make_interaction
 from hybridrec.parallel.checkpoint_io import gather
 from hybridrec.parallel.cost_model import memory_by_rank
 from hybridrec.parallel.topology import Topology
-from hybridrec.train.config import Config
-from hybridrec.train.tables import build_plan, build_tables, uniform_plan
+from hybridrec.train.setup.config import Config
+from hybridrec.train.setup.tables import build_plan, build_tables, uniform_plan
 
 
 _DENSE_OPT_STATES = {"sgd": 0, "adagrad": 1, "adam": 2}
@@ -97,12 +97,12 @@ def check_memory(cfg: Config, meta: DatasetMeta, topo: Topology) -> None:
     """Refuse a plan that cannot fit before anything is allocated. Collective with several
     ranks: every rank raises the same error when any machine is short."""
     machine = int(os.environ.get("LOCAL_WORLD_SIZE", topo.local_world_size))
-    problem = memory_problem(cfg, meta, world_size=topo.world_size,
+    problem = memory_problem(cfg, meta, world_size=topo.group_size,
                              local_world_size=topo.local_world_size,
                              host=topo.rank // topo.local_world_size,
-                             groups=max(1, machine // topo.world_size) if topo.hierarchical else 1,
+                             groups=max(1, machine // topo.group_size) if topo.hierarchical else 1,
                              hierarchical=topo.hierarchical)
-    problems = sorted({p for p in gather(topo, problem) if p}) if topo.world_size > 1 else [problem]
+    problems = sorted({p for p in gather(topo, problem) if p}) if topo.group_size > 1 else [problem]
     if any(problems):
         raise ConfigError("; ".join(p for p in problems if p))
 

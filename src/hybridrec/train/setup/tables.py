@@ -1,7 +1,7 @@
 """A dataset's embedding tables and where they live: the tables a config makes of a
 dataset's schema, and the sharding plan (a plan file, the planner, or one sharding type for
 every table). The run builder (:mod:`hybridrec.train.build`), the memory check
-(:mod:`hybridrec.train.memory`) and the parameter servers (:mod:`hybridrec.train.ps_run`)
+(:mod:`hybridrec.train.setup.memory`) and the parameter servers (:mod:`hybridrec.train.ps_run`)
 read them."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from hybridrec.parallel import plan as plan_lib
 from hybridrec.parallel.plan import ShardingPlan
 from hybridrec.parallel.planner import plan_sharding
 from hybridrec.parallel.topology import Topology
-from hybridrec.train.config import Config
+from hybridrec.train.setup.config import Config
 
 
 def load_dataset(cfg: Config) -> DatasetMeta:
@@ -43,17 +43,17 @@ AUTO_PLAN_BANDWIDTH = 10e9 / 8
 def build_plan(cfg: Config, tables: list[TableConfig], topo: Topology,
                meta: DatasetMeta | None = None) -> ShardingPlan:
     if cfg.dist.plan:
-        from hybridrec.train.rules import plan_file_problem
+        from hybridrec.train.setup.rules import plan_file_problem
 
-        if problem := plan_file_problem(cfg, topo.world_size, topo.global_world_size):
+        if problem := plan_file_problem(cfg, topo.group_size, topo.job_size):
             raise ConfigError(problem)
         return ShardingPlan.from_json(Path(cfg.dist.plan).read_text())
     if cfg.dist.sharding == "auto":
-        return plan_sharding(tables, world_size=topo.world_size, local_world_size=topo.local_world_size,
+        return plan_sharding(tables, world_size=topo.group_size, local_world_size=topo.local_world_size,
                              stats=meta.stats if meta else None, batch_size_per_rank=cfg.data.batch_size,
                              bandwidth_bytes_per_s=AUTO_PLAN_BANDWIDTH, optimizer=cfg.optim.sparse,
                              weight_bytes=WEIGHT_DTYPES[cfg.model.embedding_dtype].itemsize)
-    return uniform_plan(cfg.dist.sharding, tables, topo.world_size, topo.local_world_size)
+    return uniform_plan(cfg.dist.sharding, tables, topo.group_size, topo.local_world_size)
 
 
 def uniform_plan(kind: str, tables: list[TableConfig], world: int, local_world: int) -> ShardingPlan:
