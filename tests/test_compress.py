@@ -139,7 +139,7 @@ def test_all_zero_gradient_sends_nothing(make):
 
 def test_all_equal_gradient():
     grad, k = torch.full((200,), 0.5), keep_count(0.05, 200)
-    topk, dct = TopKCompressor(0.05), DCTCompressor(0.05, refresh_every=5)
+    topk, dct = TopKCompressor(0.05), DCTCompressor(0.05, refresh_every=5, cap=None)  # the pure threshold
     assert topk.compress("w", grad).count == k
     assert dct.compress("w", grad).count == k  # a refresh sends exactly K, ties or not
     assert dct.threshold("w") == 0.5
@@ -229,7 +229,9 @@ def _hook_run(topo, make):
         ddp.zero_grad()
         ddp(x).square().mean().backward()
         ledger.step_end()
-        step = {"ledger": ledger.totals(scope="last_step"), "count": sum(s.count for s in sent.values() if isinstance(s, SparseGrad)),
+        sparse = [s for s in sent.values() if isinstance(s, SparseGrad)]
+        step = {"ledger": ledger.totals(scope="last_step"), "count": sum(s.count for s in sparse),
+                "capacity": SparseGrad.cat(sparse).capacity if sparse else None,
                 "numel": sum(p.numel() for p in model.parameters()), "max_err": 0.0, "residuals_equal": True}
         for n, p in model.named_parameters():
             avg = GradientCompressor.decompress(sent[n])
@@ -263,7 +265,7 @@ def _hooks_on_ranks(topo):
     torch.set_num_threads(1)  # three ranks share the machine's cores
     return {"dct": _hook_run(topo, lambda: DCTCompressor(0.2, refresh_every=2)),
             "topk": _hook_run(topo, lambda: TopKCompressor(0.1)),
-            "dct_warm": _hook_run(topo, lambda: DCTCompressor(0.3, refresh_every=3, warmup_steps=2)),
+            "dct_warm": _hook_run(topo, lambda: DCTCompressor(0.3, refresh_every=3, warmup_steps=2, cap=None)),
             "powersgd": _powersgd_run(topo)}
 
 
@@ -284,6 +286,10 @@ def test_hooks_on_three_ranks():
                 assert led.original == ring and led.calls == 1
                 if kind == "dct_warm" and s < 2:  # warm-up: a plain fp32 all-reduce
                     assert led.sent == led.received == ring
+                    continue
+                if step["capacity"] is not None:  # bounded (top-k, capped DCT): fixed-size buffers, no sizes
+                    fixed = sm.FixedLayout(step["capacity"], step["numel"], torch.float32).nbytes
+                    assert led.sent == led.received == (world - 1) * fixed
                     continue
                 mine = sm.encoded_size(step["count"], step["numel"], torch.float32)
                 assert led.sent == (world - 1) * (sm.SIZE_BYTES + mine)

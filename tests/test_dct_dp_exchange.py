@@ -168,7 +168,9 @@ def ddp_worker(topo):
         model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(),
                               nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 1))
         ledger = CommLedger()
-        hooks = CompressedAllReduce(DCTCompressor(0.05, 2, ramp=True, warmup_steps=1), ledger,
+        # cap=None: the pure threshold, whose sizes are exchanged (bounded messages take the
+        # fixed-size path instead: tests/test_dct_fixed_size.py)
+        hooks = CompressedAllReduce(DCTCompressor(0.05, 2, ramp=True, warmup_steps=1, cap=None), ledger,
                                     pairwise=pairwise, overlap=overlap)
         hook = hooks("m", model)
         buckets, early = [], []

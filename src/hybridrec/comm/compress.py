@@ -13,7 +13,13 @@ a dense tensor (possibly of a narrower dtype) otherwise, so a DDP comm hook
 - :class:`NoCompression`: the gradient itself (the plain all-reduce baseline).
 - :class:`CastCompressor`: fp16 or bf16 casting.
 - :class:`TopKCompressor`: exact top-k by magnitude, every step, with error feedback.
-- :class:`DCTCompressor`: DCT-DP, a magnitude threshold refreshed every L steps.
+- :class:`DCTCompressor`: DCT-DP, a magnitude threshold refreshed every L steps, its
+  message bounded by a cap.
+
+A sparsifier's message carries a ``capacity`` (:meth:`_Sparsifier.capacity`): at most that
+many entries, a number every rank derives from the tensor's size alone (top-k: K; DCT:
+its cap). The hooks then sum it with one exchange of fixed-size buffers and no exchange
+of message sizes first (:class:`~hybridrec.comm.sparse_message.FixedLayout`).
 
 PowerSGD needs two collectives with a computation between them, so it is not a
 payload compressor; it is a hook around PyTorch's own (``ddp_hooks.PowerSGDHooks``).
@@ -162,9 +168,15 @@ class _Sparsifier(GradientCompressor):
     def hyperparameters(self):
         return {**super().hyperparameters(), "ratio": self.ratio, "error_feedback": self.error_feedback}
 
+    def capacity(self, numel: int) -> int | None:
+        """At most how many entries a message of a ``numel`` tensor holds, the same on every
+        rank; None: no bound below ``numel`` (the message travels at its own size, which the
+        peers must be told first)."""
+        return None
+
     def _compress(self, st, x, shared):
         idx = self._select(st, x)
-        msg = SparseGrad(idx, x[idx], x.numel())
+        msg = SparseGrad(idx, x[idx], x.numel(), self.capacity(x.numel()))
         if self.error_feedback:
             residual = x.clone() if shared else x
             residual[idx] = 0
@@ -209,6 +221,10 @@ class TopKCompressor(_Sparsifier):
 
     kind = "topk"
 
+    def capacity(self, numel):
+        # ratio 1 keeps everything: only the nonzero entries travel, at their own count
+        return None if self.ratio == 1 else keep_count(self.ratio, numel)
+
     def _select(self, st, x):
         return _top(x, keep_count(self.ratio, x.numel()))[0]
 
@@ -217,11 +233,21 @@ class DCTCompressor(_Sparsifier):
     """DCT-DP: send the entries with ``|x| >= tau``, where ``tau`` is the K-th largest
     magnitude of ``x`` (``K = ceil(ratio * n)``) recomputed only every ``refresh_every``
     compressed steps of a tensor and held fixed in between, so the top-k runs rarely and
-    the number sent varies between refreshes.
+    the number sent varies between refreshes, up to a cap.
 
     - At a refresh step exactly the top-K entries are sent (ties broken by ``torch.topk``),
       so the count there is K whatever the ties; in between, every entry at or above tau.
-    - ``ratio = 1`` keeps everything: tau is 0 and every nonzero entry is sent.
+    - ``cap``: a message holds at most ``ceil(cap * K)`` entries (:meth:`capacity`; at least
+      K, at most n). When more pass the threshold, the largest ``ceil(cap * K)`` of them are
+      sent and the others stay in the residual (error feedback sends them later; without
+      it they are dropped, as every unsent entry is); a tensor of so few entries that K is
+      all of them is bounded by its size. This is a simplification of the
+      paper's pure threshold: a bounded message, so that it travels in a buffer of fixed
+      size and no message sizes are exchanged before it (a round trip in the middle of the
+      backward). The cost: the padding when fewer pass, counted as sent. ``cap=None``:
+      the pure threshold, a message of its own size. The cap counts nothing while the
+      threshold lets through at most K entries (e.g. at refreshes, or as gradients shrink).
+    - ``ratio = 1`` keeps everything: tau is 0 and every nonzero entry is sent (no cap).
     - A refreshed tau of 0 with K < n (fewer than K nonzero entries, e.g. an all-zero
       gradient) would send every nonzero entry until the next refresh, so the threshold
       is recomputed at the next step instead.
@@ -233,18 +259,43 @@ class DCTCompressor(_Sparsifier):
     """
 
     kind = "dct"
+    DEFAULT_CAP = 1.25
+    """The cap's slack over K. Between refreshes the count mostly falls below K (the
+    threshold was set on larger gradients); 1.25 leaves room for a quarter more before
+    entries wait, and keeps the padding (what a fixed-size message costs in bytes) at a
+    quarter of K's entries at most."""
 
     def __init__(self, ratio: float, refresh_every: int, *, error_feedback: bool = True,
-                 warmup_steps: int = 0, ramp: bool = False) -> None:
+                 warmup_steps: int = 0, ramp: bool = False, cap: float | None = DEFAULT_CAP) -> None:
         super().__init__(ratio, error_feedback=error_feedback, warmup_steps=warmup_steps)
         if refresh_every < 1:
             raise ValueError(f"refresh_every (L) must be >= 1, got {refresh_every}")
+        if cap is not None and not cap >= 1:
+            raise ValueError(f"DCT cap must be >= 1 (a multiple of K) or None, got {cap}")
         # L: the top-k behind tau costs a sort-like pass; holding tau L steps amortises it.
         self.refresh_every = refresh_every
         self.ramp = ramp
+        self.cap = cap
+        # Not checkpointed: how often the cap held entries back, and how many (diagnostics).
+        self.capped_steps = 0
+        self.capped_entries = 0
 
     def hyperparameters(self):
-        return {**super().hyperparameters(), "refresh_every": self.refresh_every, "ramp": self.ramp}
+        return {**super().hyperparameters(), "refresh_every": self.refresh_every, "ramp": self.ramp,
+                "cap": self.cap}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """As the base class; a state saved before the cap existed (no ``cap`` among its
+        hyperparameters) loads into any cap: its residuals and thresholds mean the same."""
+        saved = state["hyperparameters"]
+        if "cap" not in saved:
+            state = {**state, "hyperparameters": {**saved, "cap": self.cap}}
+        super().load_state_dict(state)
+
+    def capacity(self, numel):
+        if self.cap is None or self.ratio == 1:
+            return None
+        return min(numel, math.ceil(round(self.cap * keep_count(self.ratio, numel), 6)))
 
     def due(self, st: TensorState) -> bool:
         """True when ``tau`` is recomputed at this step (:func:`refresh_due` of the compressed
@@ -262,7 +313,13 @@ class DCTCompressor(_Sparsifier):
             # Host read, only at a refresh: a zero threshold is not held (see the class doc).
             st.tau = tau if float(tau) > 0 else None
             return idx
-        return (x.abs() >= st.tau).nonzero().squeeze(1)
+        idx = (x.abs() >= st.tau).nonzero().squeeze(1)
+        cap = self.capacity(x.numel())
+        if cap is not None and idx.numel() > cap:  # (the count is known: nonzero synchronized)
+            self.capped_steps += 1
+            self.capped_entries += idx.numel() - cap
+            idx = idx[x[idx].abs().topk(cap, sorted=False).indices].sort().values
+        return idx
 
     def threshold(self, key: str) -> float | None:
         """The threshold held for ``key`` (None before the first refresh or after a zero one)."""

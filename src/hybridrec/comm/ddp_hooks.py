@@ -14,7 +14,8 @@ entries. Per-parameter keys survive any rebuild unchanged.
 Byte accounting (category ``"dense_allreduce"``, direction ``"bwd"``): ``original`` is
 what the uncompressed ring all-reduce of the fp32 bucket sends,
 ``2 (w-1) / w * nbytes`` (the formula of ``allreduce_hook``); ``sent`` and ``received``
-are what this hook's own collectives put on and took off the wire.
+are what this hook's own collectives put on and took off the wire (a fixed-size
+message's padding included).
 """
 
 from __future__ import annotations
@@ -58,6 +59,17 @@ class _Message:
     """The future a DDP hook returned for it (completed with ``buf`` once summed)."""
 
 
+def _summed(buf: torch.Tensor, rank: int, world: int, mean: bool,
+            add: Callable[[int], object]) -> torch.Tensor:
+    """``buf`` = the sum of every rank's message, ``add(r)`` adding rank ``r``'s into it, in
+    rank order on every rank (the replicas stay identical, bit for bit); ``mean``: divided
+    by ``world``."""
+    buf.zero_()
+    for r in range(world):
+        add(r)
+    return buf.div_(world) if mean else buf
+
+
 def _settle(out: torch.futures.Future, fut: torch.futures.Future) -> None:
     try:
         out.set_result(fut.value())
@@ -72,11 +84,21 @@ class CompressedAllReduce:
 
     One instance serves every arch, so ``state_dict`` covers all of them.
 
-    A sparse exchange is two steps: the message sizes (one int64 per rank pair), then the
-    messages (their splits need the sizes, a host read). In a DDP hook (``overlap``) they
-    are spread over two hooks so that no hook waits for the peers to reach its own bucket:
-    the hook of bucket ``i`` compresses it and *starts* its size exchange, and returns a
-    future this class completes; the hook of bucket ``i + 1`` waits for those sizes (by
+    A bounded message (``SparseGrad.capacity``: top-k below ratio 1, DCT with its cap) is
+    one step: the hook encodes it in a buffer of fixed size
+    (:class:`~hybridrec.comm.sparse_message.FixedLayout`, the same size on every rank),
+    starts the exchange of those buffers (``all_to_all_single``, or the pairwise exchange)
+    and returns a future that sums them when they are in, as the dense all-reduce does:
+    no sizes travel, nothing waits in the hook. The same path in :meth:`reduce` and
+    :meth:`sum_sparse`.
+
+    An unbounded sparse message (DCT without a cap or at ratio 1; a bucket is bounded when
+    any of its tensors is, a dense payload beside them counting its size) is two steps:
+    the message sizes (one int64 per rank pair), then the messages (their splits need the
+    sizes, a host read). In a DDP hook (``overlap``) they are spread over two hooks so
+    that no hook waits for the peers to reach its own bucket: the hook of bucket ``i``
+    compresses it and *starts* its size exchange, and returns a future this class
+    completes; the hook of bucket ``i + 1`` waits for those sizes (by
     then usually in: the peers started theirs while this rank computed bucket ``i + 1``'s
     gradients), starts bucket ``i``'s messages, then starts bucket ``i + 1``'s sizes; the
     last bucket's hook (``bucket.is_last()``) waits for its own sizes and starts its
@@ -121,6 +143,8 @@ class CompressedAllReduce:
             payload = self._payload(buf, keys, bucket.gradients())
             if isinstance(payload, list):
                 return self._dense(process_group, buf, payload)
+            if payload.capacity is not None:  # no sizes to wait for: started now, summed in the future
+                return self._fixed(process_group, buf, payload)
             m = self._start_sizes(process_group, buf, payload)
             m.out = torch.futures.Future()
             if bucket.is_last():  # no later hook in this backward: DDP waits for every bucket after it
@@ -149,6 +173,8 @@ class CompressedAllReduce:
         payload = self._payload(buf, keys, grads)
         if isinstance(payload, list):
             return self._dense(group, buf, payload)
+        if payload.capacity is not None:
+            return self._fixed(group, buf, payload)
         return self._send(group, self._start_sizes(group, buf, payload))
 
     def _record(self, sent: int, received: int, buf: torch.Tensor, world: int,
@@ -179,6 +205,8 @@ class CompressedAllReduce:
         if not isinstance(msg, SparseGrad):
             msg = SparseGrad.from_dense(msg.to(grad.dtype))
         buf = torch.empty_like(grad.reshape(-1))
+        if msg.capacity is not None:
+            return self._fixed(group, buf, msg, mean=False, original=original).wait()
         return self._send(group, self._start_sizes(group, buf, msg, mean=False, original=original)).wait()
 
     def _start_sizes(self, group, buf, msg: SparseGrad, *, mean: bool = True,
@@ -186,6 +214,26 @@ class CompressedAllReduce:
         encoded = sm.encode(msg)
         return _Message(buf, msg, encoded, sm.start_sizes(encoded.numel(), group, pairwise=self.pairwise),
                         mean, original)
+
+    def _fixed(self, group, buf, msg: SparseGrad, *, mean: bool = True,
+               original: int | None = None) -> torch.futures.Future:
+        """Starts the exchange of every rank's bounded message in buffers of one fixed size
+        (``msg.capacity`` entries); the future resolves to ``buf`` holding their sum in rank
+        order (``mean``: the average). Sent and received: ``world - 1`` buffers each way."""
+        rank, world = group.rank(), group.size()
+        layout = sm.FixedLayout(msg.capacity, msg.numel, msg.values.dtype)
+        sizes = [layout.nbytes] * world  # known to every rank: nothing to exchange first
+        start = sm.start_pairwise_exchange if self.pairwise else sm.start_exchange
+        fut, received = start(layout.encode(msg), sizes, group)
+        wire = (world - 1) * layout.nbytes
+        self._record(wire, wire, buf, world, original)
+
+        def finish(_):
+            others = sm.split_received(received, sizes, rank)
+            return _summed(buf, rank, world, mean, lambda r: msg.add_to(buf) if r == rank
+                           else layout.add_to(others[r], buf))
+
+        return fut.then(finish)
 
     def _send(self, group, m: _Message) -> torch.futures.Future:
         """Waits for ``m``'s sizes and starts its messages; the future resolves to ``m.buf``
@@ -199,11 +247,8 @@ class CompressedAllReduce:
 
         def finish(_):
             others = sm.split_received(received, sizes, rank)
-            buf.zero_()
-            for r in range(world):  # rank order on every rank: the replicas stay identical
-                part = msg if r == rank else sm.decode(others[r], buf.numel(), msg.values.dtype)
-                part.add_to(buf)
-            return buf.div_(world) if mean else buf
+            return _summed(buf, rank, world, mean, lambda r: (
+                msg if r == rank else sm.decode(others[r], buf.numel(), msg.values.dtype)).add_to(buf))
 
         return fut.then(finish)
 

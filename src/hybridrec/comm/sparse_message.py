@@ -17,6 +17,11 @@ every other rank with two all-to-alls (the sizes, then the bytes with uneven spl
 so each rank receives exactly the other ranks' messages and nothing is padded;
 :func:`start_pairwise_exchange` sends the bytes by receive-first isend/irecv instead
 (``dist.exchange=pairwise``).
+
+A message with a ``capacity`` (a bound every rank knows from the tensor alone: top-k's K,
+DCT's cap) can travel in a buffer of fixed size instead (:class:`FixedLayout`, padded):
+then no sizes are exchanged, the same two exchange functions take ``[nbytes] * world`` as
+the sizes, and the received buffers are summed without reading anything on the host.
 """
 
 from __future__ import annotations
@@ -54,6 +59,11 @@ class SparseGrad:
     indices: torch.Tensor
     values: torch.Tensor
     numel: int
+    capacity: int | None = None
+    """At most this many entries, whatever the gradient: a bound the compressor keeps and
+    every rank knows from the tensor alone, so the message can travel in a fixed-size buffer
+    (:class:`FixedLayout`) with no size exchange. None: no bound below ``numel`` (only the
+    entries sent travel, their count exchanged first)."""
 
     @property
     def count(self) -> int:
@@ -70,12 +80,15 @@ class SparseGrad:
     @staticmethod
     def cat(parts: list[SparseGrad]) -> SparseGrad:
         """Messages of consecutive pieces of one flat tensor, joined: part ``i``'s indices
-        are shifted by the lengths of parts ``0..i-1``."""
+        are shifted by the lengths of parts ``0..i-1``. The capacity is the parts' sum (an
+        unbounded part counts its ``numel``), or None when no part has one."""
         offset, idx = 0, []
         for p in parts:
             idx.append(p.indices + offset)
             offset += p.numel
-        return SparseGrad(torch.cat(idx), torch.cat([p.values for p in parts]), offset)
+        bounded = any(p.capacity is not None for p in parts)
+        capacity = sum(p.numel if p.capacity is None else p.capacity for p in parts) if bounded else None
+        return SparseGrad(torch.cat(idx), torch.cat([p.values for p in parts]), offset, capacity)
 
     def add_to(self, out: torch.Tensor) -> torch.Tensor:
         """``out[indices] += values`` for a flat ``out`` of ``numel`` elements; returns it."""
@@ -171,6 +184,93 @@ def decode(buf: torch.Tensor, numel: int, value_dtype: torch.dtype) -> SparseGra
     else:
         raise ValueError(f"unknown sparse message tag {tag}")
     return SparseGrad(indices, _view(raw_values, value_dtype), numel)
+
+
+ALIGN = 8
+"""Bytes a fixed-size message's sections (and the message) are padded to: every section
+of every rank's buffer, back to back in a received one, can then be viewed in its dtype."""
+
+
+def _aligned(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+@dataclass(frozen=True)
+class FixedLayout:
+    """The fixed-size form of messages of at most ``capacity`` entries of a ``numel`` tensor
+    with ``value_dtype`` values. Every rank derives it from the tensor alone, so no sizes
+    travel, and a received buffer is added without a host read::
+
+        [capacity values][pad to 8][capacity indices (index_dtype(numel)) | bitmap][pad to 8]
+
+    The smaller of an index list and a bitmap for ``capacity`` entries (as :func:`encode`
+    chooses for ``count``); no tag byte: both sides know which. Unused value slots hold
+    ``-0.0`` and unused index slots 0: ``x + (-0.0)`` is ``x`` bit for bit, so the padding is
+    added into entry 0 without changing it. With a bitmap, the ``k`` set bits take the
+    first ``k`` values (a host read of ``k``).
+
+    Example: capacity 3, numel 300, float32: 12 value bytes padded to 16, three uint16
+    indices (6 bytes) padded to 8: 24 bytes. ``SparseGrad([1, 4], [0.5, -2.0], 300)`` is
+    encoded as the values ``[0.5, -2.0, -0.0]`` and the indices ``[1, 4, 0]``.
+    """
+
+    capacity: int
+    numel: int
+    value_dtype: torch.dtype
+
+    @property
+    def bitmap(self) -> bool:
+        return uses_bitmap(self.capacity, self.numel)
+
+    @property
+    def _values_bytes(self) -> int:
+        return _aligned(self.capacity * self.value_dtype.itemsize)
+
+    @property
+    def _body_bytes(self) -> int:
+        return _bitmap_bytes(self.numel) if self.bitmap else self.capacity * index_dtype(self.numel).itemsize
+
+    @property
+    def nbytes(self) -> int:
+        """The size of every rank's buffer, padding included (what goes on the wire)."""
+        return self._values_bytes + _aligned(self._body_bytes)
+
+    def encode(self, msg: SparseGrad) -> torch.Tensor:
+        """``msg`` as ``[nbytes]`` uint8. Raises ValueError when it does not fit."""
+        if msg.numel != self.numel or msg.count > self.capacity or msg.values.dtype != self.value_dtype:
+            raise ValueError(f"a message of {msg.count} {msg.values.dtype} entries of {msg.numel} does "
+                             f"not fit a fixed layout of {self.capacity} {self.value_dtype} entries "
+                             f"of {self.numel}")
+        k = msg.count
+        out = torch.zeros(self.nbytes, dtype=torch.uint8, device=msg.values.device)
+        values = out[: self.capacity * self.value_dtype.itemsize].view(self.value_dtype)
+        values[:k] = msg.values
+        values[k:] = -0.0  # the additive identity: the padding changes no sum
+        body = out[self._values_bytes: self._values_bytes + self._body_bytes]
+        if self.bitmap:
+            mask = torch.zeros(self.numel, dtype=torch.bool, device=msg.indices.device)
+            mask[msg.indices] = True
+            body.copy_(pack_bits(mask))
+        else:  # unused slots stay index 0
+            body.view(index_dtype(self.numel))[:k] = msg.indices.to(index_dtype(self.numel))
+        return out
+
+    def add_to(self, raw: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """``out += `` the message in ``raw`` (``[nbytes]`` uint8, from :meth:`encode`) for a
+        flat ``out`` of ``numel`` elements; returns ``out``."""
+        if raw.numel() != self.nbytes or out.numel() != self.numel:
+            raise ValueError(f"fixed message of {raw.numel()} bytes into {out.numel()} entries: expected "
+                             f"{self.nbytes} bytes into {self.numel}")
+        if raw.storage_offset() % ALIGN:  # a view in a dtype wider than a byte needs it
+            raw = raw.clone()
+        values = raw[: self.capacity * self.value_dtype.itemsize].view(self.value_dtype)
+        body = raw[self._values_bytes: self._values_bytes + self._body_bytes]
+        if self.bitmap:
+            indices = unpack_bits(body, self.numel).nonzero().squeeze(1)
+            values = values[: indices.numel()]
+        else:
+            indices = body.view(index_dtype(self.numel)).to(torch.int64)
+        return out.index_add_(0, indices, values.to(out.dtype))
 
 
 class PendingSizes:

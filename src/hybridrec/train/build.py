@@ -245,7 +245,7 @@ def build_dense_compressor(c: CompressConfig, *, total_steps: int = 0) -> Gradie
     if c.dense == "dct":
         every = c.dense_refresh_every or auto_refresh_every(total_steps)
         return DCTCompressor(c.dense_ratio, every, error_feedback=c.dense_error_feedback,
-                             warmup_steps=c.dense_warmup_steps, ramp=True)
+                             warmup_steps=c.dense_warmup_steps, ramp=True, cap=c.dense_cap or None)
     if c.dense == "topk":
         return TopKCompressor(c.dense_ratio, error_feedback=c.dense_error_feedback,
                               warmup_steps=c.dense_warmup_steps)

@@ -350,6 +350,11 @@ class CompressConfig(ReadOnly):
     dense_warmup_steps: int = 0
     """Steps sent uncompressed before compression starts (``powersgd``: at least 2, as DDP
     rebuilds its buckets after the first step)."""
+    dense_cap: float = 1.25
+    """``dct``: a tensor's message holds at most ``ceil(dense_cap * eta * n)`` entries (the
+    largest that pass the threshold; the others wait in the residual), in a buffer of fixed
+    size, so no message sizes are exchanged in the middle of the backward; 0: the paper's
+    pure threshold, a message of its own size, its size exchanged first. Else >= 1."""
     dense_replicated: bool = True
     """With ``dct`` or ``topk``: compress the replicated (data-parallel) tables' gradients too,
     with the same eta and threshold schedule, instead of their dense all-reduce."""

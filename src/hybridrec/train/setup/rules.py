@@ -293,6 +293,7 @@ def config_rules(cfg: Config) -> list[tuple[bool, str]]:
         (0 < c.dense_ratio <= 1, f"compress.dense_ratio must be in (0, 1], got {c.dense_ratio}"),
         (c.dense_refresh_every >= 0, "compress.dense_refresh_every must be >= 0 (0: auto)"),
         (c.dense_warmup_steps >= 0, "compress.dense_warmup_steps must be >= 0"),
+        (c.dense_cap == 0 or c.dense_cap >= 1, f"compress.dense_cap must be 0 (no cap) or >= 1, got {c.dense_cap}"),
         *_sync_checks(cfg),
         (not (problem := workers_problem(cfg, cfg.dist.nproc)), problem),
         (not (problem := recovery_problem(cfg)), problem),
