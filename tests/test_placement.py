@@ -260,3 +260,61 @@ def test_cli_plan_prints_and_writes_the_dense_part(tmp_path, capsys):
     assert "bottom       replicated" in text and "171,171,170" in text
     assert main(["plan", "--nproc", "2", "--tables", "3x100x8", "--partition-dense", "interaction"]) == 2
     assert "--partition-dense 'interaction': module 'interaction' has no nn.Linear" in capsys.readouterr().err
+
+
+# -- dist.partition_dense=auto: the planner decides ------------------------------------------
+def test_auto_partitions_only_where_it_pays():
+    """A wide layer at a small batch pays (its gradient outweighs the activations), a
+    narrow one at a large batch does not; the numbers are the formula's, worked by hand."""
+    from hybridrec.parallel.planner import choose_dense
+
+    dense = choose_dense({"top": mlp_linears([16, 2048, 1]), "bottom": mlp_linears([16, 64, 4]),
+                          "interaction": []}, 2, 8)
+    top = dense["top"]
+    assert top.placement == "partitioned" and [s.num_cols for s in top.shards] == [1024, 1024]
+    # batch 8, rank 0 of 2: inputs 8 x 16 x 4 B each way and direction; my 1024 columns of the
+    # other's 8 rows out, its 1024 of mine in (forward; backward the reverse); 8 B of sizes forward.
+    act = 2 * (512 + 32768 + 8) + 2 * (512 + 32768)
+    saved = 2 * (2 * 1 * (17 * 2048 * 4) // 2)  # ring all-reduce of weight + bias, sent + received
+    assert top.cost == {"layer": "layers.0", "batch": 8, "activation_bytes": act,
+                        "allreduce_bytes_saved": saved, "pays": True}
+    assert dense.keys() == {"top", "bottom"}  # a module without parameters has nothing to decide
+    narrow = choose_dense({"bottom": mlp_linears([16, 64, 4])}, 2, 128)["bottom"]
+    assert narrow.placement == "replicated" and not narrow.shards
+    assert not narrow.cost["pays"] and narrow.cost["activation_bytes"] > narrow.cost["allreduce_bytes_saved"]
+    assert choose_dense({"top": mlp_linears([16, 2048, 1])}, 2, 2048)["top"].placement == "replicated"
+    few = choose_dense({"top": mlp_linears([16, 2, 1])}, 3, 1)["top"]
+    assert few.placement == "replicated" and few.cost == {"pays": False, "why": "2 columns, fewer than the 3 ranks"}
+
+
+def test_auto_on_a_model_and_its_plan_file():
+    """``dist.partition_dense=auto`` on a model: its MLPs decided (the plan's dense part
+    round-trips with the numbers); ``auto`` goes alone; a plan file must agree."""
+    model = build("dlrm", [64, K])  # bottom 3->64->4, top 10->7->1
+    dense = resolve_dense(["auto"], {}, model, 2, batch=3)  # bottom: 1,624 B < 2,048; top: 664 > 616
+    assert dense["bottom"].placement == "partitioned" and dense["bottom"].layer == "layers.0"
+    assert dense["bottom"].cost["pays"] and dense["top"].placement == "replicated"
+    assert (dense["bottom"].cost["activation_bytes"], dense["top"].cost["activation_bytes"]) == (1624, 664)
+    plan = table_plan("dlrm", 2)
+    plan.dense = dense
+    assert P.ShardingPlan.from_json(plan.to_json()).dense == dense
+    assert resolve_dense(["auto"], dense, model, 2, batch=3) == dense
+    with pytest.raises(ValueError, match="dist.partition_dense=auto and the plan file's dense part"):
+        resolve_dense(["auto"], dense, model, 2, batch=4096)
+    with pytest.raises(ValueError, match="'auto' lets the planner decide every module; give it alone"):
+        resolve_dense(["auto", "top_mlp"], {}, model, 2, batch=3)
+
+
+def test_cli_plan_auto_says_its_choice(tmp_path, capsys):
+    from hybridrec.cli.main import main
+
+    out = tmp_path / "plan.json"
+    assert main(["plan", "--nproc", "2", "--tables", "3x100x8", "--batch-size", "8",
+                 "--partition-dense", "auto", "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    dense = P.ShardingPlan.from_json(out.read_text()).dense
+    assert dense["top"].placement == "partitioned" and dense["top"].cost["pays"]
+    assert "auto: partitioned: pays; its layers.0 per rank per step at batch 8" in text
+    assert main(["plan", "--nproc", "2", "--tables", "3x100x8", "--batch-size", "4096",
+                 "--partition-dense", "auto"]) == 0
+    assert "top          replicated" in (text := capsys.readouterr().out) and "auto: replicated: does not pay" in text

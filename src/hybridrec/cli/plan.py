@@ -21,7 +21,8 @@ pins a table's sharding types and/or ranks (e.g. C1=table_wise@3, C2=@0,1).
 Sizes take B, KB, MB, GB (powers of 1000) or KiB, MiB, GiB (powers of 1024);
 bandwidth takes bit/s units (1Gbit, 100Mbit) or bytes/s (1.25GB).
 --partition-dense MODULE (bottom_mlp, top_mlp; repeatable) splits the module's widest linear
-layer by output columns over all ranks (as dist.partition_dense); the dense part shown is for
+layer by output columns over all ranks (as dist.partition_dense); --partition-dense auto splits
+each one whose activation bytes are fewer than the all-reduce bytes saved; the dense part shown is for
 the default MLP widths (model.bottom_mlp ending in the embedding dim, model.top_mlp).
 """
 
@@ -85,7 +86,7 @@ def _plan(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise ConfigError(str(e)) from None
     modules = default_dense_modules(num_dense, tables)
-    plan.dense = _plan_dense(modules, args.partition_dense, world)
+    plan.dense = _plan_dense(modules, args.partition_dense, world, args.batch_size)
     report = describe_plan(plan, tables, batch_sizes=[args.batch_size] * world,
                            ids_per_bag=ids_per_sample(tables, stats), optimizer=args.optimizer,
                            weight_bytes=weight_bytes)
@@ -146,10 +147,13 @@ def default_dense_modules(num_dense: int, tables: list) -> dict:
             "top": mlp_linears([top_in, *m.top_mlp])}
 
 
-def _plan_dense(modules: dict, names: list[str], world: int) -> dict:
+def _plan_dense(modules: dict, names: list[str], world: int, batch: int) -> dict:
     from hybridrec.parallel.placement import plan_dense
+    from hybridrec.parallel.planner import AUTO, choose_dense
 
     try:
+        if names == [AUTO]:  # the planner decides each MLP by its bytes per step
+            return choose_dense(modules, world, batch)
         return plan_dense(modules, names, world, option="--partition-dense")
     except ValueError as e:
         raise ConfigError(str(e)) from None
@@ -274,6 +278,7 @@ def format_dense(dense: dict, modules: dict, batch: int, world: int) -> list[str
         d = dense.get(name)
         if d is None or d.placement != "partitioned":
             lines.append(f"{name:<12} {'replicated':<12} {'-' if layers else '- (no parameters)'}")
+            lines += _choice(d)
             continue
         moved = [activation_bytes(d, batch, r) for r in range(world)]
         sent = [m["fwd"][0] + m["bwd"][0] for m in moved]
@@ -282,4 +287,18 @@ def format_dense(dense: dict, modules: dict, batch: int, world: int) -> list[str
         shape = f"{d.in_features}->{d.out_features}"
         lines.append(f"{name:<12} {'partitioned':<12} {d.layer:<9} {shape:>11} "
                      f"{_spread(cols):<18} {_spread(sent, fmt_bytes):>15} {_spread(recv, fmt_bytes):>15}")
+        lines += _choice(d)
     return lines
+
+
+def _choice(d) -> list[str]:
+    """The planner's reason (``--partition-dense auto``), under its module's line."""
+    c = d.cost if d is not None else None
+    if not c:
+        return []
+    if "why" in c:
+        return [f"{'':<12} auto: not partitioned ({c['why']})"]
+    verdict = "partitioned: pays" if c["pays"] else "replicated: does not pay"
+    return [f"{'':<12} auto: {verdict}; its {c['layer']} per rank per step at batch {c['batch']}: "
+            f"activations {fmt_bytes(c['activation_bytes'])} vs all-reduce saved "
+            f"{fmt_bytes(c['allreduce_bytes_saved'])} (sent + received)"]

@@ -9,10 +9,13 @@ A checkpoint directory::
 DCP keys; the same whatever the sharding plan and world size::
 
     model.sparse.tables.<t>.weight    [rows, dim]  one global tensor per table
-    model.<fqn>                       dense arches, without DDP's ``module.``
+    model.<fqn>                       dense arches, without DDP's ``module.``; a
+                                      partitioned layer's weight [out, in] and bias [out]
+                                      whole, each rank writing its rows (below)
     sparse_opt.<t>.<state>            row-wise Adagrad ``sum`` [rows] (see below);
                                       lazy Adam ``exp_avg``/``exp_avg_sq`` [rows, dim]
-    dense_opt.state.<fqn>.<state>     torch.optim state, by parameter name
+    dense_opt.state.<fqn>.<state>     torch.optim state, by parameter name (of a
+                                      partitioned layer's: whole, as its parameter)
     extra.<path>                      tensors of the global state (rank 0's), e.g. the loader's
     rank<r>.<path>                    tensors of rank r's own state (e.g. its RNG, a
                                       compressor's residuals): written by rank r only
@@ -38,7 +41,10 @@ tensor subclass with few ops. ShardedTensor is deprecated but still a
 first-class DCP type in torch 2.13; DCP warns about it on load, and that one
 warning is silenced here. Replicated (data-parallel) tables and the dense
 arches are plain tensors on every rank: DCP's save planner keeps one copy of a
-key that several ranks hold.
+key that several ranks hold. A partitioned dense layer
+(:class:`~hybridrec.parallel.placement.ColumnParallelLinear`) is a ShardedTensor of row
+blocks like a row-wise table (:func:`~hybridrec.parallel.checkpoint_layout.row_blocks`), and
+so is the optimizer state shaped like it: a replicated model loads it, and the reverse.
 
 Row-wise optimizer state of a column-split table. Row-wise Adagrad keeps one
 accumulator per row *per shard*; the column shards of one table each have their
@@ -123,13 +129,17 @@ from hybridrec.parallel.checkpoint_layout import (
     LoadPlan,
     add_block,
     dense_opt_state,
+    dense_shapes,
     dense_tensors,
     load_dense_opt,
+    load_object,
     local_weights,
     locate,
     model_fingerprint,
     model_targets,
+    opt_blocks,
     own_storage,
+    row_blocks,
     save_object,
     sparse_targets,
     table_key,
@@ -166,7 +176,10 @@ def _tensor_state(model, sparse_opts, topo) -> dict:
                     v = v.unsqueeze(1).expand(-1, where.shard.num_cols).contiguous()
                 add_block(g, f"sparse_opt.{where.table.name}.{s}", where, v, two_d=v.dim() == 2)
     state = {k: save_object(x, topo) for k, x in g.items()}
-    state.update({k: own_storage(v) for k, v in dense_tensors(model).items()})
+    blocks = row_blocks(model)  # a partitioned layer: each rank writes its rows of one tensor
+    for k, v in dense_tensors(model).items():
+        b = blocks.get(k.removeprefix("model."))
+        state[k] = own_storage(v) if b is None else save_object(b.of(v), topo)
     return state
 
 
@@ -176,7 +189,7 @@ def _save_state(model, dense_opt, sparse_opts, extra, per_rank, topo) -> tuple[d
     ebc = model.sparse
     tensors: dict[str, torch.Tensor] = {}
     # every rank alike: every table of the model (a rank holds shards of only some)
-    shapes = {k: tuple(v.shape) for k, v in dense_tensors(model).items()}
+    shapes = dense_shapes(model)
     if ebc.holds_tables:  # (a parameter-server run's tables: in ps/)
         shapes.update({table_key(t): (tc.num_embeddings, tc.embedding_dim) for t, tc in ebc.tables.items()})
     meta = {"format": FORMAT, "world_size": topo.group_size,
@@ -185,7 +198,9 @@ def _save_state(model, dense_opt, sparse_opts, extra, per_rank, topo) -> tuple[d
             "dense_opt": None if dense_opt is None else
             encode_skeleton(dense_opt_state(dense_opt, model), "dense_opt", tensors),
             "sparse_opt": _sparse_header(sparse_opts)}
-    state.update({k: own_storage(v) for k, v in tensors.items()})  # replicas: DCP keeps one
+    blocks = opt_blocks(meta["dense_opt"], row_blocks(model), globalize=True)
+    state.update({k: save_object(blocks[k].of(v), topo) if k in blocks else own_storage(v)  # replicas: DCP keeps one
+                  for k, v in tensors.items()})
     tensors = {}
     meta["extra"] = encode_skeleton(extra, "extra", tensors)
     if topo.rank == 0:  # extra is global: rank 0's is the one saved
@@ -393,6 +408,10 @@ def _plan_load(path: Path, model, dense_opt, sparse_opts, topo, parts: str = "al
         if meta["dense_opt"] is None:
             raise CheckpointError(f"{path}: it has no dense optimizer state")
         tensor_slots(meta["dense_opt"], plan.targets)
+        for key, b in opt_blocks(meta["dense_opt"], row_blocks(model)).items():  # read as this rank's rows
+            plan.local[key] = plan.targets[key].new_empty(b.local)
+            plan.targets[key], scatter = load_object(b.of(plan.local[key]), topo)
+            plan.scatters += [scatter] if scatter else []
     if sparse_opts:
         head = meta["sparse_opt"]
         if head is None:
@@ -449,7 +468,7 @@ def load_state(path: str | Path, *, model: nn.Module, dense_opt: torch.optim.Opt
             for fn in plan.scatters + plan.reductions:
                 fn()
         if dense_opt is not None:
-            load_dense_opt(dense_opt, model, decode_skeleton(meta["dense_opt"], plan.targets))
+            load_dense_opt(dense_opt, model, decode_skeleton(meta["dense_opt"], {**plan.targets, **plan.local}))
         for opt in sparse_opts or []:
             opt.load_state_dict({**meta["sparse_opt"], "tables": {}})
         mine = decode_skeleton(meta["per_rank"][topo.rank], plan.targets) if _per_rank_fits(meta, topo) else None

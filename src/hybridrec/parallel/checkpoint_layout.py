@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -168,10 +168,69 @@ def _dense_modules(model: nn.Module) -> dict[str, nn.Module]:
 
 
 def dense_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """This rank's dense state by ``model.<fqn>`` (a partitioned layer's: its block)."""
     out = {}
     for name, m in _dense_modules(model).items():
         for k, v in m.state_dict(prefix=f"{name}.").items():
             out[f"model.{k}"] = v  # detached, shares storage: loads in place
+    return out
+
+
+@dataclass(frozen=True)
+class RowBlock:
+    """A dense parameter that is this rank's block of rows of one global tensor: a
+    partitioned layer's weight ``[c_r, in]`` of ``[out, in]`` or bias ``[c_r]`` of ``[out]``
+    (:class:`~hybridrec.parallel.placement.ColumnParallelLinear`, group-relative ranks)."""
+
+    size: tuple[int, ...]  # global
+    local: tuple[int, ...]  # this rank's block
+    start: int  # this rank's first row
+    layout: Layout
+
+    def of(self, t: torch.Tensor) -> GlobalTensor:
+        """``t`` (this rank's block, or a state tensor of its shape) as its global tensor."""
+        rest = (0,) * (len(self.size) - 1)
+        return GlobalTensor(self.size, [((self.start, *rest), t.detach())], self.layout)
+
+
+def row_blocks(model: nn.Module) -> dict[str, RowBlock]:
+    """The dense parameters that are row blocks, by name (``top.layers.1.weight``); none
+    in a model whose dense modules are all replicated."""
+    from hybridrec.parallel.placement import ColumnParallelLinear
+
+    out = {}
+    for name, m in _dense_modules(model).items():
+        for path, layer in m.named_modules(prefix=name):
+            if not isinstance(layer, ColumnParallelLinear):
+                continue
+            spans, me = layer.spans(), layer.route.rank
+            for p, v in layer.named_parameters(prefix=path, recurse=False):
+                rest = tuple(v.shape[1:])
+                layout = [((c0, *(0,) * len(rest)), (c1 - c0, *rest), r) for r, (c0, c1) in spans.items()]
+                out[p] = RowBlock((layer.total_out, *rest), tuple(v.shape), spans[me][0], layout)
+    return out
+
+
+def dense_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:
+    """Global shapes of :func:`dense_tensors` (a row block's: the whole layer's)."""
+    blocks = row_blocks(model)
+    return {k: blocks[fqn].size if (fqn := k.removeprefix("model.")) in blocks else tuple(v.shape)
+            for k, v in dense_tensors(model).items()}
+
+
+def opt_blocks(skeleton: dict | None, blocks: dict[str, RowBlock], *, globalize: bool = False) -> dict[str, RowBlock]:
+    """The dense optimizer's state tensors (DCP key -> block) shaped like a row-block
+    parameter (e.g. Adam's ``exp_avg``; not its scalar ``step``), from the skeleton of
+    :func:`dense_opt_state`. ``globalize``: their shapes in the skeleton become the global
+    ones (a save: the manifest then describes the whole layer, whatever the ranks)."""
+    out = {}
+    for fqn, states in ((skeleton or {}).get("state") or {}).items():
+        b = blocks.get(fqn)
+        for s in (states.values() if b is not None and isinstance(states, dict) else ()):
+            if isinstance(s, dict) and "__tensor__" in s and tuple(s["shape"]) in (b.local, b.size):
+                out[s["__tensor__"]] = b
+                if globalize:
+                    s["shape"] = list(b.size)
     return out
 
 
@@ -215,6 +274,7 @@ class LoadPlan:
     targets: dict
     scatters: list[Callable]  # world 1: full tensors into the shards
     reductions: list[Callable]  # after the scatters: blocks into per-row state
+    local: dict = field(default_factory=dict)  # DCP key -> the tensor a ShardedTensor target fills
 
 
 def add_targets(plan: LoadPlan, g: dict[str, GlobalTensor], topo: Topology) -> None:
@@ -232,9 +292,12 @@ def model_targets(plan: LoadPlan, model: nn.Module, stored: dict, topo: Topology
         for name, w in local_weights(ebc).items():
             add_block(g, table_key(name.partition("@")[0]), locate(ebc, name), w, two_d=True)
     dense = dense_tensors(model) if parts != "tables" else {}
+    blocks = row_blocks(model) if dense else {}
+    for k in [k for k in dense if k.removeprefix("model.") in blocks]:  # a partitioned layer's block: its rows
+        g[k] = blocks[k.removeprefix("model.")].of(dense.pop(k))
     saved = {k for k in stored if k.startswith("model.")}
     missing = sorted((dense.keys() | g.keys()) - saved)
-    allowed = dense.keys() | {table_key(t) for t in ebc.tables}
+    allowed = dense.keys() | g.keys() | {table_key(t) for t in ebc.tables}
     unexpected = sorted(saved - allowed)
     if missing or unexpected:
         raise CheckpointError(f"the model does not match the checkpoint: missing {missing[:5]}, "

@@ -25,6 +25,10 @@ dense sync leaves the slices alone (:func:`partitioned_parameter_names`).
 Simplifications: one layer per module (its widest), MLP modules only
 (:class:`~hybridrec.model.mlp.MLP`, whose forward reads the weights itself), every rank
 of the group holds at least one column; uneven batch sizes are supported.
+
+A checkpoint holds the whole layer (:meth:`ColumnParallelLinear.spans`: each rank writes its
+rows, :mod:`hybridrec.parallel.checkpoint`). ``dist.partition_dense=auto`` lets the planner
+choose by bytes (:func:`choose_dense`).
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from hybridrec.comm.ledger import CommLedger
+from hybridrec.comm.ledger import CommLedger, ring_allreduce_bytes
 from hybridrec.model.kernels import linear
 from hybridrec.model.mlp import MLP
 from hybridrec.parallel.grad_scale import scale_grad
@@ -105,6 +109,9 @@ def plan_dense(modules: Mapping[str, list[LinearSpec] | None], names: Sequence[s
     """The dense part that partitions each module of ``names`` (``top_mlp`` or ``top``...)
     over ranks ``0..group_size-1``: its widest layer, columns split evenly. Pure; raises
     ValueError naming ``option`` and the module when it cannot be done."""
+    if "auto" in names:
+        raise ValueError(f"{option}: 'auto' lets the planner decide every module; give it alone "
+                         f"(got {', '.join(names)})")
     out = {}
     for asked in names:
         spec = _widest(asked, modules, group_size, option)
@@ -136,17 +143,24 @@ def check_dense(dense: Mapping[str, DensePlan], modules: Mapping[str, list[Linea
 
 
 def resolve_dense(requested: Sequence[str], from_plan: Mapping[str, DensePlan], model: nn.Module,
-                  group_size: int) -> dict[str, DensePlan]:
-    """The run's dense part: ``requested`` (``dist.partition_dense``) planned on ``model``,
-    or else the plan file's, checked against ``model``. Both given must agree."""
+                  group_size: int, *, batch: int = 0) -> dict[str, DensePlan]:
+    """The run's dense part: ``requested`` (``dist.partition_dense``) planned on ``model``
+    (``["auto"]``: the planner's choice at ``batch`` rows per rank,
+    :func:`choose_dense`), or else the plan file's, checked
+    against ``model``. Both given must agree."""
     modules = model_linears(model)
-    if requested:
-        dense = plan_dense(modules, requested, group_size)
-        if from_plan and from_plan != dense:
-            raise ValueError(f"dist.partition_dense {list(requested)} and the plan file's dense part "
-                             f"({', '.join(from_plan)}) differ: give one of them")
-    else:
+    if not requested:
         dense = dict(from_plan)
+    elif list(requested) == ["auto"]:
+        if batch < 1:
+            raise ValueError(f"dist.partition_dense=auto: needs the batch size per rank, got {batch}")
+        dense = choose_dense({n: v for n, v in modules.items() if type(getattr(model, n)) is MLP},
+                             group_size, batch)
+    else:
+        dense = plan_dense(modules, requested, group_size)
+    if requested and from_plan and from_plan != dense:
+        raise ValueError(f"dist.partition_dense={','.join(requested)} and the plan file's dense part "
+                         f"({', '.join(from_plan)}) differ: give one of them")
     check_dense(dense, modules, group_size)
     return dense
 
@@ -255,6 +269,15 @@ class ColumnParallelLinear(nn.Module):
         pieces = back.split(mine)
         return torch.cat([pieces[s].view(sizes[me], self.widths[s]) for s in self.order], dim=1)
 
+    def spans(self) -> dict[int, tuple[int, int]]:
+        """Every rank's (group-relative) columns ``[c0, c1)`` of the whole layer: where each
+        block's rows sit in the global weight (what a checkpoint saves, one tensor)."""
+        out, start = {}, 0
+        for s in self.order:
+            out[s] = (start, start + self.widths[s])
+            start += self.widths[s]
+        return out
+
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, cols={self.cols} of {self.total_out}"
 
@@ -319,3 +342,42 @@ def partitioned_parameter_names(module: nn.Module) -> set[str]:
     are complete on each rank, so the dense sync must not average them."""
     return {f"{n}.{p}" if n else p for n, m in module.named_modules() if isinstance(m, ColumnParallelLinear)
             for p, _ in m.named_parameters(recurse=False)}
+
+
+# -- the dense part ------------------------------------------------------------------------
+AUTO = "auto"
+"""``dist.partition_dense=auto`` (``hybridrec plan --partition-dense auto``): the planner
+decides each module (:func:`choose_dense`)."""
+
+
+def dense_cost(dp: DensePlan, batch: int, elem_bytes: int = 4) -> dict:
+    """What partitioning ``dp`` costs and saves, per rank per step at ``batch`` rows on
+    every rank (bytes sent + received): ``activation_bytes`` of the most loaded rank's
+    exchanges and ``allreduce_bytes_saved``, the layer's gradient leaving the ring all-reduce."""
+    g = len(dp.shards)
+    act = max(sum(s + r for s, r in activation_bytes(dp, batch, rank, elem_bytes).values()) for rank in range(g))
+    params = (dp.in_features + 1) * dp.out_features * elem_bytes  # weight and bias
+    return {"layer": dp.layer, "batch": batch, "activation_bytes": act,
+            "allreduce_bytes_saved": 2 * ring_allreduce_bytes(params, g)}
+
+
+def choose_dense(modules: Mapping, group_size: int, batch: int) -> dict[str, DensePlan]:
+    """The dense part for ``modules`` (name -> its ``LinearSpec`` layers; the MLPs the
+    mechanism can split) on groups of ``group_size`` ranks at ``batch`` rows per rank:
+    each module partitioned when it pays (:mod:`hybridrec.parallel.planner`'s docstring), else replicated; each entry's
+    ``cost`` says the numbers and ``pays``. Pure, deterministic."""
+    out = {}
+    for name, layers in modules.items():
+        if not layers:
+            continue
+        widest = max(x.out_features for x in layers)
+        if group_size < 2 or widest < group_size:
+            why = "one rank" if group_size < 2 else f"{widest} columns, fewer than the {group_size} ranks"
+            out[name] = DensePlan(module=name, cost={"pays": False, "why": why})
+            continue
+        dp = plan_dense(modules, [name], group_size)[name]
+        cost = dense_cost(dp, batch)
+        cost["pays"] = cost["activation_bytes"] < cost["allreduce_bytes_saved"]
+        out[name] = dp if cost["pays"] else DensePlan(module=name)
+        out[name].cost = cost
+    return out

@@ -128,6 +128,10 @@ class DensePlan:
     in_features: int = 0
     out_features: int = 0
     shards: list[ColumnShard] = field(default_factory=list)
+    cost: dict | None = None
+    """Why the planner chose this placement (``dist.partition_dense=auto``): bytes per rank
+    per step (:func:`hybridrec.parallel.planner.choose_dense`); None when asked for by name.
+    For people: the mechanism does not read it."""
 
     def problem(self, world_size: int) -> str | None:
         """Why this entry is not a valid placement on ``world_size`` ranks (None: it is)."""
@@ -226,4 +230,4 @@ def _dense_from_dict(p: dict) -> DensePlan:
     return DensePlan(module=p["module"], placement=p.get("placement", "replicated"), layer=p.get("layer"),
                      in_features=int(p.get("in_features", 0)), out_features=int(p.get("out_features", 0)),
                      shards=[ColumnShard(int(s["rank"]), (int(s["cols"][0]), int(s["cols"][1])))
-                             for s in p.get("shards", [])])
+                             for s in p.get("shards", [])], cost=p.get("cost"))

@@ -33,6 +33,16 @@ row_wise / table_row_wise candidates: column shards still hold every row and
 each receives every id. With row-wise Adagrad column_wise is a candidate only when
 pinned (its per-shard accumulators differ from one process's per-row accumulator).
 :class:`TableConstraint` narrows the candidates.
+
+The dense part (``dist.partition_dense=auto``, :func:`choose_dense`): each dense MLP's
+widest layer is partitioned over the group's ranks when, per rank per step (bytes sent
+plus received, float32), the activations that exchanges on its most loaded rank
+(:func:`~hybridrec.parallel.placement.activation_bytes`, forward and backward) are fewer
+than the layer's gradient bytes the ring all-reduce no longer moves (twice
+:func:`~hybridrec.comm.ledger.ring_allreduce_bytes` of its weight and bias); else it stays
+replicated. A byte count, not a time: the exchanges are synchronous while DDP's all-reduce
+overlaps the backward, and memory (the block is 1/G of the layer and of its optimizer
+state) is not weighed.
 """
 
 from __future__ import annotations
@@ -52,6 +62,7 @@ from hybridrec.parallel.cost_model import (  # noqa: F401 - the byte model is pu
     table_memory,
     table_traffic,
 )
+from hybridrec.parallel.placement import AUTO, choose_dense, dense_cost  # noqa: F401 - the dense part's choice
 from hybridrec.parallel.plan import SHARDING_TYPES, ShardingPlan, TablePlan
 
 DP_MAX_ROWS = 10_000
@@ -323,3 +334,4 @@ def _no_fit_message(t, c, tried, optimizer, cap, loads, weight_bytes=VALUE_BYTES
         return f"{what}: no sharding candidate{pins}{too_big}{cap_s}"
     return (f"{what} fits on no rank{pins}{cap_s}, the least used rank already holds "
             f"{min(loads.memory):,.0f} bytes: raise the cap, add ranks or relax the constraint")
+

@@ -330,7 +330,9 @@ class DistConfig(ReadOnly):
     partition_dense: list[str] = field(default_factory=list)
     """Dense modules (e.g. ``top_mlp``) whose widest linear layer is split by output columns
     over the group's ranks instead of replicated (activations exchanged synchronously);
-    written into the plan's dense part (``hybridrec plan --partition-dense``)."""
+    written into the plan's dense part (``hybridrec plan --partition-dense``). ``auto``: the
+    planner partitions each MLP whose activation bytes are fewer than the all-reduce bytes
+    it saves (:func:`hybridrec.parallel.planner.choose_dense`)."""
 
 
 @dataclass(kw_only=True)

@@ -180,7 +180,8 @@ def recovery_problem(cfg: Config) -> str | None:
            if cfg.sync.algorithm != "none" else
            "dist.num_ps: the tables live on the parameter servers" if d.num_ps else
            f"train.workers={t.workers}: Hogwild threads update the tables between steps" if t.workers > 1 else
-           "dist.partition_dense: partitioned dense modules are not checkpointed" if d.partition_dense else None)
+           "dist.partition_dense: a failed rank's column blocks have no copy on the other ranks"
+           if d.partition_dense else None)
     return None if why is None else (f"train.recovery=partial needs synchronous DES training with "
                                      f"checkpoints: {why}; use train.recovery=full")
 
@@ -477,12 +478,12 @@ def _partitioned(cfg: Config, f: RunFacts) -> str | None:
     parts = cfg.dist.partition_dense
     if not parts or f.world == 1:
         return None
-    what = f"dist.partition_dense: {', '.join(parts)} partitioned over the group's ranks"
-    if cfg.train.save_checkpoints:  # a checkpoint would keep one rank's columns of each
-        return f"{what}: checkpoints of partitioned modules are not supported yet; set train.save_checkpoints=false"
+    what = f"dist.partition_dense={','.join(parts)}: dense modules partitioned over the group's ranks"
     if cfg.sync.algorithm != "none" and group_size(cfg, f.world, f.local_world) == f.world:
         return (f"{what}: sync.algorithm={cfg.sync.algorithm} would average different column blocks; "
                 "partition inside groups (dist.group_size) instead")
+    if cfg.train.init_from:  # (its reader fills each rank's tensors whole: a block is part of one)
+        return f"{what}: train.init_from cannot load into column blocks yet; train replicated (no dist.partition_dense)"
     return None
 
 
@@ -498,8 +499,6 @@ def _plan_partitioned(cfg: Config, plan, hierarchical: bool) -> str | None:
     """A plan file's partitioned dense modules, as ``dist.partition_dense``'s."""
     parts = [n for n, d in plan.dense.items() if d.placement == "partitioned"]
     what = f"dist.plan partitions {', '.join(parts)} over the group's ranks"
-    if parts and cfg.train.save_checkpoints:
-        return f"{what}: checkpoints of partitioned modules are not supported yet; set train.save_checkpoints=false"
     if parts and cfg.sync.algorithm != "none" and not hierarchical:
         return (f"{what}: sync.algorithm={cfg.sync.algorithm} would average different column blocks; "
                 "partition inside groups (dist.group_size) instead")
@@ -538,6 +537,6 @@ def dense_plan(cfg: Config, plan, model, group: int) -> dict:
     from hybridrec.parallel.placement import resolve_dense
 
     try:
-        return resolve_dense(cfg.dist.partition_dense, plan.dense, model, group)
+        return resolve_dense(cfg.dist.partition_dense, plan.dense, model, group, batch=cfg.data.batch_size)
     except ValueError as e:
         raise ConfigError(str(e)) from None
