@@ -178,7 +178,6 @@ def test_tables_left_unset_start_as_zeros_with_or_without_room(tmp_path, monkeyp
     """A restarted rank's shards are built untouched (``drawn`` None): they start as zeros in
     new files, or, where the directory has no room, zeroed where they are (with a note).
     Drawn values are kept either way."""
-    from hybridrec.train.checkpointing import recovery
     from hybridrec.train.checkpointing import resident
 
     (tmp_path / "shm").mkdir(mode=0o700)  # (the launcher makes it so: recovery.private_dir)

@@ -155,6 +155,12 @@ class DDPSync(_Predicting):
             setattr(model, name, ddp)
         return model
 
+    def send_plain(self) -> None:
+        """Before :meth:`wrap`: the plain all-reduce instead of the compressor's hooks
+        (``compress.dense_when=pays`` measured that compressing does not pay), predicted."""
+        self.hooks = None
+        self.predict = self.ledger is not None
+
     def synchronize(self) -> None:
         # Nothing to wait for: DDP's reducer finished every bucket before backward returned.
         self._record_prediction()
@@ -180,6 +186,14 @@ class AllReduceSync(_Predicting):
     def wrap(self, model: nn.Module) -> nn.Module:
         self.arches = {n: m for n, m in dense_arches(model).items() if synced_parameters(m)}
         return model
+
+    def send_plain(self) -> None:
+        """Before :meth:`wrap`: the plain all-reduce instead of the compressor (as
+        :meth:`DDPSync.send_plain`)."""
+        from hybridrec.comm.compress import NoCompression
+
+        self.reducer = CompressedAllReduce(NoCompression(), self.ledger, pairwise=self.reducer.pairwise)
+        self.predict = self.ledger is not None
 
     def synchronize(self) -> None:
         for arch, module in self.arches.items():

@@ -352,11 +352,13 @@ def build_parallel_model(cfg: Config, meta: DatasetMeta, topo: Topology, ledger:
     model = build_model(cfg, meta, plan=plan, topo=topo, ledger=ledger, total_steps=total_steps,
                         init_tables=init_tables)
     if cfg.compress.embedding_when == "pays" and model.sparse.codecs:
-        decide_embedding_compression(cfg, model.sparse)
+        decide_embedding_compression(cfg, model)
     # (checked on every rank alike, before any collective of the dense part: a ConfigError)
     plan.dense = dense_plan(cfg, plan, model, topo.group_size)
     if any(d.placement == "partitioned" for d in plan.dense.values()):
         model = place_dense(model, plan.dense, topo, ledger=ledger)
+    if cfg.compress.dense_when == "pays" and not isinstance(dense_sync, NoSync):  # (before DDP is built)
+        decide_dense_compression(cfg, model, topo, dense_sync, total_steps=total_steps)
     model = parallelize_dlrm(model, plan, topo, ledger=ledger, dense_sync=dense_sync)
     if topo.lead:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -366,13 +368,15 @@ def build_parallel_model(cfg: Config, meta: DatasetMeta, topo: Topology, ledger:
     return model
 
 
-def decide_embedding_compression(cfg: Config, ebc: ShardedEmbeddingBagCollection) -> None:
-    """``compress.embedding_when=pays``: measure whether the codecs pay here
-    (:mod:`hybridrec.parallel.codec_pays`) and drop them where they do not; the record goes
-    to ``ebc.compression`` (summary.json ``kernels.embedding_compression``)."""
+def decide_embedding_compression(cfg: Config, model: torch.nn.Module) -> None:
+    """``compress.embedding_when=pays``: measure whether the codecs of ``model.sparse`` pay
+    here, the hop travelling behind ``model.bottom`` (:mod:`hybridrec.parallel.codec_pays`),
+    and drop them where they do not; the record goes to ``ebc.compression`` (summary.json
+    ``kernels.embedding_compression``)."""
     from hybridrec.parallel.codec_pays import measure
 
-    record = measure(ebc, cfg.data.batch_size)
+    ebc = model.sparse
+    record = measure(ebc, cfg.data.batch_size, model.bottom)
     if not record["pays"]:
         ebc.drop_codecs()
     ebc.compression = {**record, "compressed": bool(ebc.codecs)}
@@ -380,6 +384,33 @@ def decide_embedding_compression(cfg: Config, ebc: ShardedEmbeddingBagCollection
         verdict = "compressed" if ebc.codecs else "sent uncompressed: compressing does not pay here"
         print(f"compress.embedding={cfg.compress.embedding}: the codecs take {record['codec_ms']:.1f} ms a step, "
               f"the wire time they save {record['saved_ms']:.1f} ms: {verdict}", file=sys.stderr, flush=True)
+
+
+def decide_dense_compression(cfg: Config, model: torch.nn.Module, topo: Topology, dense_sync: DenseSync, *,
+                             total_steps: int = 0) -> None:
+    """``compress.dense_when=pays``: measure whether ``compress.dense``'s compressor pays on
+    the dense arches' gradients here (:func:`hybridrec.parallel.codec_pays.measure_dense`,
+    the slowest rank of the run decides, so every rank alike); where it does not,
+    ``dense_sync`` (not wrapped yet) sends the plain all-reduce. The record goes to
+    ``dense_sync.compression`` (summary.json ``kernels.dense_compression``)."""
+    from hybridrec.parallel.codec_pays import measure_dense
+
+    def make() -> GradientCompressor:  # (its warm-up steps left out: they send everything)
+        compressor = build_dense_compressor(cfg.compress, total_steps=total_steps)
+        compressor.warmup_steps = 0
+        return compressor
+
+    sizes = [[p.numel() for _, p in synced_parameters(m)] for m in dense_arches(model).values()]
+    pairwise = cfg.dist.exchange == "pairwise"
+    record = measure_dense(make, [s for s in sizes if s], topo.group, device=topo.device,
+                           slowest_over=topo.run_group, pairwise=pairwise)
+    if not record["pays"]:
+        dense_sync.send_plain()
+    dense_sync.compression = {**record, "compressed": record["pays"]}
+    if topo.job_rank == 0:
+        verdict = "compressed" if record["pays"] else "sent uncompressed: compressing does not pay here"
+        print(f"compress.dense={cfg.compress.dense}: the compressor takes {record['codec_ms']:.1f} ms a step, "
+              f"the wire time it saves {record['saved_ms']:.1f} ms: {verdict}", file=sys.stderr, flush=True)
 
 
 def build_ps_model(cfg: Config, meta: DatasetMeta, topo: Topology, ledger: CommLedger,
@@ -446,6 +477,8 @@ def build_trainer(cfg: Config, *, meta: DatasetMeta | None = None, topo: Topolog
                   if servers else build_sparse_optimizers(cfg, model.sparse))
     kernels = {**tune_kernels(cfg, model, topo, sparse_opt), "allocator": allocator,
                "helper_threads": threads.status()}
+    if (dense_record := getattr(dense_sync, "compression", None)) is not None:  # (compress.dense_when=pays)
+        kernels["dense_compression"] = dense_record
     pipeline = TrainPipeline(train_loader, model.sparse, enabled=cfg.dist.pipeline, device=topo.device)
     schedule = LRSchedule(cfg.optim.warmup_steps, cfg.optim.decay, cfg.optim.decay_start, total_steps)
     scheduler = LRScheduler(schedule, dense_opt, sparse_opt,

@@ -357,6 +357,12 @@ class CompressConfig(ReadOnly):
     largest that pass the threshold; the others wait in the residual), in a buffer of fixed
     size, so no message sizes are exchanged in the middle of the backward; 0: the paper's
     pure threshold, a message of its own size, its size exchanged first. Else >= 1."""
+    dense_when: str = "always"
+    """``dct`` and ``topk``: ``always`` compress as configured; ``pays``: at start-up time the
+    compressor's work of a step on the dense arches' gradients against the wire time it saves
+    (the float32 all-reduce against the exchange of its fixed-size messages; both measured,
+    the slowest rank's) and send the plain all-reduce when compressing does not pay;
+    summary.json says which (``kernels.dense_compression``; :mod:`hybridrec.parallel.codec_pays`)."""
     dense_replicated: bool = True
     """With ``dct`` or ``topk``: compress the replicated (data-parallel) tables' gradients too,
     with the same eta and threshold schedule, instead of their dense all-reduce."""

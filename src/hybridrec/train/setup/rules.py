@@ -295,6 +295,13 @@ def config_rules(cfg: Config) -> list[tuple[bool, str]]:
         (c.dense_refresh_every >= 0, "compress.dense_refresh_every must be >= 0 (0: auto)"),
         (c.dense_warmup_steps >= 0, "compress.dense_warmup_steps must be >= 0"),
         (c.dense_cap == 0 or c.dense_cap >= 1, f"compress.dense_cap must be 0 (no cap) or >= 1, got {c.dense_cap}"),
+        (c.dense_when in ("always", "pays"), f"compress.dense_when {c.dense_when!r}: always or pays"),
+        (c.dense_when == "always" or (c.dense in ("dct", "topk") and c.dense_ratio < 1
+                                      and (c.dense == "topk" or c.dense_cap >= 1)),
+         "compress.dense_when=pays measures the bounded messages of compress.dense=dct (dense_cap >= 1) "
+         "or topk, dense_ratio below 1"),
+        (c.dense_when == "always" or not cfg.dist.num_ps,
+         "compress.dense_when=pays is not measured with parameter servers (dist.num_ps)"),
         *_sync_checks(cfg),
         (not (problem := workers_problem(cfg, cfg.dist.nproc)), problem),
         (not (problem := recovery_problem(cfg)), problem),
