@@ -190,7 +190,7 @@ def test_the_run_lock_refuses_a_second_holder_and_is_taken_over_from_a_dead_one(
     fd = run_lock.take(run, "runs/x")  # released when its holder closed it
     os.close(fd)
     holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from pathlib import Path; "
-                               "from hybridrec.train import run_lock; run_lock.take(Path(sys.argv[1]), 'x'); "
+                               "from hybridrec.train.checkpointing import run_lock; run_lock.take(Path(sys.argv[1]), 'x'); "
                                "print('held', flush=True); time.sleep(60)", str(run)],
                               stdout=subprocess.PIPE, text=True)
     try:
