@@ -136,9 +136,10 @@ def test_sync_round_loads_by_hand():
     half, _ = sync_round_loads(owners, 40.0, 3, SyncSpec(compress="bf16"))
     assert half.up == pytest.approx((ring / 2, ring / 2))
     dct, kind = sync_round_loads(owners, 40.0, 3, SyncSpec(compress="dct", ratio=0.1))
-    # k = ceil(0.1 * 20) = 2 entries: 1 header byte + 2 uint8 positions + 2 float32 values,
+    # k = ceil(0.1 * 20) = 2 entries, bounded at ceil(1.25 * 2) = 3: a fixed buffer of 3
+    # float32 values (12 bytes, padded to 16) and 3 uint8 positions (padded to 8), 24 bytes,
     # sent to each of the 2 other groups
-    assert kind == "a2a" and dct.up == (22, 22) and dct.xup == (44,)
+    assert kind == "a2a" and dct.up == (48, 48) and dct.xup == (96,)
     none, _ = sync_round_loads(owners, 40.0, 1, SyncSpec())
     assert none.xup == (0,)
 

@@ -54,7 +54,8 @@ from dataclasses import asdict, dataclass
 import torch
 
 from hybridrec.comm.codecs import Codec
-from hybridrec.comm.sparse_message import encoded_size
+from hybridrec.comm.compress import DCTCompressor
+from hybridrec.comm.sparse_message import FixedLayout, encoded_size
 from hybridrec.model.embedding import TableConfig
 from hybridrec.parallel.cost_model import COUNT_BYTES, VALUE_BYTES
 from hybridrec.parallel.layout import build_layout, id_dtype
@@ -303,7 +304,9 @@ def sync_round_loads(owners: Sequence[Owner], dense_bytes: float, groups: int,
     """One round's loads on one group's links (every group alike) and its kind. Member j
     averages ``n_j = (dense_bytes + weights_j) / 4`` entries with its G-1 peers:
     ring (``none``/``fp16``/``bf16``, v = 4/2/2 bytes): ``b_j = 2 (G-1)/G * n_j * v``;
-    ``dct``: ``b_j = (G-1) * encoded_size(ceil(ratio n_j), n_j)``. Member j's link carries
+    ``dct``: ``b_j = (G-1) *`` the fixed-size buffer of a message bounded at
+    ``ceil(1.25 ceil(ratio n_j))`` entries (``compress.dense_cap``'s default;
+    :class:`~hybridrec.comm.sparse_message.FixedLayout`, padding included). Member j's link carries
     ``b_j`` each way, the group's cross link ``sum_j b_j`` (every member's peers are in
     other groups)."""
     per = []
@@ -311,9 +314,10 @@ def sync_round_loads(owners: Sequence[Owner], dense_bytes: float, groups: int,
         n = round((dense_bytes + o.weights) / VALUE_BYTES)
         if groups == 1:
             per.append(0.0)
-        elif spec.compress == "dct":
-            k = math.ceil(spec.ratio * n)
-            per.append((groups - 1) * encoded_size(k, n, torch.float32))
+        elif spec.compress == "dct":  # the bounded message in its fixed-size buffer (ratio 1: as sent)
+            cap = DCTCompressor(spec.ratio, 1).capacity(n)
+            per.append((groups - 1) * (encoded_size(n, n, torch.float32) if cap is None
+                                       else FixedLayout(cap, n, torch.float32).nbytes))
         else:
             v = VALUE_BYTES if spec.compress == "none" else 2
             per.append(2 * (groups - 1) / groups * n * v)
