@@ -680,3 +680,34 @@ def test_a_pipeline_into_head_ends_quietly():
     proc = subprocess.run(["bash", "-c", cmd], capture_output=True, text=True, check=False, timeout=120)
     assert proc.returncode == 0 and proc.stderr == "", proc.stderr
     assert proc.stdout.startswith("[data]\n")
+
+
+def test_an_error_caused_by_a_peer_that_went_away_is_a_lost_peer(monkeypatch, capsys):
+    """A rank's own error whose cause is a collective that lost its peer (the shadow sync
+    thread's round with a rank that was killed) exits as a lost peer, so the launcher names the
+    rank that died; the same error without that cause is this rank's to report."""
+    from hybridrec.cli import main as cli_main
+    from hybridrec.cli.launch import LAUNCHED_ENV, PEER_LOST
+    from hybridrec.errors import USER_ERROR, HybridrecError
+
+    def failing(cause):
+        def run(_args):
+            try:
+                raise cause
+            except RuntimeError as e:
+                raise HybridrecError("the shadow sync thread died at step 6 after 2 round(s)") from e
+        return run
+
+    lost = RuntimeError("[gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:11655: Connection reset by peer")
+    other = RuntimeError("shape mismatch in a round")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv(LAUNCHED_ENV, "1")
+    for cause, status in ((lost, PEER_LOST), (other, USER_ERROR)):
+        parser = cli_main.build_parser()
+        monkeypatch.setattr(cli_main, "build_parser", lambda p=parser: p)
+        args = parser.parse_args(["train", "--list-keys"])
+        monkeypatch.setattr(parser, "parse_args", lambda *a, args=args, cause=cause, **k: (
+            setattr(args, "func", failing(cause)) or args))
+        assert cli_main.main(["train", "--list-keys"]) == status
+    err = capsys.readouterr().err
+    assert err.count("shadow sync thread died") == 1  # (only the error of another cause is said)

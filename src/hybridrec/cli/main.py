@@ -89,6 +89,10 @@ def _main(argv: list[str] | None) -> int:
     except (HybridrecError, OSError) as e:
         if debug_enabled():
             raise
+        if isinstance(e, HybridrecError) and _several_ranks() and peer_failure(e) == "lost":
+            # (e.g. the shadow sync thread's round with a rank that was killed: that rank,
+            # or the launcher's line for it, says why; this one only lost its peer)
+            return _peer_failed("lost")
         report(e)
         return USER_ERROR
     except Exception as e:
