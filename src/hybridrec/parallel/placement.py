@@ -58,6 +58,10 @@ MODULE_ALIASES = {"bottom_mlp": "bottom", "top_mlp": "top"}
 SIZE_BYTES = 8
 """One int64 batch size, sent to every other rank of the group per forward."""
 
+AUTO = "auto"
+"""``dist.partition_dense=auto`` (``hybridrec plan --partition-dense auto``): the planner
+decides each module (:func:`choose_dense`)."""
+
 
 @dataclass(frozen=True)
 class LinearSpec:
@@ -109,8 +113,8 @@ def plan_dense(modules: Mapping[str, list[LinearSpec] | None], names: Sequence[s
     """The dense part that partitions each module of ``names`` (``top_mlp`` or ``top``...)
     over ranks ``0..group_size-1``: its widest layer, columns split evenly. Pure; raises
     ValueError naming ``option`` and the module when it cannot be done."""
-    if "auto" in names:
-        raise ValueError(f"{option}: 'auto' lets the planner decide every module; give it alone "
+    if AUTO in names:
+        raise ValueError(f"{option}: '{AUTO}' lets the planner decide every module; give it alone "
                          f"(got {', '.join(names)})")
     out = {}
     for asked in names:
@@ -151,7 +155,7 @@ def resolve_dense(requested: Sequence[str], from_plan: Mapping[str, DensePlan], 
     modules = model_linears(model)
     if not requested:
         dense = dict(from_plan)
-    elif list(requested) == ["auto"]:
+    elif list(requested) == [AUTO]:
         if batch < 1:
             raise ValueError(f"dist.partition_dense=auto: needs the batch size per rank, got {batch}")
         dense = choose_dense({n: v for n, v in modules.items() if type(getattr(model, n)) is MLP},
@@ -345,11 +349,6 @@ def partitioned_parameter_names(module: nn.Module) -> set[str]:
 
 
 # -- the dense part ------------------------------------------------------------------------
-AUTO = "auto"
-"""``dist.partition_dense=auto`` (``hybridrec plan --partition-dense auto``): the planner
-decides each module (:func:`choose_dense`)."""
-
-
 def dense_cost(dp: DensePlan, batch: int, elem_bytes: int = 4) -> dict:
     """What partitioning ``dp`` costs and saves, per rank per step at ``batch`` rows on
     every rank (bytes sent + received): ``activation_bytes`` of the most loaded rank's
