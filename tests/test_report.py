@@ -302,3 +302,15 @@ def test_the_recovery_file_is_the_one_training_writes():
     from hybridrec.train.checkpointing.recovery import EVENTS
 
     assert report.RECOVERY_FILE == EVENTS
+
+
+def test_a_killed_parameter_server_and_its_partial_recovery_in_words():
+    kill = {"rank": "ps1", "step": 6, "time": 100.0}
+    partial = {"mode": "partial", "checkpoint_step": 4, "failed_at_step": 6, "failed_ranks": [], "survivors": [0, 1],
+               "failed_servers": [1], "failed_at_time": 100.2, "resumed_at_step": 6, "restore_seconds": 0.4,
+               "resumed_time": 102.0, "shards": [{"server": 1, "steps_lost": 2}, {"server": 0, "steps_lost": 0}]}
+    (got,) = report.failures([kill], [partial])
+    assert (got.what, got.ranks, got.took_s) == ("parameter server ps1 killed after step 6 (train.inject_failure)",
+                                                  [], 2.0)
+    assert got.recovery == ("partial: ranks 0, 1 kept their state at step 6; the shards of parameter server ps1 "
+                            "rolled back to step 4 (1 shard lost up to 2 steps of updates)")

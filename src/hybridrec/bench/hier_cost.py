@@ -47,7 +47,6 @@ bytes, all across the cross link: 0.96 + 1.6 + 1.6 s, plus a 400-byte ring all-r
 from __future__ import annotations
 
 import itertools
-import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 

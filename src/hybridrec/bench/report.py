@@ -247,8 +247,9 @@ def failures(injected: list[dict], recoveries: list[dict]) -> list[Failure]:
 
 def _killed(kill: dict) -> Failure:
     rank, step = kill.get("rank"), kill.get("step")
+    who = f"parameter server {rank}" if isinstance(rank, str) else f"rank {rank}"
     return Failure(_number(kill.get("time")), step, [rank] if isinstance(rank, int) else [],
-                   f"rank {rank} killed after step {step} (train.inject_failure)")
+                   f"{who} killed after step {step} (train.inject_failure)")
 
 
 def _recovered(rec: dict, kill: dict | None) -> Failure:
@@ -280,9 +281,12 @@ def _recovery_words(rec: dict) -> str:
     back = ("to their incremental saves (" + ", ".join(
         f"rank {r} to step {d.get('step')}" for r, d in sorted(deltas.items(), key=_rank_key)) + ")"
         if deltas else f"to step {base}")
+    servers = [f"ps{j}" for j in rec.get("failed_servers") or []]
+    whose = ([f"rank{'s' if len(failed) != 1 else ''} {_ranks(failed)}"] if failed or not servers else []) + (
+        [f"parameter server{'s' if len(servers) != 1 else ''} {_ranks(servers)}"] if servers else [])
     words = (f"{mode}: rank{'s' if len(survivors) > 1 else ''} {_ranks(survivors)} kept "
              f"{'their' if len(survivors) > 1 else 'its'} state at step {resumed}; the shards of "
-             f"rank{'s' if len(failed) != 1 else ''} {_ranks(failed)} rolled back {back}")
+             f"{' and '.join(whose)} rolled back {back}")
     if lost:
         words += (f" ({len(lost)} shard{'s' if len(lost) > 1 else ''} lost up to "
                   f"{max(s['steps_lost'] for s in lost)} steps of updates)")

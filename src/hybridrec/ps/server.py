@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -86,6 +87,7 @@ class EmbeddingServer:
         self._waiting: dict[int, list[dict]] = {}  # synchronous: step -> the pushes so far
         self._waiting_pulls: list[_Held] = []  # pulls held back by the staleness bound
         self._expiry: threading.Thread | None = None  # fails held pulls at their deadline
+        self.on_step: Callable[[int], None] | None = None  # called with min(pushed) when a push raised it
 
     def _rows(self, table: str, ids: torch.Tensor) -> tuple[int, torch.Tensor]:
         try:
@@ -171,9 +173,13 @@ class EmbeddingServer:
             else:
                 staleness = self.version - pulled_version if rows else None
                 self._apply(lr, grads)
+            before = min(self.pushed)
             self.pushed[trainer] = max(self.pushed[trainer], step)
+            done = min(self.pushed)
             released = self._release()
             self._cond.notify_all()
+        if self.on_step is not None and done > before:  # (e.g. a failure injected at that step)
+            self.on_step(done)
         for fut, value in released:
             _complete(fut, value)
         return staleness
@@ -186,6 +192,48 @@ class EmbeddingServer:
         self.opt.lr = lr
         self.opt.step({"shards": rows})
         self.version += 1
+
+    @property
+    def lock(self) -> threading.Condition:
+        """Held while the shards change (a push's update, a load): held, the state is whole."""
+        return self._cond
+
+    def state(self) -> dict:
+        """The whole state (take :attr:`lock` first): the shards' weights by local name,
+        the sparse optimizer's state, the version and every trainer's pushed step."""
+        return {"weights": {k: w.detach() for k, w in self.model.sparse.local_weights().items()},
+                "sparse_opt": self.opt.state_dict(), "version": self.version, "pushed": list(self.pushed)}
+
+    def load_own(self, state: dict) -> None:
+        """:meth:`state` back (a recovery snapshot of this server's own)."""
+        with self._cond:
+            live = self.model.sparse.local_weights()
+            with torch.no_grad():
+                for k, v in state["weights"].items():
+                    if v is not live[k]:
+                        live[k].copy_(v)
+            self.opt.load_state_dict(state["sparse_opt"])
+            self.version = int(state["version"])
+
+    def clock(self) -> list[tuple[float, int]]:
+        """Each sparse optimizer's learning rate and step count (equal on every server: their
+        sharded checkpoint checks it)."""
+        return [(o.lr, o.step_count) for o in self.opt]
+
+    def set_clock(self, clock: list[tuple[float, int]]) -> None:
+        """Another server's :meth:`clock` (a recovery: a server rolled back to the checkpoint
+        takes a survivor's, so that Adam's bias correction and the next checkpoint agree)."""
+        with self._cond:
+            for o, (lr, step) in zip(self.opt, clock, strict=True):
+                o.lr, o.step_count = float(lr), int(step)
+
+    def restart_at(self, step: int) -> None:
+        """The trainers go on from ``step`` (a recovery): every trainer has pushed it, and
+        the pushes of later steps held for a synchronous update are dropped (the trainers
+        train those steps again)."""
+        with self._cond:
+            self.pushed = [step] * self.num_trainers
+            self._waiting.clear()
 
     def save(self, path: str, extra: dict) -> None:
         with self._cond:
@@ -253,3 +301,7 @@ def rpc_save(path: str, extra: dict) -> None:
 
 def rpc_load(path: str) -> dict:
     return _server().load(path)
+
+
+def rpc_set_clock(clock: list) -> None:
+    _server().set_clock(clock)

@@ -118,7 +118,8 @@ def build_model(cfg: Config, meta: DatasetMeta, *, plan: ShardingPlan | None = N
                                             dp_reducer=build_replicated_reducer(cfg, plan, ledger, total_steps),
                                             wire_dtype=PRECISIONS[cfg.train.precision],
                                             weight_dtype=WEIGHT_DTYPES[cfg.model.embedding_dtype],
-                                            init_values=init_tables)
+                                            init_values=init_tables,
+                                            coded_chunks=cfg.compress.embedding_chunks)
     arch = DeepFM if cfg.model.arch == "deepfm" else DLRM
     return arch(num_dense=len(meta.schema.dense), sparse=ebc, bottom_mlp=cfg.model.bottom_mlp,
                 top_mlp=cfg.model.top_mlp, interaction=cfg.model.interaction, precision=cfg.train.precision)
@@ -459,8 +460,9 @@ def build_trainer(cfg: Config, *, meta: DatasetMeta | None = None, topo: Topolog
     # drawn (0.3 s per 330 MB of a restart); the trainer draws them if none is restored.
     # (Synchronizers take the tables' values when built, parameter servers hold their own: drawn.)
     init_tables = not latest or cfg.sync.algorithm != "none" or bool(cfg.dist.num_ps)
-    recovering = (cfg.train.save_checkpoints and topo.group_size > 1
-                  and not (cfg.dist.num_ps or topo.hierarchical or cfg.train.workers > 1))
+    # (a parameter-server run: its servers can fail under a single trainer too)
+    recovering = (cfg.train.save_checkpoints and (topo.group_size > 1 or bool(cfg.dist.num_ps))
+                  and not (topo.hierarchical or cfg.train.workers > 1))
     if not init_tables and recovering and shards_go_resident(cfg, snapshot_dir) and topo.device.type == "cpu":
         init_tables = None  # (not even zeroed: the trainer moves them into files of local memory first)
     if cfg.dist.num_ps:
@@ -504,8 +506,8 @@ def build_trainer(cfg: Config, *, meta: DatasetMeta | None = None, topo: Topolog
                                 keep_also=early_stop.kept_steps if early_stop is not None else None,
                                 background=cfg.train.async_checkpoint)
     # What a failure lost, and with train.recovery=partial the survivors' snapshots (not for
-    # one process, which nobody survives, nor parameter servers, groups or Hogwild threads:
-    # config.recovery_problem).
+    # one process, which nobody survives, nor groups or Hogwild threads: rules.recovery_problem;
+    # parameter servers: their side is hybridrec.train.checkpointing.server_recovery).
     recovery = (Recovery(checkpointer, mode=cfg.train.recovery, global_batch=cfg.data.batch_size * topo.group_size,
                          deltas=build_shard_deltas(cfg, topo, model, sparse_opt, run_dir), fast_dir=snapshot_dir)
                 if recovering else None)

@@ -23,6 +23,8 @@ from hybridrec.train.setup.config import Config
 from hybridrec.train.setup.memory import memory_limit, size_text
 from hybridrec.train.loop.sparse_optim import combined_sparse_optimizer
 from hybridrec.train.setup.tables import build_tables, uniform_plan
+from hybridrec.train.checkpointing.faults import FailureInjector
+from hybridrec.train.checkpointing.server_recovery import ServerRecovery
 
 PS_DIR = "ps"
 """The servers' part of a checkpoint: ``step-N/ps/``, a sharded checkpoint of its own."""
@@ -33,9 +35,11 @@ def ps_plan(cfg: Config, tables: list[TableConfig], num_ps: int) -> ShardingPlan
     return uniform_plan(cfg.dist.ps_sharding, tables, num_ps, num_ps)
 
 
-def run_server(cfg: Config, meta: DatasetMeta, r: Roles) -> dict:
+def run_server(cfg: Config, meta: DatasetMeta, r: Roles, *, snapshot_dir: str | None = None) -> dict:
     """A server's life: its process group, its shards, then it answers RPCs until every
-    trainer has left (graceful RPC shutdown)."""
+    trainer has left (graceful RPC shutdown). With checkpoints, the run stopping under it
+    (SIGTERM) leaves a recovery snapshot (partial recovery; ``snapshot_dir``: the local
+    launcher's directory on local memory) or the step it reached (full)."""
     topo = init_world(r, timeout_s=cfg.dist.timeout_s)
     tables = build_tables(meta, cfg)
     plan = ps_plan(cfg, tables, r.num_ps)
@@ -52,11 +56,31 @@ def run_server(cfg: Config, meta: DatasetMeta, r: Roles) -> dict:
                                  max_staleness=cfg.dist.ps_max_staleness, timeout_s=cfg.dist.timeout_s,
                                  seed=cfg.train.seed)
     srv.serve(server)  # before joining RPC: no pull can arrive at a server without its shards
+    global _RECOVERY
+    if cfg.train.save_checkpoints:
+        _RECOVERY = ServerRecovery(server, topo.rank, run_dir=cfg.train.run_dir, mode=cfg.train.recovery,
+                                   fast_dir=snapshot_dir)
+        _RECOVERY.begin()
+    injector = FailureInjector(cfg.train.inject_failure, rank=r.name, run_dir=cfg.train.run_dir)
+    if injector.armed:  # (train.inject_failure=psJ:STEP: once every trainer's push of STEP is applied)
+        server.on_step = lambda done: [injector.after_step(s) for s in injector.steps if s <= done]
     join_rpc(r, timeout_s=cfg.dist.timeout_s, interface=cfg.dist.rpc_interface)
     rows = sum(w.shape[0] for _, w in server.model.sparse.local_shards().values())
     print(f"parameter server {r.name}: {rows:,} rows of {len(tables)} tables", file=sys.stderr, flush=True)
     shutdown()
+    if _RECOVERY is not None:
+        _RECOVERY.end()
     return {"server": r.name, "pushes": server.version}
+
+
+_RECOVERY: ServerRecovery | None = None
+
+
+def rpc_recover(resumed_at: int, checkpoint_step: int | None, use_snapshot: bool) -> dict:
+    """A trainer asks this server to recover (:meth:`ServerRecovery.recover`)."""
+    if _RECOVERY is None:
+        raise RuntimeError("this parameter server keeps no recovery state (train.save_checkpoints=false)")
+    return _RECOVERY.recover(resumed_at, checkpoint_step, use_snapshot)
 
 
 def server_memory_problem(cfg: Config, plan: ShardingPlan, topo: Topology) -> str | None:
@@ -92,17 +116,19 @@ class ServerCheckpoints:
     def __init__(self, topo: Topology, num_ps: int, timeout_s: float) -> None:
         self.topo, self.num_ps, self.timeout_s = topo, num_ps, timeout_s
 
-    def _all(self, fn, args, what: str, path: Path) -> None:
-        err = None
+    def _all(self, fn, args, what: str, path: Path) -> list:
+        """``fn(*args)`` on every server at once, asked by the lead trainer; every trainer
+        gets the replies (or the error)."""
+        err, replies = None, None
         if self.topo.lead:  # (hierarchical training: one trainer of every group's)
             try:
                 futs = [(server_name(j), rpc.rpc_async(server_name(j), fn, args=args, timeout=self.timeout_s))
                         for j in range(self.num_ps)]
-                for name, f in futs:
-                    wait_reply(f, what, name)
+                replies = [wait_reply(f, what, name) for name, f in futs]
             except ServerError as e:
                 err = e
         agree(self.topo, err, path, what)
+        return gather(self.topo, replies)[0]
 
     def quiesce(self, sparse_opt) -> None:
         """Collective over every trainer, before a checkpoint (every rank, before group 0
@@ -118,6 +144,16 @@ class ServerCheckpoints:
     def save(self, path: Path, step: int) -> None:
         """Into ``path/ps`` (``path``: the trainers' checkpoint, not yet published)."""
         self._all(srv.rpc_save, (str(path / PS_DIR), {"step": step}), "saving the servers' checkpoint", path)
+
+    def recover(self, resumed_at: int, checkpoint_step: int | None, *, use_snapshots: bool, run_dir: Path) -> list[dict]:
+        """Collective over the trainers, after the checkpoint was restored: every server's
+        part of a recovery (:meth:`ServerRecovery.recover`), one record each."""
+        replies = self._all(rpc_recover, (resumed_at, checkpoint_step, use_snapshots),
+                            "recovering the parameter servers", run_dir)
+        kept = [x for x in replies if x["snapshot"]]
+        if kept:  # every server at the sparse optimizers' step of the first that kept its state
+            self._all(srv.rpc_set_clock, (kept[0]["clock"],), "recovering the parameter servers", run_dir)
+        return replies
 
     def load(self, path: Path) -> None:
         self._all(srv.rpc_load, (str(path / PS_DIR),), "loading the servers' checkpoint", path)

@@ -83,7 +83,7 @@ def train(cfg: Config, *, extra_summary: dict | None = None, hold_run_dir: bool 
     # every process alike (servers too), before any group is made
     check_run(cfg, RunFacts(world=r.num_trainers, local_world=local, meta=meta))
     if r.is_server:
-        return run_server(cfg, meta, r)
+        return run_server(cfg, meta, r, snapshot_dir=snapshot_dir)
     topo = ps_world.init_world(r, timeout_s=cfg.dist.timeout_s,
                                backend=ranks_backend(cfg),
                                group_size=group_size(cfg, r.num_trainers, local))

@@ -17,7 +17,8 @@ An entry whose step the resumed run never trains (it resumed past it) does not f
 
 The kill comes before anything else of that step (logging, evaluation, its checkpoint), so
 the steps since the last checkpoint are lost, as in a real crash. With parameter servers,
-RANK is a trainer's rank (servers run no steps).
+RANK is a trainer's rank, or ``psJ`` for server J: it kills itself once every trainer's
+push of step STEP has reached it (and been applied), before it answers anything else.
 """
 
 from __future__ import annotations
@@ -39,13 +40,15 @@ MARKER = "failure_injected.json"
 ISO 8601; ``time``: Unix seconds, for measuring how long the restart took)."""
 
 _EXPECTED = ("expected RANK:STEP or a schedule RANK:STEP,RANK:STEP,... with increasing steps, e.g. "
-             "1:100 (rank 1 kills itself after step 100) or 1:100,0:250; empty = off")
+             "1:100 (rank 1 kills itself after step 100) or 1:100,0:250, or psJ:STEP for parameter "
+             "server J; empty = off")
 
 
-def parse_inject_failure(text: str) -> list[tuple[int, int]]:
+def parse_inject_failure(text: str) -> list[tuple[int | str, int]]:
     """``"RANK:STEP,RANK:STEP,..."`` -> ``[(rank, step), ...]`` (steps strictly
-    increasing); ``""`` -> ``[]`` (off). A bad value is a :class:`ConfigError` that names
-    the bad entry and says what is expected."""
+    increasing; RANK an int, or ``"psJ"`` for parameter server J); ``""`` -> ``[]`` (off).
+    A bad value is a :class:`ConfigError` that names the bad entry and says what is
+    expected."""
     text = text.strip()
     if not text:
         return []
@@ -58,10 +61,13 @@ def parse_inject_failure(text: str) -> list[tuple[int, int]]:
         try:
             if not sep:
                 raise ValueError
-            rank, step = int(rank_s), int(step_s)
+            server = rank_s.strip().startswith("ps")
+            rank, step = int(rank_s.strip()[2:] if server else rank_s), int(step_s)
         except ValueError:
             raise ConfigError(f"train.inject_failure {where}: {_EXPECTED}") from None
-        if rank < 0:
+        if server and rank >= 0:
+            rank = f"ps{rank}"
+        elif rank < 0:
             raise ConfigError(f"train.inject_failure {where}: RANK must be >= 0, got {rank}")
         if step < 1:
             raise ConfigError(f"train.inject_failure {where}: STEP must be >= 1 (the step after which "
@@ -107,7 +113,8 @@ class FailureInjector:
     entries of the schedule; :meth:`after_step` kills the process after such an entry's
     STEP. ``steps``: this rank's entries still to inject; ``step``: the first of them."""
 
-    def __init__(self, spec: str, *, rank: int, run_dir: str | Path) -> None:
+    def __init__(self, spec: str, *, rank: int | str, run_dir: str | Path) -> None:
+        """``rank``: a trainer's rank, or a parameter server's name (``"psJ"``)."""
         schedule = parse_inject_failure(spec)
         self.spec, self.rank, self.run_dir = spec, rank, Path(run_dir)
         done = {(d.get("rank"), d.get("step")) for d in injections(read_marker(self.run_dir))}
@@ -132,7 +139,8 @@ class FailureInjector:
         this = {"rank": self.rank, "step": step, "pid": os.getpid(), "at": at, "time": time.time()}
         write_json_atomic(path, {**this, "spec": self.spec,
                                  "injected": [*injections(read_marker(self.run_dir)), this]})
-        print(f"hybridrec: injecting a failure: rank {self.rank} kills itself (SIGKILL) after step "
+        who = f"parameter server {self.rank}" if isinstance(self.rank, str) else f"rank {self.rank}"
+        print(f"hybridrec: injecting a failure: {who} kills itself (SIGKILL) after step "
               f"{step} (train.inject_failure={self.spec}; recorded in {path})",
               file=sys.stderr, flush=True)
         sys.stdout.flush()

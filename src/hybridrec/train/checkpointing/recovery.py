@@ -128,12 +128,13 @@ def recovery_dir(run_dir: str | Path) -> Path:
     return Path(run_dir) / RECOVERY_DIR
 
 
-def _progress_file(run_dir: Path, rank: int) -> Path:
-    return recovery_dir(run_dir) / f"rank-{rank:05d}.json"
+def _progress_file(run_dir: Path, rank: int, role: str = "rank") -> Path:
+    """``role``: ``rank`` (a trainer) or ``ps`` (a parameter server: ``rank`` its index)."""
+    return recovery_dir(run_dir) / f"{role}-{rank:05d}.json"
 
 
-def _snapshot_dir(run_dir: Path, rank: int) -> Path:
-    return recovery_dir(run_dir) / f"rank-{rank:05d}"
+def _snapshot_dir(run_dir: Path, rank: int, role: str = "rank") -> Path:
+    return recovery_dir(run_dir) / f"{role}-{rank:05d}"
 
 
 def usable_fast_dir(d: str | Path | None) -> Path | None:
@@ -177,13 +178,13 @@ def not_private(d: Path) -> str | None:
     return None
 
 
-def _written_at(progress: dict, run_dir: Path, rank: int) -> Path:
+def _written_at(progress: dict, run_dir: Path, rank: int, role: str = "rank") -> Path:
     """Where the snapshot ``progress`` speaks of is: where it was written, or in
     ``RUN/recovery/`` once the launcher moved it there (see :func:`fast_snapshots`)."""
     where = progress.get("path")
     if isinstance(where, str) and Path(where).is_dir():
         return Path(where)
-    return _snapshot_dir(run_dir, rank)
+    return _snapshot_dir(run_dir, rank, role)
 
 
 @contextlib.contextmanager
@@ -212,9 +213,9 @@ def fast_snapshots(run_dir: str | Path):
         yield d
     finally:
         try:
-            for p in sorted(d.glob("rank-*")):
+            for p in sorted([*d.glob("rank-*"), *d.glob("ps-*")]):  # (trainers' and servers')
                 if p.is_dir() and is_complete(p):
-                    target = _snapshot_dir(Path(run_dir), int(p.name.split("-")[1]))
+                    target = recovery_dir(run_dir) / p.name
                     target.parent.mkdir(parents=True, exist_ok=True)
                     shutil.rmtree(target, ignore_errors=True)
                     shutil.move(str(p), str(target))
@@ -228,10 +229,11 @@ def shards_go_resident(cfg, fast_dir: str | Path | None) -> bool:
     return cfg.train.recovery == "partial" and usable_fast_dir(fast_dir) is not None
 
 
-def read_progress(run_dir: str | Path, rank: int) -> dict | None:
-    """What rank ``rank`` wrote when the run last stopped under it (None: nothing readable)."""
+def read_progress(run_dir: str | Path, rank: int, role: str = "rank") -> dict | None:
+    """What rank ``rank`` (``role`` ``ps``: parameter server ``rank``) wrote when the run
+    last stopped under it (None: nothing readable)."""
     try:
-        data = json.loads(_progress_file(Path(run_dir), rank).read_text())
+        data = json.loads(_progress_file(Path(run_dir), rank, role).read_text())
     except (OSError, ValueError):
         return None
     return data if isinstance(data, dict) and isinstance(data.get("step"), int) else None
@@ -294,9 +296,7 @@ class Recovery:
         self._torn = False  # an update stopped half-way: the state is not whole
         self._snap_lock = threading.Lock()
         self._done = False
-        self._watcher: threading.Thread | None = None
-        self._old: tuple | None = None  # (SIGTERM handler, wakeup fd) to put back
-        self._pipe: tuple[int, int] | None = None
+        self._sigterm = SigtermWatch()
         self._own: tuple | None = None  # (progress, path, manifest or None: not usable), as own_snapshot found them
         self._own_error: BaseException | None = None  # (reading its shards from it failed)
         self._own_reader: threading.Thread | None = None
@@ -431,54 +431,11 @@ class Recovery:
         self.step = step
         loader = self._loader()
         self._loader_state = dict(loader.obj.state_dict()) if loader is not None else None
-        if threading.current_thread() is not threading.main_thread():
-            return  # (signals reach the main thread's process only; its error path records the step)
-        r, w = os.pipe()
-        os.set_blocking(w, False)
-        try:
-            old_fd = signal.set_wakeup_fd(w, warn_on_full_buffer=False)
-            old_handler = signal.signal(signal.SIGTERM, _ignore)  # (the watcher acts on it)
-        except (ValueError, OSError):
-            os.close(r)
-            os.close(w)
-            return
-        self._pipe, self._old = (r, w), (old_handler, old_fd)
-        self._watcher = threading.Thread(target=self._watch, args=(r,), name="hybridrec-recovery", daemon=True)
-        self._watcher.start()
+        self._sigterm.start(lambda: self.on_failure(wait_s=LOCK_WAIT_S))
 
     def end(self) -> None:
         """Training ended normally: put SIGTERM's handling back."""
-        if self._old is None:
-            return
-        handler, fd = self._old
-        with contextlib.suppress(ValueError, OSError):
-            signal.signal(signal.SIGTERM, handler)
-            signal.set_wakeup_fd(fd)
-        self._old = None
-        r, w = self._pipe
-        os.close(w)  # the watcher's read ends (EOF) ...
-        if self._watcher is not None:
-            self._watcher.join(timeout=5)
-        os.close(r)  # ... before its end of the pipe closes
-
-    def _watch(self, fd: int) -> None:
-        while True:
-            try:
-                data = os.read(fd, 64)
-            except OSError:
-                return
-            if not data:
-                return
-            if signal.SIGTERM in data:
-                self.on_failure(wait_s=LOCK_WAIT_S)
-                # End as the agent's SIGTERM would have (its status, 128 + 15). Not by
-                # signalling this process again: from this thread SIGTERM's handler cannot be
-                # put back, and the main thread would go on (training to its next
-                # collective, or waiting to be stopped, see cli.launch.rank_main).
-                with contextlib.suppress(OSError, ValueError):
-                    sys.stdout.flush()
-                    sys.stderr.flush()
-                os._exit(128 + signal.SIGTERM)
+        self._sigterm.stop()
 
     def on_failure(self, wait_s: float = 0.0) -> None:
         """The run stops under this rank: write what it has, once (the main thread's error
@@ -530,39 +487,18 @@ class Recovery:
             resident = self.resident if self.resident is not None and self.resident.intact() else None
             skeleton = encode_skeleton(self._state(resident=resident is not None), "s", tensors)
             root = (resident.dir.parent if resident is not None  # (its files move: the same file system)
-                    else self._snapshot_root(d, sum(t.numel() * t.element_size() for t in tensors.values())))
-            final, tmp = root / f"rank-{rank:05d}", root / f".tmp-rank-{rank:05d}-{os.getpid()}"
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir()
-            try:
-                with quiet():
-                    dcp.save({k: own_storage(v) for k, v in tensors.items()},
-                             storage_writer=dcp.FileSystemWriter(tmp, sync_files=boot is None), no_dist=True)
-                extra = {"resident": resident.hand_over(tmp / RESIDENT_DIR)} if resident is not None else {}
-                write_json(tmp / MANIFEST, {"format": FORMAT, "kind": SNAPSHOT_KIND, "rank": rank,
-                                            "world_size": self.topo.group_size, "step": self.step,
-                                            "plan": plan_json(self.ckpt.model.sparse), "state": skeleton, **extra})
-            except BaseException:
-                shutil.rmtree(tmp, ignore_errors=True)
-                raise
-            shutil.rmtree(final, ignore_errors=True)
-            os.replace(tmp, final)
+                    else snapshot_root(self.fast_dir, d, tensors))
+            final = save_snapshot(root / f"rank-{rank:05d}", skeleton, tensors,
+                                  {"rank": rank, "world_size": self.topo.group_size, "step": self.step,
+                                   "plan": plan_json(self.ckpt.model.sparse)}, sync=boot is None,
+                                  more=(lambda tmp: {"resident": resident.hand_over(tmp / RESIDENT_DIR)})
+                                  if resident is not None else None)
         write_json_atomic(_progress_file(self.run_dir, rank), {
             "rank": rank, "step": self.step, "snapshot": snapshot, "mode": self.mode, "time": time.time(),
             "seconds": time.perf_counter() - start, "pid": os.getpid(), "boot": boot,
             **({"path": str(final)} if snapshot else {})})
         if snapshot:  # (full recovery: the step reached is for the record only, said after the restart)
             self._note(f"the run stopped at step {self.step}: wrote its state to {final}")
-
-    def _snapshot_root(self, run_recovery: Path, nbytes: int) -> Path:
-        """The launcher's local-memory directory when it has room for ``nbytes`` (and a
-        quarter more), else ``RUN/recovery/``."""
-        fast = self.fast_dir
-        if fast is not None:
-            with contextlib.suppress(OSError):
-                if fast.is_dir() and shutil.disk_usage(fast).free > nbytes * 1.25:
-                    return fast
-        return run_recovery
 
     def _loader(self):
         return next((c for c in self.ckpt.components if c.name == "loader"), None)
@@ -641,7 +577,10 @@ class Recovery:
                 path, mine = self._usable_snapshot(progress)
         err = None
         everyone = gather(self.topo, (progress, mine is not None))
+        servers = self.ckpt.servers  # (a parameter-server run: its servers recover too)
         if all(p is None for p, _ in everyone):
+            if servers is not None and self.topo.lead:  # (a server's, if any, is of no failure to recover now)
+                clear_snapshots(self.run_dir, self.fast_dir)
             return None
         c = checkpoint_step or 0
         reached = [p["step"] for p, _ in everyone if p is not None]
@@ -679,21 +618,29 @@ class Recovery:
         holds = gather(self.topo, held)
         # A rank rolled back before to this same checkpoint lost the steps up to that
         # recovery then; this one loses those since.
-        before: dict[int, int] = {}
+        before: dict[int | str, int] = {}
         for e in read_events(self.run_dir):
             if e.get("checkpoint_step") == checkpoint_step and e.get("survivors"):
-                for r in e.get("failed_ranks", []):
+                for r in [*e.get("failed_ranks", []), *(f"ps{j}" for j in e.get("failed_servers", []))]:
                     before[r] = max(before.get(r, 0), int(e["resumed_at_step"]))
-        def lost_since(r: int, step: int) -> int:
+        def lost_since(r: int | str, step: int) -> int:
             return max(0, failed_at - max(step, before.get(r, step)))
 
         lost = {r: lost_since(r, step) for r, (step, *_) in enumerate(holds)}
+        if servers is not None:  # each server: its own snapshot over the checkpoint's shards, or not
+            replies = servers.recover(resumed_at, checkpoint_step, use_snapshots=bool(survivors),
+                                      run_dir=recovery_dir(self.run_dir))
+            event["failed_servers"] = [x["server"] for x in replies if not (x["snapshot"] if survivors else x["wrote"])]
+            event["servers"] = [{k: x[k] for k in ("server", "snapshot", "held_step", "version")} for x in replies]
         # rows a hot-row delta left out: {rank: {shard: {steps lost: rows}}}, by the step of their newest save
         older = {r: {shard: _by_lost(by_step, lambda s, r=r: lost_since(r, s))
                      for shard, by_step in holds[r][2].items()} for r in failed if holds[r][2]}
         if self.deltas is not None and survivors:
             event["deltas"] = {str(r): {"step": holds[r][0], "pending_rows": holds[r][1]} for r in failed}
-        event.update(resumed_at_step=resumed_at, shards=self._shards(lost, older),
+        shards = (self._shards(lost, older) if servers is None else
+                  [self._server_shard(x["server"], s, lost_since(f"ps{x['server']}", x["held_step"]))
+                   for x in replies for s in x["shards"]])
+        event.update(resumed_at_step=resumed_at, shards=shards,
                      dense_steps_lost=max(0, failed_at - resumed_at),
                      restore_seconds=time.perf_counter() - start, resumed_time=time.time())
         event["restore_seconds"] = max(gather(self.topo, event["restore_seconds"]))
@@ -714,13 +661,7 @@ class Recovery:
 
     def _check_snapshot(self, progress: dict, path: Path) -> dict:
         step = progress["step"]
-        if progress.get("boot") is not None and progress["boot"] != boot_id():
-            raise CheckpointError(f"{path}: written before the machine restarted, and not synced to disk")
-        if not is_complete(path):
-            raise CheckpointError(f"{path}: not a complete snapshot")
-        meta = json.loads((path / MANIFEST).read_text())
-        if meta.get("format") != FORMAT or meta.get("kind") != SNAPSHOT_KIND:
-            raise CheckpointError(f"{path}: not a recovery snapshot")
+        meta = check_snapshot_dir(progress, path)
         if (meta.get("world_size"), meta.get("plan"), meta.get("step")) != (self.topo.group_size, plan_json(self.ckpt.model.sparse), step):
             raise CheckpointError(f"{path}: saved by another world size, plan or step")
         resident = meta.get("resident")
@@ -811,14 +752,22 @@ class Recovery:
                             **({"held_rows": {str(k): r for k, r in sorted(rows.items())}} if len(rows) > 1 else {})})
         return out
 
+    def _server_shard(self, server: int, shard: dict, steps: int) -> dict:
+        """A parameter server's shard (``shard``: its table, rows and columns) as a record
+        entry: ``steps`` of updates lost."""
+        return {**shard, "server": server, "steps_lost": steps, "samples_lost": steps * self.global_batch,
+                "mean_steps_lost": steps}
+
     def _record(self, event: dict) -> None:
         with open(self.run_dir / EVENTS, "a") as f:
             f.write(json.dumps(event) + "\n")
             f.flush()
             os.fsync(f.fileno())
         clear_snapshots(self.run_dir, self.fast_dir)  # consumed (the incremental saves stay: they serve the next failure)
+        failed = ([f"rank(s) {event['failed_ranks']}"] if event["failed_ranks"] else []) + (
+            [f"parameter server(s) {['ps%d' % j for j in event['failed_servers']]}"] if event.get("failed_servers") else [])
         what = (f"partial: the survivors {event['survivors']} kept their state at step {event['resumed_at_step']}, "
-                f"the shards of rank(s) {event['failed_ranks']} {self._rolled_back(event)}"
+                f"the shards of {' and '.join(failed) or 'no rank'} {self._rolled_back(event)}"
                 if event["survivors"] else
                 f"{event['mode']}: every rank resumed from step {event['resumed_at_step']}; "
                 f"steps {event['resumed_at_step'] + 1}..{event['failed_at_step']} are trained again")
@@ -859,13 +808,14 @@ def _held_rows(steps: int, rows: int, older: dict[int, int]) -> dict[int, int]:
 
 
 def clear_snapshots(run_dir: Path, fast_dir: str | Path | None = None) -> None:
-    """Every rank's snapshot and record of the run's stop (``RUN/recovery/rank-*``, the
-    launcher's local-memory directory's snapshots, and any left half-written), not the
-    shards' incremental saves (``RUN/recovery/deltas/``)."""
+    """Every rank's and parameter server's snapshot and record of the run's stop
+    (``RUN/recovery/rank-*``, ``ps-*``, the launcher's local-memory directory's snapshots,
+    and any left half-written), not the shards' incremental saves (``RUN/recovery/deltas/``)."""
     d, fast = recovery_dir(run_dir), usable_fast_dir(fast_dir)
-    found = [*d.glob("rank-*"), *d.glob(".tmp-rank-*")]  # (none when the directory is not there)
-    if fast is not None:
-        found += [*fast.glob("rank-*"), *fast.glob(".tmp-rank-*")]
+    found = []
+    for where in (d, fast) if fast is not None else (d,):  # (none when the directory is not there)
+        for role in ("rank", "ps"):  # (trainers' and parameter servers')
+            found += [*where.glob(f"{role}-*"), *where.glob(f".tmp-{role}-*")]
     for p in found:
         if p.is_dir():
             shutil.rmtree(p, ignore_errors=True)
@@ -896,6 +846,119 @@ def _read(path: Path, meta: dict, parts: tuple[str, ...], weights=None, sparse_o
         with quiet():
             dcp.load(targets, storage_reader=SafeFileSystemReader(path), no_dist=True)
     return decode_skeleton(skeleton, targets)
+
+
+def snapshot_root(fast: Path | None, run_recovery: Path, tensors: dict[str, torch.Tensor]) -> Path:
+    """Where a snapshot of ``tensors`` goes: the launcher's local-memory directory ``fast``
+    when it has room for them (and a quarter more), else ``RUN/recovery/``."""
+    nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+    if fast is not None:
+        with contextlib.suppress(OSError):
+            if fast.is_dir() and shutil.disk_usage(fast).free > nbytes * 1.25:
+                return fast
+    return run_recovery
+
+
+def save_snapshot(final: Path, skeleton: dict, tensors: dict[str, torch.Tensor], meta: dict, *, sync: bool,
+                  more=None) -> Path:
+    """A snapshot directory ``final``: ``tensors`` (DCP, this process alone; ``sync``: synced
+    to disk) and a manifest of ``meta`` and the state's ``skeleton`` (``more(tmp)``: more
+    manifest entries, e.g. files moved into the directory). Written beside it and renamed:
+    complete, or absent."""
+    tmp = final.parent / f".tmp-{final.name}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        with quiet():
+            dcp.save({k: own_storage(v) for k, v in tensors.items()},
+                     storage_writer=dcp.FileSystemWriter(tmp, sync_files=sync), no_dist=True)
+        extra = more(tmp) if more is not None else {}
+        write_json(tmp / MANIFEST, {"format": FORMAT, "kind": SNAPSHOT_KIND, **meta, "state": skeleton, **extra})
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(tmp, final)
+    return final
+
+
+def check_snapshot_dir(progress: dict, path: Path) -> dict:
+    """The manifest of the snapshot ``progress`` speaks of, at ``path``, if it can be used
+    on this machine now (written since the machine's kernel booted, or synced; complete; a
+    recovery snapshot); else :class:`CheckpointError` saying why."""
+    if progress.get("boot") is not None and progress["boot"] != boot_id():
+        raise CheckpointError(f"{path}: written before the machine restarted, and not synced to disk")
+    if not is_complete(path):
+        raise CheckpointError(f"{path}: not a complete snapshot")
+    meta = json.loads((path / MANIFEST).read_text())
+    if meta.get("format") != FORMAT or meta.get("kind") != SNAPSHOT_KIND:
+        raise CheckpointError(f"{path}: not a recovery snapshot")
+    return meta
+
+
+class SigtermWatch:
+    """SIGTERM (the launcher's agent stopping the ranks after one failed) acted on by a
+    thread: :meth:`start` arms it in the main thread; on the signal the thread runs
+    ``on_stop`` and ends the process as the signal would have. The thread reads
+    :func:`signal.set_wakeup_fd`'s pipe, so it acts even while the main thread is blocked
+    inside a collective or an RPC call, where a Python signal handler would not run."""
+
+    def __init__(self) -> None:
+        self._watcher: threading.Thread | None = None
+        self._old: tuple | None = None  # (SIGTERM handler, wakeup fd) to put back
+        self._pipe: tuple[int, int] | None = None
+
+    def start(self, on_stop) -> None:
+        if threading.current_thread() is not threading.main_thread() or self._old is not None:
+            return  # (signals reach the main thread's process only; its error path records the step)
+        r, w = os.pipe()
+        os.set_blocking(w, False)
+        try:
+            old_fd = signal.set_wakeup_fd(w, warn_on_full_buffer=False)
+            old_handler = signal.signal(signal.SIGTERM, _ignore)  # (the watcher acts on it)
+        except (ValueError, OSError):
+            os.close(r)
+            os.close(w)
+            return
+        self._pipe, self._old = (r, w), (old_handler, old_fd)
+        self._watcher = threading.Thread(target=self._watch, args=(r, on_stop), name="hybridrec-recovery",
+                                         daemon=True)
+        self._watcher.start()
+
+    def stop(self) -> None:
+        """Put SIGTERM's handling back."""
+        if self._old is None:
+            return
+        handler, fd = self._old
+        with contextlib.suppress(ValueError, OSError):
+            signal.signal(signal.SIGTERM, handler)
+            signal.set_wakeup_fd(fd)
+        self._old = None
+        r, w = self._pipe
+        os.close(w)  # the watcher's read ends (EOF) ...
+        if self._watcher is not None:
+            self._watcher.join(timeout=5)
+        os.close(r)  # ... before its end of the pipe closes
+
+    @staticmethod
+    def _watch(fd: int, on_stop) -> None:
+        while True:
+            try:
+                data = os.read(fd, 64)
+            except OSError:
+                return
+            if not data:
+                return
+            if signal.SIGTERM in data:
+                on_stop()
+                # End as the agent's SIGTERM would have (its status, 128 + 15). Not by
+                # signalling this process again: from this thread SIGTERM's handler cannot be
+                # put back, and the main thread would go on (training to its next
+                # collective, or waiting to be stopped, see cli.launch.rank_main).
+                with contextlib.suppress(OSError, ValueError):
+                    sys.stdout.flush()
+                    sys.stderr.flush()
+                os._exit(128 + signal.SIGTERM)
 
 
 def _ignore(signum, frame) -> None:

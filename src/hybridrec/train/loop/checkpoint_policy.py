@@ -175,9 +175,13 @@ class Checkpoints(Part):
         t = self.t
         mtbf_s = t.mtbf_hours * 3600.0
         self.probe = None
-        if t.recovery == "partial" and self.topo.group_size > 1:
+        # (parameter servers: a failure hits one of the N + P processes alike, and only a
+        # server's loses anything, 1/P of the tables: 1/(N + P) expected, as N + P DES ranks)
+        servers = self.checkpointer.servers
+        processes = self.topo.group_size + (servers.num_ps if servers is not None else 0)
+        if t.recovery == "partial" and processes > 1:
             inputs = dict(save_s=save_s, step_s=step_s, mtbf_s=mtbf_s, total_steps=self.total_steps,
-                          ranks=self.topo.group_size, lost_fraction=t.lost_fraction,
+                          ranks=processes, lost_fraction=t.lost_fraction,
                           delta_steps=deltas.every if deltas is not None else 0, delta_share=share,
                           delta_update_share=update)
             self._take(partial_recovery_interval(**inputs))

@@ -178,7 +178,10 @@ def recovery_problem(cfg: Config) -> str | None:
            if not t.save_checkpoints else
            f"sync.algorithm={cfg.sync.algorithm}: the replicas differ between synchronizations"
            if cfg.sync.algorithm != "none" else
-           "dist.num_ps: the tables live on the parameter servers" if d.num_ps else
+           "dist.num_ps with train.shard_delta_every: the servers' shards have no incremental saves"
+           if d.num_ps and t.shard_delta_every else
+           "dist.num_ps with dist.group_size: hierarchical groups of trainers" if d.num_ps and d.group_size
+           and d.group_size < d.nproc else
            f"train.workers={t.workers}: Hogwild threads update the tables between steps" if t.workers > 1 else
            "dist.partition_dense: a failed rank's column blocks have no copy on the other ranks"
            if d.partition_dense else None)
@@ -306,7 +309,8 @@ def config_rules(cfg: Config) -> list[tuple[bool, str]]:
         (not (problem := workers_problem(cfg, cfg.dist.nproc)), problem),
         (not (problem := recovery_problem(cfg)), problem),
         # (torchrun across machines: dist.nproc is 1, and train.run checks the real world size)
-        (not (injected := injection_problem(t.inject_failure, cfg.dist.nproc) if cfg.dist.nproc > 1 else None),
+        (not (injected := injection_problem(t.inject_failure, cfg.dist.nproc, cfg.dist.num_ps)
+                       if cfg.dist.nproc > 1 or cfg.dist.num_ps else None),
          injected),
         (c.powersgd_rank >= 1, "compress.powersgd_rank must be >= 1"),
         (c.embedding in ("none", "dct", "fp16", "bf16", "int8"),
@@ -342,12 +346,17 @@ def _threshold_checks(cfg: Config) -> list[tuple[bool, str]]:
     ]
 
 
-def injection_problem(spec: str, world_size: int) -> str | None:
-    """Why ``train.inject_failure`` cannot run with ``world_size`` (trainer) ranks, or None."""
+def injection_problem(spec: str, world_size: int, num_ps: int = 0) -> str | None:
+    """Why ``train.inject_failure`` cannot run with ``world_size`` (trainer) ranks and
+    ``num_ps`` parameter servers, or None."""
     from hybridrec.train.checkpointing.faults import parse_inject_failure
 
     for rank, _ in parse_inject_failure(spec):
-        if rank >= world_size:
+        if isinstance(rank, str):
+            if int(rank[2:]) >= num_ps:
+                return (f"train.inject_failure={spec}: parameter server {rank} does not exist: this run has "
+                        + (f"{num_ps} (ps0..ps{num_ps - 1})" if num_ps else "none (dist.num_ps=0)"))
+        elif rank >= world_size:
             return (f"train.inject_failure={spec}: rank {rank} does not exist: this run has "
                     f"{world_size} rank{'s' if world_size != 1 else ''} (0..{world_size - 1})")
     return None
@@ -417,7 +426,7 @@ def _held_out(cfg: Config, f: RunFacts) -> str | None:
 
 
 def _injection(cfg: Config, f: RunFacts) -> str | None:
-    return injection_problem(cfg.train.inject_failure, f.world)
+    return injection_problem(cfg.train.inject_failure, f.world, cfg.dist.num_ps)
 
 
 def _batches(cfg: Config, f: RunFacts) -> str | None:
