@@ -41,7 +41,11 @@ e.g. noise of a shared machine, the auto interval's measured probe steps, the ba
 writing of incremental saves and the counting of lookups CPR-MFU needs), the
 failures, and for partial recovery ``lost_fraction``: the embedding updates lost, as a share of
 the run's (sum over failures of the steps a shard lost x its share of the embedding rows,
-over the run's steps); plus the held-out AUC (summary.json ``eval.auc``).
+over the run's steps; a failure recovered fully lost none); plus the held-out AUC (summary.json
+``eval.auc``). How the failures were recovered ("recovered as": each record's ``mode``): a
+partial run whose ``checkpoint_every=auto`` choice falls back to full recovery (partial
+recovery cannot keep ``train.lost_fraction``, ``--lost-fraction`` of the runs with failures)
+recovers fully, and the report says so with the choice's reason and the line the run printed.
 
 Where the numbers come from, best first:
 - checkpoint saves: metrics.jsonl records ``{"split": "checkpoint", "save_seconds"}`` (one
@@ -128,6 +132,9 @@ def parse_args(argv=None):
     p.add_argument("--delta-every", type=int, default=25,
                    help="partial-deltas / partial-mfu: train.shard_delta_every (steps)")
     p.add_argument("--delta-hot", type=float, default=0.25, help="partial-mfu: train.shard_delta_hot")
+    p.add_argument("--lost-fraction", type=float, default=0.0,
+                   help="train.lost_fraction of the runs with failures, not of the reference (so "
+                        "--reference-from serves runs of several targets; 0: hybridrec's default)")
     p.add_argument("--out", default=str(ROOT / "benchmarks/out/failure_schedule"),
                    help="work directory (data, run directories, logs, the JSON report)")
     p.add_argument("--timeout", type=float, default=3600, help="seconds per run")
@@ -145,7 +152,9 @@ def parse_args(argv=None):
     for name, value, ok, want in (("--nproc", args.nproc, args.nproc >= 1, ">= 1"),
                                   ("--steps", args.steps, args.steps >= 2, ">= 2"),
                                   ("--mtbf-s", args.mtbf_s, args.mtbf_s > 0, "> 0"),
-                                  ("--step-ms", args.step_ms, args.step_ms >= 0, ">= 0 (0: measured)")):
+                                  ("--step-ms", args.step_ms, args.step_ms >= 0, ">= 0 (0: measured)"),
+                                  ("--lost-fraction", args.lost_fraction, 0 <= args.lost_fraction < 1,
+                                   "in [0, 1) (0: hybridrec's default)")):
         if not ok:
             p.error(f"{name} {value:g}: must be {want}")
     return args
@@ -297,7 +306,8 @@ def recovery_events(run_dir: Path, summary: dict) -> tuple[list[dict], str]:
 def failures_of(run_dir: Path, summary: dict, stderr: list[tuple[float, str]]) -> tuple[list[dict], str]:
     """One record per failure the run recovered from: ``failed_rank``, ``failed_at_step``,
     ``checkpoint_step``, ``resumed_at_step``, ``kill_time``, ``resumed_time``,
-    ``restore_seconds`` (None: not recorded), ``shards`` (partial: per shard steps lost)."""
+    ``restore_seconds`` (None: not recorded), ``shards`` (partial: per shard steps lost),
+    ``mode`` (the record's ``partial`` or ``full``; None: not recorded)."""
     from hybridrec.train.checkpointing.faults import injections, read_marker
 
     kills = injections(read_marker(run_dir))
@@ -340,6 +350,8 @@ def failures_of(run_dir: Path, summary: dict, stderr: list[tuple[float, str]]) -
             "resumed_time": e.get("resumed_time") or s.get("resumed_line_time") or s["restart_line_time"],
             "restore_seconds": e.get("restore_seconds"),
             "shards": e.get("shards"),
+            # (the record's "partial" or "full": a run whose interval fell back recovers fully)
+            "mode": e.get("mode"),
             "source": "event" if e else "stderr",
         })
     return out, source if events else "stderr"
@@ -354,12 +366,17 @@ def lost_fraction(failures: list[dict], total_steps: int, *, recorded: bool = Fa
     without it). As recorded they count from the checkpoint it rolled back to; when
     the same shard rolled back to that checkpoint at an earlier failure, the updates up to
     that recovery were lost then, so (unless ``recorded``) this one lost only the steps
-    since: ``failed_at_step - max(checkpoint_step, the step it resumed at then)``."""
+    since: ``failed_at_step - max(checkpoint_step, the step it resumed at then)``.
+
+    A failure recovered fully (its record's ``mode`` is ``full``: the run's interval fell
+    back to full recovery) lost nothing: its shards' steps were trained again."""
     if not any(f.get("shards") for f in failures):
         return None
     total = 0.0
     restored_at: dict[tuple, int] = {}  # shard -> the step at which it last rolled back
     for f in failures:
+        if f.get("mode") == "full":
+            continue
         shards = f.get("shards") or []
         weights = [(sh.get("rows") or 1) * (sh.get("cols") or 1) for sh in shards]  # (None: one table)
         lost = []
@@ -413,8 +430,35 @@ def measure_run(name: str, run: dict, run_dir: Path, ref: dict | None, total_ste
         lost_fraction_recorded=(lost_fraction(failures, total_steps, recorded=True)
                                 if name.startswith("partial") else 0.0),
         auc_vs_reference=(res["auc"] - ref["auc"] if res["auc"] is not None and ref["auc"] is not None
-                          else None))
+                          else None),
+        **fallback_of(summary, run["stderr"], failures))
     return res
+
+
+_FALLS_BACK = "falls back to full recovery"
+
+
+def fallback_of(summary: dict, stderr: list[tuple[float, str]], failures: list[dict]) -> dict:
+    """Whether a run of ``train.recovery=partial`` fell back to full recovery, by what it
+    recorded and said: ``fallback`` (the interval's choice, summary.json
+    ``checkpoint_interval.fallback``: ``"full"`` or None), ``fallback_reason``,
+    ``fallback_said`` (the run's stderr line that says it, the first; None: not said),
+    ``recovery_mode`` (summary.json ``recovery.mode`` at the end) and ``recovered_as``
+    (each failure's record's mode, in order)."""
+    choice = summary.get("checkpoint_interval") or {}
+    said = next((line for _, line in stderr if _FALLS_BACK in line), None)
+    return {"fallback": choice.get("fallback"), "fallback_reason": choice.get("fallback_reason"),
+            "fallback_said": said, "recovery_mode": (summary.get("recovery") or {}).get("mode"),
+            "recovered_as": [f.get("mode") for f in failures]}
+
+
+def recovered_as(r: dict) -> str:
+    """The report's column: how the run's failures were recovered ("partial x4", "full x8",
+    "-": none recorded), and "fell back" where the interval's choice said full recovery."""
+    modes = r.get("recovered_as") or []
+    counts = {m: modes.count(m) for m in dict.fromkeys(modes)}
+    text = ", ".join(f"{m or 'unrecorded'} x{n}" for m, n in counts.items()) or "-"
+    return f"{text} (fell back)" if r.get("fallback") == "full" else text
 
 
 # -- report --------------------------------------------------------------------------------
@@ -433,13 +477,13 @@ def format_report(rep: dict) -> str:
                      f"{ref['train_seconds']:.1f} s training ({ref['step_seconds'] * 1000:.1f} ms/step); "
                      f"failures (rank:step) {seed['inject_failure'] or 'none'}")
     lines += ["", ("| run | seed | failures | wall s | overhead s | overhead % | saves s (n) | deltas s (n) | "
-                   "lost work steps (s) | restart+reload s | other s | CPR overhead % | lost_fraction | AUC | "
-                   "AUC vs reference |"),
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                   "lost work steps (s) | restart+reload s | other s | CPR overhead % | recovered as | lost_fraction | "
+                   "AUC | AUC vs reference |"),
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for seed in rep["seeds"]:
         ref = seed["reference"]
         lines.append(f"| reference | {seed['seed']} | 0 | {ref['wall_seconds']:.1f} | - | - | - | - | - | - | - "
-                     f"| - | - | {_fmt(ref['auc'], '.5f')} | - |")
+                     f"| - | - | - | {_fmt(ref['auc'], '.5f')} | - |")
         for r in seed["runs"]:
             lines.append(
                 f"| {r['name']} | {seed['seed']} | {r['failures']} | {r['wall_seconds']:.1f} | "
@@ -447,7 +491,7 @@ def format_report(rep: dict) -> str:
                 f"{r['save_seconds']:.1f} ({r['saves']}) | {r.get('delta_seconds', 0.0):.1f} ({r.get('deltas', 0)}) | "
                 f"{r['lost_steps']} ({r['lost_seconds']:.1f}) | "
                 f"{r['restart_seconds']:.1f} | {r['other_seconds']:.1f} | {100 * r['cpr_overhead_share']:.1f} | "
-                f"{_fmt(r['lost_fraction'], '.4f')} | {_fmt(r['auc'], '.5f')} | "
+                f"{recovered_as(r)} | {_fmt(r['lost_fraction'], '.4f')} | {_fmt(r['auc'], '.5f')} | "
                 f"{_fmt(r['auc_vs_reference'], '+.5f')} |")
     if len(rep["seeds"]) > 1:
         lines += ["", ("| run | failures (mean) | overhead % (mean) | CPR overhead % (mean) | lost_fraction (mean) "
@@ -456,6 +500,12 @@ def format_report(rep: dict) -> str:
             lines.append(f"| {name} | {_fmt(v['failures'], '.1f')} | {_fmt(v['overhead_share'], '.1%')} | "
                          f"{_fmt(v['cpr_overhead_share'], '.1%')} | {_fmt(v['lost_fraction'], '.4f')} | "
                          f"{_fmt(v['auc'], '.5f')} | {_fmt(v['auc_vs_reference'], '+.5f')} |")
+    for seed in rep["seeds"]:
+        for r in seed["runs"]:
+            if r.get("fallback") == "full":
+                lines += ["", f"{r['name']} (seed {seed['seed']}) fell back to full recovery: "
+                              f"{r.get('fallback_reason') or '(no reason recorded)'}; the run said: "
+                              f"{r.get('fallback_said') or '(nothing)'}"]
     sources = sorted({f"{r['name']}: saves from {r['saves_source']}, failures from {r['failures_source']}"
                       for seed in rep["seeds"] for r in seed["runs"]})
     lines += ["", ("overhead = wall - the reference's wall, % of the reference's training seconds; CPR "
@@ -535,6 +585,8 @@ def main(argv=None) -> int:
                      f"train.mtbf_hours={args.mtbf_s / 3600.0!r}", *MODES[mode]]
             if "deltas" in mode or "mfu" in mode:
                 extra += [f"train.shard_delta_every={args.delta_every}", f"train.shard_delta_hot={args.delta_hot}"]
+            if args.lost_fraction:
+                extra.append(f"train.lost_fraction={args.lost_fraction!r}")
             if spec:
                 extra.append(f"train.inject_failure={spec}")
             run = run_command(train_argv(args, data, run_dir, seed, extra), run_dir,
@@ -548,7 +600,8 @@ def main(argv=None) -> int:
         seeds.append({"seed": seed, "schedule": schedule, "inject_failure": spec, "reference": ref, "runs": runs})
     rep = {"date": time.strftime("%Y-%m-%d"), "machine": throughput.machine(), "data": str(data),
            "command": shlex.join([Path(sys.executable).name, *sys.argv]),
-           "settings": {k: getattr(args, k) for k in SETTINGS} | {"modes": args.mode_list},
+           "settings": {k: getattr(args, k) for k in SETTINGS} | {"modes": args.mode_list,
+                                                                     "lost_fraction": args.lost_fraction},
            **({"reference_from": str(args.reference_from)} if args.reference_from else {}),
            "seeds": seeds, "means": means(seeds)}
     path = out / (f"failure_schedule-nproc{args.nproc}-steps{args.steps}-mtbf{args.mtbf_s:g}"
