@@ -24,9 +24,19 @@ rank's own link, CROSS: each machine's link to the others, shared by its ranks):
 - ``datacenter=100gbit,25gbit,0.9,0.95``: machines whose ranks share a 100 Gbit/s local path
   and a 25 Gbit/s NIC, with the receive-first exchange (``dist.exchange=pairwise``, ~0.9).
 
---measured G,M,SAMPLES_PER_S[,flat|hier] (repeatable; default hier) prints the prediction
-for that cluster shape at the --measured-setting (default: the first) beside the
-measurement, with the error in %.
+--measured G,M,SAMPLES_PER_S[,flat|hier][,compute=S][,steps=N][,cores=C] (repeatable;
+default hier) prints the prediction for that cluster shape at the --measured-setting
+(default: the first) beside the measurement, with the error in %; ``compute``: that run's
+compute per step (default --compute-s), ``steps``: its length (a run that ends before its
+first round: the shadow thread busy throughout), ``cores``: cores per rank there.
+
+Calibration (measured apart from the training runs, docs/benchmarks.md):
+--cross-a2a RANKS:EFF (repeatable): the all-to-all's share of a group link shared by RANKS
+ranks' flows (``benchmarks/linkrate.py --group-size``); --host-cpu
+NONE_MS,DCT_MS,WRITE_BACK_MS,CORES_PER_RANK[,AGREE_MS]: the shadow thread's CPU ms per MiB of
+replica and round (exact, dct), the write-back's, cores per rank, the members' per-step
+agreement (``benchmarks/shadow_cpu.py``), times --cpu-scale (another processor's step time
+over the measuring one's).
 """
 
 from __future__ import annotations
@@ -67,6 +77,9 @@ def parse_args(argv=None):
                    metavar="NAME=INTRA,CROSS[,A2A_EFF,ALLREDUCE_EFF]",
                    help=f"link setting (repeatable; default: {' and '.join(DEFAULT_SETTINGS)})")
     p.add_argument("--measured", action="append", default=[], metavar="G,M,SAMPLES_PER_S[,MODE]")
+    p.add_argument("--cross-a2a", action="append", default=[], metavar="RANKS:EFF")
+    p.add_argument("--host-cpu", metavar="NONE_MS,DCT_MS,WRITE_BACK_MS,CORES_PER_RANK[,AGREE_MS]")
+    p.add_argument("--cpu-scale", type=float, default=1.0)
     p.add_argument("--measured-setting",
                    help="the setting the measurements ran at (default: the first)")
     p.add_argument("--out", default=str(ROOT / "docs/img/hier_scaling.svg"), help="the chart")
@@ -74,7 +87,7 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def parse_setting(text: str):
+def parse_setting(text: str, cross_a2a: list[str] = ()):
     """``NAME=INTRA,CROSS[,A2A_EFF,ALLREDUCE_EFF]`` -> ``(name, Links)``; rates in tc units."""
     from hybridrec.bench.netns import parse_rate
     from hybridrec.bench.hier_cost import Links
@@ -87,16 +100,39 @@ def parse_setting(text: str):
     if None in rates:
         raise SystemExit(f"--setting {text!r}: the model needs finite rates")
     effs = [float(x) for x in parts[2:]] or [1.0, 1.0]
+    cross = tuple(sorted((int(m), float(e)) for m, e in (x.split(":") for x in cross_a2a)))
     return name, Links(intra=rates[0] / 8, cross=rates[1] / 8, a2a_efficiency=effs[0],
-                       allreduce_efficiency=effs[1])
+                       allreduce_efficiency=effs[1], cross_a2a_efficiency=cross)
 
 
-def parse_measured(text: str) -> tuple[int, int, float, bool]:
-    """``G,M,SAMPLES_PER_S[,flat|hier]`` -> ``(G, M, samples/s, hierarchical)``."""
+def parse_host_cpu(text: str | None, scale: float):
+    """``NONE_MS,DCT_MS,WRITE_BACK_MS,CORES_PER_RANK[,AGREE_MS]`` (ms per MiB) -> HostCpu."""
+    from hybridrec.bench.hier_cost import HostCpu
+
+    if text is None:
+        return None
+    v = [float(x) for x in text.split(",")]
+    if len(v) not in (4, 5):
+        raise SystemExit(f"--host-cpu {text!r}: expected NONE_MS,DCT_MS,WRITE_BACK_MS,"
+                         "CORES_PER_RANK[,AGREE_MS]")
+    per = 1e-3 / 2**20
+    return HostCpu(round_s_per_byte=v[0] * per, dct_round_s_per_byte=v[1] * per,
+                   write_back_s_per_byte=v[2] * per, cores_per_rank=v[3],
+                   agree_s=(v[4] if len(v) == 5 else 0.0) * 1e-3).scaled(scale)
+
+
+def parse_measured(text: str) -> tuple[int, int, float, bool, dict]:
+    """``G,M,SAMPLES_PER_S[,flat|hier][,key=value...]`` -> ``(G, M, samples/s,
+    hierarchical, {compute, steps, cores})``."""
     parts = text.split(",")
-    if len(parts) not in (3, 4) or (len(parts) == 4 and parts[3] not in ("flat", "hier")):
-        raise SystemExit(f"--measured {text!r}: expected G,M,SAMPLES_PER_S[,flat|hier]")
-    return int(parts[0]), int(parts[1]), float(parts[2]), len(parts) == 3 or parts[3] == "hier"
+    extra = dict(x.split("=", 1) for x in parts[3:] if "=" in x)
+    plain = [x for x in parts if "=" not in x]
+    if (len(plain) not in (3, 4) or (len(plain) == 4 and plain[3] not in ("flat", "hier"))
+            or not set(extra) <= {"compute", "steps", "cores"}):
+        raise SystemExit(f"--measured {text!r}: expected G,M,SAMPLES_PER_S[,flat|hier]"
+                         "[,compute=S][,steps=N][,cores=C]")
+    return (int(plain[0]), int(plain[1]), float(plain[2]), len(plain) == 3 or plain[3] == "hier",
+            extra)
 
 
 def bench_workload(args):
@@ -165,17 +201,23 @@ def scaling_table(name: str, links, rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def measured_table(w, links, sync, points) -> str:
+def measured_table(w, links, sync, points, cpu=None) -> str:
+    import dataclasses
+
     from hybridrec.bench.hier_cost import predict_step
 
     lines = [("| G x M | mode | measured samples/s | predicted | error | predicted step s "
-              "(compute / a2a / all-reduce / sync) |"), "|---|---|---|---|---|---|"]
-    for g, m, sps, hier in points:
-        p = predict_step(w, links, g, m, hierarchical=hier, sync=sync)
+              "(compute / a2a / all-reduce / sync / host) |"), "|---|---|---|---|---|---|"]
+    for g, m, sps, hier, extra in points:
+        wp = dataclasses.replace(w, compute_s=float(extra.get("compute", w.compute_s)))
+        cp = (dataclasses.replace(cpu, cores_per_rank=float(extra["cores"]))
+              if cpu is not None and "cores" in extra else cpu)
+        steps = int(extra["steps"]) if "steps" in extra else None
+        p = predict_step(wp, links, g, m, hierarchical=hier, sync=sync, cpu=cp, run_steps=steps)
         lines.append(f"| {g} x {m} | {'hier' if hier else 'flat'} | {sps:,.0f} | "
                      f"{p.samples_per_s:,.0f} | {100 * (p.samples_per_s - sps) / sps:+.1f}% | "
                      f"{p.step_s:.3f} ({p.compute_s:.3f} / {p.a2a_s:.3f} / {p.dense_s:.3f} / "
-                     f"{p.sync_s:.3f}) |")
+                     f"{p.sync_s:.3f} / {p.host_s:.3f}) |")
     return "\n".join(lines)
 
 
@@ -206,7 +248,8 @@ def write_svg(path: Path, results: dict[str, list[dict]], note: str) -> None:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    settings = dict(parse_setting(s) for s in (args.setting or DEFAULT_SETTINGS))
+    settings = dict(parse_setting(s, args.cross_a2a) for s in (args.setting or DEFAULT_SETTINGS))
+    cpu = parse_host_cpu(args.host_cpu, args.cpu_scale)
     points = [parse_measured(x) for x in args.measured]
     w, sync = bench_workload(args), sync_spec(args)
     results = {name: predict_rows(w, links, sync, args.machines, args.group_size)
@@ -224,7 +267,7 @@ def main(argv=None) -> int:
         if which not in settings:
             raise SystemExit(f"--measured-setting {which!r}: not one of {list(settings)}")
         out += [f"Measured against predicted ({which}):", "",
-                measured_table(w, settings[which], sync, points), ""]
+                measured_table(w, settings[which], sync, points, cpu), ""]
     text = "\n".join(out)
     print(text)
     if args.md:

@@ -3,6 +3,8 @@
 
     sudo .venv/bin/python benchmarks/linkrate.py                      # 2 ranks, 1gbit + 200mbit
     sudo .venv/bin/python benchmarks/linkrate.py --world 4 --rates 1gbit --sizes 4 16 64
+    sudo .venv/bin/python benchmarks/linkrate.py --world 4 --group-size 2 --rates 1gbit \
+        --cross-rate 100mbit --ops all_to_all all_reduce     # the hierarchical cluster's links
 
 Each rank runs in its own network namespace; every rank's link is capped with tc tbf at
 the given rate in both directions (hybridrec.bench.netns). One torchrun per namespace
@@ -23,7 +25,20 @@ Each point runs with every rank entering together and with the last rank enterin
 puts on its uplink (= takes off its downlink) per call, from the algorithm (ring
 all-reduce 2(W-1)/W*S; one-way S; everything else (W-1)/W*S), divided by the time from the
 last rank's entry to the last rank's exit (one clock: all namespaces share the machine),
-as a fraction of the link rate; the median of --reps calls after one warm-up call.
+as a fraction of the link rate; the median of --reps calls after one warm-up call. Also
+each rank's CPU seconds per call (the process's, every thread: gloo's socket work), the mean
+over ranks, median over calls.
+
+With --group-size M the ranks form groups of M joined by links capped at --cross-rate (the
+namespace cluster of benchmarks/hierarchical.py: every rank's own link at the --rates rate,
+each group's link to the others at --cross-rate, shared by its ranks' flows). Then the
+share is of the cross rate, and the bytes are those each group's link carries per direction
+per call, if every rank sends in rank order as the cost model prices it
+(:mod:`hybridrec.bench.hier_cost`): all-to-all-like ops ``M (W-M)/W * S`` (M ranks, each
+with a flow to each of the W-M outside), ring all-reduce ``2(W-1)/W * S`` (the ring leaves
+and enters each group once), one-way S. This is the efficiency the cost model's
+``Links.cross_a2a_efficiency`` takes: how much of a capped link several concurrent flows of
+one all-to-all reach.
 """
 
 from __future__ import annotations
@@ -61,6 +76,8 @@ def parse_args(argv=None):
     p.add_argument("--reps", type=int, default=3, help="timed repetitions per point")
     p.add_argument("--out", default=str(ROOT / "benchmarks/out/linkrate"), help="results dir")
     p.add_argument("--timeout", type=float, default=600, help="seconds per cluster run")
+    p.add_argument("--group-size", type=int, help="ranks per group (needs --cross-rate)")
+    p.add_argument("--cross-rate", help="tc rate of each group's link to the others")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
@@ -102,12 +119,16 @@ class RawTcp:
             t.join()
 
 
-def wire_bytes(op: str, nbytes: int, world: int) -> float:
-    """Bytes each rank puts on its uplink (= takes off its downlink) for one call."""
+def wire_bytes(op: str, nbytes: int, world: int, group_size: int | None = None) -> float:
+    """Bytes each rank puts on its uplink (= takes off its downlink) for one call; with
+    ``group_size`` M < world: bytes each group's link carries per direction (module
+    docstring)."""
     if op == "all_reduce":  # ring: reduce-scatter + all-gather
         return 2 * (world - 1) / world * nbytes
     if op == "send_one_way":
         return nbytes
+    if group_size and group_size < world:  # M ranks' flows to the W - M outside
+        return group_size * (world - group_size) / world * nbytes
     return (world - 1) / world * nbytes  # every all-to-all-like op keeps 1/world at home
 
 
@@ -163,22 +184,27 @@ def worker(args) -> None:
                 continue
             once = make_op(op, x, out, rank, world, raw, exchangers)
             for skew in args.skew_ms:
-                times = []
+                times, cpus = [], []
                 for rep in range(args.reps + 1):
                     dist.barrier()
                     if rank == world - 1 and skew:  # a late peer, as in training
                         time.sleep(skew / 1e3)
+                    c0 = time.process_time()  # this rank's CPU, every thread (gloo's too)
                     t0 = time.perf_counter()  # one clock for every namespace (same machine)
                     once()
                     t = torch.tensor([t0, time.perf_counter()], dtype=torch.float64)
+                    cpu = torch.tensor([time.process_time() - c0], dtype=torch.float64)
                     dist.all_reduce(t, op=dist.ReduceOp.MAX)
+                    dist.all_reduce(cpu)
                     if rep:  # the first is a warm-up (connections, buffers)
                         times.append(float(t[1] - t[0]))  # last end - last start
+                        cpus.append(float(cpu) / world)
                 sec = statistics.median(times)
-                wire = wire_bytes(op, nbytes, world)
+                wire = wire_bytes(op, nbytes, world, args.group_size)
                 results.append({"op": op, "mib": size, "skew_ms": skew, "bytes": nbytes,
                                 "wire_bytes_per_dir": wire, "seconds": sec, "times": times,
-                                "bytes_per_s_per_dir": wire / sec})
+                                "bytes_per_s_per_dir": wire / sec,
+                                "cpu_s_per_rank": statistics.median(cpus)})
     if rank == 0:
         print(json.dumps({"world": world, "results": results}))
     dist.barrier()
@@ -193,8 +219,11 @@ def run_cluster(args, world: int, rate: str) -> dict:
     sizes = [s for s in args.sizes if s <= 16 or rate_bps(rate) >= 1e9]
     script = [__file__, "--worker", "--reps", str(args.reps), "--sizes", *map(str, sizes),
               "--ops", *args.ops, "--skew-ms", *map(str, args.skew_ms)]
+    if args.group_size:
+        script += ["--group-size", str(args.group_size)]
     log_dir = Path(args.out) / f"logs-w{world}-{rate}"
-    with netns_cluster(world, rate) as c:
+    with netns_cluster(world, rate, group_size=args.group_size,
+                       cross_rate=args.cross_rate) as c:
         cmds = [c.torchrun_argv(r, script) for r in range(world)]
         print(f"# {rate}, {world} ranks; rank 0 runs:\n#   {' '.join(c.exec_argv(0, cmds[0]))}",
               file=sys.stderr)
@@ -208,7 +237,9 @@ def run_cluster(args, world: int, rate: str) -> dict:
         raise SystemExit(f"rank {bad.rank} failed (exit {bad.returncode}, timed out: "
                          f"{bad.timed_out}):\n{bad.stderr[-3000:]}")
     line = [ln for ln in res[0].stdout.splitlines() if ln.startswith("{")][-1]
-    return {"rate": rate, "rate_bps": rate_bps(rate), **json.loads(line)}
+    groups = {"group_size": args.group_size, "cross_rate": args.cross_rate,
+              "cross_rate_bps": rate_bps(args.cross_rate)} if args.group_size else {}
+    return {"rate": rate, "rate_bps": rate_bps(rate), **groups, **json.loads(line)}
 
 
 def rate_bps(rate: str) -> int:
@@ -218,15 +249,18 @@ def rate_bps(rate: str) -> int:
 
 
 def format_table(runs: list[dict]) -> str:
-    lines = ["| ranks | link | op | MiB/rank | late peer | MB/s per direction | of link rate |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| ranks | link | op | MiB/rank | late peer | MB/s per direction | of link rate | "
+             "CPU s per rank and call |", "|---|---|---|---|---|---|---|---|"]
     for run in runs:
-        link = run["rate_bps"] / 8
+        link = run.get("cross_rate_bps", run["rate_bps"]) / 8
+        where = (f"{run['rate']}, groups of {run['group_size']} at {run['cross_rate']}"
+                 if run.get("group_size") else run["rate"])
         for r in run["results"]:
-            lines.append(f"| {run['world']} | {run['rate']} | {r['op']} | {r['mib']:g} | "
+            lines.append(f"| {run['world']} | {where} | {r['op']} | {r['mib']:g} | "
                          f"{r['skew_ms']:g} ms | "
                          f"{r['bytes_per_s_per_dir'] / 1e6:,.1f} | "
-                         f"{r['bytes_per_s_per_dir'] / link:.0%} |")
+                         f"{r['bytes_per_s_per_dir'] / link:.0%} | "
+                         f"{r.get('cpu_s_per_rank', float('nan')):.3f} |")
     return "\n".join(lines)
 
 

@@ -11,6 +11,7 @@ from hybridrec.model.embedding import TableConfig
 from hybridrec.parallel import plan as P
 from hybridrec.parallel.cost_model import predict_all_ranks
 from hybridrec.bench.hier_cost import (
+    HostCpu,
     Links,
     Owner,
     SyncSpec,
@@ -20,6 +21,7 @@ from hybridrec.bench.hier_cost import (
     dlrm_dense_params,
     foreground_cost,
     from_owners,
+    host_cost,
     plan_owners,
     predict_step,
     ring_loads,
@@ -281,3 +283,86 @@ def test_validation():
         Links(intra=1, cross=0)
     with pytest.raises(ValueError):
         predict_step(toy(), SLOW, 2, 1, hierarchical=True)
+
+
+# -- calibration: the group link's all-to-all efficiency, the shadow thread's CPU ------------
+def test_cross_a2a_efficiency_by_ranks_sharing_the_link():
+    links = Links(intra=1, cross=1, a2a_efficiency=0.4, cross_a2a_efficiency=((1, 0.5), (2, 0.75)))
+    assert links.cross_a2a(1) == 0.5 and links.cross_a2a(2) == 0.75
+    assert links.cross_a2a(8) == 0.75  # the largest count <= 8
+    assert Links(intra=1, cross=1, a2a_efficiency=0.4,
+                 cross_a2a_efficiency=((2, 0.75),)).cross_a2a(1) == 0.4  # none <= 1: the default
+
+
+def test_flat_all_to_alls_use_the_cross_efficiency_on_group_links():
+    # The worked example, flat 2 x 1, every all-to-all byte across the 100 B/s group link:
+    # at 0.5 there: (96 + 160 + 160) / 50 = 8.32 s of all-to-all, + 4 s ring + 1 s compute.
+    links = Links(intra=1000, cross=100, cross_a2a_efficiency=((1, 0.5),))
+    f = predict_step(toy(), links, 2, 1, hierarchical=False)
+    assert f.input_s == pytest.approx(1.92) and f.output_fwd_s == pytest.approx(3.2)
+    assert f.dense_s == pytest.approx(4.0)  # the ring all-reduce keeps its own efficiency
+    assert f.step_s == pytest.approx(13.32)
+    # 2 x 2 ranks share the link: the entry for 2, not the one for 1.
+    two = Links(intra=1000, cross=100, cross_a2a_efficiency=((1, 0.5), (2, 0.25)))
+    base = predict_step(toy(), SLOW, 2, 2, hierarchical=False)
+    slow = predict_step(toy(), two, 2, 2, hierarchical=False)
+    assert slow.a2a_s > base.a2a_s and slow.input_s == pytest.approx(4 * base.input_s)
+
+
+def test_host_cost_by_hand():
+    cpu = HostCpu(round_s_per_byte=0.0, dct_round_s_per_byte=0.0, write_back_s_per_byte=1e-3,
+                  cores_per_rank=0.5, agree_s=0.01)
+    # rho = 1 s / 10 s = 0.1 core, f = 0.1 / 0.5 = 0.2: compute 1 s -> 1 / 0.8 (+0.25 s);
+    # write-back 1e-3 * 100 B / 0.5 cores / 4 steps = 0.05 s; agreement 0.01 s.
+    assert host_cost(cpu, 1.0, 1.0, 10.0, True, 4.0, 100.0, True) == pytest.approx(0.31)
+    assert host_cost(cpu, 1.0, 1.0, 10.0, False, 4.0, 100.0, False) == pytest.approx(0.25)
+    # A thread wanting more than half the cores gets half (a fair share): compute x 2.
+    assert host_cost(cpu, 1.0, 10.0, 10.0, False, 4.0, 100.0, False) == pytest.approx(1.0)
+
+
+def test_host_cpu_round_and_scaling():
+    cpu = HostCpu(round_s_per_byte=2.0, dct_round_s_per_byte=5.0, write_back_s_per_byte=1.0,
+                  cores_per_rank=2.0, agree_s=0.5)
+    assert cpu.round_cpu_s(3.0, "none") == 6.0 and cpu.round_cpu_s(3.0, "fp16") == 6.0
+    assert cpu.round_cpu_s(3.0, "dct") == 15.0
+    half = cpu.scaled(0.5)
+    assert (half.round_s_per_byte, half.dct_round_s_per_byte, half.write_back_s_per_byte,
+            half.cores_per_rank, half.agree_s) == (1.0, 2.5, 0.5, 2.0, 0.5)
+
+
+def test_predict_step_prices_the_shadow_thread_by_hand():
+    # The worked example's hierarchical 2 x 1: 1 s steps, 720-byte rounds of 7.2 s at duty 0.5.
+    cpu = HostCpu(round_s_per_byte=1e-3, dct_round_s_per_byte=1.0, write_back_s_per_byte=1e-3,
+                  cores_per_rank=1.0, agree_s=0.3)
+    sync = SyncSpec(every=1, duty=0.5)
+    free = predict_step(toy(), SLOW, 2, 1, hierarchical=True, sync=sync)
+    assert free.step_s == pytest.approx(1.0) and free.host_s == 0.0
+    # A run of 2 steps ends inside its first round: the thread's 0.72 CPU s spread over the
+    # 7.2 s round, f = 0.1: compute 1 / 0.9; no write-back; groups of one rank: no agreement.
+    short = predict_step(toy(), SLOW, 2, 1, hierarchical=True, sync=sync, cpu=cpu, run_steps=2)
+    assert short.host_s == pytest.approx(1 / 0.9 - 1)
+    assert short.step_s == pytest.approx(1 / 0.9)
+    assert short.samples_per_s == pytest.approx(20 * 0.9)
+    # Steady state: rounds every 14.4 s, f = 0.05 (+0.05 / 0.95 s), and the write-back's
+    # 0.72 s over gap = 14.4 / t steps: host = 0.05/0.95 + 0.05 t, t = 1 + host.
+    long = predict_step(toy(), SLOW, 2, 1, hierarchical=True, sync=sync, cpu=cpu)
+    host = (0.05 / 0.95 + 0.05) / 0.95
+    assert long.host_s == pytest.approx(host) and long.step_s == pytest.approx(1 + host)
+    assert long.gap_steps == pytest.approx(14.4 / (1 + host))
+    # Groups of 2 ranks: the members' agreement adds its 0.3 s to every step.
+    two = predict_step(toy(), SLOW, 2, 2, hierarchical=True, sync=sync, cpu=cpu, run_steps=2)
+    two_free = predict_step(toy(), SLOW, 2, 2, hierarchical=True, sync=sync)
+    assert two.host_s >= 0.3 and two.step_s > two_free.step_s + 0.3
+    # Flat training has no shadow thread: the CPU terms change nothing.
+    assert (predict_step(toy(), SLOW, 2, 1, hierarchical=False, cpu=cpu).step_s
+            == predict_step(toy(), SLOW, 2, 1, hierarchical=False).step_s)
+
+
+def test_host_cpu_and_cross_efficiency_validation():
+    with pytest.raises(ValueError, match="cores_per_rank"):
+        HostCpu(round_s_per_byte=0, dct_round_s_per_byte=0, write_back_s_per_byte=0,
+                cores_per_rank=0)
+    with pytest.raises(ValueError, match="efficiencies"):
+        Links(intra=1, cross=1, cross_a2a_efficiency=((2, 1.5),))
+    with pytest.raises(ValueError, match="rank counts"):
+        Links(intra=1, cross=1, cross_a2a_efficiency=((0, 0.5),))

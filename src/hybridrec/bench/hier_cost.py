@@ -26,13 +26,16 @@ the phases run one after another and overlap nothing (DDP's overlap of the all-r
 backward and ``dist.pipeline`` are not modelled). A phase lasts as long as its busiest link
 direction needs, ``max_L load_L / (eff * rate_L)`` (:meth:`Loads.seconds`): links work in
 parallel, each at ``eff`` x its rate (gloo's all-to-all reaches about half of it,
-docs/benchmarks.md); no latency (a step's messages are megabytes). Sync: foreground adds its
+docs/benchmarks.md), on a group link at ``Links.cross_a2a(M)`` (several ranks' flows fill
+it better); no latency (a step's messages are megabytes). Sync: foreground adds its
 round to every ``every``-th step (:func:`foreground_cost`); background costs the step only
 where a link cannot carry the step's bytes and the round's share of them
-(:func:`background_cost`). Not modelled: CPU the shadow thread takes from training, the
-compute imbalance of uneven plans (``compute_s`` is one number for every rank), stragglers,
-the exact first round of a compressed sync and the run's final average (one-off, not per
-step), and the 8-byte per-step agreement of a group's members on background rounds.
+(:func:`background_cost`), and, given a :class:`HostCpu`, what its host work takes
+(:func:`host_cost`: the shadow thread's CPU out of the cores the step computes on, the
+write-back, the members' per-step agreement). Not modelled: the CPU of foreground rounds,
+the CPU the step's own communication needs (a phase is as long as its links say, even on
+oversubscribed cores), the compute imbalance of uneven plans (``compute_s`` is one number
+for every rank), stragglers, and the run's final average (one-off, not per step).
 
 Worked example (the tests' hand case): 2 tables of 10 x 4 one-hot, batch 10 per rank, 400
 dense bytes, 1 s compute, intra 1000 B/s, cross 100 B/s, flat on 2 groups of 1 rank,
@@ -79,13 +82,28 @@ class Links:
     ~0.6 on 4; ``dist.exchange=pairwise`` ~0.9 (docs/benchmarks.md, gloo link rates)."""
     allreduce_efficiency: float = 1.0
     """The same for a ring all-reduce (gloo: 0.93-0.98)."""
+    cross_a2a_efficiency: tuple[tuple[int, float], ...] = ()
+    """An all-to-all's share of a *group's* link, by the number of ranks whose flows share it:
+    ``((ranks, efficiency), ...)``; M ranks per group take the entry of the largest count
+    <= M (:meth:`cross_a2a`); empty, or none <= M: ``a2a_efficiency``. Several ranks' flows
+    fill a capped link better than one rank's turn-taking connection does (namespace cluster,
+    2026-11-29: 0.49 with 1 rank, 0.73 with 2; docs/benchmarks.md)."""
 
     def __post_init__(self) -> None:
         if self.intra <= 0 or self.cross <= 0:
             raise ValueError(f"link rates must be > 0, got {self.intra}, {self.cross}")
-        for e in (self.a2a_efficiency, self.allreduce_efficiency):
+        for e in (self.a2a_efficiency, self.allreduce_efficiency,
+                  *(e for _, e in self.cross_a2a_efficiency)):
             if not 0 < e <= 1:
                 raise ValueError(f"link efficiencies must be in (0, 1], got {e}")
+        if any(m < 1 for m, _ in self.cross_a2a_efficiency):
+            raise ValueError(f"cross_a2a_efficiency: rank counts must be >= 1, got "
+                             f"{self.cross_a2a_efficiency}")
+
+    def cross_a2a(self, ranks: int) -> float:
+        """The all-to-all efficiency on a group link shared by ``ranks`` ranks' flows."""
+        fits = [(m, e) for m, e in self.cross_a2a_efficiency if m <= ranks]
+        return max(fits)[1] if fits else self.a2a_efficiency
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -112,6 +130,45 @@ class SyncSpec:
         if self.every < 1 or not 0 < self.duty <= 1 or not 0 < self.ratio <= 1:
             raise ValueError(f"sync: every >= 1, duty and ratio in (0, 1]; got {self.every}, "
                              f"{self.duty}, {self.ratio}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class HostCpu:
+    """What background sync takes from the ranks' CPUs (measured by
+    ``benchmarks/shadow_cpu.py``; the module docstring says how it is priced)."""
+
+    round_s_per_byte: float
+    """CPU seconds of the shadow thread per replica byte and round (the snapshot copy and the
+    round: its all-reduce's reduction and socket work, every thread of the process), exact
+    rounds (``none``, ``fp16``, ``bf16``)."""
+    dct_round_s_per_byte: float
+    """The same with ``sync.compress=dct`` (threshold, sparse message, error feedback)."""
+    write_back_s_per_byte: float
+    """CPU seconds of the write-back per replica byte: on the training thread, once a round."""
+    cores_per_rank: float
+    """Cores each rank's training has (a machine's cores over its ranks), all kept busy by its
+    compute: the shadow thread's CPU comes out of them."""
+    agree_s: float = 0.0
+    """Seconds of the per-step agreement of a group's members (an 8-byte all-reduce on the
+    group's links; groups of one rank have none)."""
+
+    def __post_init__(self) -> None:
+        if min(self.round_s_per_byte, self.dct_round_s_per_byte, self.write_back_s_per_byte,
+               self.agree_s) < 0 or self.cores_per_rank <= 0:
+            raise ValueError(f"HostCpu: costs must be >= 0 and cores_per_rank > 0, got {self}")
+
+    def round_cpu_s(self, replica_bytes: float, compress: str) -> float:
+        """The shadow thread's CPU seconds for one round of ``replica_bytes``."""
+        per = self.dct_round_s_per_byte if compress == "dct" else self.round_s_per_byte
+        return per * replica_bytes
+
+    def scaled(self, factor: float) -> HostCpu:
+        """The CPU costs times ``factor`` (another processor: its step time over the measuring
+        one's); ``cores_per_rank`` and ``agree_s`` unchanged."""
+        return HostCpu(round_s_per_byte=self.round_s_per_byte * factor,
+                       dct_round_s_per_byte=self.dct_round_s_per_byte * factor,
+                       write_back_s_per_byte=self.write_back_s_per_byte * factor,
+                       cores_per_rank=self.cores_per_rank, agree_s=self.agree_s)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -237,16 +294,16 @@ class Loads:
         """The same flows the other way (every source and destination swapped)."""
         return Loads(self.down, self.up, self.xdown, self.xup)
 
-    def seconds(self, links: Links, eff: float) -> list[float]:
-        """Seconds every link direction needs for its bytes: ``load / (eff * rate)``, in the
-        order up, down, xup, xdown."""
-        own, cross = eff * links.intra, eff * links.cross
+    def seconds(self, links: Links, eff: float, cross_eff: float | None = None) -> list[float]:
+        """Seconds every link direction needs for its bytes: ``load / (eff * rate)`` (the
+        group links at ``cross_eff`` when given), in the order up, down, xup, xdown."""
+        own, cross = eff * links.intra, (eff if cross_eff is None else cross_eff) * links.cross
         return ([b / own for b in (*self.up, *self.down)]
                 + [b / cross for b in (*self.xup, *self.xdown)])
 
-    def time_s(self, links: Links, eff: float) -> float:
+    def time_s(self, links: Links, eff: float, cross_eff: float | None = None) -> float:
         """The phase's duration: its busiest link direction's seconds."""
-        return max(self.seconds(links, eff), default=0.0)
+        return max(self.seconds(links, eff, cross_eff), default=0.0)
 
 
 def to_owners(per_owner: Sequence[float], per_pair: float, batch: int, group_size: int) -> Loads:
@@ -364,6 +421,27 @@ def background_cost(tau: Sequence[float], sigma: Sequence[float], t_free: float,
     return step_s, round_s, max(every, round_s / (duty * step_s))
 
 
+def host_cost(cpu: HostCpu, compute_s: float, round_cpu_s: float, interval_s: float,
+              write_back: bool, gap_steps: float, replica_bytes: float,
+              agree: bool) -> float:
+    """Seconds background sync's host work adds to a step (every rank alike).
+
+    The shadow thread uses ``round_cpu_s`` CPU seconds per round, spread over the
+    ``interval_s`` between round starts: ``rho = round_cpu_s / interval_s`` cores. While the
+    step computes, its ranks keep their ``cores_per_rank`` busy, so the thread's share comes
+    out of them: compute runs at ``1 - f`` of its speed, ``f = min(rho / cores_per_rank,
+    1/2)`` (at most half: a fair share between the two threads; a round that needs more is
+    CPU-bound, which is not priced), i.e. ``compute_s f / (1 - f)`` more; in the step's
+    communication the cores are free and the thread's CPU costs nothing. The write-back, on
+    the training thread once a round (``write_back``: a round ends within the run),
+    ``write_back_s_per_byte * replica_bytes / cores_per_rank`` spread over ``gap_steps``.
+    ``agree``: groups of several ranks add ``agree_s`` every step."""
+    f = min(round_cpu_s / interval_s / cpu.cores_per_rank, 0.5) if interval_s > 0 else 0.0
+    back = (cpu.write_back_s_per_byte * replica_bytes / cpu.cores_per_rank / gap_steps
+            if write_back and gap_steps > 0 else 0.0)
+    return compute_s * f / (1 - f) + back + (cpu.agree_s if agree else 0.0)
+
+
 # -- the step ----------------------------------------------------------------------------
 @dataclass(frozen=True)
 class StepPrediction:
@@ -393,6 +471,10 @@ class StepPrediction:
     ``Cluster.cross_bytes`` counts, without Ethernet and TCP headers)."""
     replica_bytes: float
     """Float32 bytes member 0 averages per round (dense + its shards); 0 without sync."""
+    host_s: float = 0.0
+    """What background sync's host work adds to the step (:func:`host_cost`: the shadow
+    thread's CPU taken from compute, the write-back, the members' agreement); 0 without a
+    :class:`HostCpu`. ``sync_s`` is the links' contention only."""
 
     @property
     def a2a_s(self) -> float:
@@ -403,11 +485,17 @@ class StepPrediction:
 
 
 def predict_step(w: Workload, links: Links, groups: int, group_size: int, *,
-                 hierarchical: bool, sync: SyncSpec | None = None) -> StepPrediction:
+                 hierarchical: bool, sync: SyncSpec | None = None, cpu: HostCpu | None = None,
+                 run_steps: int | None = None) -> StepPrediction:
     """One step of ``groups`` x ``group_size`` ranks (see the module docstring). Flat: one
     sharding group of all ranks, no sync (``sync`` ignored); hierarchical: groups of
     ``group_size`` averaged by ``sync`` (required when ``groups > 1``; with one group it is
-    flat, and predicts the same)."""
+    flat, and predicts the same).
+
+    ``cpu``: background sync's host work is priced (:func:`host_cost`); None: it is free.
+    ``run_steps``: the run's length; where it ends before its first round does, the shadow
+    thread works through the whole run (its CPU spread over the round, not the interval)
+    and no write-back happens; None: the steady state of a long run."""
     if groups < 1 or group_size < 1:
         raise ValueError(f"groups and group_size must be >= 1, got {groups}, {group_size}")
     n = group_size if hierarchical else groups * group_size
@@ -415,26 +503,47 @@ def predict_step(w: Workload, links: Links, groups: int, group_size: int, *,
     dense_bytes = w.dense_params * VALUE_BYTES
     phases = step_phases(owners, w.batch_per_rank, dense_bytes, group_size)
     effs = {"a2a": links.a2a_efficiency, "allreduce": links.allreduce_efficiency}
-    times = {k: loads.time_s(links, effs[kind]) for k, (loads, kind) in phases.items()}
+    xeffs = {"a2a": links.cross_a2a(group_size), "allreduce": links.allreduce_efficiency}
+    times = {k: loads.time_s(links, effs[kind], xeffs[kind]) for k, (loads, kind) in phases.items()}
     t_free = w.compute_s + sum(times.values())
-    step_s, round_s, gap, replica, cross = t_free, 0.0, 0.0, 0.0, 0.0
+    step_s, round_s, gap, replica, cross, host = t_free, 0.0, 0.0, 0.0, 0.0, 0.0
     if not hierarchical or groups == 1:
         cross = sum(sum(loads.xup) for loads, _ in phases.values())
     else:
         if sync is None:
             raise ValueError("hierarchical training on several groups needs a SyncSpec")
         rloads, kind = sync_round_loads(owners, dense_bytes, groups, sync)
-        sigma = rloads.seconds(links, effs[kind])
+        sigma = rloads.seconds(links, effs[kind], xeffs[kind])
+        replica = dense_bytes + owners[0].weights
         if sync.mode == "foreground":
             step_s, round_s, gap = foreground_cost(sigma, t_free, sync.every)
         else:
-            per_phase = [lo.seconds(links, effs[k]) for lo, k in phases.values()]
+            per_phase = [lo.seconds(links, effs[k], xeffs[k]) for lo, k in phases.values()]
             tau = [sum(col) for col in zip(*per_phase)]
             step_s, round_s, gap = background_cost(tau, sigma, t_free, sync.every, sync.duty)
-        replica = dense_bytes + owners[0].weights
+            if cpu is not None:
+                step_s, round_s, gap, host = _with_host(cpu, w.compute_s, tau, sigma, t_free,
+                                                        sync, replica, group_size > 1, run_steps)
         cross = groups * sum(rloads.xup) / gap if gap else 0.0
     return StepPrediction(
         "hierarchical" if hierarchical else "flat", groups, group_size, w.compute_s,
         times["input"], times["output_fwd"], times["output_bwd"], times["dense"],
-        step_s - t_free, step_s, groups * group_size * w.batch_per_rank / step_s,
-        round_s, gap, cross, replica)
+        step_s - t_free - host, step_s, groups * group_size * w.batch_per_rank / step_s,
+        round_s, gap, cross, replica, host)
+
+
+def _with_host(cpu: HostCpu, compute_s: float, tau, sigma, t_free: float, sync: SyncSpec,
+               replica: float, agree: bool, run_steps: int | None) -> tuple[float, ...]:
+    """:func:`background_cost` of a step lengthened by :func:`host_cost`, whose interval
+    between rounds depends on the step: the fixed point, by iteration (``host`` only grows
+    with a shorter interval, the interval only with a longer step: it converges)."""
+    cpu_s, host = cpu.round_cpu_s(replica, sync.compress), 0.0
+    for _ in range(200):
+        step_s, round_s, gap = background_cost(tau, sigma, t_free + host, sync.every, sync.duty)
+        short = run_steps is not None and run_steps * step_s < round_s  # no round ends in the run
+        interval = round_s if short else gap * step_s
+        new = host_cost(cpu, compute_s, cpu_s, interval, not short, gap, replica, agree)
+        if abs(new - host) <= 1e-12 * max(1.0, new):
+            return step_s + new - host, round_s, gap, new
+        host = new
+    raise RuntimeError(f"host_cost did not converge (last {host} s)")
