@@ -78,17 +78,20 @@ def _item(dtype: torch.dtype) -> int:
 
 
 def to_bytes(x: torch.Tensor) -> torch.Tensor:
-    """``[..., n]`` of any dtype -> uint8 ``[..., n * itemsize]`` (a view when contiguous)."""
-    return x.contiguous().view(torch.uint8)
+    """``[..., n]`` of any dtype -> uint8 ``[..., n * itemsize]`` (a view when contiguous;
+    viewed flat, as :func:`from_bytes`: rows of size 1 or 0 may keep any strides)."""
+    return x.contiguous().reshape(-1).view(torch.uint8).view(*x.shape[:-1], x.shape[-1] * x.element_size())
 
 
 def from_bytes(b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """uint8 ``[..., n * itemsize]`` -> ``[..., n]`` of ``dtype``. Copies when the bytes
-    are a strided slice or start at an offset the dtype cannot be viewed from."""
-    b = b.contiguous()
-    if b.storage_offset() % _item(dtype):
-        b = b.clone()
-    return b.view(dtype)
+    are a strided slice or start at an offset the dtype cannot be viewed from. (Viewed
+    flat: a slice of one row, or of none, counts as contiguous with its parent's strides,
+    which the dtype's view may refuse.)"""
+    flat = b.contiguous().reshape(-1)
+    if flat.storage_offset() % _item(dtype):
+        flat = flat.clone()
+    return flat.view(dtype).view(*b.shape[:-1], b.shape[-1] // _item(dtype))
 
 
 class Codec:

@@ -21,6 +21,20 @@ rank ``r`` is ``b_r * R`` bytes: the rows of ``r``'s samples, one uint8 buffer, 
 with ``codec.grad_row_bytes``. Every rank knows every owner's layout and every rank's
 batch size (from input_dist), so both sides compute all split sizes; no size is exchanged.
 
+Row chunks: the coded hop travels as ``K`` exchanges (``chunks``, :func:`coded_chunks`;
+``compress.embedding_chunks``), chunk ``i`` holding, of every rank ``d``'s ``b_d``
+samples, rows ``b_d * i // K`` to ``b_d * (i + 1) // K``: each chunk is the hop above for
+batch sizes ``b_d / K`` (its split sizes computed alike on both sides). The owner encodes
+chunk ``i + 1`` while chunk ``i`` travels, the receiver decodes chunk ``i`` while the
+later ones travel, and backward the same (the receiver encodes, the owner decodes). Every
+codec codes a row on its own, so the chunked hop gives the bits of the unchunked one
+(``tests/test_coded_chunks.py``). Example, 2 ranks, batches ``[5, 3]``, ``K = 2``:
+chunk 0 carries rank 0's samples 0-1 and rank 1's sample 0, chunk 1 the rest; the owner
+encodes its block's rows 0-1 and 5 (two ranges), then 2-4 and 6-7. Rows, not field
+groups: a chunk keeps every codec group whole, so it is the same whatever the tables'
+codecs and widths (the benchmark's 26 tables are one group per owner), and the
+receiver's blocks are joined along rows.
+
 Row-wise shards: every shard's partial sum is a piece of its own, encoded by its
 owner; the receiver decodes each piece then adds them (sparse partials exchanged,
 then summed). For DCT the sum holds up to ``shards * k`` nonzeros per row and the
@@ -37,9 +51,9 @@ the receiver; gradients coded back the same way), so a DCT sum keeps ``k`` nonze
 Bytes counted in the ledger (category ``output_dist``, per table, DeepFM's FM piece
 under table None; this rank's traffic to and from others, what a rank sends itself is
 not counted): each exchange, forward and backward, records the bytes of the buffers it
-moved, split by table along the segments' layouts (:meth:`BlockLayout.bytes_by_table`);
-a TRW table's entries here are the sums that cross hosts (its in-host bytes are
-``trw_intra``'s);
+moved (a chunked hop: each chunk's, whole rows, so they add up to the unchunked hop's),
+split by table along the segments' layouts (:meth:`BlockLayout.bytes_by_table`); a TRW
+table's entries here are the sums that cross hosts (its in-host bytes are ``trw_intra``'s);
 ``sent`` and ``received`` are the encoded bytes, ``original`` the float32 bytes of the
 rows sent.
 """
@@ -51,6 +65,7 @@ import torch
 from hybridrec.comm.ledger import CommLedger
 from hybridrec.phases import phase
 from hybridrec.parallel.layout import (  # noqa: F401 - owner layouts are part of this hop's API
+    VALUE_BYTES,
     EmbeddingLayout,
     OwnerLayout,
     PieceGroup,
@@ -58,6 +73,16 @@ from hybridrec.parallel.layout import (  # noqa: F401 - owner layouts are part o
 )
 from hybridrec.parallel.threshold_dist import ThresholdAllToAll
 from hybridrec.parallel.topology import Topology
+
+AUTO = 0
+"""``chunks`` of :func:`output_all_to_all_start` (``compress.embedding_chunks``): chosen by
+:func:`coded_chunks` from the hop's size. Not the default (1): on a loaded 2-core Zen 3 the
+benchmark trained no faster in chunks (docs/benchmarks.md, "DCT-MP: the codec of one chunk
+beside another's exchange"); the rule below awaits a quiet measurement."""
+CHUNK_BYTES = 4 << 20
+"""Auto: one chunk per this many float32 bytes a rank codes forward in a step."""
+MAX_AUTO_CHUNKS = 4
+"""Auto: at most this many chunks."""
 
 
 class Pending:
@@ -77,7 +102,7 @@ class Pending:
 
 def output_all_to_all_start(pooled: torch.Tensor, reduced: torch.Tensor, layout: EmbeddingLayout,
                             batch_sizes: list[int], topo: Topology, ledger: CommLedger | None, *,
-                            threshold=None, training: bool = True) -> Pending:
+                            threshold=None, training: bool = True, chunks: int = 1) -> Pending:
     """One exchange of every rank's pooled rows (autograd: the reverse hop), under way.
 
     Args:
@@ -89,6 +114,8 @@ def output_all_to_all_start(pooled: torch.Tensor, reduced: torch.Tensor, layout:
         threshold: a :class:`~hybridrec.parallel.threshold_dist.ThresholdMP`: DCT-MP with a
             threshold over every sample's whole boundary vector instead of codecs (no TRW
             tables); ``training``: whether this forward may refresh it.
+        chunks: the coded hop's row chunks (module docstring; :func:`coded_chunks`: >= 1, or
+            :data:`AUTO`); ignored by the plain and the threshold hops.
 
     Its ``wait()`` returns ``(owners, hosts)``: every owner's block for this rank's samples,
     ``[b, W_d]`` per owner ``d``, and every host's TRW block, ``[b, W_h]`` per host (``[b, 0]``
@@ -116,10 +143,11 @@ def output_all_to_all_start(pooled: torch.Tensor, reduced: torch.Tensor, layout:
         recv = ThresholdAllToAll.apply(pooled, layout, batch_sizes, topo, ledger, threshold, training)
         done = assemble(torch.split(recv, widths, dim=1))
         return Pending(lambda: done)
-    flight = _InFlight()
     if layout.coded is not None:
-        token = _CodedStart.apply(pooled, reduced, flight, layout, batch_sizes, topo, ledger)
-        return Pending(lambda: assemble(_CodedFinish.apply(token, flight, layout, batch_sizes, topo, ledger)))
+        coded = _CodedFlight(batch_sizes, coded_chunks(chunks, layout, batch_sizes))
+        token = _CodedStart.apply(pooled, reduced, coded, layout, batch_sizes, topo, ledger)
+        return Pending(lambda: assemble(_CodedFinish.apply(token, coded, layout, batch_sizes, topo, ledger)))
+    flight = _InFlight()
     buf = _PlainStart.apply(pooled, reduced, flight, layout, batch_sizes, topo, ledger)
 
     def finish():
@@ -348,78 +376,191 @@ def _decode(buf: torch.Tensor, layout: OwnerLayout, grad: bool, states=None):
     return _side_by_side(out, torch.zeros(buf.shape[0], 0, device=buf.device)), kept
 
 
+class _CodedFlight:
+    """The coded exchange between :class:`_CodedStart` and :class:`_CodedFinish`, in row
+    chunks: ``rows[i][d]``, the rows ``[lo, hi)`` of rank ``d``'s samples in chunk ``i``
+    (:func:`_chunk_rows`); per chunk the forward's send and receive buffers and handle, then
+    the backward's (each kept alive until waited for)."""
+
+    __slots__ = ("rows", "bwd_splits", "sends", "recvs", "handles", "grad_sends", "grad_outs", "grad_handles")
+
+    def __init__(self, batch_sizes: list[int], chunks: int) -> None:
+        self.rows = [_chunk_rows(batch_sizes, chunks, i) for i in range(chunks)]
+        self.bwd_splits: list[tuple[list[int], list[int]]] = []
+        self.sends: list = []
+        self.recvs: list = []
+        self.handles: list = []
+        self.grad_sends: list = [None] * chunks
+        self.grad_outs: list = [None] * chunks
+        self.grad_handles: list = [None] * chunks
+
+
+def coded_chunks(setting: int, layout: EmbeddingLayout, batch_sizes: list[int]) -> int:
+    """The number of row chunks the coded hop travels in (module docstring): ``setting`` when
+    >= 1; :data:`AUTO` (0): one per :data:`CHUNK_BYTES` of the float32 rows a rank codes
+    forward (every owner's and host's block for every rank's samples, shared by the ranks),
+    at most :data:`MAX_AUTO_CHUNKS`. Never more than the largest batch. A function of the
+    layout and the batch sizes alone: every rank finds the same number."""
+    if setting < 0:
+        raise ValueError(f"the coded hop's chunks must be >= 0 (0: auto), got {setting}")
+    if setting == AUTO:
+        cols = sum(lay.width for lay in (*layout.coded, *layout.coded_hosts))
+        share = sum(batch_sizes) * cols * VALUE_BYTES // layout.world_size
+        setting = min(MAX_AUTO_CHUNKS, max(1, share // CHUNK_BYTES))
+    return max(1, min(setting, max(batch_sizes, default=1)))
+
+
+def _chunk_rows(batch_sizes: list[int], chunks: int, i: int) -> list[tuple[int, int]]:
+    """Chunk ``i`` of ``chunks``: per rank ``d`` of ``n`` samples, the rows ``[lo, hi)`` of
+    them in the chunk, ``lo = n * i // chunks``, ``hi = n * (i + 1) // chunks``. E.g. batches
+    ``[5, 3]`` in 2 chunks: ``[(0, 2), (0, 1)]`` then ``[(2, 5), (1, 3)]``."""
+    return [(n * i // chunks, n * (i + 1) // chunks) for n in batch_sizes]
+
+
+def _ranges(sizes: list[int], rows: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """A chunk's rows in a buffer of several ranks' samples one after another (``sizes[j]``
+    rows of the ``j``-th, of which ``rows[j]``), as ``[a, b)`` ranges of the buffer,
+    neighbours merged: one chunk is one range, the whole buffer; no ranks, ``[(0, 0)]``."""
+    out: list[tuple[int, int]] = []
+    at = 0
+    for n, (lo, hi) in zip(sizes, rows):
+        if out and out[-1][1] == at + lo:
+            out[-1] = (out[-1][0], at + hi)
+        else:
+            out.append((at + lo, at + hi))
+        at += n
+    return out or [(0, 0)]
+
+
+def _own_ranges(layout: EmbeddingLayout, batch_sizes: list[int], rank: int,
+                rows: list[tuple[int, int]]) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    """A chunk's rows in ``rank``'s block (every rank's samples) and in its in-host TRW
+    sums (the samples of the ranks it serves): :func:`_ranges` of each."""
+    served = layout.served(rank)
+    return (_ranges(batch_sizes, rows),
+            _ranges([batch_sizes[d] for d in served], [rows[d] for d in served]))
+
+
+def _encode_ranges(x: torch.Tensor, ranges: list[tuple[int, int]], layout: OwnerLayout):
+    """Rows ``ranges`` of ``x`` ``[B, W]``, forward-encoded range by range -> (uint8
+    ``[rows, R]``, the ranges' codec states). Every codec codes a row on its own, so the
+    bytes are those of the rows encoded with the whole block."""
+    parts, states = [], []
+    for a, b in ranges:
+        payload, state = _encode(x[a:b], layout, grad=False)
+        parts.append(payload)
+        states.append(state)
+    return (parts[0] if len(parts) == 1 else torch.cat(parts)), states
+
+
+def _decode_ranges(buf: torch.Tensor, ranges: list[tuple[int, int]], layout: OwnerLayout,
+                   states) -> list[tuple[int, torch.Tensor]]:
+    """The gradients' bytes of rows ``ranges`` (one after another in ``buf``) ->
+    ``[(first row, rows [b - a, W])]``, decoded range by range."""
+    parts = torch.split(buf, [b - a for a, b in ranges])
+    return [(a, _decode(part, layout, grad=True, states=st)[0]) for (a, _), part, st in zip(ranges, parts, states)]
+
+
+def _joined(parts: list[tuple[int, torch.Tensor]]) -> torch.Tensor:
+    """Row blocks ``(first row, rows)`` that tile a buffer -> the buffer (one: as it is)."""
+    parts = sorted(parts, key=lambda p: p[0])
+    return parts[0][1] if len(parts) == 1 else torch.cat([x for _, x in parts])
+
+
 class _CodedStart(torch.autograd.Function):
     """``pooled`` ``[total_B, W_rank]`` and ``reduced`` ``[rows, W_t]`` (see
     :func:`output_all_to_all_start`) -> a token (an empty float tensor that links the graph:
-    the wire buffer is uint8, which carries no gradient). Encodes this rank's rows and starts
-    their exchange (the receive buffer in ``flight.recv``); :class:`_CodedFinish` waits and
-    decodes. Backward waits for the gradients' exchange that :class:`_CodedFinish`'s backward
-    started and decodes them: what ran in between (the bottom MLP, forward and backward)
-    overlapped the hop, as in the plain exchange."""
+    the wire buffers are uint8, which carry no gradient). Encodes this rank's rows chunk by
+    chunk, starting each chunk's exchange as soon as it is encoded (the next chunk is
+    encoded while it travels); :class:`_CodedFinish` waits and decodes. Backward waits for
+    the gradients' exchanges that :class:`_CodedFinish`'s backward started, chunk by chunk,
+    decoding each while the later ones travel: what ran in between (the bottom MLP, forward
+    and backward) overlapped the hop, as in the plain exchange."""
 
     @staticmethod
-    def forward(ctx, pooled, reduced, flight: _InFlight, layout: EmbeddingLayout, batch_sizes: list[int],
+    def forward(ctx, pooled, reduced, flight: _CodedFlight, layout: EmbeddingLayout, batch_sizes: list[int],
                 topo: Topology, ledger):
         me = topo.rank
         mine, host = layout.coded_of(me), layout.coded_of(layout.host_index(me // layout.local_world_size))
-        with phase("mp_encode"):
-            own, own_states = _encode(pooled, mine, grad=False)
-            red, red_states = _encode(reduced, host, grad=False)
-        to, frm = _splits(layout, batch_sizes, me, lambda i: layout.coded_of(i).fwd_bytes)
-        flight.splits = _splits(layout, batch_sizes, me, lambda i: layout.coded_of(i).bwd_bytes)
-        flight.send = _by_peer(own, red, layout, batch_sizes, me)
-        flight.recv, flight.handle = _exchange_start(flight.send, frm, to, topo, layout, ledger, "fwd")
-        ctx.meta = (layout, batch_sizes, topo, mine, host, own_states, red_states)
+        chunks = []  # per chunk: (own ranges, TRW ranges, their codec states)
+        for rows in flight.rows:
+            sizes = [hi - lo for lo, hi in rows]
+            own_at, red_at = _own_ranges(layout, batch_sizes, me, rows)
+            with phase("mp_encode"):
+                own, own_states = _encode_ranges(pooled, own_at, mine)
+                red, red_states = _encode_ranges(reduced, red_at, host)
+            to, frm = _splits(layout, sizes, me, lambda i: layout.coded_of(i).fwd_bytes)
+            flight.bwd_splits.append(_splits(layout, sizes, me, lambda i: layout.coded_of(i).bwd_bytes))
+            send = _by_peer(own, red, layout, sizes, me)
+            recv, handle = _exchange_start(send, frm, to, topo, layout, ledger, "fwd")
+            flight.sends.append(send)
+            flight.recvs.append(recv)
+            flight.handles.append(handle)
+            chunks.append((own_at, red_at, own_states, red_states))
+        ctx.meta = (layout, topo, mine, host, chunks)
         ctx.flight = flight
         return pooled.new_empty(0)
 
     @staticmethod
     def backward(ctx, _token_grad):
-        layout, batch_sizes, topo, mine, host, own_states, red_states = ctx.meta
+        layout, topo, mine, host, chunks = ctx.meta
         flight = ctx.flight
-        with phase("mp_grad_wait"):
-            flight.grad_handle.wait()
-        recv = flight.grad_out
-        flight.grad_out = flight.grad_handle = flight.grad_send = None
-        own_bytes, red_bytes = _from_peers(recv, mine.bwd_bytes, host.bwd_bytes, layout, batch_sizes, topo.rank)
-        with phase("mp_grad_decode"):
-            own, _ = _decode(own_bytes, mine, grad=True, states=own_states)
-            red, _ = _decode(red_bytes, host, grad=True, states=red_states)
-        return own, red, None, None, None, None, None
+        own, red = [], []
+        for i, (rows, (own_at, red_at, own_states, red_states)) in enumerate(zip(flight.rows, chunks)):
+            with phase("mp_grad_wait"):
+                flight.grad_handles[i].wait()
+            recv = flight.grad_outs[i]
+            flight.grad_outs[i] = flight.grad_handles[i] = flight.grad_sends[i] = None
+            own_bytes, red_bytes = _from_peers(recv, mine.bwd_bytes, host.bwd_bytes, layout,
+                                               [hi - lo for lo, hi in rows], topo.rank)
+            with phase("mp_grad_decode"):
+                own += _decode_ranges(own_bytes, own_at, mine, own_states)
+                red += _decode_ranges(red_bytes, red_at, host, red_states)
+        return _joined(own), _joined(red), None, None, None, None, None
 
 
 class _CodedFinish(torch.autograd.Function):
-    """Waits for :class:`_CodedStart`'s exchange and decodes this rank's segments, ``[b, W]``
-    each, in wire order (:func:`_recv_order`), as separate tensors (side by side they would be
-    copied once forward and once backward, only to be split again). Backward encodes their
-    gradients at the positions received, starts the exchange and returns at once."""
+    """Waits for :class:`_CodedStart`'s exchanges chunk by chunk, decoding each while the
+    later ones travel, and returns this rank's segments, ``[b, W]`` each, in wire order
+    (:func:`_recv_order`), as separate tensors (side by side they would be copied once
+    forward and once backward, only to be split again). Backward encodes their gradients at
+    the positions received, chunk by chunk, starting each chunk's exchange as soon as it is
+    encoded, and returns at once."""
 
     @staticmethod
-    def forward(ctx, _token, flight: _InFlight, layout: EmbeddingLayout, batch_sizes: list[int],
+    def forward(ctx, _token, flight: _CodedFlight, layout: EmbeddingLayout, batch_sizes: list[int],
                 topo: Topology, ledger):
-        with phase("mp_wait"):
-            flight.handle.wait()
-        recv, flight.recv, flight.handle, flight.send = flight.recv, None, None, None
-        b = batch_sizes[topo.rank]
-        lays = [layout.coded_of(i) for _, i in _recv_order(layout, topo.rank)]
-        blocks, recv_states = [], []
-        with phase("mp_decode"):
-            for lay, part in zip(lays, torch.split(recv, [b * lay.fwd_bytes for lay in lays])):
-                rows, states = _decode(part.view(b, lay.fwd_bytes), lay, grad=False)
-                blocks.append(rows)
-                recv_states.append(states)
+        me = topo.rank
+        lays = [layout.coded_of(i) for _, i in _recv_order(layout, me)]
+        decoded: list[list[torch.Tensor]] = [[] for _ in lays]
+        recv_states = []  # per chunk, per segment
+        for i, rows in enumerate(flight.rows):
+            with phase("mp_wait"):
+                flight.handles[i].wait()
+            recv = flight.recvs[i]
+            flight.recvs[i] = flight.handles[i] = flight.sends[i] = None
+            b = rows[me][1] - rows[me][0]
+            states = []
+            with phase("mp_decode"):
+                for lay, part, out in zip(lays, torch.split(recv, [b * lay.fwd_bytes for lay in lays]), decoded):
+                    x, state = _decode(part.view(b, lay.fwd_bytes), lay, grad=False)
+                    out.append(x)
+                    states.append(state)
+            recv_states.append(states)
         ctx.meta = (layout, topo, ledger, lays, recv_states)
         ctx.flight = flight
-        return tuple(blocks)
+        return tuple(parts[0] if len(parts) == 1 else torch.cat(parts) for parts in decoded)
 
     @staticmethod
     def backward(ctx, *parts):
         layout, topo, ledger, lays, recv_states = ctx.meta
         flight = ctx.flight
-        to, frm = flight.splits
-        with phase("mp_grad_encode"):
-            flight.grad_send = torch.cat([_encode(g, lay, grad=True, states=s)[0].reshape(-1)
-                                          for g, lay, s in zip(parts, lays, recv_states)])
-        flight.grad_out, flight.grad_handle = _exchange_start(flight.grad_send, to, frm, topo, layout, ledger,
-                                                              "bwd")
+        for i, (rows, states) in enumerate(zip(flight.rows, recv_states)):
+            lo, hi = rows[topo.rank]
+            with phase("mp_grad_encode"):
+                send = torch.cat([_encode(g[lo:hi], lay, grad=True, states=s)[0].reshape(-1)
+                                  for g, lay, s in zip(parts, lays, states)])
+            to, frm = flight.bwd_splits[i]
+            flight.grad_sends[i] = send
+            flight.grad_outs[i], flight.grad_handles[i] = _exchange_start(send, to, frm, topo, layout, ledger, "bwd")
         return parts[0].new_empty(0), None, None, None, None, None

@@ -143,11 +143,13 @@ class ShardedEmbeddingBagCollection(nn.Module):
                  codecs: Mapping[str, Codec] | None = None, threshold: ThresholdMP | None = None,
                  dp_reducer: CompressedAllReduce | None = None,
                  wire_dtype: torch.dtype | None = None, weight_dtype: torch.dtype = torch.float32,
-                 init_values: bool | None = True) -> None:
+                 init_values: bool | None = True, coded_chunks: int = 1) -> None:
         """``init_values`` False: the tables start as zeros, for a checkpoint to overwrite
         (:meth:`reset_parameters` draws their initial values if none does); None: this
         rank's shards as allocated, untouched (given other memory by the caller, see
-        :mod:`hybridrec.train.checkpointing.resident`), the replicated tables as zeros."""
+        :mod:`hybridrec.train.checkpointing.resident`), the replicated tables as zeros.
+        ``coded_chunks``: the coded hop's row chunks (1: one exchange; 0: by its size,
+        :func:`~hybridrec.parallel.coded_dist.coded_chunks`)."""
         super().__init__()
         if plan.world_size != topo.group_size:
             raise ValueError(f"plan is for {plan.world_size} ranks, the world has {topo.group_size}")
@@ -157,6 +159,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
         if threshold is not None and self.codecs:
             raise ValueError("a threshold hop codes every table: give codecs or a threshold, not both")
         self.threshold = threshold  # DCT-MP with a threshold (parallel/threshold_dist.py)
+        self.coded_chunks = coded_chunks  # the coded hop's row chunks (compress.embedding_chunks)
         self.compression: dict | None = None  # compress.embedding_when=pays: what was measured
         # Replicated tables' gradients through a sparsifying compressor instead of the dense
         # all-reduce (compress.dense_replicated); its state is per rank (checkpointed by the run).
@@ -279,7 +282,8 @@ class ShardedEmbeddingBagCollection(nn.Module):
         if self.wire_dtype is not None:  # cast where the dense arches would (module docstring)
             pooled, reduced = pooled.to(self.wire_dtype), reduced.to(self.wire_dtype)
         exchange = output_all_to_all_start(pooled, reduced, layout, sizes, self.topo, self.ledger,
-                                           threshold=self.threshold, training=self.training)
+                                           threshold=self.threshold, training=self.training,
+                                           chunks=self.coded_chunks)
         if self.ledger is not None:  # the formula's bytes of this step, beside the counted ones
             pred = step_bytes(layout, rank, list(owner.batch_sizes), owner.ids,
                               backward=pooled.requires_grad)

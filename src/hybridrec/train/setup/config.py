@@ -397,6 +397,12 @@ class CompressConfig(ReadOnly):
     (``kernels.embedding_compression``; :mod:`hybridrec.parallel.codec_pays`)."""
     embedding_min_rows: int = 0
     """Compress only the hops of tables with at least this many rows."""
+    embedding_chunks: int = 1
+    """Codecs of ``embedding`` (``dct`` with ``topk``, ``fp16``, ``bf16``, ``int8``): the hop
+    travels in this many row chunks, one chunk coded while another travels (the same bits
+    as one exchange); 1: one exchange (on a loaded 2-core Zen 3, chunks did not pay:
+    docs/benchmarks.md); 0 (auto): one chunk per 4 MB of float32 rows a rank codes, at
+    most 4 (:func:`hybridrec.parallel.coded_dist.coded_chunks`)."""
 
 
 @dataclass(kw_only=True)

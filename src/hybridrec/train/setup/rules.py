@@ -319,6 +319,11 @@ def config_rules(cfg: Config) -> list[tuple[bool, str]]:
         (c.embedding_values in ("fp32", "fp16", "bf16"),
          f"compress.embedding_values {c.embedding_values!r}: fp32, fp16 or bf16"),
         (c.embedding_min_rows >= 0, "compress.embedding_min_rows must be >= 0"),
+        (c.embedding_chunks >= 0, f"compress.embedding_chunks must be >= 0 (0: auto), got {c.embedding_chunks}"),
+        (c.embedding_chunks <= 1 or (c.embedding != "none" and not (c.embedding == "dct"
+                                                                   and c.embedding_select == "threshold")),
+         "compress.embedding_chunks splits the codecs' hop (compress.embedding=dct with embedding_select=topk, "
+         "fp16, bf16 or int8); the float32 and the threshold hops travel in one exchange"),
         (c.embedding_select in ("topk", "threshold"),
          f"compress.embedding_select {c.embedding_select!r}: topk or threshold"),
         (c.embedding_refresh_every >= 0, "compress.embedding_refresh_every must be >= 0 (0: auto)"),
