@@ -87,7 +87,7 @@ class Links:
     ``((ranks, efficiency), ...)``; M ranks per group take the entry of the largest count
     <= M (:meth:`cross_a2a`); empty, or none <= M: ``a2a_efficiency``. Several ranks' flows
     fill a capped link better than one rank's turn-taking connection does (namespace cluster,
-    2026-11-29: 0.49 with 1 rank, 0.73 with 2; docs/benchmarks.md)."""
+    2026-11-29: 0.48 with 1 rank, 0.72-0.87 with 2, median 0.78; docs/benchmarks.md)."""
 
     def __post_init__(self) -> None:
         if self.intra <= 0 or self.cross <= 0:

@@ -205,7 +205,8 @@ class EmbeddingServer:
                 "sparse_opt": self.opt.state_dict(), "version": self.version, "pushed": list(self.pushed)}
 
     def load_own(self, state: dict) -> None:
-        """:meth:`state` back (a recovery snapshot of this server's own)."""
+        """:meth:`state`'s weights, optimizer state and version back (a recovery snapshot of
+        this server's own; the pushed steps are set by :meth:`restart_at`)."""
         with self._cond:
             live = self.model.sparse.local_weights()
             with torch.no_grad():

@@ -63,7 +63,12 @@ def run_server(cfg: Config, meta: DatasetMeta, r: Roles, *, snapshot_dir: str | 
         _RECOVERY.begin()
     injector = FailureInjector(cfg.train.inject_failure, rank=r.name, run_dir=cfg.train.run_dir)
     if injector.armed:  # (train.inject_failure=psJ:STEP: once every trainer's push of STEP is applied)
-        server.on_step = lambda done: [injector.after_step(s) for s in injector.steps if s <= done]
+        def on_step(done: int) -> None:
+            for step in injector.steps:
+                if step <= done:
+                    injector.after_step(step)  # (kills the process)
+
+        server.on_step = on_step
     join_rpc(r, timeout_s=cfg.dist.timeout_s, interface=cfg.dist.rpc_interface)
     rows = sum(w.shape[0] for _, w in server.model.sparse.local_shards().values())
     print(f"parameter server {r.name}: {rows:,} rows of {len(tables)} tables", file=sys.stderr, flush=True)

@@ -145,7 +145,7 @@ class ServerRecovery:
                 if {k: meta.get(k) for k in ("server", "num_trainers", "step", "plan")} != \
                         self._identity(progress["step"]):
                     raise CheckpointError(f"{path}: saved by another server, trainer count, step or plan")
-                self.server.load_own(_read(path, meta, ("weights", "sparse_opt", "version", "pushed")))
+                self.server.load_own(_read(path, meta, ("weights", "sparse_opt", "version")))
                 used = True
             except Exception as e:  # noqa: BLE001 - a snapshot that does not fit: this server rolls back
                 self._note(f"its recovery snapshot is not used ({e}); its shards hold the checkpoint's values")
