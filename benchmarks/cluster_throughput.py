@@ -11,8 +11,8 @@ hybridrec.bench.netns), one torchrun per namespace (--nnodes W --node-rank i
 --nproc-per-node 1, GLOO_SOCKET_IFNAME=eth0). Rounds alternate hybridrec and TorchRec
 inside the same cluster; the median of the rounds is reported.
 
-Model: DLRM 26 tables x 100,000 rows x dim 64, bottom 13-512-256-64, top 512-256-1, SGD,
-2048 samples per rank, table-wise sharding for both. hybridrec: `python -m hybridrec train
+Model: DLRM 26 tables x 100,000 rows x dim 64, bottom 13-512-256-64, top 512-256-1, SGD
+(--optimizers default: Adam and row-wise Adagrad in both systems), 2048 samples per rank, table-wise sharding for both. hybridrec: `python -m hybridrec train
 --recipe bench ...` on the preprocessed shards of benchmarks/throughput.py (same data
 preparation); its held-out AUC is read from the run's summary.json. TorchRec:
 benchmarks/peers/torchrec_dlrm.py (DistributedModelParallel, fused FBGEMM SGD) on the first
@@ -72,6 +72,11 @@ def parse_args(argv=None):
     p.add_argument("--baseline", action="append", default=[], metavar="NAME",
                    help="also report every run's throughput as a multiple of this run's "
                         "(a variant name or hybridrec; repeatable)")
+    p.add_argument("--optimizers", choices=["bench", "default"], default="bench",
+                   help="bench: plain SGD 0.01 for both parts in both systems (--recipe bench); "
+                        "default: hybridrec's default optimizers (Adam 0.001 dense, row-wise "
+                        "Adagrad 0.05 embeddings, 50 warm-up steps) and TorchRec's equivalents "
+                        "(Adam, fused EXACT_ROWWISE_ADAGRAD)")
     p.add_argument("--timeout", type=float, default=900, help="seconds per run")
     return p.parse_args(argv)
 
@@ -86,12 +91,18 @@ def total_steps(args, data: Path) -> int:
     return DatasetMeta.load(data).split_rows("train") // (args.world * args.batch_size)
 
 
+DEFAULT_OPTIMIZERS = ["optim.dense=adam", "optim.dense_lr=0.001", "optim.sparse=rowwise_adagrad",
+                      "optim.sparse_lr=0.05", "optim.eps=1e-8", "optim.warmup_steps=50"]
+"""--optimizers default: the bench recipe's SGD replaced by OptimConfig's defaults."""
+
+
 def hybridrec_script(args, data: Path, run_dir: Path, overrides: list[str]) -> list[str]:
+    optim = DEFAULT_OPTIMIZERS if getattr(args, "optimizers", "bench") == "default" else []
     return ["-m", "hybridrec", "train", "--recipe", "bench", f"data.path={data}",
             f"data.batch_size={args.batch_size}", f"dist.sharding={args.sharding}",
             f"train.max_steps={total_steps(args, data)}", f"train.run_dir={run_dir}",
             "train.resume=false", "train.progress=false", "train.save_checkpoints=false",
-            *overrides]
+            *optim, *overrides]
 
 
 def variants(args) -> dict[str, list[str]]:
@@ -108,8 +119,9 @@ def variants(args) -> dict[str, list[str]]:
 
 
 def peer_script(args, npz: Path) -> list[str]:
+    optim = ["--optimizers", "default"] if getattr(args, "optimizers", "bench") == "default" else []
     return [str(PEER_SCRIPT), "--batches", str(npz), "--steps", str(args.steps),
-            "--warmup", str(args.warmup), "--batch-size", str(args.batch_size)]
+            "--warmup", str(args.warmup), "--batch-size", str(args.batch_size), *optim]
 
 
 def run_one(cluster, name: str, script: list[str], python: str, env: dict, args,
@@ -239,7 +251,8 @@ def summarize(runs, args, data, rate_bps, threads, commands, setup) -> dict:
             "threads_per_rank": threads, "data": str(data), "overrides": args.overrides,
             "variants": variants(args),
             "settings": {k: getattr(args, k) for k in ("steps", "warmup", "rounds", "batch_size",
-                                                       "sharding", "peer_batches", "one_pass")},
+                                                       "sharding", "peer_batches", "one_pass",
+                                                       "optimizers")},
             "baselines": args.baseline,
             "command": shlex.join([Path(sys.executable).name, *sys.argv]),
             "rank0_commands": commands, "cluster_setup": setup, "results": rows}
@@ -247,7 +260,8 @@ def summarize(runs, args, data, rate_bps, threads, commands, setup) -> dict:
 
 def format_report(rep: dict) -> str:
     lines = [f"machine: {rep['machine']}   date: {rep['date']}   link: {rep['rate']} per "
-             f"direction, {rep['world']} ranks, {rep['threads_per_rank']} thread(s) per rank",
+             f"direction, {rep['world']} ranks, {rep['threads_per_rank']} thread(s) per rank, "
+             f"optimizers: {rep['settings'].get('optimizers', 'bench')}",
              *[f"{k} overrides: {' '.join(v) or '(none)'}" for k, v in rep["variants"].items()], "",
              "| run | samples/s (median) | runs | held-out AUC | peak RSS (all ranks) "
              "| vs TorchRec | " + "".join(f"vs {b} | " for b in rep.get("baselines", []))

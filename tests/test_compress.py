@@ -180,6 +180,24 @@ def test_casts_and_no_compression():
         assert sent.dtype == dt and torch.equal(GradientCompressor.decompress(sent), grad.to(dt).float())
 
 
+@pytest.mark.parametrize("make", [lambda: DCTCompressor(0.05, refresh_every=3, min_numel=50),
+                                  lambda: TopKCompressor(0.05, min_numel=50)])
+def test_tensors_under_min_numel_go_whole_and_hold_nothing_back(make):
+    comp = make()
+    small, large = _grads(3, n=49), _grads(3, n=200, seed=1)
+    for s, l in zip(small, large):
+        sent = comp.compress("bias", s)
+        assert isinstance(sent, torch.Tensor) and torch.equal(sent, s) and sent is not s
+        assert comp.residual("bias") is None
+        big = comp.compress("w", l)  # 50 entries and more are compressed as before
+        assert isinstance(big, SparseGrad) and 0 < big.count <= big.capacity < 200
+        assert comp.residual("w") is not None
+    assert comp.hyperparameters()["min_numel"] == 50
+    assert "min_numel" not in DCTCompressor(0.05, refresh_every=3).hyperparameters()  # old states load
+    with pytest.raises(ValueError):
+        TopKCompressor(0.05, min_numel=-1)
+
+
 def test_constructors_validate_and_state_round_trips():
     for bad in (lambda: DCTCompressor(0.0, 1), lambda: DCTCompressor(0.1, 0), lambda: TopKCompressor(1.5),
                 lambda: CastCompressor("int8"), lambda: NoCompression(warmup_steps=-1),
@@ -230,8 +248,10 @@ def _hook_run(topo, make):
         ddp(x).square().mean().backward()
         ledger.step_end()
         sparse = [s for s in sent.values() if isinstance(s, SparseGrad)]
+        whole = [s for s in sent.values() if not isinstance(s, SparseGrad)]  # sent whole: their size counts
         step = {"ledger": ledger.totals(scope="last_step"), "count": sum(s.count for s in sparse),
-                "capacity": SparseGrad.cat(sparse).capacity if sparse else None,
+                "capacity": SparseGrad.cat(sparse + [SparseGrad.from_dense(w) for w in whole]).capacity
+                if sparse else None,
                 "numel": sum(p.numel() for p in model.parameters()), "max_err": 0.0, "residuals_equal": True}
         for n, p in model.named_parameters():
             avg = GradientCompressor.decompress(sent[n])
@@ -266,6 +286,8 @@ def _hooks_on_ranks(topo):
     return {"dct": _hook_run(topo, lambda: DCTCompressor(0.2, refresh_every=2)),
             "topk": _hook_run(topo, lambda: TopKCompressor(0.1)),
             "dct_warm": _hook_run(topo, lambda: DCTCompressor(0.3, refresh_every=3, warmup_steps=2, cap=None)),
+            # the biases and the 5-entry output weight go whole beside the compressed 30-entry weight
+            "dct_min": _hook_run(topo, lambda: DCTCompressor(0.2, refresh_every=2, min_numel=6)),
             "powersgd": _powersgd_run(topo)}
 
 
@@ -273,7 +295,7 @@ def _hooks_on_ranks(topo):
 def test_hooks_on_three_ranks():
     world = 3
     results = run_ranks(_hooks_on_ranks, world)
-    for kind in ("dct", "topk", "dct_warm"):
+    for kind in ("dct", "topk", "dct_warm", "dct_min"):
         runs = [r[kind] for r in results]
         # DDP rebuilt its bucket after step 0 in another order; residuals keyed by
         # parameter follow it, so every step matches the per-parameter reference.

@@ -12,7 +12,8 @@ group through env://; rank 0 prints the result.
 
 Model (fixed, the benchmark model of benchmarks/throughput.py): 26 tables x 100,000 rows x
 dim 64 (sum pooling), bottom MLP 13-512-256-64, top MLP 512-256-1, dot
-interaction, BCE loss, SGD for dense and sparse parameters, batch 2048 per rank.
+interaction, BCE loss, SGD for dense and sparse parameters (--optimizers default: Adam
+dense, row-wise Adagrad embeddings), batch 2048 per rank.
 
 How the model is wrapped (what a TorchRec user does on CPU, and what works
 with fbgemm-gpu-cpu 1.8):
@@ -80,7 +81,11 @@ def parse_args(argv=None):
     p.add_argument("--multi-hot", type=int, default=1, metavar="K", help="ids per feature")
     p.add_argument("--steps", type=int, default=30, help="timed steps")
     p.add_argument("--warmup", type=int, default=10, help="untimed steps first")
-    p.add_argument("--lr", type=float, default=0.01)
+    p.add_argument("--lr", type=float, default=0.01, help="learning rate of --optimizers sgd")
+    p.add_argument("--optimizers", choices=["sgd", "default"], default="sgd",
+                   help="sgd: SGD at --lr for both parts (hybridrec's --recipe bench); default: "
+                        "hybridrec's default optimizers, Adam 0.001 for the dense part and fused "
+                        "EXACT_ROWWISE_ADAGRAD 0.05 (eps 1e-8) for the embeddings")
     p.add_argument("--num-batches", type=int, default=10,
                    help="pre-built random batches per rank, cycled")
     p.add_argument("--batches", metavar="FILE.npz", help="read batches from this file")
@@ -184,8 +189,13 @@ def build_model(args, pg):
     model = DLRMTrain(DLRM(embedding_bag_collection=ebc, dense_in_features=NUM_DENSE,
                            dense_arch_layer_sizes=BOTTOM_MLP, over_arch_layer_sizes=TOP_MLP,
                            dense_device=torch.device("cpu")))
-    sharder = EmbeddingBagCollectionSharder(
-        fused_params={"optimizer": EmbOptimType.EXACT_SGD, "learning_rate": args.lr})
+    if args.optimizers == "default":
+        fused = {"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": 0.05, "eps": 1e-8}
+        make_dense = lambda params: torch.optim.Adam(params, lr=0.001)  # noqa: E731
+    else:
+        fused = {"optimizer": EmbOptimType.EXACT_SGD, "learning_rate": args.lr}
+        make_dense = lambda params: torch.optim.SGD(params, lr=args.lr)  # noqa: E731
+    sharder = EmbeddingBagCollectionSharder(fused_params=fused)
     constraints = None
     if args.sharding == "table_wise":
         constraints = {t.name: ParameterConstraints(sharding_types=[ShardingType.TABLE_WISE.value])
@@ -198,7 +208,7 @@ def build_model(args, pg):
     model = DistributedModelParallel(model, device=torch.device("cpu"), plan=plan,
                                      sharders=[sharder])
     dense_opt = KeyedOptimizerWrapper(dict(in_backward_optimizer_filter(model.named_parameters())),
-                                      lambda params: torch.optim.SGD(params, lr=args.lr))
+                                      make_dense)
     optimizer = CombinedOptimizer([model.fused_optimizer, dense_opt])
     return model, optimizer, plan
 
@@ -316,7 +326,9 @@ def main(argv=None):
         "data": args.batches or f"random uniform, {args.num_batches} batches/rank cycled",
         "model": {"tables": NUM_TABLES, "rows": NUM_ROWS, "dim": EMB_DIM,
                   "bottom_mlp": [NUM_DENSE] + BOTTOM_MLP,
-                  "top_mlp": TOP_MLP, "optimizer": "SGD (fused EXACT_SGD for embeddings)"},
+                  "top_mlp": TOP_MLP,
+                  "optimizer": ("Adam 0.001 dense, fused EXACT_ROWWISE_ADAGRAD 0.05 for embeddings"
+                                if args.optimizers == "default" else "SGD (fused EXACT_SGD for embeddings)")},
         "host": {"cpu": _cpu_model(), "cores": os.cpu_count(),
                  "loadavg_after": os.getloadavg()},
         "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),

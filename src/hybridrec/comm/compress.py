@@ -155,10 +155,16 @@ def keep_count(ratio: float, numel: int) -> int:
 class _Sparsifier(GradientCompressor):
     """Sends some entries of ``x`` = gradient + residual, keeps the rest as the residual."""
 
-    def __init__(self, ratio: float, *, error_feedback: bool = True, warmup_steps: int = 0) -> None:
+    def __init__(self, ratio: float, *, error_feedback: bool = True, warmup_steps: int = 0,
+                 min_numel: int = 0) -> None:
         super().__init__(warmup_steps=warmup_steps)
         if not 0 < ratio <= 1:
             raise ValueError(f"ratio (eta) must be in (0, 1], got {ratio}")
+        if min_numel < 0:
+            raise ValueError(f"min_numel must be >= 0, got {min_numel}")
+        # Tensors of fewer entries go whole, every step (no residual): their bytes are few,
+        # and an eta share of a bias or a 256-entry output layer is one or two entries a step.
+        self.min_numel = min_numel
         # Fraction of entries kept (eta): K = ceil(eta * n) per tensor.
         self.ratio = ratio
         # Without it the unsent entries are lost; with it they are delayed (biased
@@ -166,7 +172,10 @@ class _Sparsifier(GradientCompressor):
         self.error_feedback = error_feedback
 
     def hyperparameters(self):
-        return {**super().hyperparameters(), "ratio": self.ratio, "error_feedback": self.error_feedback}
+        out = {**super().hyperparameters(), "ratio": self.ratio, "error_feedback": self.error_feedback}
+        if self.min_numel:  # (absent at 0: states saved before it existed load unchanged)
+            out["min_numel"] = self.min_numel
+        return out
 
     def capacity(self, numel: int) -> int | None:
         """At most how many entries a message of a ``numel`` tensor holds, the same on every
@@ -175,6 +184,9 @@ class _Sparsifier(GradientCompressor):
         return None
 
     def _compress(self, st, x, shared):
+        if x.numel() < self.min_numel:
+            st.residual = None
+            return x.clone() if shared else x
         idx = self._select(st, x)
         msg = SparseGrad(idx, x[idx], x.numel(), self.capacity(x.numel()))
         if self.error_feedback:
@@ -266,8 +278,10 @@ class DCTCompressor(_Sparsifier):
     quarter of K's entries at most."""
 
     def __init__(self, ratio: float, refresh_every: int, *, error_feedback: bool = True,
-                 warmup_steps: int = 0, ramp: bool = False, cap: float | None = DEFAULT_CAP) -> None:
-        super().__init__(ratio, error_feedback=error_feedback, warmup_steps=warmup_steps)
+                 warmup_steps: int = 0, ramp: bool = False, cap: float | None = DEFAULT_CAP,
+                 min_numel: int = 0) -> None:
+        super().__init__(ratio, error_feedback=error_feedback, warmup_steps=warmup_steps,
+                         min_numel=min_numel)
         if refresh_every < 1:
             raise ValueError(f"refresh_every (L) must be >= 1, got {refresh_every}")
         if cap is not None and not cap >= 1:

@@ -246,10 +246,11 @@ def build_dense_compressor(c: CompressConfig, *, total_steps: int = 0) -> Gradie
     if c.dense == "dct":
         every = c.dense_refresh_every or auto_refresh_every(total_steps)
         return DCTCompressor(c.dense_ratio, every, error_feedback=c.dense_error_feedback,
-                             warmup_steps=c.dense_warmup_steps, ramp=True, cap=c.dense_cap or None)
+                             warmup_steps=c.dense_warmup_steps, ramp=True, cap=c.dense_cap or None,
+                             min_numel=c.dense_min_numel)
     if c.dense == "topk":
         return TopKCompressor(c.dense_ratio, error_feedback=c.dense_error_feedback,
-                              warmup_steps=c.dense_warmup_steps)
+                              warmup_steps=c.dense_warmup_steps, min_numel=c.dense_min_numel)
     if c.dense in ("fp16", "bf16"):
         return CastCompressor(c.dense, warmup_steps=c.dense_warmup_steps)
     raise ValueError(f"compress.dense={c.dense!r} is not a payload compressor")  # (the config rules refuse it)

@@ -357,6 +357,14 @@ class CompressConfig(ReadOnly):
     largest that pass the threshold; the others wait in the residual), in a buffer of fixed
     size, so no message sizes are exchanged in the middle of the backward; 0: the paper's
     pure threshold, a message of its own size, its size exchanged first. Else >= 1."""
+    dense_min_numel: int = 0
+    """``dct`` and ``topk``: tensors of fewer entries are sent whole every step (no residual,
+    no threshold), beside the compressed ones in the same fixed-size message. Their bytes are
+    few, and an eta share of a small tensor is one or two entries a step, each entry waiting
+    about ``1 / eta`` steps in the residual. 0 (the default, the paper's): every tensor is
+    compressed. With plain SGD over 291 steps of the bench DLRM, 8192 (the biases, the
+    13-input layer and the output layer whole) halved DCT-DP's AUC loss at eta 0.004
+    (docs/benchmarks.md, "DCT-DP under plain SGD")."""
     dense_when: str = "always"
     """``dct`` and ``topk``: ``always`` compress as configured; ``pays``: at start-up time the
     compressor's work of a step on the dense arches' gradients against the wire time it saves

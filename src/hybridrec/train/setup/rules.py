@@ -297,6 +297,7 @@ def config_rules(cfg: Config) -> list[tuple[bool, str]]:
         (0 < c.dense_ratio <= 1, f"compress.dense_ratio must be in (0, 1], got {c.dense_ratio}"),
         (c.dense_refresh_every >= 0, "compress.dense_refresh_every must be >= 0 (0: auto)"),
         (c.dense_warmup_steps >= 0, "compress.dense_warmup_steps must be >= 0"),
+        (c.dense_min_numel >= 0, f"compress.dense_min_numel must be >= 0, got {c.dense_min_numel}"),
         (c.dense_cap == 0 or c.dense_cap >= 1, f"compress.dense_cap must be 0 (no cap) or >= 1, got {c.dense_cap}"),
         (c.dense_when in ("always", "pays"), f"compress.dense_when {c.dense_when!r}: always or pays"),
         (c.dense_when == "always" or (c.dense in ("dct", "topk") and c.dense_ratio < 1
