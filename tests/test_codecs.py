@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from synth_data import synth_dataset
 from distributed import run_ranks
+from hybridrec.comm import native_topk
 from hybridrec.comm.codecs import (
     KEY_COLS,
     TOPK_IMPLS,
@@ -108,8 +109,17 @@ def test_sizes_by_formula():
         TopKCodec(0.0)
 
 
+def _native_or_skip(impl):
+    if impl == "native":
+        try:
+            native_topk.library()
+        except RuntimeError as e:
+            pytest.skip(str(e))
+
+
 @pytest.mark.parametrize("impl", TOPK_IMPLS)
 def test_row_topk_keeps_the_largest_entries_of_every_row(impl):
+    _native_or_skip(impl)
     mag = torch.randn(50, 3, 64, generator=torch.Generator().manual_seed(0)).abs()  # no ties
     idx = row_topk(mag, 4, impl)
     assert idx.shape == (50, 3, 4) and idx.dtype == torch.int64
@@ -127,6 +137,7 @@ def test_codec_encodes_the_same_with_either_selection():
     x = torch.randn(32, 5, 16, generator=torch.Generator().manual_seed(1))
     codec = TopKCodec(0.2, "fp16")
     out = {}
+    _native_or_skip("native")
     for impl in TOPK_IMPLS:
         codec.impls[16] = impl
         out[impl] = codec.decode(codec.encode(x)[0], 16)[0]
@@ -151,14 +162,53 @@ def test_tune_topk_chooses_by_measurement_and_caches(tmp_path, monkeypatch):
     monkeypatch.setenv("HYBRIDREC_CACHE_DIR", str(tmp_path))
     codec = TopKCodec(0.05, "fp16")
     (choice,) = tune_topk([(codec, 512, 64)])
-    assert choice.source == "measured" and set(choice.seconds) == set(TOPK_IMPLS)
-    assert choice.impl == min(TOPK_IMPLS, key=lambda i: (choice.seconds[i], TOPK_IMPLS.index(i)))
+    assert choice.source == "measured" and set(choice.seconds) | set(choice.excluded) == set(TOPK_IMPLS)
+    assert set(choice.excluded) <= {"native"}  # (only where no C compiler runs)
+    assert choice.impl == min(choice.seconds, key=lambda i: (choice.seconds[i], TOPK_IMPLS.index(i)))
     assert codec.impls == {64: choice.impl} and choice.key == "row_topk cpu 512x64 k4"
     other = TopKCodec(0.05)
     (again,) = tune_topk([(other, 512, 64)])
     assert again.source == "cached" and other.impls == {64: choice.impl}
     (remeasured,) = tune_topk([(other, 512, 64)], mode="measure")
     assert remeasured.source == "measured"
+
+
+def test_native_selection_signs_nan_ties_and_widths():
+    """``native`` keeps the k largest magnitudes whatever the sign and the width, the earlier
+    column among ties, a NaN as the largest (as torch.topk)."""
+    _native_or_skip("native")
+    x = torch.tensor([[-5.0, 1.0, -0.0, 0.0, 4.0, -3.0]])
+    assert sorted(row_topk(x, 3, "native")[0].tolist()) == [0, 4, 5]
+    assert row_topk(torch.tensor([[0.0, -0.0, 0.0, -0.0]]), 2, "native")[0].tolist() == [0, 1]
+    nan = torch.tensor([[1.0, float("nan"), -7.0, 2.0]])
+    assert sorted(row_topk(nan, 2, "native")[0].tolist()) == sorted(nan.abs().topk(2, -1).indices[0].tolist())
+    for cols, k in ((1, 1), (3, 2), (7, 3), (64, 4), (65, 5), (200, 10), (300, 299)):
+        x = torch.randn(30, cols, generator=torch.Generator().manual_seed(cols))
+        x[::4] = x[::4].round()  # rows with ties
+        got = x.abs().gather(-1, row_topk(x, k, "native")).sort(-1).values
+        assert torch.equal(got, x.abs().topk(k, -1).values.sort(-1).values), (cols, k)
+    with pytest.raises(ValueError):
+        native_topk.row_topk(torch.ones(2, 3), 4)
+
+
+def test_native_selection_left_out_where_it_cannot_be_built(tmp_path, monkeypatch):
+    """No compiler: calling it raises with the reason, and the race leaves it out, saying why;
+    a cache directory others may write is refused (no code loaded from it)."""
+    monkeypatch.setenv("HYBRIDREC_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(native_topk, "_LIB", None)
+    monkeypatch.setattr(native_topk, "_ERROR", None)
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    with pytest.raises(RuntimeError, match="no C compiler"):
+        row_topk(torch.randn(4, 8), 2, "native")
+    with pytest.warns(RuntimeWarning, match="native"):
+        (choice,) = tune_topk([(TopKCodec(0.25), 64, 8)], mode="measure")
+    assert "no C compiler" in choice.excluded["native"] and choice.impl != "native"
+    monkeypatch.setattr(native_topk, "_ERROR", None)
+    monkeypatch.delenv("CC")
+    (tmp_path / "native").mkdir(mode=0o777)
+    (tmp_path / "native").chmod(0o777)
+    with pytest.raises(RuntimeError, match="only this user may write"):
+        native_topk.row_topk(torch.randn(4, 8), 2)
 
 
 def test_from_bytes_at_an_unaligned_offset():
