@@ -12,7 +12,8 @@ hybridrec.bench.netns), one torchrun per namespace (--nnodes W --node-rank i
 inside the same cluster; the median of the rounds is reported.
 
 Model: DLRM 26 tables x 100,000 rows x dim 64, bottom 13-512-256-64, top 512-256-1, SGD
-(--optimizers default: Adam and row-wise Adagrad in both systems), 2048 samples per rank, table-wise sharding for both. hybridrec: `python -m hybridrec train
+(--optimizers default: Adam and row-wise Adagrad in both systems), 2048 samples per rank,
+table-wise sharding for both. hybridrec: `python -m hybridrec train
 --recipe bench ...` on the preprocessed shards of benchmarks/throughput.py (same data
 preparation); its held-out AUC is read from the run's summary.json. TorchRec:
 benchmarks/peers/torchrec_dlrm.py (DistributedModelParallel, fused FBGEMM SGD) on the first
@@ -91,13 +92,16 @@ def total_steps(args, data: Path) -> int:
     return DatasetMeta.load(data).split_rows("train") // (args.world * args.batch_size)
 
 
-DEFAULT_OPTIMIZERS = ["optim.dense=adam", "optim.dense_lr=0.001", "optim.sparse=rowwise_adagrad",
-                      "optim.sparse_lr=0.05", "optim.eps=1e-8", "optim.warmup_steps=50"]
-"""--optimizers default: the bench recipe's SGD replaced by OptimConfig's defaults."""
+def default_optimizers() -> list[str]:
+    """--optimizers default: the bench recipe's SGD replaced by OptimConfig's defaults."""
+    from hybridrec.train.setup.config import OptimConfig
+
+    c = OptimConfig()
+    return [f"optim.{k}={getattr(c, k)}" for k in ("dense", "dense_lr", "sparse", "sparse_lr", "eps", "warmup_steps")]
 
 
 def hybridrec_script(args, data: Path, run_dir: Path, overrides: list[str]) -> list[str]:
-    optim = DEFAULT_OPTIMIZERS if getattr(args, "optimizers", "bench") == "default" else []
+    optim = default_optimizers() if args.optimizers == "default" else []
     return ["-m", "hybridrec", "train", "--recipe", "bench", f"data.path={data}",
             f"data.batch_size={args.batch_size}", f"dist.sharding={args.sharding}",
             f"train.max_steps={total_steps(args, data)}", f"train.run_dir={run_dir}",
@@ -119,7 +123,7 @@ def variants(args) -> dict[str, list[str]]:
 
 
 def peer_script(args, npz: Path) -> list[str]:
-    optim = ["--optimizers", "default"] if getattr(args, "optimizers", "bench") == "default" else []
+    optim = ["--optimizers", "default"] if args.optimizers == "default" else []
     return [str(PEER_SCRIPT), "--batches", str(npz), "--steps", str(args.steps),
             "--warmup", str(args.warmup), "--batch-size", str(args.batch_size), *optim]
 

@@ -100,19 +100,14 @@ _LIB: ctypes.CDLL | None = None
 _ERROR: str | None = None
 
 
-def _cache_dir() -> Path:
-    base = os.environ.get("HYBRIDREC_CACHE_DIR")
-    if base:
-        return Path(base) / "native"
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "hybridrec" / "native"
-
-
 def _build() -> ctypes.CDLL:
     cc = os.environ.get("CC") or "cc"
     if shutil.which(cc) is None:
         raise RuntimeError(f"no C compiler ({cc!r} not found; set CC)")
     tag = hashlib.sha256("\0".join([SOURCE, cc, *FLAGS, platform.machine(), platform.node()]).encode()).hexdigest()[:16]
-    folder = _cache_dir()
+    from hybridrec.model.kernels import cache_path  # (the kernel choices' folder)
+
+    folder = cache_path().parent / "native"
     folder.mkdir(parents=True, exist_ok=True, mode=0o700)
     if folder.stat().st_uid != os.getuid() or folder.stat().st_mode & 0o022:
         raise RuntimeError(f"{folder}: not a directory only this user may write; not loading code from it")
