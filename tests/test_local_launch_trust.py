@@ -80,7 +80,9 @@ def _address(hex_addr: str, v6: bool) -> str:
 
 
 def listening(pids: set[int]) -> set[str]:
-    """``address:port`` of every listening TCP socket (and bound UDP socket) the processes hold."""
+    """``address:port`` of every listening TCP socket, and every unconnected UDP socket (one
+    that takes datagrams from anyone), the processes hold. A connected UDP socket, such as the
+    C library's resolver opens for a DNS query, only hears its peer: it is not listed."""
     inodes = _socket_inodes(pids)
     found = set()
     for name, v6 in (("tcp", False), ("tcp6", True), ("udp", False), ("udp6", True)):
@@ -90,8 +92,9 @@ def listening(pids: set[int]) -> set[str]:
             continue
         for row in rows:
             f = row.split()
-            local, state, inode = f[1], f[3], int(f[9])
-            if inode in inodes and (state == "0A" or name.startswith("udp")):
+            local, remote, state, inode = f[1], f[2], f[3], int(f[9])
+            unconnected = int(remote.split(":")[0], 16) == 0
+            if inode in inodes and (state == "0A" or (name.startswith("udp") and unconnected)):
                 addr, port = local.split(":")
                 found.add(f"{_address(addr, v6)}:{int(port, 16)}")
     return found
@@ -216,6 +219,20 @@ def test_the_local_store_listens_on_loopback_only():
     seen = listening({os.getpid()})
     assert f"127.0.0.1:{store.port}" in seen
     assert all(_loopback(s) for s in seen), seen
+
+
+def test_the_probe_lists_what_takes_connections_from_anyone_and_not_a_connected_udp_socket():
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as tcp, \
+            socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as open_udp, \
+            socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as connected_udp:
+        tcp.bind(("0.0.0.0", 0))
+        tcp.listen()
+        open_udp.bind(("0.0.0.0", 0))
+        connected_udp.connect(("127.0.0.1", open_udp.getsockname()[1]))  # as a resolver's query socket
+        seen = listening({os.getpid()})
+        assert f"0.0.0.0:{tcp.getsockname()[1]}" in seen
+        assert f"0.0.0.0:{open_udp.getsockname()[1]}" in seen
+        assert not any(s.endswith(f":{connected_udp.getsockname()[1]}") for s in seen), seen
 
 
 class _Failure:
