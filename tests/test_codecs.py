@@ -22,6 +22,7 @@ from hybridrec.comm.codecs import (
     make_codec,
     round_trip,
     row_topk,
+    to_bytes,
     tune_topk,
 )
 from hybridrec.comm.ledger import CommLedger
@@ -165,8 +166,8 @@ def test_tune_topk_chooses_by_measurement_and_caches(tmp_path, monkeypatch):
     assert choice.source == "measured" and set(choice.seconds) | set(choice.excluded) == set(TOPK_IMPLS)
     assert set(choice.excluded) <= {"native"}  # (only where no C compiler runs)
     assert choice.impl == min(choice.seconds, key=lambda i: (choice.seconds[i], TOPK_IMPLS.index(i)))
-    assert codec.impls == {64: choice.impl} and choice.key == "row_topk cpu 512x64 k4"
-    other = TopKCodec(0.05)
+    assert codec.impls == {64: choice.impl} and choice.key == "dct_codec cpu 512x64 k4 fp16"
+    other = TopKCodec(0.05, "fp16")
     (again,) = tune_topk([(other, 512, 64)])
     assert again.source == "cached" and other.impls == {64: choice.impl}
     (remeasured,) = tune_topk([(other, 512, 64)], mode="measure")
@@ -189,6 +190,71 @@ def test_native_selection_signs_nan_ties_and_widths():
         assert torch.equal(got, x.abs().topk(k, -1).values.sort(-1).values), (cols, k)
     with pytest.raises(ValueError):
         native_topk.row_topk(torch.ones(2, 3), 4)
+
+
+@pytest.mark.parametrize("values", ["fp32", "fp16", "bf16"])
+@pytest.mark.parametrize("cols, eta", [(16, 0.2), (64, 0.05), (300, 0.02), (33000, 0.0001)])
+def test_native_codec_gives_the_torch_paths_bytes_both_ways(values, cols, eta):
+    """``native`` runs the whole codec in C: the same payload as the torch path with the same
+    selection, the same decoded rows, and the same gradients' bytes and rows, whatever the
+    value type and the positions' integer type (uint8, int16, int32); NaN, infinities,
+    subnormals and values beyond float16's range included."""
+    _native_or_skip("native")
+    gen = torch.Generator().manual_seed(cols)
+    x = torch.randn(40, 3, cols, generator=gen) * torch.logspace(-9, 6, 40).view(40, 1, 1)
+    x[0, 0, :3] = torch.tensor([float("nan"), float("inf"), -float("inf")])
+    x[1, 1, :2] = torch.tensor([7e4, -1e-7])  # beyond float16's max; a float16 subnormal
+    grad = torch.randn(40, 3, cols, generator=gen) * 1e3
+    native, ref = TopKCodec(eta, values), TopKCodec(eta, values)
+    native.impls[cols], ref.impls[cols] = "native", "native"
+    payload, sent = native.encode(x)
+    ref_idx = row_topk(x, ref.k(cols), "native")  # the torch path, step by step
+    ref_payload = torch.cat([to_bytes(x.gather(-1, ref_idx).to(ref.dtype)),
+                             to_bytes(ref_idx.to(index_dtype(cols)))], dim=-1)
+    split = ref.k(cols) * torch.empty(0, dtype=ref.dtype).element_size()
+    assert torch.equal(payload[1:], ref_payload[1:]) and torch.equal(payload[0, 1:], ref_payload[0, 1:])
+    assert torch.equal(payload[0, 0, split:], ref_payload[0, 0, split:])  # (a NaN's bits may differ)
+    out, received = native.decode(payload, cols)
+    ref.impls.clear()  # (decode with torch)
+    ref_out, ref_received = ref.decode(ref_payload, cols)
+    assert torch.equal(out.isnan(), ref_out.isnan()) and torch.equal(out.nan_to_num(), ref_out.nan_to_num())
+    gbytes = native.encode_grad(grad, received)
+    assert torch.equal(gbytes, ref.encode_grad(grad, ref_received))
+    assert torch.equal(native.decode_grad(gbytes, cols, sent), ref.decode_grad(gbytes, cols, ref_idx))
+    # a gradient the C codec does not take (not float32) goes through torch with the same positions
+    assert torch.equal(native.encode_grad(grad.double(), received), ref.encode_grad(grad.double(), ref_received))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_native_casts_round_to_nearest_even_as_torch(dtype):
+    """The C codec's float16 and bfloat16 casts give torch's bits for every non-NaN float32
+    (random bit patterns, and the float16 range's edges and subnormals densely), and a NaN
+    stays a NaN; decoding gives torch's float32 back."""
+    _native_or_skip("native")
+    bits = torch.cat([torch.randint(-2**31, 2**31 - 1, (400_000,), generator=torch.Generator().manual_seed(3)),
+                      torch.arange(0x33000000 - 5000, 0x48000000, 9973),
+                      torch.tensor([0x477fefff, 0x477ff000, 0x477fe000, 0x387fffff, 0x38800000, 0x33000000,
+                                    0x33000001, 0x32ffffff, 0x7f7fffff, 0x7f800000, 0x7fc00000, 1, 0])])
+    x = bits.to(torch.int32).view(torch.float32).reshape(-1, 1)
+    payload = native_topk.encode(x, 1, dtype, 1)
+    got = payload[:, :2].contiguous().view(dtype)
+    nan = x.isnan()
+    assert torch.equal(got.isnan(), nan)
+    assert torch.equal(got[~nan].view(torch.int16), x[~nan].to(dtype).view(torch.int16))
+    back = native_topk.decode(payload, 1, 1, dtype, 1)
+    assert torch.equal(back[~nan].view(torch.int32), x[~nan].to(dtype).float().view(torch.int32))
+
+
+def test_native_codec_refuses_a_message_with_a_column_outside_its_rows():
+    _native_or_skip("native")
+    codec = TopKCodec(0.25, "fp16")
+    codec.impls[8] = "native"
+    payload, _ = codec.encode(torch.randn(5, 8))
+    payload[3, -1] = 8  # a position past the row's 8 columns
+    with pytest.raises(ValueError, match="column"):
+        codec.decode(payload, 8)
+    with pytest.raises(ValueError, match="column"):
+        codec.encode_grad(torch.randn(5, 8), payload)
 
 
 def test_native_selection_left_out_where_it_cannot_be_built(tmp_path, monkeypatch):

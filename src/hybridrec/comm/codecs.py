@@ -44,12 +44,16 @@ rows. It has four implementations (:func:`row_topk`): ``torch.topk`` (any device
 ``argpartition`` (CPU, float32; about 3x faster than ``torch.topk`` on 64-wide rows on a Zen
 4 or 5, where numpy's arg-selection has AVX-512 code; 1.4x on a Zen 3), ``keys``, a
 values-only selection of int32 keys that carry magnitude and position (:func:`_key_topk`),
-and ``native``, one pass of C per row built with the system's compiler on first use
-(:mod:`hybridrec.comm.native_topk`; 3x faster than ``keys`` on a Zen 3, 6.7 ms against
-20.7 for 53,248 rows of 64, k 4; left out, with the reason, where no compiler runs).
-Which one a codec runs, per width, is chosen by measurement at start-up on the shapes it will
-code (:func:`tune_topk`, cached with the MLP kernels' choices, each candidate checked against
-``torch.topk``'s magnitudes first); they differ only in how ties are broken.
+and ``native``, C built with the system's compiler on first use
+(:mod:`hybridrec.comm.native_topk`; left out, with the reason, where no compiler runs). The
+first three select, then torch gathers, casts, packs and (decoding) scatters; ``native`` runs
+the whole codec in C, one pass per row each way, the same bytes. On a 2-core Zen 3, one rank's
+codec work of the benchmark's step (4,096 rows x 13 pieces of 64, k 4, fp16 values): encode
+5.8 ms against 15.3 with the C selection and torch's packing, 19.9 with ``keys``; decode 2.0
+against 5.6 (docs/benchmarks.md). Which one a codec runs, per width, is chosen by measurement
+at start-up of the codec's round trip on the shapes it will code (:func:`tune_topk`, cached
+with the MLP kernels' choices, each candidate's decoded rows and gradients checked against
+``torch``'s first); they differ only in how ties are broken.
 """
 
 from __future__ import annotations
@@ -60,6 +64,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from hybridrec.comm import native_topk
 from hybridrec.model.kernels import Choice, Timing, choose, race_checked
 from hybridrec.phases import phase
 
@@ -237,9 +242,7 @@ def row_topk(x: torch.Tensor, k: int, impl: str = "torch") -> torch.Tensor:
     cpu32 = x.device.type == "cpu" and x.dtype == torch.float32
     if impl == "keys" and cpu32 and cols <= KEY_COLS:
         return _key_topk(x, k)
-    if impl == "native" and cpu32:
-        from hybridrec.comm import native_topk  # (builds its C loop on first use; raises where it cannot)
-
+    if impl == "native" and cpu32:  # (builds its C loop on first use; raises where it cannot)
         return native_topk.row_topk(x, k)
     if impl == "numpy" and cpu32:
         part = np.argpartition(x.abs().numpy(), cols - k, axis=-1)[..., cols - k:]
@@ -262,14 +265,47 @@ def time_row_topk(rows: int, cols: int, k: int, impls: list[str], *, device: str
                         what="row top-k", reps=reps, budget_s=budget_s)
 
 
+def time_topk_codec(codec: "TopKCodec", rows: int, cols: int, impls: list[str], *, device: str = "cpu",
+                    reps: int = 5, budget_s: float = 0.2) -> Timing:
+    """Seconds of one round trip of ``codec``'s hop over ``[rows, cols]`` normal values (encode,
+    decode, the gradients' encode and decode: what a step runs) with each of ``impls`` as the
+    codec's implementation at that width (:func:`~hybridrec.model.kernels.race_checked`; what
+    is compared is the decoded rows' magnitudes, sorted per row, and the gradient that comes
+    back, sorted alike: ties may keep other positions)."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn(rows, cols, device=device, generator=gen)
+    g = torch.randn(rows, cols, device=device, generator=gen)
+
+    def run(impl: str) -> tuple[torch.Tensor, torch.Tensor]:
+        c = TopKCodec(codec.eta, codec.values)
+        c.impls[cols] = impl
+        payload, sent = c.encode(x)
+        out, received = c.decode(payload, cols)
+        return out, c.decode_grad(c.encode_grad(g, received), cols, sent)
+
+    def probe(impl: str) -> tuple[torch.Tensor, torch.Tensor]:
+        out, grad = run(impl)
+        return out.abs().sort(-1).values, grad.abs().sort(-1).values
+
+    return race_checked(impls, run, probe=probe, device=device, what=f"DCT-MP codec {codec.values}",
+                        reps=reps, budget_s=budget_s)
+
+
 class TopKCodec(Codec):
     """DCT-MP: every row keeps its ``k = ceil(eta * C)`` entries of largest magnitude.
 
     Row layout forward: ``k`` values (``values`` dtype), then their ``k`` column
     positions (:func:`index_dtype`); backward: the ``k`` gradients at those positions,
     in the same order. ``eta = 1`` with float32 values is the exact identity.
-    Ties (e.g. an all-equal or all-zero row) are broken by ``torch.topk``; any choice
+    Ties (e.g. an all-equal or all-zero row) are broken by the selection; any choice
     is a valid top-k and both directions use the same one.
+
+    ``impls[C]`` names the implementation for width ``C`` (:func:`tune_topk`; ``torch`` when
+    unset): ``torch``, ``numpy`` and ``keys`` select (:func:`row_topk`) and gather, cast, pack
+    and scatter with torch; ``native`` runs the whole codec in C
+    (:mod:`hybridrec.comm.native_topk`: one pass per row selects, casts and packs; decoding
+    zeroes a row and writes its ``k`` values), the same bytes. The kept state is then the
+    forward payload (uint8: the positions travel in it) instead of int64 positions.
     """
 
     name = "dct"
@@ -292,14 +328,29 @@ class TopKCodec(Codec):
     def grad_row_bytes(self, cols: int) -> int:
         return self.k(cols) * _item(self.dtype)
 
+    def _native(self, cols: int, t: torch.Tensor) -> bool:
+        return self.impls.get(cols) == "native" and t.device.type == "cpu"
+
+    def _positions(self, state: torch.Tensor, cols: int) -> torch.Tensor:
+        """int64 positions from a kept state (a native state is the forward payload)."""
+        if state.dtype != torch.uint8:
+            return state
+        return from_bytes(state[..., self.k(cols) * _item(self.dtype):], index_dtype(cols)).to(torch.int64)
+
     def encode(self, x):
         cols = x.shape[-1]
+        if self._native(cols, x) and x.dtype == torch.float32:
+            with phase("mp_select"):  # (natively: selected, cast and packed at once)
+                payload = native_topk.encode(x, self.k(cols), self.dtype, _item(index_dtype(cols)))
+            return payload, payload
         with phase("mp_select"):
             idx = row_topk(x, self.k(cols), self.impls.get(cols, "torch"))
         vals = x.gather(-1, idx).to(self.dtype)
         return torch.cat([to_bytes(vals), to_bytes(idx.to(index_dtype(cols)))], dim=-1), idx
 
     def decode(self, payload, cols):
+        if self._native(cols, payload):
+            return native_topk.decode(payload, cols, self.k(cols), self.dtype, _item(index_dtype(cols))), payload
         split = self.k(cols) * _item(self.dtype)
         vals = from_bytes(payload[..., :split], self.dtype).to(torch.float32)
         idx = from_bytes(payload[..., split:], index_dtype(cols)).to(torch.int64)
@@ -307,11 +358,16 @@ class TopKCodec(Codec):
         return out, idx
 
     def encode_grad(self, grad, state):
-        return to_bytes(grad.gather(-1, state).to(self.dtype))
+        cols = grad.shape[-1]
+        if state.dtype == torch.uint8 and grad.dtype == torch.float32 and grad.device.type == "cpu":
+            return native_topk.gather(grad, state, self.k(cols), self.dtype, _item(index_dtype(cols)))
+        return to_bytes(grad.gather(-1, self._positions(state, cols)).to(self.dtype))
 
     def decode_grad(self, payload, cols, state):
+        if state.dtype == torch.uint8 and payload.device.type == "cpu":
+            return native_topk.scatter(payload, state, cols, self.k(cols), self.dtype, _item(index_dtype(cols)))
         vals = from_bytes(payload, self.dtype).to(torch.float32)
-        return vals.new_zeros(*vals.shape[:-1], cols).scatter_(-1, state, vals)
+        return vals.new_zeros(*vals.shape[:-1], cols).scatter_(-1, self._positions(state, cols), vals)
 
     def __repr__(self) -> str:
         return f"TopKCodec(eta={self.eta}, values={self.values})"
@@ -320,19 +376,20 @@ class TopKCodec(Codec):
 def tune_topk(uses: list[tuple[TopKCodec, int, int]], *, mode: str = "auto",
               device: str = "cpu") -> list[Choice]:
     """Each ``(codec, rows, cols)`` (a codec that will encode ``[rows, cols]`` blocks, pieces
-    flattened into rows): its selection's implementation for that width, by measurement
-    (:func:`~hybridrec.model.kernels.choose`: cached per machine and shape; ``mode``
-    ``measure`` measures again, the linears' ``torch``/``onednn`` overrides leave it
-    measured). Sets ``codec.impls[cols]``; returns the choices."""
+    flattened into rows): its implementation for that width, by measurement of the codec's
+    round trip (:func:`time_topk_codec`; :func:`~hybridrec.model.kernels.choose`: cached per
+    machine, shape and value type; ``mode`` ``measure`` measures again, the linears'
+    ``torch``/``onednn`` overrides leave it measured). Sets ``codec.impls[cols]``; returns the
+    choices."""
     cpu = torch.device(device).type == "cpu"
 
     def cands(cols: int) -> list[str]:  # (keys wider than KEY_COLS would run torch.topk again)
         return [i for i in TOPK_IMPLS if i == "torch" or (cpu and (i != "keys" or cols <= KEY_COLS))]
 
-    keys = [f"row_topk {device} {rows}x{cols} k{codec.k(cols)}" for codec, rows, cols in uses]
-    shapes = {key: (rows, cols, codec.k(cols)) for key, (codec, rows, cols) in zip(keys, uses)}
-    got = choose([(key, cands(shapes[key][1]), None) for key in shapes],
-                 lambda key, cs, budget: time_row_topk(*shapes[key], cs, device=device, budget_s=budget),
+    keys = [f"dct_codec {device} {rows}x{cols} k{codec.k(cols)} {codec.values}" for codec, rows, cols in uses]
+    shapes = {key: (codec, rows, cols) for key, (codec, rows, cols) in zip(keys, uses)}
+    got = choose([(key, cands(shapes[key][2]), None) for key in shapes],
+                 lambda key, cs, budget: time_topk_codec(*shapes[key], cs, device=device, budget_s=budget),
                  mode=mode, budget_s=0.3)
     for key, (codec, _, cols) in zip(keys, uses):
         codec.impls[cols] = got[key].impl
