@@ -82,6 +82,46 @@ def test_only_the_wire_time_beyond_the_bottom_mlp_is_saved():
     assert decision(1.0, plain=(3.0,), coded=(1.0,)) == {"saved_ms": 2.0, "pays": True}  # the dense hop: no overlap
 
 
+def test_the_codecs_timed_are_those_of_the_rows_that_travel():
+    """The codecs' work timed for a step is that of the rows that cross a link: on rank 0 of
+    batches [5, 3], its block's rows of rank 1's 3 samples encoded and their gradients
+    decoded, rank 1's block for its own 5 samples decoded and their gradients encoded; its
+    own samples' rows from its own tables are not coded (they do not travel)."""
+    from hybridrec.comm.codecs import TopKCodec
+    from hybridrec.model.embedding import TableConfig
+    from hybridrec.parallel import plan as P
+    from hybridrec.parallel.codec_pays import codec_ms
+    from hybridrec.parallel.layout import build_layout
+
+    rows = []  # (call, rows) of every codec call
+
+    class Counted(TopKCodec):
+        def encode(self, x):
+            rows.append(("encode", x.shape[0]))
+            return super().encode(x)
+
+        def decode(self, payload, cols):
+            rows.append(("decode", payload.shape[0]))
+            return super().decode(payload, cols)
+
+        def encode_grad(self, grad, state):
+            rows.append(("encode_grad", grad.shape[0]))
+            return super().encode_grad(grad, state)
+
+        def decode_grad(self, payload, cols, state):
+            rows.append(("decode_grad", payload.shape[0]))
+            return super().decode_grad(payload, cols, state)
+
+    tables = [TableConfig(name=n, num_embeddings=20, embedding_dim=8, features=[f"f{i}"]) for i, n in enumerate("ab")]
+    plan = P.ShardingPlan(world_size=2, local_world_size=2,
+                          tables={"a": P.table_wise("a", 20, 8, 0), "b": P.table_wise("b", 20, 8, 1)})
+    codec = Counted(0.25)
+    layout = build_layout(tables, plan, {"a": codec, "b": codec})
+    codec_ms(layout, [5, 3], 0, reps=1)
+    step = [("encode", 3), ("decode", 5), ("encode_grad", 5), ("decode_grad", 3)]
+    assert rows == [("encode", 5), *step, *step], rows  # (rank 1's payloads made once; a warm-up step)
+
+
 DENSE = ["model.embedding_dim=8", "model.bottom_mlp=16,8", "model.top_mlp=16,1", "data.batch_size=64",
          "train.threads=1", "train.progress=false", "compress.dense=dct", "compress.dense_ratio=0.1",
          "compress.dense_when=pays"]

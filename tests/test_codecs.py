@@ -397,7 +397,8 @@ def local_mask(x, codec):
 
 
 class RoundTripReference(ShardedEmbeddingBagCollection):
-    """The float32 hop, then every received piece through :func:`local_mask`."""
+    """The float32 hop, then every piece received from another rank through
+    :func:`local_mask` (a rank's own block does not travel: it is not coded)."""
 
     def __init__(self, tables, plan, *args, codecs, **kwargs):
         super().__init__(tables, plan, *args, **kwargs)
@@ -405,10 +406,10 @@ class RoundTripReference(ShardedEmbeddingBagCollection):
 
     def _combine(self, blocks, b):
         coded = []
-        for block, lay in zip(blocks, self.ref_layouts):
+        for owner, (block, lay) in enumerate(zip(blocks, self.ref_layouts)):
             pieces = [local_mask(block[:, g.start : g.start + g.width].reshape(-1, g.n, g.cols),
                                  g.codec).reshape(-1, g.width) for g in lay.groups]
-            coded.append(torch.cat(pieces, 1) if pieces else block)
+            coded.append(torch.cat(pieces, 1) if pieces and owner != self.topo.rank else block)
         return super()._combine(coded + blocks[len(self.ref_layouts):], b)
 
 

@@ -23,6 +23,7 @@ from hybridrec.parallel.coded_dist import (
     CHUNK_BYTES,
     MAX_AUTO_CHUNKS,
     _chunk_rows,
+    _own_ranges,
     _ranges,
     coded_chunks,
 )
@@ -47,7 +48,21 @@ def test_chunks_tile_every_ranks_rows(sizes, chunks):
                      for r in range(a, b))
     assert covered == list(range(sum(sizes)))
     assert _ranges(sizes, _chunk_rows(sizes, 1, 0)) == [(0, sum(sizes))]  # one chunk: the whole buffer
-    assert _ranges([], []) == [(0, 0)]  # no ranks served: one empty range
+    assert _ranges([], []) == []  # no ranks served: no range
+    assert _ranges([5, 3], [(2, 2), (0, 3)]) == [(5, 8)]  # empty ones left out
+    assert _ranges([2, 0, 3], [(0, 2), (0, 0), (0, 3)]) == [(0, 5)]  # (neighbours across an empty rank)
+
+
+def test_a_rank_codes_only_the_other_ranks_rows():
+    """4 ranks in hosts of 2 (batches [2, 3, 4, 3]), table_row_wise tables on both hosts:
+    the ranges a rank encodes in a chunk leave out its own samples' rows, in its block (every
+    rank's samples) and in its TRW sums (member 1 serves ranks 1 and 3)."""
+    layout, sizes = build_layout(trw.tables(), trw.make_plan(4, 2), {}), trw.BATCH[4]
+    assert layout.served(1) == (1, 3)
+    assert _own_ranges(layout, sizes, 1, _chunk_rows(sizes, 1, 0)) == ([(0, 2), (5, 12)], [(3, 6)])
+    assert _own_ranges(layout, sizes, 3, _chunk_rows(sizes, 1, 0)) == ([(0, 9)], [(0, 3)])
+    # Chunk 1 of 2: ranks' rows [1, 2), [1, 3), [2, 4), [1, 3).
+    assert _own_ranges(layout, sizes, 1, _chunk_rows(sizes, 2, 1)) == ([(1, 2), (7, 9), (10, 12)], [(4, 6)])
 
 
 def bench_layout(rows_per_rank=2048, codec=None):
@@ -62,9 +77,11 @@ def bench_layout(rows_per_rank=2048, codec=None):
 
 
 def test_auto_chunks_follow_the_hops_size():
-    layout, sizes = bench_layout()
-    share = sum(sizes) * 26 * 64 * 4 // 2  # 13.6 MB of float32 rows a rank codes
-    assert coded_chunks(AUTO, layout, sizes) == min(MAX_AUTO_CHUNKS, share // CHUNK_BYTES) > 1
+    layout, sizes = bench_layout(4096)
+    # A rank codes its block (13 x 64) for the other rank's 4096 samples: 13.6 MB of float32 rows.
+    share = 4096 * 13 * 64 * 4
+    assert coded_chunks(AUTO, layout, sizes) == min(MAX_AUTO_CHUNKS, share // CHUNK_BYTES) == 3
+    assert coded_chunks(AUTO, *bench_layout(2048)) == 1  # 6.8 MB: its own samples' rows are not coded
     small, small_sizes = bench_layout(64)
     assert coded_chunks(AUTO, small, small_sizes) == 1  # too small to pay: one exchange
     assert coded_chunks(1, layout, sizes) == 1  # asked for: as asked

@@ -275,24 +275,30 @@ def test_four_ranks_in_two_hosts_equal_one_process(four_ranks):
 
 
 def test_codecs_code_the_cross_host_sums(four_ranks):
-    """fp16 on "b": every sample's sum is rounded once, its gradient too (so the reference
-    takes fp16-rounded output gradients for "b"'s columns); lossless DCT on "c": exact."""
+    """fp16 on "b" (host 0's): the sums of host 1's samples cross hosts, rounded once, their
+    gradients too (so the reference takes fp16-rounded output gradients there); the sums a
+    member serves itself (host 0's samples) do not travel and stay exact, both ways; lossless
+    DCT on "c": exact."""
     start = 0  # the output's columns of fb1 and fb2 (features in fused-group order)
     for f, d in output_features(tables()):
         if f == "fb1":
             break
         start += d
     cols, world = slice(start, start + 16), 4
+    sizes = BATCH[world]
+    far = slice(sum(sizes[:2]), sum(sizes))  # ranks 2 and 3's samples, served by ranks 0 and 1
 
     def rounded(w):
         w = w.clone()
-        w[:, cols] = (w[:, cols] / world).half().float() * world  # exact: world is a power of 2
+        w[far, cols] = (w[far, cols] / world).half().float() * world  # exact: world is a power of 2
         return w
 
-    sizes = BATCH[world]
     ref_out, ref_grads, _ = reference(sizes, 1.0 / world, rounded)
     out = torch.cat([r["coded"][0] for r in four_ranks])
-    torch.testing.assert_close(out[:, cols], ref_out[:, cols].half().float(), rtol=1e-3, atol=1e-4)
+    torch.testing.assert_close(out[far, cols], ref_out[far, cols].half().float(), rtol=1e-3, atol=1e-4)
+    assert not torch.allclose(out[far, cols], ref_out[far, cols], rtol=1e-5, atol=1e-6)  # (rounded)
+    near = [i for i in range(out.shape[0]) if not far.start <= i < far.stop]
+    torch.testing.assert_close(out[near], ref_out[near], rtol=1e-5, atol=1e-6)  # kept: not rounded
     rest = [i for i in range(out.shape[1]) if not start <= i < start + 16]
     torch.testing.assert_close(out[:, rest], ref_out[:, rest], rtol=1e-5, atol=1e-6)
     grads = assemble([r["coded"][1] for r in four_ranks])

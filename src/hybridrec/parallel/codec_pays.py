@@ -7,11 +7,14 @@ to a pure function (:func:`decision`) that decides.
 The pooled embeddings' hop. At start-up every rank times, on random rows of the step's real
 shapes:
 
-- the codecs' work of one step: encoding its block for every rank's samples, decoding every
-  owner's block for its own samples, and the same for the gradients (the best of ``reps``);
+- the codecs' work of one step: encoding its block for the other ranks' samples, decoding
+  every other owner's block for its own samples, and the same for the gradients (the best
+  of ``reps``). What a rank keeps for its own samples is not coded (it does not travel:
+  ``coded_dist``), so it is not timed;
 - the exchange of one step's pooled rows, forward, and of their gradients, backward, as
   float32 and as encoded, through the hop's own all-to-all (``dist.exchange``), after a
-  warm-up (the best of ``reps``);
+  warm-up (the best of ``reps``); each with the split sizes of its hop (the float32 hop
+  passes the rank's own rows through the all-to-all, the coded one sends itself nothing);
 - the bottom MLP's forward and backward at the real batch: both exchanges travel behind it
   (the hop is asynchronous: ``coded_dist``'s start/finish pairs, docs/design.md "One
   training step"), so only the wire time beyond it costs the step.
@@ -68,7 +71,7 @@ from torch import nn
 from hybridrec.comm import sparse_message as sm
 from hybridrec.comm.compress import DCTCompressor, GradientCompressor
 from hybridrec.comm.exchange import collective_device
-from hybridrec.parallel.coded_dist import _decode, _encode, _recv_order, _splits
+from hybridrec.parallel.coded_dist import _decode, _encode, _peer_splits, _recv_order, _splits
 
 
 def _best_ms(fn, reps: int) -> float:
@@ -110,14 +113,17 @@ def _slowest(numbers: list[float], group, device) -> list[float]:
 
 
 def codec_ms(layout, batch_sizes: list[int], rank: int, *, reps: int = 3) -> float:
-    """Milliseconds of the codecs' work of one step on ``rank`` (module docstring)."""
+    """Milliseconds of the codecs' work of one step on ``rank`` (module docstring): its
+    block's rows of the other ranks' samples encoded, and their gradients decoded; the
+    other owners' blocks for its samples decoded, and their gradients encoded."""
     gen = torch.Generator().manual_seed(0)
     me, b = layout.coded_of(rank), batch_sizes[rank]
-    pooled = torch.randn(sum(batch_sizes), layout.blocks[rank].width, generator=gen)
-    lays = [layout.coded_of(i) for _, i in _recv_order(layout, rank)]
+    others = sum(batch_sizes) - b  # (its own samples' rows are not coded)
+    pooled = torch.randn(others, layout.blocks[rank].width, generator=gen)
+    lays = [layout.coded_of(i) for o, i in _recv_order(layout, rank) if o != rank]
     rows = [torch.randn(b, lay.width, generator=gen) for lay in lays]
     payloads = [_encode(x, lay, grad=False)[0] for x, lay in zip(rows, lays)]
-    grads_back = torch.randn(sum(batch_sizes), me.bwd_bytes, generator=gen).to(torch.uint8)
+    grads_back = torch.randn(others, me.bwd_bytes, generator=gen).to(torch.uint8)
 
     def step() -> None:
         _, own_states = _encode(pooled, me, grad=False)
@@ -131,11 +137,12 @@ def codec_ms(layout, batch_sizes: list[int], rank: int, *, reps: int = 3) -> flo
 
 
 def exchange_ms(layout, batch_sizes: list[int], topo, per_row, dtype: torch.dtype, *, reps: int = 3,
-                backward: bool = False) -> float:
+                backward: bool = False, coded: bool = False) -> float:
     """Milliseconds of one forward exchange of ``per_row(block)`` elements of ``dtype`` per
     sample and block, through ``topo``'s all-to-all, after a warm-up; ``backward``: the
-    gradients' exchange, the other way round."""
-    to, frm = _splits(layout, batch_sizes, topo.rank, per_row)
+    gradients' exchange, the other way round; ``coded``: the coded hop's splits (nothing to
+    the rank itself), else the float32 hop's."""
+    to, frm = (_peer_splits if coded else _splits)(layout, batch_sizes, topo.rank, per_row)
     if backward:
         to, frm = frm, to
     # (On the host as the codecs' timing is, except where NCCL takes device tensors only:
@@ -172,7 +179,8 @@ def measure(ebc, batch_size: int, bottom: nn.Module, *, reps: int = 3) -> dict:
     sizes = [batch_size] * topo.group_size
 
     def wire(per_row, dtype, backward=False) -> float:
-        return exchange_ms(layout, sizes, topo, per_row, dtype, reps=reps, backward=backward)
+        return exchange_ms(layout, sizes, topo, per_row, dtype, reps=reps, backward=backward,
+                           coded=dtype == torch.uint8)
 
     plain_row = lambda i: layout.all_blocks[i].width
     mine = [codec_ms(layout, sizes, topo.rank, reps=reps),

@@ -14,12 +14,24 @@ asynchronous: encoded and sent at the start, decoded at the wait) each piece has
 (uncompressed pieces: the float32 identity, bit-exact); a run of neighbouring pieces
 with the same codec and width is coded at once as ``[rows, n, C]``.
 
+What is coded is what travels: a rank's own samples' rows of its own block (and, with
+table_row_wise tables, the in-host sums it serves itself, below) never cross a link, so
+they are not coded. :class:`_CodedStart` hands them to the wait as float32 copies, exact,
+and their gradients come back exact too; the owner encodes only its rows of the *other*
+ranks' samples, and the receiver decodes only the other owners' segments. The DCT paper's
+DCT-MP compresses what the all-to-all communicates; these rows are not communicated, so
+they are not compressed, and the codec's time and error fall only on the rows that cross
+(with ``P`` ranks and even batches, ``(P - 1) / P`` of them). The rows kept are the
+uncompressed hop's.
+
 Wire layout of the coded hop: the encoded row of an owner is its groups' encoded rows
 side by side, ``R`` bytes (``R = sum n * codec.row_bytes(C)``), so what the owner sends
-rank ``r`` is ``b_r * R`` bytes: the rows of ``r``'s samples, one uint8 buffer, one
-``all_to_all_single`` with uneven splits for every owner and piece. Backward is the same
-with ``codec.grad_row_bytes``. Every rank knows every owner's layout and every rank's
-batch size (from input_dist), so both sides compute all split sizes; no size is exchanged.
+rank ``r != owner`` is ``b_r * R`` bytes: the rows of ``r``'s samples, one uint8 buffer,
+one ``all_to_all_single`` with uneven splits for every owner and piece; its split to
+itself is empty, both ways. Backward is the same with ``codec.grad_row_bytes``. Every rank
+knows every owner's layout and every rank's batch size (from input_dist), so both sides
+compute all split sizes; no size is exchanged. In a world of one rank nothing crosses: no
+exchange, no codec.
 
 Row chunks: the coded hop travels as ``K`` exchanges (``chunks``, :func:`coded_chunks`;
 ``compress.embedding_chunks``), chunk ``i`` holding, of every rank ``d``'s ``b_d``
@@ -29,8 +41,9 @@ chunk ``i + 1`` while chunk ``i`` travels, the receiver decodes chunk ``i`` whil
 later ones travel, and backward the same (the receiver encodes, the owner decodes). Every
 codec codes a row on its own, so the chunked hop gives the bits of the unchunked one
 (``tests/test_coded_chunks.py``). Example, 2 ranks, batches ``[5, 3]``, ``K = 2``:
-chunk 0 carries rank 0's samples 0-1 and rank 1's sample 0, chunk 1 the rest; the owner
-encodes its block's rows 0-1 and 5 (two ranges), then 2-4 and 6-7. Rows, not field
+chunk 0 carries rank 0's samples 0-1 and rank 1's sample 0, chunk 1 the rest; rank 0
+encodes its block's row 5 (rank 1's sample 0), then rows 6-7, and rank 1 its rows 0-1,
+then 2-4 (its own samples' rows, 5-7, stay float32). Rows, not field
 groups: a chunk keeps every codec group whole, so it is the same whatever the tables'
 codecs and widths (the benchmark's 26 tables are one group per owner), and the
 receiver's blocks are joined along rows.
@@ -46,12 +59,14 @@ sums for the samples of the ranks it serves (``d % L == j``) and sends them in t
 exchange, after its own block's rows: what owner ``o`` sends rank ``d`` is
 ``layout.segments(o, d)`` side by side, ``b_d`` rows of each. The codec of a TRW table
 codes this cross-host hop of the sums (encoded once by the serving member, decoded by
-the receiver; gradients coded back the same way), so a DCT sum keeps ``k`` nonzeros.
+the receiver; gradients coded back the same way), so a DCT sum keeps ``k`` nonzeros. The
+sums a member serves itself (its own samples') stay float32, as its block's own rows.
 
 Bytes counted in the ledger (category ``output_dist``, per table, DeepFM's FM piece
-under table None; this rank's traffic to and from others, what a rank sends itself is
-not counted): each exchange, forward and backward, records the bytes of the buffers it
-moved (a chunked hop: each chunk's, whole rows, so they add up to the unchunked hop's),
+under table None; this rank's traffic to and from others: a rank's own rows, which the
+coded hop does not send and the float32 hop copies within the rank, are not counted):
+each exchange, forward and backward, records the bytes of the buffers it moved (a
+chunked hop: each chunk's, whole rows, so they add up to the unchunked hop's),
 split by table along the segments' layouts (:meth:`BlockLayout.bytes_by_table`); a TRW
 table's entries here are the sums that cross hosts (its in-host bytes are ``trw_intra``'s);
 ``sent`` and ``received`` are the encoded bytes, ``original`` the float32 bytes of the
@@ -144,9 +159,18 @@ def output_all_to_all_start(pooled: torch.Tensor, reduced: torch.Tensor, layout:
         done = assemble(torch.split(recv, widths, dim=1))
         return Pending(lambda: done)
     if layout.coded is not None:
-        coded = _CodedFlight(batch_sizes, coded_chunks(chunks, layout, batch_sizes))
-        token = _CodedStart.apply(pooled, reduced, coded, layout, batch_sizes, topo, ledger)
-        return Pending(lambda: assemble(_CodedFinish.apply(token, coded, layout, batch_sizes, topo, ledger)))
+        alone = layout.world_size == 1  # (nothing crosses: no exchange, no codec)
+        coded = _CodedFlight(batch_sizes, 0 if alone else coded_chunks(chunks, layout, batch_sizes))
+        token, *kept = _CodedStart.apply(pooled, reduced, coded, layout, batch_sizes, topo, ledger)
+
+        def finish_coded():
+            # What this rank keeps (its block's rows, then its TRW sums, for its samples:
+            # segments(me, me) in wire order) as float32; every other owner's, decoded.
+            mine, others = iter(kept), iter(() if alone else _CodedFinish.apply(token, coded, layout, batch_sizes,
+                                                                                 topo, ledger))
+            return assemble([next(mine) if o == me else next(others) for o, _ in order])
+
+        return Pending(finish_coded)
     flight = _InFlight()
     buf = _PlainStart.apply(pooled, reduced, flight, layout, batch_sizes, topo, ledger)
 
@@ -169,6 +193,15 @@ def _splits(layout: EmbeddingLayout, batch_sizes: list[int], rank: int,
     b = batch_sizes[rank]
     to = [n * sum(per_row(i) for i in layout.segments(rank, d)) for d, n in enumerate(batch_sizes)]
     frm = [b * sum(per_row(i) for i in layout.segments(o, rank)) for o in range(layout.world_size)]
+    return to, frm
+
+
+def _peer_splits(layout: EmbeddingLayout, batch_sizes: list[int], rank: int,
+                 per_row) -> tuple[list[int], list[int]]:
+    """:func:`_splits` of the coded hop: nothing to ``rank`` itself (what a rank keeps for
+    its own samples does not travel, nor is it coded: :class:`_CodedStart`)."""
+    to, frm = _splits(layout, batch_sizes, rank, per_row)
+    to[rank] = frm[rank] = 0
     return to, frm
 
 
@@ -379,8 +412,9 @@ def _decode(buf: torch.Tensor, layout: OwnerLayout, grad: bool, states=None):
 class _CodedFlight:
     """The coded exchange between :class:`_CodedStart` and :class:`_CodedFinish`, in row
     chunks: ``rows[i][d]``, the rows ``[lo, hi)`` of rank ``d``'s samples in chunk ``i``
-    (:func:`_chunk_rows`); per chunk the forward's send and receive buffers and handle, then
-    the backward's (each kept alive until waited for)."""
+    (:func:`_chunk_rows`; no chunk in a world of one rank: nothing crosses); per chunk the
+    forward's send and receive buffers and handle, then the backward's (each kept alive
+    until waited for)."""
 
     __slots__ = ("rows", "bwd_splits", "sends", "recvs", "handles", "grad_sends", "grad_outs", "grad_handles")
 
@@ -398,14 +432,16 @@ class _CodedFlight:
 def coded_chunks(setting: int, layout: EmbeddingLayout, batch_sizes: list[int]) -> int:
     """The number of row chunks the coded hop travels in (module docstring): ``setting`` when
     >= 1; :data:`AUTO` (0): one per :data:`CHUNK_BYTES` of the float32 rows a rank codes
-    forward (every owner's and host's block for every rank's samples, shared by the ranks),
-    at most :data:`MAX_AUTO_CHUNKS`. Never more than the largest batch. A function of the
-    layout and the batch sizes alone: every rank finds the same number."""
+    forward (every owner's and host's block for the other ranks' samples, shared by the
+    ranks: ``sum(batch_sizes) * cols * (P - 1) / P**2`` floats in a world of ``P``), at most
+    :data:`MAX_AUTO_CHUNKS`. Never more than the largest batch. A function of the layout and
+    the batch sizes alone: every rank finds the same number."""
     if setting < 0:
         raise ValueError(f"the coded hop's chunks must be >= 0 (0: auto), got {setting}")
     if setting == AUTO:
         cols = sum(lay.width for lay in (*layout.coded, *layout.coded_hosts))
-        share = sum(batch_sizes) * cols * VALUE_BYTES // layout.world_size
+        world = layout.world_size
+        share = sum(batch_sizes) * cols * VALUE_BYTES * (world - 1) // world**2
         setting = min(MAX_AUTO_CHUNKS, max(1, share // CHUNK_BYTES))
     return max(1, min(setting, max(batch_sizes, default=1)))
 
@@ -420,22 +456,27 @@ def _chunk_rows(batch_sizes: list[int], chunks: int, i: int) -> list[tuple[int, 
 def _ranges(sizes: list[int], rows: list[tuple[int, int]]) -> list[tuple[int, int]]:
     """A chunk's rows in a buffer of several ranks' samples one after another (``sizes[j]``
     rows of the ``j``-th, of which ``rows[j]``), as ``[a, b)`` ranges of the buffer,
-    neighbours merged: one chunk is one range, the whole buffer; no ranks, ``[(0, 0)]``."""
+    neighbours merged, empty ones left out: one chunk is one range, the whole buffer; no
+    rows, no range."""
     out: list[tuple[int, int]] = []
     at = 0
     for n, (lo, hi) in zip(sizes, rows):
-        if out and out[-1][1] == at + lo:
+        if lo == hi:
+            pass
+        elif out and out[-1][1] == at + lo:
             out[-1] = (out[-1][0], at + hi)
         else:
             out.append((at + lo, at + hi))
         at += n
-    return out or [(0, 0)]
+    return out
 
 
 def _own_ranges(layout: EmbeddingLayout, batch_sizes: list[int], rank: int,
                 rows: list[tuple[int, int]]) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
-    """A chunk's rows in ``rank``'s block (every rank's samples) and in its in-host TRW
-    sums (the samples of the ranks it serves): :func:`_ranges` of each."""
+    """The rows ``rank`` codes in a chunk: of the other ranks' samples (its own stay
+    float32), in its block (every rank's samples) and in its in-host TRW sums (the samples
+    of the ranks it serves): :func:`_ranges` of each."""
+    rows = [(lo, lo) if d == rank else (lo, hi) for d, (lo, hi) in enumerate(rows)]
     served = layout.served(rank)
     return (_ranges(batch_sizes, rows),
             _ranges([batch_sizes[d] for d in served], [rows[d] for d in served]))
@@ -444,12 +485,14 @@ def _own_ranges(layout: EmbeddingLayout, batch_sizes: list[int], rank: int,
 def _encode_ranges(x: torch.Tensor, ranges: list[tuple[int, int]], layout: OwnerLayout):
     """Rows ``ranges`` of ``x`` ``[B, W]``, forward-encoded range by range -> (uint8
     ``[rows, R]``, the ranges' codec states). Every codec codes a row on its own, so the
-    bytes are those of the rows encoded with the whole block."""
+    bytes are those of the rows encoded with the whole block. No range: no codec call."""
     parts, states = [], []
     for a, b in ranges:
         payload, state = _encode(x[a:b], layout, grad=False)
         parts.append(payload)
         states.append(state)
+    if not parts:
+        return x.new_empty(0, layout.fwd_bytes, dtype=torch.uint8), states
     return (parts[0] if len(parts) == 1 else torch.cat(parts)), states
 
 
@@ -457,72 +500,93 @@ def _decode_ranges(buf: torch.Tensor, ranges: list[tuple[int, int]], layout: Own
                    states) -> list[tuple[int, torch.Tensor]]:
     """The gradients' bytes of rows ``ranges`` (one after another in ``buf``) ->
     ``[(first row, rows [b - a, W])]``, decoded range by range."""
-    parts = torch.split(buf, [b - a for a, b in ranges])
+    parts = torch.split(buf, [b - a for a, b in ranges]) if ranges else []
     return [(a, _decode(part, layout, grad=True, states=st)[0]) for (a, _), part, st in zip(ranges, parts, states)]
 
 
-def _joined(parts: list[tuple[int, torch.Tensor]]) -> torch.Tensor:
-    """Row blocks ``(first row, rows)`` that tile a buffer -> the buffer (one: as it is)."""
+def _joined(parts: list[tuple[int, torch.Tensor]], empty: torch.Tensor) -> torch.Tensor:
+    """Row blocks ``(first row, rows)`` that tile a buffer -> the buffer (one: as it is;
+    none: ``empty``)."""
     parts = sorted(parts, key=lambda p: p[0])
+    if not parts:
+        return empty
     return parts[0][1] if len(parts) == 1 else torch.cat([x for _, x in parts])
+
+
+def _kept_rows(layout: EmbeddingLayout, batch_sizes: list[int], rank: int) -> tuple[int, int | None]:
+    """Where ``rank``'s own samples' rows lie: their first row in its block (every rank's
+    samples) and in its in-host TRW sums (None when it does not serve itself)."""
+    served = layout.served(rank)
+    red = sum(batch_sizes[d] for d in served[: served.index(rank)]) if rank in served else None
+    return sum(batch_sizes[:rank]), red
 
 
 class _CodedStart(torch.autograd.Function):
     """``pooled`` ``[total_B, W_rank]`` and ``reduced`` ``[rows, W_t]`` (see
-    :func:`output_all_to_all_start`) -> a token (an empty float tensor that links the graph:
-    the wire buffers are uint8, which carry no gradient). Encodes this rank's rows chunk by
-    chunk, starting each chunk's exchange as soon as it is encoded (the next chunk is
-    encoded while it travels); :class:`_CodedFinish` waits and decodes. Backward waits for
-    the gradients' exchanges that :class:`_CodedFinish`'s backward started, chunk by chunk,
-    decoding each while the later ones travel: what ran in between (the bottom MLP, forward
-    and backward) overlapped the hop, as in the plain exchange."""
+    :func:`output_all_to_all_start`) -> ``(token, own, red)``: a token (an empty float tensor
+    that links the graph: the wire buffers are uint8, which carry no gradient), and what this
+    rank keeps for its own samples, float32 and exact: its block's rows ``[b, W_rank]`` and
+    its TRW sums ``[b, W_t]`` (``[0, W_t]`` when it does not serve itself), copies. Encodes
+    this rank's rows of the *other* ranks' samples chunk by chunk (its own never cross a
+    link: its split to itself is empty), starting each chunk's exchange as soon as it is
+    encoded (the next chunk is encoded while it travels); :class:`_CodedFinish` waits and
+    decodes. Backward waits for the gradients' exchanges that :class:`_CodedFinish`'s
+    backward started, chunk by chunk, decoding each while the later ones travel (what ran
+    in between, the bottom MLP forward and backward, overlapped the hop, as in the plain
+    exchange), and tiles them with the kept rows' gradients, exact."""
 
     @staticmethod
     def forward(ctx, pooled, reduced, flight: _CodedFlight, layout: EmbeddingLayout, batch_sizes: list[int],
                 topo: Topology, ledger):
-        me = topo.rank
+        me, b = topo.rank, batch_sizes[topo.rank]
+        own_at, red_at = _kept_rows(layout, batch_sizes, me)
+        kept_own = pooled[own_at : own_at + b].clone()
+        kept_red = reduced[red_at : red_at + b].clone() if red_at is not None else reduced[:0].clone()
         mine, host = layout.coded_of(me), layout.coded_of(layout.host_index(me // layout.local_world_size))
         chunks = []  # per chunk: (own ranges, TRW ranges, their codec states)
         for rows in flight.rows:
             sizes = [hi - lo for lo, hi in rows]
-            own_at, red_at = _own_ranges(layout, batch_sizes, me, rows)
+            sent = [0 if d == me else n for d, n in enumerate(sizes)]  # rows per rank on the wire: none of its own
+            own_ranges, red_ranges = _own_ranges(layout, batch_sizes, me, rows)
             with phase("mp_encode"):
-                own, own_states = _encode_ranges(pooled, own_at, mine)
-                red, red_states = _encode_ranges(reduced, red_at, host)
-            to, frm = _splits(layout, sizes, me, lambda i: layout.coded_of(i).fwd_bytes)
-            flight.bwd_splits.append(_splits(layout, sizes, me, lambda i: layout.coded_of(i).bwd_bytes))
-            send = _by_peer(own, red, layout, sizes, me)
+                own, own_states = _encode_ranges(pooled, own_ranges, mine)
+                red, red_states = _encode_ranges(reduced, red_ranges, host)
+            to, frm = _peer_splits(layout, sizes, me, lambda i: layout.coded_of(i).fwd_bytes)
+            flight.bwd_splits.append(_peer_splits(layout, sizes, me, lambda i: layout.coded_of(i).bwd_bytes))
+            send = _by_peer(own, red, layout, sent, me)
             recv, handle = _exchange_start(send, frm, to, topo, layout, ledger, "fwd")
             flight.sends.append(send)
             flight.recvs.append(recv)
             flight.handles.append(handle)
-            chunks.append((own_at, red_at, own_states, red_states))
-        ctx.meta = (layout, topo, mine, host, chunks)
+            chunks.append((sent, own_ranges, red_ranges, own_states, red_states))
+        ctx.meta = (layout, topo, mine, host, chunks, own_at, red_at, tuple(reduced.shape))
         ctx.flight = flight
-        return pooled.new_empty(0)
+        return pooled.new_empty(0), kept_own, kept_red
 
     @staticmethod
-    def backward(ctx, _token_grad):
-        layout, topo, mine, host, chunks = ctx.meta
+    def backward(ctx, _token_grad, kept_own_grad, kept_red_grad):
+        layout, topo, mine, host, chunks, own_at, red_at, red_shape = ctx.meta
         flight = ctx.flight
-        own, red = [], []
-        for i, (rows, (own_at, red_at, own_states, red_states)) in enumerate(zip(flight.rows, chunks)):
+        own = [(own_at, kept_own_grad)]
+        red = [] if red_at is None else [(red_at, kept_red_grad)]
+        for i, (sent, own_ranges, red_ranges, own_states, red_states) in enumerate(chunks):
             with phase("mp_grad_wait"):
                 flight.grad_handles[i].wait()
             recv = flight.grad_outs[i]
             flight.grad_outs[i] = flight.grad_handles[i] = flight.grad_sends[i] = None
-            own_bytes, red_bytes = _from_peers(recv, mine.bwd_bytes, host.bwd_bytes, layout,
-                                               [hi - lo for lo, hi in rows], topo.rank)
+            own_bytes, red_bytes = _from_peers(recv, mine.bwd_bytes, host.bwd_bytes, layout, sent, topo.rank)
             with phase("mp_grad_decode"):
-                own += _decode_ranges(own_bytes, own_at, mine, own_states)
-                red += _decode_ranges(red_bytes, red_at, host, red_states)
-        return _joined(own), _joined(red), None, None, None, None, None
+                own += _decode_ranges(own_bytes, own_ranges, mine, own_states)
+                red += _decode_ranges(red_bytes, red_ranges, host, red_states)
+        return (_joined(own, kept_own_grad), _joined(red, kept_own_grad.new_zeros(red_shape)),
+                None, None, None, None, None)
 
 
 class _CodedFinish(torch.autograd.Function):
     """Waits for :class:`_CodedStart`'s exchanges chunk by chunk, decoding each while the
-    later ones travel, and returns this rank's segments, ``[b, W]`` each, in wire order
-    (:func:`_recv_order`), as separate tensors (side by side they would be copied once
+    later ones travel, and returns this rank's segments from the *other* owners, ``[b, W]``
+    each, in wire order (:func:`_recv_order` without the rank's own; a world of 2 ranks or
+    more: at least one), as separate tensors (side by side they would be copied once
     forward and once backward, only to be split again). Backward encodes their gradients at
     the positions received, chunk by chunk, starting each chunk's exchange as soon as it is
     encoded, and returns at once."""
@@ -531,7 +595,7 @@ class _CodedFinish(torch.autograd.Function):
     def forward(ctx, _token, flight: _CodedFlight, layout: EmbeddingLayout, batch_sizes: list[int],
                 topo: Topology, ledger):
         me = topo.rank
-        lays = [layout.coded_of(i) for _, i in _recv_order(layout, me)]
+        lays = [layout.coded_of(i) for o, i in _recv_order(layout, me) if o != me]
         decoded: list[list[torch.Tensor]] = [[] for _ in lays]
         recv_states = []  # per chunk, per segment
         for i, rows in enumerate(flight.rows):
