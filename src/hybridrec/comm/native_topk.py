@@ -46,7 +46,7 @@ from pathlib import Path
 SOURCE = r"""
 #include <stdint.h>
 #include <string.h>
-#ifdef __AVX2__
+#if defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
 
@@ -121,7 +121,14 @@ void row_topk_f32(const int32_t *x, int64_t rows, int64_t cols, int64_t k, int64
 }
 
 /* float32 bits -> float16 / bfloat16 bits, rounding to nearest even (as torch casts); a NaN
-   becomes a quiet NaN. */
+   becomes a quiet NaN. With F16C, the processor's conversion (the same rounding). */
+#ifdef __F16C__
+static inline uint16_t to_half(uint32_t x) {
+    float f;
+    memcpy(&f, &x, 4);
+    return (uint16_t)_cvtss_sh(f, 0); /* 0: round to nearest even */
+}
+#else
 static inline uint16_t to_half(uint32_t x) {
     const uint32_t sign = (x >> 16) & 0x8000, a = x & 0x7fffffff;
     if (a > 0x7f800000) return (uint16_t)(sign | 0x7e00);
@@ -136,6 +143,7 @@ static inline uint16_t to_half(uint32_t x) {
     f = (f + 8388608.0f) - 8388608.0f;                          /* to an integer, ties to even */
     return (uint16_t)(sign | (uint32_t)f);
 }
+#endif
 
 static inline uint16_t to_bf16(uint32_t x) {
     if ((x & 0x7fffffff) > 0x7f800000) return (uint16_t)(((x >> 16) & 0x8000) | 0x7fc0);
@@ -202,7 +210,8 @@ static inline void put_pos(uint8_t *p, int64_t c, int ib) {
 
 /* DCT-MP's forward encoding of every row r of x [rows, cols]: payload row r (k * (vb + ib)
    bytes) = the k values of largest magnitude, then their k columns (select_row's order). */
-void topk_encode(const int32_t *x, int64_t rows, int64_t cols, int64_t k, int vkind, int ib, uint8_t *payload) {
+static inline void encode_impl(const int32_t *x, int64_t rows, int64_t cols, int64_t k, const int vkind, const int ib,
+                               uint8_t *payload) {
     const int64_t vb = vkind == 0 ? 4 : 2, row_bytes = k * (vb + ib);
     int32_t best[k];
     int64_t pos[k];
@@ -220,8 +229,8 @@ void topk_encode(const int32_t *x, int64_t rows, int64_t cols, int64_t k, int vk
 /* out[r, :] = zeros with the k values of row r of vals (stride vstride bytes) at the k
    columns of row r of idx (stride istride bytes), as float32 bits. Returns the number of
    columns outside 0..cols-1 (left unwritten: a corrupt message). */
-int64_t topk_scatter(const uint8_t *vals, int64_t vstride, const uint8_t *idx, int64_t istride,
-                     int64_t rows, int64_t cols, int64_t k, int vkind, int ib, uint32_t *out) {
+static inline int64_t scatter_impl(const uint8_t *vals, int64_t vstride, const uint8_t *idx, int64_t istride,
+                                   int64_t rows, int64_t cols, int64_t k, const int vkind, const int ib, uint32_t *out) {
     const int64_t vb = vkind == 0 ? 4 : 2;
     int64_t bad = 0;
     for (int64_t r = 0; r < rows; r++) {
@@ -242,8 +251,8 @@ int64_t topk_scatter(const uint8_t *vals, int64_t vstride, const uint8_t *idx, i
 /* out row r (k * vb bytes) = the k values of g [rows, cols] at the columns of row r of idx
    (stride istride bytes), cast as vkind. Returns the number of columns outside 0..cols-1
    (their values written as 0). */
-int64_t topk_gather(const uint32_t *g, const uint8_t *idx, int64_t istride, int64_t rows, int64_t cols,
-                    int64_t k, int vkind, int ib, uint8_t *out) {
+static inline int64_t gather_impl(const uint32_t *g, const uint8_t *idx, int64_t istride, int64_t rows, int64_t cols,
+                                  int64_t k, const int vkind, const int ib, uint8_t *out) {
     const int64_t vb = vkind == 0 ? 4 : 2;
     int64_t bad = 0;
     for (int64_t r = 0; r < rows; r++) {
@@ -259,6 +268,25 @@ int64_t topk_gather(const uint32_t *g, const uint8_t *idx, int64_t istride, int6
         }
     }
     return bad;
+}
+
+/* The entry points: the common wire (float16 values, one-byte columns) gets its own copy of
+   each loop, with the value and position types known to the compiler. */
+void topk_encode(const int32_t *x, int64_t rows, int64_t cols, int64_t k, int vkind, int ib, uint8_t *payload) {
+    if (vkind == 1 && ib == 1) encode_impl(x, rows, cols, k, 1, 1, payload);
+    else encode_impl(x, rows, cols, k, vkind, ib, payload);
+}
+
+int64_t topk_scatter(const uint8_t *vals, int64_t vstride, const uint8_t *idx, int64_t istride,
+                     int64_t rows, int64_t cols, int64_t k, int vkind, int ib, uint32_t *out) {
+    if (vkind == 1 && ib == 1) return scatter_impl(vals, vstride, idx, istride, rows, cols, k, 1, 1, out);
+    return scatter_impl(vals, vstride, idx, istride, rows, cols, k, vkind, ib, out);
+}
+
+int64_t topk_gather(const uint32_t *g, const uint8_t *idx, int64_t istride, int64_t rows, int64_t cols,
+                    int64_t k, int vkind, int ib, uint8_t *out) {
+    if (vkind == 1 && ib == 1) return gather_impl(g, idx, istride, rows, cols, k, 1, 1, out);
+    return gather_impl(g, idx, istride, rows, cols, k, vkind, ib, out);
 }
 """
 

@@ -601,10 +601,11 @@ def tune_kernels(cfg: Config, model: torch.nn.Module, topo: Topology,
     if getattr(ebc, "compression", None) is not None:  # (compress.embedding_when=pays)
         out["embedding_compression"] = ebc.compression
     if isinstance(ebc, ShardedEmbeddingBagCollection) and ebc.layout.coded is not None:
-        # DCT-MP's per-row top-k over this rank's pieces, every rank's samples at once
-        total = cfg.data.batch_size * topo.group_size
-        uses = [(g.codec, total * g.n, g.cols) for g in ebc.layout.coded_of(topo.rank).groups
-                if isinstance(g.codec, TopKCodec)]
+        # DCT-MP's codec over this rank's pieces, the other ranks' samples at once (its own
+        # samples' rows do not travel and are not coded: coded_dist)
+        crossing = cfg.data.batch_size * (ebc.layout.world_size - 1)
+        uses = [(g.codec, crossing * g.n, g.cols) for g in ebc.layout.coded_of(topo.rank).groups
+                if isinstance(g.codec, TopKCodec) and crossing]
         if uses:
             out["dct_topk"] = [c.to_dict() for c in tune_topk(uses, mode=cfg.train.kernels, device=device)]
     return out
