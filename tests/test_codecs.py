@@ -357,7 +357,10 @@ def tables():
             for n, r, f in TABLES]
 
 
-def make_plan(kind, world=2):
+def make_plan(kind, world=2, replicated=True):
+    """``kind``: table_wise, row_wise, column_wise or mixed (a row-wise, a column-wise and a
+    third table: replicated, which has no hop, or with ``replicated=False`` table-wise on the
+    last rank)."""
     every = list(range(world))
     tp = {}
     for i, (n, rows, _) in enumerate(TABLES):
@@ -367,9 +370,9 @@ def make_plan(kind, world=2):
             tp[n] = P.row_wise(n, rows, DIM, every)
         elif kind == "column_wise":
             tp[n] = P.column_wise(n, rows, DIM, every)
-        else:  # mixed, with a replicated table that has no hop
-            tp[n] = [P.row_wise(n, rows, DIM, every), P.column_wise(n, rows, DIM, every),
-                     P.data_parallel(n, rows, DIM, world)][i]
+        else:  # mixed
+            third = P.data_parallel(n, rows, DIM, world) if replicated else P.table_wise(n, rows, DIM, world - 1)
+            tp[n] = [P.row_wise(n, rows, DIM, every), P.column_wise(n, rows, DIM, every), third][i]
     plan = P.ShardingPlan(world_size=world, local_world_size=world, tables=tp)
     plan.validate()
     return plan

@@ -15,41 +15,22 @@ import pytest
 import torch
 from distributed import run_ranks
 
+from test_codecs import tables
+from test_codecs import make_plan as codec_plan
+
 from hybridrec.comm.codecs import make_codec
 from hybridrec.comm.ledger import CommLedger
-from hybridrec.model.embedding import TableConfig
-from hybridrec.parallel import plan as P
 from hybridrec.parallel.coded_dist import _chunk_rows, _decode, _encode, output_all_to_all_start
 from hybridrec.parallel.layout import build_layout
 
 pytestmark = pytest.mark.distributed
 
-DIM = 8
-TABLES = [("t0", 24, ["f0"]), ("t1", 40, ["f1", "f2"]), ("t2", 12, ["f3"])]
 CODECS = {"dct": lambda: make_codec("dct", eta=0.25), "dct_fp16": lambda: make_codec("dct", eta=0.25, values="fp16"),
           "int8": lambda: make_codec("int8")}
 
 
-def tables():
-    return [TableConfig(name=n, num_embeddings=r, embedding_dim=DIM, features=f) for n, r, f in TABLES]
-
-
 def make_plan(kind, world):
-    every = list(range(world))
-    tp = {}
-    for i, (n, rows, _) in enumerate(TABLES):
-        if kind == "table_wise":
-            tp[n] = P.table_wise(n, rows, DIM, i % world)
-        elif kind == "row_wise":
-            tp[n] = P.row_wise(n, rows, DIM, every)
-        elif kind == "column_wise":
-            tp[n] = P.column_wise(n, rows, DIM, every)
-        else:  # mixed
-            tp[n] = [P.row_wise(n, rows, DIM, every), P.column_wise(n, rows, DIM, every),
-                     P.table_wise(n, rows, DIM, world - 1)][i]
-    plan = P.ShardingPlan(world_size=world, local_world_size=world, tables=tp)
-    plan.validate()
-    return plan
+    return codec_plan(kind, world, replicated=False)  # (every table has a hop)
 
 
 def weight(dest, owner, rows, cols):
