@@ -2,6 +2,7 @@
 
 import json
 import math
+import mmap
 import os
 import sys
 from pathlib import Path
@@ -101,18 +102,22 @@ def _rss_bytes() -> int:
 def test_peak_memory_covers_a_measured_allocation():
     # The peak is a high-water mark, so compare with the resident size now plus a known
     # allocation (touched, so resident) rather than with an earlier peak.
+    # An anonymous mapping of its own, every page written: fresh resident pages (a tensor
+    # could reuse freed memory the allocator kept resident, and RSS would not move).
     size = 128 << 20
     before = _rss_bytes()
-    block = torch.ones(size // 4, dtype=torch.float32)  # 128 MiB, every page written
+    block = mmap.mmap(-1, size)
+    for at in range(0, size, mmap.PAGESIZE):
+        block[at] = 1
     held = _rss_bytes()
     assert held - before >= 0.9 * size  # the allocation really is resident
     peak = peak_memory_bytes()
-    # Bytes, not KiB, and covering the tensor (the kernel's high-water mark can lag the
+    # Bytes, not KiB, and covering the mapping (the kernel's high-water mark can lag the
     # resident size by a few pages, hence no exact ``peak >= held``).
     assert peak >= before + 0.9 * size
     # ... and not above what the machine has.
     assert peak <= os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    del block
+    block.close()
 
 
 def test_keep_until_drops_the_records_of_later_steps(tmp_path):
