@@ -250,21 +250,6 @@ def row_topk(x: torch.Tensor, k: int, impl: str = "torch") -> torch.Tensor:
     return x.abs().topk(k, dim=-1, sorted=False).indices
 
 
-def time_row_topk(rows: int, cols: int, k: int, impls: list[str], *, device: str = "cpu",
-                  reps: int = 5, budget_s: float = 0.2) -> Timing:
-    """Seconds of one :func:`row_topk` of ``[rows, cols]`` normal values with each of ``impls``
-    (:func:`~hybridrec.model.kernels.race_checked`; what is compared is the magnitudes each
-    selects, sorted per row: positions come in no particular order)."""
-    gen = torch.Generator(device=device).manual_seed(0)
-    x = torch.randn(rows, cols, device=device, generator=gen)
-
-    def probe(impl: str) -> torch.Tensor:
-        return x.abs().gather(-1, row_topk(x, k, impl)).sort(-1).values
-
-    return race_checked(impls, lambda impl: row_topk(x, k, impl), probe=probe, device=device,
-                        what="row top-k", reps=reps, budget_s=budget_s)
-
-
 def time_topk_codec(codec: "TopKCodec", rows: int, cols: int, impls: list[str], *, device: str = "cpu",
                     reps: int = 5, budget_s: float = 0.2) -> Timing:
     """Seconds of one round trip of ``codec``'s hop over ``[rows, cols]`` normal values (encode,
