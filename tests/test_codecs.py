@@ -407,13 +407,13 @@ class RoundTripReference(ShardedEmbeddingBagCollection):
         super().__init__(tables, plan, *args, **kwargs)
         self.ref_layouts = build_layout(tables, plan, codecs).coded
 
-    def _combine(self, blocks, b):
+    def _output(self, blocks, kjt):
         coded = []
         for owner, (block, lay) in enumerate(zip(blocks, self.ref_layouts)):
             pieces = [local_mask(block[:, g.start : g.start + g.width].reshape(-1, g.n, g.cols),
                                  g.codec).reshape(-1, g.width) for g in lay.groups]
             coded.append(torch.cat(pieces, 1) if pieces and owner != self.topo.rank else block)
-        return super()._combine(coded + blocks[len(self.ref_layouts):], b)
+        return super()._output(coded + blocks[len(self.ref_layouts):], kjt)
 
 
 def ledger_counts(ledger):

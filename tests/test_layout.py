@@ -47,6 +47,21 @@ def test_layout_is_frozen_data_of_tuples():
     assert lay.coded is None
 
 
+def test_block_order_only_where_every_feature_is_one_whole_piece():
+    # Table-wise and replicated tables: a rank's output can stay in its blocks' order.
+    tw = P.ShardingPlan(world_size=2, local_world_size=2, tables={
+        "a": P.table_wise("a", 10, 4, 1), "b": P.table_wise("b", 6, 4, 0), "c": P.data_parallel("c", 3, 4, 2)})
+    lay = build_layout(tables(), tw)
+    # Blocks: rank 0's (b: fb1, fb2), rank 1's (a: fa), the replicated (c: fc).
+    assert lay.block_order == (1, 2, 0, 3)
+    # Row shards are added and column shards joined: assembled.
+    assert build_layout(tables(), plan()).block_order is None
+    # FM pieces: assembled.
+    assert build_layout(tables(fm=True), P.ShardingPlan(world_size=2, local_world_size=2, tables={
+        "a": P.table_wise("a", 10, 5, 1), "b": P.table_wise("b", 6, 5, 0),
+        "c": P.data_parallel("c", 3, 5, 2)})).block_order is None
+
+
 def test_ids_travel_as_int32_unless_a_sharded_table_is_too_large():
     assert build_layout(tables(), plan()).id_dtype == torch.int32
     big = [TableConfig(name="a", num_embeddings=2**31 + 1, embedding_dim=4, features=["fa"])]

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from hybridrec.model.dlrm import DLRM
-from hybridrec.model.embedding import EmbeddingBagCollection, TableConfig
+from hybridrec.model.embedding import EmbeddingBagCollection, KeyedTensor, TableConfig
 from hybridrec.model.interaction import CatInteraction, DotInteraction
 from hybridrec.sparse.keyed_jagged import Batch, KeyedJagged
 
@@ -27,6 +27,48 @@ def test_dot_interaction_matches_bmm_reference():
     want = torch.autograd.grad((ref * go).sum(), (dense, sparse))
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w)
+
+
+@pytest.mark.parametrize("impl", ["index", "gather", "gather_pad"])
+def test_dot_interaction_of_parts_in_another_order_equals_the_features_in_theirs(impl):
+    # A sharded collection hands over its owners' blocks as they came: parts in the blocks'
+    # order. The output and the gradients must be those of the features in their own order.
+    torch.manual_seed(1)
+    b, f, d = 6, 5, 3
+    dense = torch.randn(b, d, requires_grad=True)
+    sparse = torch.randn(b, f, d, requires_grad=True)
+    mod = DotInteraction(f)
+    mod.impl = impl
+    ref = mod(dense, sparse)
+    order = [3, 0, 4, 1, 2]
+    parts = (sparse[:, [3, 0]], sparse[:, [4]], sparse[:, [1, 2]])
+    out = mod(dense, parts, order)
+    torch.testing.assert_close(out, ref)
+    go = torch.randn_like(ref)
+    want = torch.autograd.grad((ref * go).sum(), (dense, sparse))
+    got = torch.autograd.grad((out * go).sum(), (dense, sparse))
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w)
+    assert not torch.allclose(mod(dense, (sparse[:, order],)), ref)  # the order is not ignored
+    with pytest.raises(ValueError, match="an order of the 5 features"):
+        mod(dense, parts, [0, 0, 1, 2, 3])
+
+
+def test_keyed_tensor_parts_give_the_values_in_the_keys_order():
+    b, d = 2, 3
+    feats = torch.arange(b * 4 * d, dtype=torch.float32).view(b, 4, d)  # keys k0..k3
+    kt = KeyedTensor(["k0", "k1", "k2", "k3"], [d] * 4, parts=(feats[:, [2, 0]], feats[:, [3, 1]]),
+                     order=[2, 0, 3, 1])
+    assert torch.equal(kt.values, feats.reshape(b, -1))
+    assert torch.equal(kt.as_3d(), feats)
+    parts, order = kt.as_parts()
+    assert order == (2, 0, 3, 1) and len(parts) == 2
+    plain = KeyedTensor(["k0", "k1", "k2", "k3"], [d] * 4, feats.reshape(b, -1))
+    assert plain.as_parts()[1] is None and torch.equal(plain.as_parts()[0][0], feats)
+    with pytest.raises(ValueError, match="an order"):
+        KeyedTensor(["k0", "k1"], [d, d], parts=(feats[:, :2],), order=[0, 0])
+    with pytest.raises(ValueError, match="not both"):
+        KeyedTensor(["k0"], [d], feats[:, 0], parts=(feats[:, :1],), order=[0])
 
 
 def test_cat_interaction_shape():

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from hybridrec.model.embedding import EmbeddingBagCollection, lookup_during
-from hybridrec.model.interaction import make_interaction
+from hybridrec.model.interaction import DotInteraction, make_interaction
 from hybridrec.model.kernels import check_precision, precision_scope
 from hybridrec.model.mlp import MLP
 from hybridrec.phases import phase
@@ -73,7 +73,10 @@ class DLRM(nn.Module):
         pooled, x = lookup_during(self.sparse, batch.sparse, sparse_input, bottom)
         with precision_scope(self.precision, batch.dense.device):
             with phase("interaction"):
-                z = self.interaction(x, pooled.as_3d())
+                if isinstance(self.interaction, DotInteraction):  # (the features in any order)
+                    z = self.interaction(x, *pooled.as_parts())
+                else:
+                    z = self.interaction(x, pooled.as_3d())
             with phase("top_mlp"):
                 logits = self.top(z).squeeze(1)
         return logits.float()

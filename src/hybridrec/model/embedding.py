@@ -25,6 +25,7 @@ import math
 import threading
 import zlib
 from dataclasses import dataclass, field
+from collections.abc import Sequence
 from typing import Protocol
 
 import torch
@@ -167,7 +168,6 @@ def stochastic_round(x: torch.Tensor, dtype: torch.dtype = torch.bfloat16,
     return cut.view(torch.float32).view(x.shape).to(torch.bfloat16)  # exact: nothing left to round
 
 
-@dataclass
 class KeyedTensor:
     """Pooled embeddings: ``values`` ``[B, sum(dims)]``, one column block per key.
 
@@ -176,13 +176,38 @@ class KeyedTensor:
     FM term's ``q``; unlike the pooled vector's norm it adds up over row shards; zeros
     for ordinary tables). ``fm``: ``[B, 2 + k]`` = ``[z, q, s]`` already added up over
     shard owners by a sharded collection, see :mod:`hybridrec.model.deepfm`.
+
+    Or, instead of ``values``, ``parts``: ``[B, F_i, D]`` tensors whose features, side by
+    side, are the keys in ``order`` (``order[k]``: the index in ``keys`` of the ``k``-th), as
+    a sharded collection receives them from their owners (:meth:`as_parts`). A consumer
+    that does not care in which order the features come (the DLRM's dot interaction) takes
+    them as they are; ``values`` puts them in the keys' order on first use (one copy).
     """
 
-    keys: list[str]
-    dims: list[int]
-    values: torch.Tensor
-    square_sums: torch.Tensor | None = None
-    fm: torch.Tensor | None = None
+    def __init__(self, keys: list[str], dims: list[int], values: torch.Tensor | None = None,
+                 square_sums: torch.Tensor | None = None, fm: torch.Tensor | None = None, *,
+                 parts: Sequence[torch.Tensor] | None = None, order: Sequence[int] | None = None) -> None:
+        if (values is None) == (parts is None):
+            raise ValueError("KeyedTensor: give values or parts (with their order), not both")
+        if parts is not None:
+            if order is None or sorted(order) != list(range(len(keys))):
+                raise ValueError(f"KeyedTensor: parts need an order of the {len(keys)} keys, got {order}")
+            if sum(p.shape[1] for p in parts) != len(keys) or any(p.dim() != 3 for p in parts):
+                raise ValueError(f"KeyedTensor: parts [B, F_i, D] of {len(keys)} features in all, got "
+                                 f"{[tuple(p.shape) for p in parts]}")
+        self.keys, self.dims, self.square_sums, self.fm = keys, dims, square_sums, fm
+        self._values = values
+        self._parts = tuple(parts) if parts is not None else None
+        self._order = tuple(order) if order is not None else None
+
+    @property
+    def values(self) -> torch.Tensor:
+        if self._values is None:  # (one copy: every feature's slice, in the keys' order)
+            slices = [x for p in self._parts for x in p.split(1, dim=1)]
+            at = sorted(range(len(self._order)), key=self._order.__getitem__)
+            z = torch.cat([slices[k] for k in at], dim=1)
+            self._values = z.view(z.shape[0], -1)
+        return self._values
 
     def as_3d(self) -> torch.Tensor:
         """``[B, F, D]`` view; all dims must be equal."""
@@ -190,6 +215,13 @@ class KeyedTensor:
         if any(x != d for x in self.dims):
             raise ValueError(f"as_3d needs equal embedding dims, got {sorted(set(self.dims))}")
         return self.values.view(self.values.shape[0], len(self.keys), d)
+
+    def as_parts(self) -> tuple[tuple[torch.Tensor, ...], tuple[int, ...] | None]:
+        """``(parts, order)``: the ``[B, F_i, D]`` parts and their features' order as
+        given, or ``((as_3d(),), None)`` (the keys' order)."""
+        if self._parts is not None:
+            return self._parts, self._order
+        return (self.as_3d(),), None
 
 
 @dataclass

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
@@ -100,24 +101,55 @@ class DotInteraction(nn.Module):
         self.register_buffer("both_pad", torch.cat([rows * m + cols, cols * m + rows]), persistent=False)
         self.impl = "index"
         """How the entries are picked (``INTERACTION_IMPLS``); set by :func:`tune_interactions`."""
+        self._orders: dict = {}  # (order, m, device) -> its _Pairs (DotInteraction._pairs)
 
     @staticmethod
     def output_dim(num_features: int, dim: int) -> int:
         return dim + (num_features + 1) * num_features // 2
 
-    def forward(self, dense: torch.Tensor, sparse: torch.Tensor) -> torch.Tensor:
+    def forward(self, dense: torch.Tensor, sparse: torch.Tensor | Sequence[torch.Tensor],
+                order: Sequence[int] | None = None) -> torch.Tensor:
+        """``sparse``: ``[B, F, D]``; or ``[B, F_i, D]`` parts whose features, side by side,
+        are those of ``order`` (``order[k]``: the index of the ``k``-th in the features'
+        order; :meth:`~hybridrec.model.embedding.KeyedTensor.as_parts`): they are stacked
+        as they come, in one copy, and the pairs are picked where that order put them. The
+        output is the same either way (the same dot products, in the same places)."""
         low = compute_dtype(dense.device)  # bf16 precision: cast first, stack in bf16
+        parts = [sparse] if isinstance(sparse, torch.Tensor) else list(sparse)
         if low is not None:
-            dense, sparse = dense.to(low), sparse.to(low)
-        parts, impl = [dense.unsqueeze(1), sparse], self.impl
+            dense, parts = dense.to(low), [p.to(low) for p in parts]
+        impl, m = self.impl, self.num_features + 1
         if impl == "gather_pad":  # zero rows up to a multiple of 8: aligned batched products
-            parts.append(sparse.new_zeros(sparse.shape[0], self.padded - self.num_features - 1, sparse.shape[2]))
-            pairs, impl = _Pairs(self.rows, self.cols, self.lower_pad, self.both_pad), "gather"
-        else:
-            pairs = _Pairs(self.rows, self.cols, self.lower, self.both)
-        z = torch.cat(parts, dim=1)
+            m = self.padded
+            parts.append(parts[0].new_zeros(parts[0].shape[0], m - self.num_features - 1, parts[0].shape[2]))
+            impl = "gather"
+        pairs = self._pairs(None if order is None else tuple(order), m)
+        z = torch.cat([dense.unsqueeze(1), *parts], dim=1)
         with torch.autocast(z.device.type, enabled=False):
             return torch.cat([dense, _PairwiseDot.apply(z, pairs, impl)], dim=1)
+
+    def _pairs(self, order: tuple[int, ...] | None, m: int) -> "_Pairs":
+        """The pairs' rows and columns (and their flat positions in an ``[m, m]`` matrix)
+        where the features stand in ``order`` (None: their own), the dense vector first:
+        the pair ``(i, j)`` of the features' order at ``(at[i], at[j])``, on either side of
+        the diagonal (the Gram matrix is symmetric). Made once per order."""
+        if order is None:
+            if m == self.num_features + 1:
+                return _Pairs(self.rows, self.cols, self.lower, self.both)
+            return _Pairs(self.rows, self.cols, self.lower_pad, self.both_pad)
+        key = (order, m, self.rows.device)
+        got = self._orders.get(key)
+        if got is None:
+            if sorted(order) != list(range(self.num_features)):
+                raise ValueError(f"an order of the {self.num_features} features, got {list(order)}")
+            at = torch.empty(self.num_features + 1, dtype=torch.long)
+            at[0] = 0
+            at[torch.tensor(order) + 1] = torch.arange(1, self.num_features + 1)
+            at = at.to(self.rows.device)
+            rows, cols = at[self.rows], at[self.cols]
+            got = self._orders[key] = _Pairs(rows, cols, rows * m + cols,
+                                             torch.cat([rows * m + cols, cols * m + rows]))
+        return got
 
 
 def time_dot_interaction(batch: int, num_features: int, dim: int, impls: list[str], *,

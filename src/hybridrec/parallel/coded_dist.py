@@ -622,8 +622,9 @@ class _CodedFinish(torch.autograd.Function):
         for i, (rows, states) in enumerate(zip(flight.rows, recv_states)):
             lo, hi = rows[topo.rank]
             with phase("mp_grad_encode"):
-                send = torch.cat([_encode(g[lo:hi], lay, grad=True, states=s)[0].reshape(-1)
-                                  for g, lay, s in zip(parts, lays, states)])
+                coded = [_encode(g[lo:hi], lay, grad=True, states=s)[0].reshape(-1)
+                         for g, lay, s in zip(parts, lays, states)]
+                send = coded[0] if len(coded) == 1 else torch.cat(coded)
             to, frm = flight.bwd_splits[i]
             flight.grad_sends[i] = send
             flight.grad_outs[i], flight.grad_handles[i] = _exchange_start(send, to, frm, topo, layout, ledger, "bwd")

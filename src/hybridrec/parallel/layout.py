@@ -356,6 +356,25 @@ class EmbeddingLayout:
         found = {s.index: s.shard for slots in self.slots for s in slots if s.table == table}
         return tuple(found[i] for i in sorted(found))
 
+    @cached_property
+    def block_order(self) -> tuple[int, ...] | None:
+        """The features in the order :attr:`all_blocks` hold them, piece by piece, where
+        every feature is one whole piece of one block and all have one dim: a rank's output
+        can then stay as its blocks arrived (:class:`~hybridrec.model.embedding.KeyedTensor`
+        ``parts``, which the dot interaction stacks as they are). None where the blocks must
+        be assembled: row shards to add, column shards to join, FM pieces, sharded mean
+        pooling, several dims."""
+        if self.fm_dim or self.mean_features or any(self.row_split) or len(set(self.feature_dims)) > 1:
+            return None
+        index = {f: i for i, f in enumerate(self.feature_names)}
+        order = []
+        for block in self.all_blocks:
+            for p in block.pieces:
+                if p.feature is None or p.col != 0 or p.width != self.feature_dims[index[p.feature]]:
+                    return None
+                order.append(index[p.feature])
+        return tuple(order) if sorted(order) == list(range(len(index))) else None
+
     @property
     def feature_cols(self) -> tuple[int, ...]:
         """First output column of every feature."""

@@ -253,15 +253,27 @@ class ShardedEmbeddingBagCollection(nn.Module):
             else:  # replicated tables only: nothing is distributed
                 none = torch.empty(b, 0, device=self.topo.device)
                 blocks, hosts = [none] * world, [none] * layout.num_hosts
-            out, fm = self._combine([*blocks, replicated, *hosts], b)
-            out = scale_grad(out, 1.0 / world)
-            if fm is not None:
-                fm = scale_grad(fm, 1.0 / world)
-            if layout.mean_features:
-                out = self._apply_mean(out, kjt)
-            return KeyedTensor(self.feature_names, self.feature_dims, out, fm=fm)
+            return self._output([*blocks, replicated, *hosts], kjt)
 
         return Pending(finish)
+
+    def _output(self, blocks: list[torch.Tensor], kjt: KeyedJagged) -> KeyedTensor:
+        """Every block ``[B, W_d]`` (``layout.all_blocks``) -> this rank's output, gradients
+        scaled by 1/world: the blocks as they came, with their features' order, where every
+        feature is one whole piece (``layout.block_order``), else assembled (:meth:`_combine`)."""
+        layout, world, b = self.layout, self.topo.group_size, kjt.batch_size
+        if layout.block_order is not None:  # whole features: left as they came (no copy)
+            d = layout.feature_dims[0]
+            parts = [scale_grad(x, 1.0 / world).unflatten(1, (-1, d))
+                     for x, blk in zip(blocks, layout.all_blocks) if blk.width]
+            return KeyedTensor(self.feature_names, self.feature_dims, parts=parts, order=layout.block_order)
+        out, fm = self._combine(blocks, b)
+        out = scale_grad(out, 1.0 / world)
+        if fm is not None:
+            fm = scale_grad(fm, 1.0 / world)
+        if layout.mean_features:
+            out = self._apply_mean(out, kjt)
+        return KeyedTensor(self.feature_names, self.feature_dims, out, fm=fm)
 
     def _sharded_blocks(self, owner: OwnerInput) -> Pending:
         """Lookup, the in-host sum of TRW partials, output_dist under way: its ``wait()``
