@@ -13,8 +13,11 @@ The ranks are forked from one server process that has imported torch and hybridr
 training code once (multiprocessing's ``forkserver`` with a preload, torch's elastic agent
 starting a function rather than a new interpreter): a restart after a failure
 (``dist.max_restarts``) then costs no interpreter start-up and no imports, which were
-most of a restart's seconds. Each rank still runs the command as ``python -m hybridrec``
-would, with this launcher's environment under the agent's own variables.
+most of a restart's seconds. ``hybridrec train`` starts that server first thing
+(:func:`start_rank_server`), so that its imports run on another core while the launcher
+checks the run directory (which imports torch too), rather than after. Each rank still
+runs the command as ``python -m hybridrec`` would, with this launcher's environment under
+the agent's own variables.
 
 A rank's error line is also written, before the error leaves ``train`` (see
 :func:`hybridrec.errors.records_errors`), to the error file torch's agent gives each rank
@@ -96,17 +99,12 @@ def run_local_ranks(nproc: int, argv: Sequence[str], *, servers: int = 0, port: 
     from torch.distributed.launcher.api import elastic_launch
 
     from hybridrec.cli.main import debug_enabled
-    from hybridrec.cli.rendezvous import interface_env
 
     with tempfile.TemporaryDirectory(prefix="hybridrec-ranks-") as logs:  # (mode 0700)
         args = torchrun.parse_args([f"--nproc-per-node={nproc}", f"--log-dir={logs}", f"--nnodes={nnodes}",
                                     f"--max-restarts={max_restarts}", "-m", "hybridrec", *argv])
         interface = _rendezvous_args(args, logs, port, nnodes, node_rank, master, interface)
-        env = {LAUNCHED_ENV: "1", **interface_env(interface)}
-        if servers and not debug_enabled() and "TORCH_CPP_LOG_LEVEL" not in os.environ:
-            env["TORCH_CPP_LOG_LEVEL"] = "ERROR"
-        if "OMP_NUM_THREADS" not in os.environ:  # torchrun's default for several ranks, silently
-            env["OMP_NUM_THREADS"] = "1"
+        env = _ranks_env(servers, interface)
         oom_kills = oom_kill_count()
         with _environ(env), _signal_handlers_kept(), _agent_quiet(not debug_enabled()), _one_agent_rendezvous():
             config, _, _ = torchrun.config_from_args(args)
@@ -132,6 +130,37 @@ def run_local_ranks(nproc: int, argv: Sequence[str], *, servers: int = 0, port: 
                     _say(f"hybridrec: error: stopped by {signal.Signals(e.sigval).name}")
                 return 128 + int(e.sigval)
     return 0
+
+
+def start_rank_server(*, servers: int = 0, nnodes: int = 1, interface: str = "") -> None:
+    """Start the server the ranks of :func:`run_local_ranks` (same ``servers``, ``nnodes``
+    and ``interface``) are forked from, with their environment, and return without waiting
+    for it: its imports (torch and the training code, seconds of CPU) then run while this
+    process does its own work before the launch (the run directory's checks import torch
+    too), on another core, instead of after it. :func:`run_local_ranks` uses the server
+    started here; without this call it starts one itself. A server this process no longer
+    needs (the launch was refused) dies with it (see :mod:`hybridrec.cli.lifeline`)."""
+    from multiprocessing import forkserver
+
+    from hybridrec.cli.rendezvous import loopback_interface
+
+    with _environ(_ranks_env(servers, loopback_interface() if nnodes == 1 else interface)):
+        multiprocessing.get_context("forkserver").set_forkserver_preload(list(PRELOAD))
+        forkserver.ensure_running()
+
+
+def _ranks_env(servers: int, interface: str | None) -> dict[str, str]:
+    """What a launch adds to its ranks' environment (and its fork server's, whose imports
+    read some of it: ``OMP_NUM_THREADS``, ``TORCH_CPP_LOG_LEVEL``)."""
+    from hybridrec.cli.main import debug_enabled
+    from hybridrec.cli.rendezvous import interface_env
+
+    env = {LAUNCHED_ENV: "1", **interface_env(interface)}
+    if servers and not debug_enabled() and "TORCH_CPP_LOG_LEVEL" not in os.environ:
+        env["TORCH_CPP_LOG_LEVEL"] = "ERROR"
+    if "OMP_NUM_THREADS" not in os.environ:  # torchrun's default for several ranks, silently
+        env["OMP_NUM_THREADS"] = "1"
+    return env
 
 
 def _rendezvous_args(args, logs: str, port: int, nnodes: int, node_rank: int, master: str,

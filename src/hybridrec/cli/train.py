@@ -125,7 +125,11 @@ def _launch(cfg, args) -> int:
     one process fails it stops the others, so a dead rank never leaves the rest hanging;
     the failure ends in the failing rank's own error and one line naming it (see
     :mod:`hybridrec.cli.launch`). The run directory is checked here first (a refusal is
-    one line, nothing starts), and a new one chosen here is handed to every process."""
+    one line, no rank starts), and a new one chosen here is handed to every process."""
+    from hybridrec.cli.launch import start_rank_server
+
+    # The ranks' fork server imports torch while this process imports it for the checks.
+    start_rank_server(servers=cfg.dist.num_ps, nnodes=cfg.dist.nnodes, interface=cfg.dist.interface)
     from hybridrec.train.run import preflight
     from hybridrec.train.checkpointing.run_lock import holding
 
