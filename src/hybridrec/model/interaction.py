@@ -142,10 +142,9 @@ class DotInteraction(nn.Module):
         if got is None:
             if sorted(order) != list(range(self.num_features)):
                 raise ValueError(f"an order of the {self.num_features} features, got {list(order)}")
-            at = torch.empty(self.num_features + 1, dtype=torch.long)
-            at[0] = 0
-            at[torch.tensor(order) + 1] = torch.arange(1, self.num_features + 1)
-            at = at.to(self.rows.device)
+            dev = self.rows.device
+            at = torch.zeros(self.num_features + 1, dtype=torch.long, device=dev)
+            at[torch.tensor(order, device=dev) + 1] = torch.arange(1, self.num_features + 1, device=dev)
             rows, cols = at[self.rows], at[self.cols]
             got = self._orders[key] = _Pairs(rows, cols, rows * m + cols,
                                              torch.cat([rows * m + cols, cols * m + rows]))
