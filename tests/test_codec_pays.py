@@ -108,9 +108,9 @@ def test_the_codecs_timed_are_those_of_the_rows_that_travel():
             rows.append(("encode_grad", grad.shape[0]))
             return super().encode_grad(grad, state)
 
-        def decode_grad(self, payload, cols, state):
+        def decode_grad(self, payload, cols, state, out=None):
             rows.append(("decode_grad", payload.shape[0]))
-            return super().decode_grad(payload, cols, state)
+            return super().decode_grad(payload, cols, state, out=out)
 
     tables = [TableConfig(name=n, num_embeddings=20, embedding_dim=8, features=[f"f{i}"]) for i, n in enumerate("ab")]
     plan = P.ShardingPlan(world_size=2, local_world_size=2,

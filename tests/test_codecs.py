@@ -220,7 +220,17 @@ def test_native_codec_gives_the_torch_paths_bytes_both_ways(values, cols, eta):
     assert torch.equal(out.isnan(), ref_out.isnan()) and torch.equal(out.nan_to_num(), ref_out.nan_to_num())
     gbytes = native.encode_grad(grad, received)
     assert torch.equal(gbytes, ref.encode_grad(grad, ref_received))
-    assert torch.equal(native.decode_grad(gbytes, cols, sent), ref.decode_grad(gbytes, cols, ref_idx))
+    want = ref.decode_grad(gbytes, cols, ref_idx)
+    assert torch.equal(native.decode_grad(gbytes, cols, sent), want)
+    # written into a given tensor: in place where it is contiguous, else through a copy;
+    # whatever it held before is overwritten (zeros but the k entries)
+    for codec, state in ((native, sent), (ref, ref_idx)):
+        into = torch.full((40, 3, cols), 7.0)
+        assert codec.decode_grad(gbytes, cols, state, out=into) is into and torch.equal(into, want)
+        wide = torch.full((40, 3, cols + 5), 7.0)
+        got = codec.decode_grad(gbytes, cols, state, out=wide[..., 2 : cols + 2])
+        assert torch.equal(got, want) and torch.equal(wide[..., 2 : cols + 2], want)
+        assert (wide[..., :2] == 7).all() and (wide[..., cols + 2 :] == 7).all()
     # a gradient the C codec does not take (not float32) goes through torch with the same positions
     assert torch.equal(native.encode_grad(grad.double(), received), ref.encode_grad(grad.double(), ref_received))
 

@@ -212,9 +212,9 @@ def order_worker(topo, chunks):
             events.append(("encode_grad", None))
             return super().encode_grad(grad, state)
 
-        def decode_grad(self, payload, cols, state):
+        def decode_grad(self, payload, cols, state, out=None):
             events.append(("decode_grad", None))
-            return super().decode_grad(payload, cols, state)
+            return super().decode_grad(payload, cols, state, out=out)
 
     topo.all_to_all_start = logged_start
     codec = LoggedCodec(0.25, "fp16")

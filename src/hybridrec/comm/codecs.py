@@ -137,12 +137,18 @@ class Codec:
         """Receiver: ``dL/dx_hat [..., C]`` -> uint8 ``[..., grad_row_bytes(C)]``."""
         raise NotImplementedError
 
-    def decode_grad(self, payload: torch.Tensor, cols: int, state: Any) -> torch.Tensor:
-        """Sender: uint8 ``[..., grad_row_bytes(C)]`` -> ``dL/dx [..., C]`` float32."""
+    def decode_grad(self, payload: torch.Tensor, cols: int, state: Any, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Sender: uint8 ``[..., grad_row_bytes(C)]`` -> ``dL/dx [..., C]`` float32, written
+        into ``out`` (float32 ``[..., C]``; returned) when given."""
         raise NotImplementedError
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.name})"
+
+
+def _into(x: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    """``x``, or ``out`` holding a copy of it."""
+    return x if out is None else out.copy_(x)
 
 
 class CastCodec(Codec):
@@ -167,8 +173,8 @@ class CastCodec(Codec):
     def encode_grad(self, grad, state):
         return to_bytes(grad.to(self.dtype))
 
-    def decode_grad(self, payload, cols, state):
-        return from_bytes(payload, self.dtype).to(torch.float32)
+    def decode_grad(self, payload, cols, state, out=None):
+        return _into(from_bytes(payload, self.dtype).to(torch.float32), out)
 
 
 class Int8RowwiseCodec(Codec):
@@ -201,8 +207,8 @@ class Int8RowwiseCodec(Codec):
     def encode_grad(self, grad, state):
         return to_bytes(grad.to(self.GRAD))
 
-    def decode_grad(self, payload, cols, state):
-        return from_bytes(payload, self.GRAD).to(torch.float32)
+    def decode_grad(self, payload, cols, state, out=None):
+        return _into(from_bytes(payload, self.GRAD).to(torch.float32), out)
 
 
 TOPK_IMPLS = ("torch", "numpy", "keys", "native")
@@ -348,11 +354,13 @@ class TopKCodec(Codec):
             return native_topk.gather(grad, state, self.k(cols), self.dtype, _item(index_dtype(cols)))
         return to_bytes(grad.gather(-1, self._positions(state, cols)).to(self.dtype))
 
-    def decode_grad(self, payload, cols, state):
+    def decode_grad(self, payload, cols, state, out=None):
         if state.dtype == torch.uint8 and payload.device.type == "cpu":
-            return native_topk.scatter(payload, state, cols, self.k(cols), self.dtype, _item(index_dtype(cols)))
+            return native_topk.scatter(payload, state, cols, self.k(cols), self.dtype, _item(index_dtype(cols)),
+                                       out=out)
         vals = from_bytes(payload, self.dtype).to(torch.float32)
-        return vals.new_zeros(*vals.shape[:-1], cols).scatter_(-1, self._positions(state, cols), vals)
+        dst = vals.new_zeros(*vals.shape[:-1], cols) if out is None else out.zero_()
+        return dst.scatter_(-1, self._positions(state, cols), vals)
 
     def __repr__(self) -> str:
         return f"TopKCodec(eta={self.eta}, values={self.values})"

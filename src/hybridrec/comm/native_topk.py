@@ -419,11 +419,13 @@ def decode(payload, cols: int, k: int, dtype, index_bytes: int):
     return scatter(payload, payload, cols, k, dtype, index_bytes)
 
 
-def scatter(values, positions, cols: int, k: int, dtype, index_bytes: int):
+def scatter(values, positions, cols: int, k: int, dtype, index_bytes: int, out=None):
     """float32 ``[..., cols]``: zeros but, per row, the ``k`` values of ``values`` (uint8
     ``[..., >= k * value bytes]``, values first) at the columns that the same row of
-    ``positions`` (a forward payload, uint8 ``[..., R]``: columns after ``k`` values) names.
-    Raises ValueError when a column lies outside ``0 .. cols - 1``."""
+    ``positions`` (a forward payload, uint8 ``[..., R]``: columns after ``k`` values) names;
+    written into ``out`` (returned) when given: in place where it is a contiguous float32
+    CPU tensor of that shape, else through a copy. Raises ValueError when a column lies
+    outside ``0 .. cols - 1``."""
     import torch
 
     kind, vb = _kinds(dtype, index_bytes)
@@ -433,12 +435,14 @@ def scatter(values, positions, cols: int, k: int, dtype, index_bytes: int):
             or values.shape[-1] < k * vb:
         raise ValueError(f"native DCT-MP codec: values {tuple(values.shape)} and positions "
                          f"{tuple(positions.shape)} do not hold k={k} entries per row")
-    out = torch.empty(*values.shape[:-1], cols, dtype=torch.float32)
+    shape = (*values.shape[:-1], cols)
+    dst = out if (out is not None and out.dtype == torch.float32 and out.device.type == "cpu"
+                  and tuple(out.shape) == shape and out.is_contiguous()) else torch.empty(shape, dtype=torch.float32)
     if rows and cols:
         bad = library().topk_scatter(values.data_ptr(), values.shape[-1], positions.data_ptr() + k * vb,
-                                     positions.shape[-1], rows, cols, k, kind, index_bytes, out.data_ptr())
+                                     positions.shape[-1], rows, cols, k, kind, index_bytes, dst.data_ptr())
         _check(bad, "message")
-    return out
+    return dst if out is None or dst is out else out.copy_(dst)
 
 
 def gather(g, positions, k: int, dtype, index_bytes: int):

@@ -393,18 +393,22 @@ def _side_by_side(parts: list[torch.Tensor], empty: torch.Tensor) -> torch.Tenso
     return torch.cat(parts, dim=1) if parts else empty
 
 
-def _decode(buf: torch.Tensor, layout: OwnerLayout, grad: bool, states=None):
-    """uint8 ``[B, R]`` -> rows ``[B, W]`` float32 (and the codecs' states when not ``grad``)."""
+def _decode(buf: torch.Tensor, layout: OwnerLayout, grad: bool, states=None, into: torch.Tensor | None = None):
+    """uint8 ``[B, R]`` -> rows ``[B, W]`` float32 (and the codecs' states when not ``grad``);
+    gradients written into ``into`` (``[B, W]``, returned) when given."""
     out, kept = [], []
     for i, g in enumerate(layout.groups):
         at, size = (g.bwd_at, g.bwd_bytes) if grad else (g.fwd_at, g.fwd_bytes)
         payload = buf[:, at : at + size].reshape(buf.shape[0], g.n, size // g.n)
         if grad:
-            out.append(g.codec.decode_grad(payload, g.cols, states[i]))
+            dst = None if into is None else into[:, g.start : g.start + g.width].view(buf.shape[0], g.n, g.cols)
+            out.append(g.codec.decode_grad(payload, g.cols, states[i], out=dst))
         else:
             piece, state = g.codec.decode(payload, g.cols)
             out.append(piece)
             kept.append(state)
+    if into is not None:
+        return into, kept
     out = [p.reshape(buf.shape[0], g.width) for p, g in zip(out, layout.groups)]
     return _side_by_side(out, torch.zeros(buf.shape[0], 0, device=buf.device)), kept
 
@@ -497,20 +501,12 @@ def _encode_ranges(x: torch.Tensor, ranges: list[tuple[int, int]], layout: Owner
 
 
 def _decode_ranges(buf: torch.Tensor, ranges: list[tuple[int, int]], layout: OwnerLayout,
-                   states) -> list[tuple[int, torch.Tensor]]:
-    """The gradients' bytes of rows ``ranges`` (one after another in ``buf``) ->
-    ``[(first row, rows [b - a, W])]``, decoded range by range."""
+                   states, into: torch.Tensor) -> None:
+    """The gradients' bytes of rows ``ranges`` (one after another in ``buf``), decoded range
+    by range into those rows of ``into``."""
     parts = torch.split(buf, [b - a for a, b in ranges]) if ranges else []
-    return [(a, _decode(part, layout, grad=True, states=st)[0]) for (a, _), part, st in zip(ranges, parts, states)]
-
-
-def _joined(parts: list[tuple[int, torch.Tensor]], empty: torch.Tensor) -> torch.Tensor:
-    """Row blocks ``(first row, rows)`` that tile a buffer -> the buffer (one: as it is;
-    none: ``empty``)."""
-    parts = sorted(parts, key=lambda p: p[0])
-    if not parts:
-        return empty
-    return parts[0][1] if len(parts) == 1 else torch.cat([x for _, x in parts])
+    for (a, b), part, st in zip(ranges, parts, states):
+        _decode(part, layout, grad=True, states=st, into=into[a:b])
 
 
 def _kept_rows(layout: EmbeddingLayout, batch_sizes: list[int], rank: int) -> tuple[int, int | None]:
@@ -540,8 +536,8 @@ class _CodedStart(torch.autograd.Function):
                 topo: Topology, ledger):
         me, b = topo.rank, batch_sizes[topo.rank]
         own_at, red_at = _kept_rows(layout, batch_sizes, me)
-        kept_own = pooled[own_at : own_at + b].clone()
-        kept_red = reduced[red_at : red_at + b].clone() if red_at is not None else reduced[:0].clone()
+        kept_own = pooled[own_at : own_at + b]  # (views: nothing writes into them)
+        kept_red = reduced[red_at : red_at + b] if red_at is not None else reduced[:0]
         mine, host = layout.coded_of(me), layout.coded_of(layout.host_index(me // layout.local_world_size))
         chunks = []  # per chunk: (own ranges, TRW ranges, their codec states)
         for rows in flight.rows:
@@ -559,16 +555,21 @@ class _CodedStart(torch.autograd.Function):
             flight.recvs.append(recv)
             flight.handles.append(handle)
             chunks.append((sent, own_ranges, red_ranges, own_states, red_states))
-        ctx.meta = (layout, topo, mine, host, chunks, own_at, red_at, tuple(reduced.shape))
+        ctx.meta = (layout, topo, mine, host, chunks, own_at, red_at, tuple(pooled.shape), tuple(reduced.shape))
         ctx.flight = flight
         return pooled.new_empty(0), kept_own, kept_red
 
     @staticmethod
     def backward(ctx, _token_grad, kept_own_grad, kept_red_grad):
-        layout, topo, mine, host, chunks, own_at, red_at, red_shape = ctx.meta
+        layout, topo, mine, host, chunks, own_at, red_at, own_shape, red_shape = ctx.meta
         flight = ctx.flight
-        own = [(own_at, kept_own_grad)]
-        red = [] if red_at is None else [(red_at, kept_red_grad)]
+        # Every row of the gradients is written: the kept rows' here, the others' decoded
+        # (the chunks' ranges tile them).
+        own = kept_own_grad.new_empty(own_shape)
+        own[own_at : own_at + kept_own_grad.shape[0]] = kept_own_grad
+        red = kept_own_grad.new_zeros(red_shape)
+        if red_at is not None:
+            red[red_at : red_at + kept_red_grad.shape[0]] = kept_red_grad
         for i, (sent, own_ranges, red_ranges, own_states, red_states) in enumerate(chunks):
             with phase("mp_grad_wait"):
                 flight.grad_handles[i].wait()
@@ -576,10 +577,9 @@ class _CodedStart(torch.autograd.Function):
             flight.grad_outs[i] = flight.grad_handles[i] = flight.grad_sends[i] = None
             own_bytes, red_bytes = _from_peers(recv, mine.bwd_bytes, host.bwd_bytes, layout, sent, topo.rank)
             with phase("mp_grad_decode"):
-                own += _decode_ranges(own_bytes, own_ranges, mine, own_states)
-                red += _decode_ranges(red_bytes, red_ranges, host, red_states)
-        return (_joined(own, kept_own_grad), _joined(red, kept_own_grad.new_zeros(red_shape)),
-                None, None, None, None, None)
+                _decode_ranges(own_bytes, own_ranges, mine, own_states, own)
+                _decode_ranges(red_bytes, red_ranges, host, red_states, red)
+        return own, red, None, None, None, None, None
 
 
 class _CodedFinish(torch.autograd.Function):
