@@ -16,7 +16,7 @@ with the same codec and width is coded at once as ``[rows, n, C]``.
 
 What is coded is what travels: a rank's own samples' rows of its own block (and, with
 table_row_wise tables, the in-host sums it serves itself, below) never cross a link, so
-they are not coded. :class:`_CodedStart` hands them to the wait as float32 copies, exact,
+they are not coded. :class:`_CodedStart` hands them to the wait as float32 views, exact,
 and their gradients come back exact too; the owner encodes only its rows of the *other*
 ranks' samples, and the receiver decodes only the other owners' segments. The DCT paper's
 DCT-MP compresses what the all-to-all communicates; these rows are not communicated, so
@@ -522,14 +522,15 @@ class _CodedStart(torch.autograd.Function):
     :func:`output_all_to_all_start`) -> ``(token, own, red)``: a token (an empty float tensor
     that links the graph: the wire buffers are uint8, which carry no gradient), and what this
     rank keeps for its own samples, float32 and exact: its block's rows ``[b, W_rank]`` and
-    its TRW sums ``[b, W_t]`` (``[0, W_t]`` when it does not serve itself), copies. Encodes
+    its TRW sums ``[b, W_t]`` (``[0, W_t]`` when it does not serve itself), views. Encodes
     this rank's rows of the *other* ranks' samples chunk by chunk (its own never cross a
     link: its split to itself is empty), starting each chunk's exchange as soon as it is
     encoded (the next chunk is encoded while it travels); :class:`_CodedFinish` waits and
     decodes. Backward waits for the gradients' exchanges that :class:`_CodedFinish`'s
     backward started, chunk by chunk, decoding each while the later ones travel (what ran
     in between, the bottom MLP forward and backward, overlapped the hop, as in the plain
-    exchange), and tiles them with the kept rows' gradients, exact."""
+    exchange), each into its rows of one gradient buffer that also holds the kept rows'
+    gradients, exact."""
 
     @staticmethod
     def forward(ctx, pooled, reduced, flight: _CodedFlight, layout: EmbeddingLayout, batch_sizes: list[int],
