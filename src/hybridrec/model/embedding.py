@@ -24,8 +24,8 @@ from __future__ import annotations
 import math
 import threading
 import zlib
-from dataclasses import dataclass, field
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
