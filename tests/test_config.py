@@ -49,6 +49,21 @@ def test_bad_config_names_the_key(override, message):
     assert message in str(e.value)
 
 
+@pytest.mark.parametrize("overrides, message", [
+    (["model.bottom_mlp=512,0,16"], "model.bottom_mlp: every width must be a positive integer, got 0 "
+                                    "(entry 2 of 512,0,16)"),
+    (["model.bottom_mlp=-3"], "model.bottom_mlp: every width must be a positive integer, got -3 (entry 1 of -3)"),
+    (["model.top_mlp=64,-1,1"], "model.top_mlp: every width must be a positive integer, got -1 (entry 2 of 64,-1,1)"),
+    (["model.embedding_dim=0", "model.bottom_mlp=8,0"], "model.embedding_dim must be a positive integer, got 0"),
+])
+def test_a_layer_width_below_one_is_one_line_naming_the_key(overrides, message, capsys):
+    """Widths of 0 or below are refused by the config, before any layer is built, in the
+    command's one error line (they ended in a traceback from the model)."""
+    assert main(["train", "--recipe", "demo", *overrides, "--print-config"]) != 0
+    err = capsys.readouterr().err
+    assert err.strip() == f"hybridrec: error: {message}", err
+
+
 def test_bad_file(tmp_path):
     with pytest.raises(ConfigError, match="does not exist"):
         build_config(files=[str(tmp_path / "nope.toml")])

@@ -212,6 +212,17 @@ def _sync_checks(cfg: Config) -> list[tuple[bool, str]]:
     ]
 
 
+def _width_checks(m) -> list[tuple[bool, str]]:
+    """Every layer width a positive integer: a width of 0 or below is a layer torch cannot
+    build (or builds empty, failing later with a shape error far from the option)."""
+    checks = [(m.embedding_dim > 0, f"model.embedding_dim must be a positive integer, got {m.embedding_dim}")]
+    for key, widths in (("model.bottom_mlp", m.bottom_mlp), ("model.top_mlp", m.top_mlp)):
+        bad = next(((i, w) for i, w in enumerate(widths) if w <= 0), None)
+        checks.append((bad is None, f"{key}: every width must be a positive integer, got {bad[1]} "
+                                    f"(entry {bad[0] + 1} of {','.join(map(str, widths))})" if bad else ""))
+    return checks
+
+
 def _nodes_checks(cfg: Config) -> list[tuple[bool, str]]:
     """``dist.nnodes`` > 1: what a launch of several machines needs."""
     d = cfg.dist
@@ -252,6 +263,7 @@ def config_rules(cfg: Config) -> list[tuple[bool, str]]:
         (not bf16_conflict,
          f"model.embedding_dtype=bf16 is not supported with {bf16_conflict}; use model.embedding_dtype=fp32"),
         (m.arch != "deepfm" or m.pooling == "sum", "model.arch=deepfm needs model.pooling=sum (the FM term)"),
+        *_width_checks(m),
         (bool(m.top_mlp) and m.top_mlp[-1] == 1, f"model.top_mlp must end in 1, got {m.top_mlp}"),
         (bool(m.bottom_mlp) and m.bottom_mlp[-1] == m.embedding_dim,
          f"model.bottom_mlp must end in model.embedding_dim ({m.embedding_dim}), got {m.bottom_mlp}"),
