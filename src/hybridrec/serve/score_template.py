@@ -7,18 +7,22 @@ preprocessing, kept small; hybridrec's tests hold it to the library's): Criteo T
 (40 fields with the label, or 39 without; plain or gzip) or CSV with a header row (plain
 or gzip; the label column may be absent). Models trained on Parquet are refused: reading
 Parquet needs pyarrow. OUTPUT.csv gets a ``probability`` header and one line per row,
-in input order. A malformed row stops the run with ``INPUT:LINE: field F: why``.
+in input order, written to ``OUTPUT.csv.tmp-<pid>`` and renamed only when complete: a
+malformed row stops the run with ``INPUT:LINE: field F: why`` and leaves an earlier
+OUTPUT.csv as it was. An OUTPUT that is the INPUT (by any name) is refused.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import gzip
 import hashlib
 import io
 import itertools
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -274,6 +278,32 @@ def open_binary(path: str):
     return gzip.open(path, "rb") if gz else open(path, "rb")
 
 
+@contextlib.contextmanager
+def staged(output_path: str, input_path: str):
+    """``output_path`` open for writing under a temporary name beside it, renamed into place
+    (after an fsync) once the block ends without error and removed if it raises, so an
+    earlier output stays whole. An output that is the input is refused before anything opens."""
+    try:
+        same = os.path.samefile(output_path, input_path)  # (a hard link or symlink too)
+    except OSError:
+        same = os.path.realpath(output_path) == os.path.realpath(input_path)
+    if same:
+        raise ScoreError(f"{output_path}: is the input; write the probabilities to another file")
+    if os.path.isdir(output_path):
+        raise ScoreError(f"{output_path}: is a directory")
+    tmp = f"{output_path}.tmp-{os.getpid()}"
+    try:
+        with open(tmp, "w") as out:
+            yield out
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(tmp, output_path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
 def model_inputs(block, spec: dict, encoders: dict) -> tuple[torch.Tensor, ...]:
     dense, onehot, bags = block
     n = len(dense)
@@ -302,7 +332,7 @@ def score(input_path: str, output_path: str, *, rows: int = 65536, root: Path | 
     encoders = {f["name"]: Encoder(f, root) for f in [*spec["onehot"], *spec["multihot"]]}
     blocks = criteo_blocks if spec["format"] == "criteo" else csv_blocks
     total, model = 0, None
-    with open_binary(input_path) as stream, open(output_path, "w") as out:
+    with open_binary(input_path) as stream, staged(output_path, input_path) as out:
         out.write("probability\n")
         for block in blocks(stream, input_path, spec, rows):
             if model is None:  # (loaded after the first block parses: a bad input fails at once)
