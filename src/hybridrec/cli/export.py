@@ -29,7 +29,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "onnxscript packages; if it fails, export.json says why)")
     p.add_argument("--eval-rows", type=int, default=0, metavar="N",
                    help="evaluate on the first N held-out rows only (0: all) [0]")
-    p.add_argument("--overwrite", action="store_true", help="replace an earlier export at DIR")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an earlier export at DIR (only an export: its export.json and files, "
+                   "nothing else; the new one is renamed into place when complete)")
     p.set_defaults(func=_export)
 
 

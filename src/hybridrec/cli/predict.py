@@ -15,7 +15,8 @@ or .gz, with or without the label; CSV or Parquet with the dataset's columns). V
 ids and dense inputs exactly as at preprocessing (the dataset's vocabulary or table sizes
 and dense transform; the dataset directory must still be there). The output has one row
 per valid input row, in order: the kept columns, then `probability`; it is written to a
-temporary file beside OUT and renamed to OUT at the end.
+temporary file beside OUT and renamed to OUT at the end (a failure leaves an earlier OUT as
+it was). An OUT that is one of the inputs is refused.
 """
 
 
@@ -39,9 +40,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _predict(args) -> int:
-    from hybridrec.serve.predict import Predictor, output_format, predict_files
+    from hybridrec.serve.predict import Predictor, check_out, predict_files
 
-    output_format(Path(args.out))  # a bad --out fails before the model loads
+    check_out(Path(args.out), args.inputs)  # a bad --out fails before the model loads
     keep = [c.strip() for c in args.keep_columns.split(",") if c.strip()]
     predictor = Predictor.load(args.run_dir, checkpoint=args.checkpoint, batch_size=args.batch_size)
     r = predict_files(predictor, args.inputs, args.out, keep=keep, on_bad_line=args.on_bad_line)

@@ -1,9 +1,14 @@
 """Raw click logs -> a preprocessed dataset directory (docs/data-format.md).
 
-One part per input file, in order. Everything is written into ``OUT.tmp-<pid>``
-and renamed to ``OUT`` only when complete (``meta.json`` last), so an interrupted
-run leaves nothing that looks like a dataset; on failure the tmp dir is removed, and
-what a killed run left (its process gone) is removed by the next run, with a warning.
+One part per input file, in order. Everything is written into ``OUT.tmp-<pid>``,
+fsynced and renamed to ``OUT`` only when complete (``meta.json`` last), so an interrupted
+run leaves nothing that looks like a dataset; on failure the tmp dir is removed (an
+earlier dataset at ``OUT`` stays as it was), and what a killed run left (its process
+gone) is removed by the next run, with a warning (:mod:`hybridrec.data.outputs`).
+
+``OUT`` may not be an input, hold one, or be the ``--like`` dataset (refused before anything
+is written); ``--overwrite`` replaces only a hybridrec dataset: a ``meta.json`` as this module
+writes it and the files of one (:func:`dataset_in_the_way`), nothing else.
 
 With a vocabulary (``min_count``) there are two passes over the training inputs:
 count keys first, then write. Statistics (for the sharding planner) are over the
@@ -12,7 +17,9 @@ train split.
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import shutil
 import sys
 import time
@@ -28,6 +35,7 @@ from hybridrec.data.chunk import ParseReport, RowChunk, check_on_bad_line
 from hybridrec.data.criteo import CATEGORICAL, DENSE, CriteoReader
 from hybridrec.data.encode import KeyCounter, ModuloEncoder, VocabEncoder, resolve_table_sizes
 from hybridrec.data.inputs import check_inputs
+from hybridrec.data.outputs import refuse_over_inputs, replace_dir, unknown_entry
 from hybridrec.data.schema import DatasetMeta, FeatureSpec, PartInfo, Schema
 from hybridrec.data.shards import FeatureStats, PartWriter, clear_stale_tmp, tmp_path
 from hybridrec.data.tabular import CsvReader, ParquetReader, TabularSpec
@@ -204,7 +212,7 @@ class _Job:
         try:
             meta = self._build(tmp, start)
             meta.save(tmp)  # meta.json last: its presence marks a complete dataset
-            _replace_dir(tmp, self.out)
+            replace_dir(tmp, self.out)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
@@ -217,14 +225,20 @@ class _Job:
         return meta
 
     def _check_out(self) -> None:
-        if not self.out.exists():
+        """Before anything is written: ``out`` is no input, holds none and is not the
+        ``--like`` dataset; an existing ``out`` is replaced only with ``overwrite`` and only
+        when it is a hybridrec dataset."""
+        sources = [("the input", p) for p in self.inputs]
+        if self.like is not None:
+            sources.append(("the --like dataset", self.like.meta.path))
+        refuse_over_inputs(self.out, sources)
+        if not self.out.exists() and not self.out.is_symlink():
             return
         if not self.overwrite:
             raise DataError(f"{self.out}: already exists (use --overwrite to replace it)")
-        if not self.out.is_dir() or not (
-            (self.out / "meta.json").is_file() or not any(self.out.iterdir())
-        ):
-            raise DataError(f"{self.out}: refusing to overwrite, it is not a hybridrec dataset")
+        problem = dataset_in_the_way(self.out)
+        if problem is not None:
+            raise DataError(f"{self.out}: refusing to overwrite, it is not a hybridrec dataset ({problem})")
 
     def _build(self, tmp: Path, start: float) -> DatasetMeta:
         encoders, mode = self._encoders()
@@ -392,14 +406,37 @@ def _save_vocab(directory: Path, encoders: dict[str, Encoder]) -> None:
         np.save(directory / f"{name}.keys.npy", enc.vocab)
 
 
-def _replace_dir(tmp: Path, out: Path) -> None:
-    if out.exists():
-        old = out.with_name(f"{out.name}.old-{os.getpid()}")
-        os.rename(out, old)
-        os.rename(tmp, out)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.rename(tmp, out)
+_DATASET_FILES = re.compile(
+    r"meta\.json|vocab/|vocab/[^/]+\.keys\.npy|stats/|stats/[^/]+\.(id_counts|counts)\.npy"
+    r"|part-\d{5}/|part-\d{5}/(labels|dense|onehot|id_ranges)\.(npy|json)"
+    r"|part-\d{5}/mh-[^/]+\.(values|offsets)\.npy")
+"""What a dataset directory holds (``stats/*.counts.npy``: datasets of earlier versions;
+``id_ranges.json``: the loader's cache beside a part's shards)."""
+
+
+def dataset_in_the_way(directory: Path) -> str | None:
+    """Why ``directory`` is not a hybridrec dataset that ``--overwrite`` may replace, or None
+    when it is one (an empty directory too): a ``meta.json`` as preprocessing writes it
+    (``format_version``, ``created_by`` hybridrec, ``schema``, ``parts``; of any format
+    version, so that an older dataset can be made again) and, besides, only a dataset's
+    files. A single line, naming what is in the way."""
+    if directory.is_symlink() or not directory.is_dir():
+        return "not a directory"
+    if not any(directory.iterdir()):
+        return None
+    meta = directory / "meta.json"
+    try:
+        d = json.loads(meta.read_text())
+    except FileNotFoundError:
+        return "no meta.json"
+    except (OSError, ValueError) as e:
+        return f"meta.json unreadable: {type(e).__name__}"
+    if not (isinstance(d, dict) and isinstance(d.get("format_version"), int)
+            and str(d.get("created_by", "")).startswith("hybridrec")
+            and isinstance(d.get("schema"), dict) and isinstance(d.get("parts"), list)):
+        return "meta.json is not one that preprocessing writes"
+    extra = unknown_entry(directory, lambda rel: _DATASET_FILES.fullmatch(rel) is not None)
+    return None if extra is None else f"{extra} is not a dataset's file"
 
 
 class _progress:

@@ -23,6 +23,13 @@ integer counts with Criteo-like missing rates (and a few negative values).
 
 ``teacher.json`` reports the teacher's AUC on the last day (true probabilities
 vs sampled labels): the ceiling a learner can approach.
+
+The output is a set of files written together: every day file and ``teacher.json`` go to
+``NAME.tmp-<pid>`` first, and only when all are complete do they replace the earlier set
+(its day files that the new set lacks removed, ``teacher.json`` renamed last). A failure
+(a full disk, Ctrl-C) removes the temporaries and leaves the earlier files as they were;
+replacing a set therefore needs room for both while it is written. Files of the directory
+that are not ``day_*.tsv[.gz]`` or ``teacher.json`` are never touched.
 """
 
 from __future__ import annotations
@@ -39,9 +46,11 @@ from pathlib import Path
 import numpy as np
 
 from hybridrec.data.criteo import CATEGORICAL, DENSE
+from hybridrec.data.outputs import fsync_file
 from hybridrec.data.shards import clear_stale_tmp, tmp_path
-from hybridrec.errors import ConfigError, DataError
+from hybridrec.errors import ConfigError, DataError, naming
 from hybridrec.metrics.classification import auc
+from hybridrec.metrics.logger import _fsync_dir
 
 KAGGLE_CARDINALITIES = (
     1460, 583, 10131227, 2202608, 305, 24, 12517, 633, 3, 93145, 5683, 8351593, 3194,
@@ -343,37 +352,46 @@ _OUTPUTS = re.compile(r"day_\d+\.tsv(\.gz)?|teacher\.json")
 
 
 def _prepare_out(out: Path, overwrite: bool) -> None:
+    """Refusals before anything is written; the earlier files are replaced by :func:`_commit`."""
     if out.exists() and not out.is_dir():
         raise DataError(f"{out}: exists and is not a directory")
     clear_stale_tmp(out, lambda name: _OUTPUTS.fullmatch(name) is not None)
-    if out.exists() and any(out.iterdir()):
-        if not overwrite:
-            raise DataError(f"{out}: not empty (use --overwrite to replace its day files)")
-        for p in [*out.glob("day_*.tsv"), *out.glob("day_*.tsv.gz"), out / "teacher.json"]:
-            p.unlink(missing_ok=True)
+    if out.exists() and any(out.iterdir()) and not overwrite:
+        raise DataError(f"{out}: not empty (use --overwrite to replace its day files)")
     out.mkdir(parents=True, exist_ok=True)
 
 
+def _commit(out: Path, written: list[str]) -> None:
+    """Every complete temporary of ``written`` renamed into place, ``teacher.json`` last;
+    first the earlier ``teacher.json`` and the earlier day files ``written`` lacks are
+    removed (a crash in between leaves no ``teacher.json`` describing other days)."""
+    for name in written:
+        fsync_file(tmp_path(out / name))
+    (out / "teacher.json").unlink(missing_ok=True)
+    for p in out.iterdir():
+        if _OUTPUTS.fullmatch(p.name) and p.name not in written:
+            p.unlink(missing_ok=True)
+    for name in sorted(written, key=lambda n: n == "teacher.json"):
+        os.replace(tmp_path(out / name), out / name)
+    _fsync_dir(out)
+
+
 def _write_day(teacher: Teacher, path: Path, day: int, keep: bool) -> tuple[int, list]:
-    """Write one day file (via a tmp name); returns (clicks, [(p, labels)] if keep)."""
+    """Write one day file to its temporary name (renamed by :func:`_commit`); returns
+    (clicks, [(p, labels)] if keep)."""
     cfg = teacher.cfg
-    tmp = tmp_path(path)
     clicks, kept = 0, []
-    try:
-        # Level 1: gzip is otherwise the bottleneck of generation.
-        with gzip_mod.open(tmp, "wb", compresslevel=1) if cfg.gzip else open(tmp, "wb") as f:
-            for i, lo in enumerate(range(0, cfg.rows_per_day, _CHUNK_ROWS)):
-                n = min(_CHUNK_ROWS, cfg.rows_per_day - lo)
-                rng = np.random.default_rng([cfg.seed, 1, day, i])
-                rows, p, labels = teacher.sample(rng, n)
-                f.write(format_tsv(teacher, rows, labels))
-                clicks += int(labels.sum())
-                if keep:
-                    kept.append((p, labels))
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    tmp = tmp_path(path)
+    # Level 1: gzip is otherwise the bottleneck of generation.
+    with naming(path), gzip_mod.open(tmp, "wb", compresslevel=1) if cfg.gzip else open(tmp, "wb") as f:
+        for i, lo in enumerate(range(0, cfg.rows_per_day, _CHUNK_ROWS)):
+            n = min(_CHUNK_ROWS, cfg.rows_per_day - lo)
+            rng = np.random.default_rng([cfg.seed, 1, day, i])
+            rows, p, labels = teacher.sample(rng, n)
+            f.write(format_tsv(teacher, rows, labels))
+            clicks += int(labels.sum())
+            if keep:
+                kept.append((p, labels))
     return clicks, kept
 
 
@@ -407,11 +425,23 @@ def generate(
     out = Path(out_dir)
     _prepare_out(out, overwrite)
     teacher = Teacher(cfg)
-    files, clicks, last = [], 0, []
-    for day in range(cfg.days):
-        name = f"day_{day}.tsv" + (".gz" if cfg.gzip else "")
+    files = [f"day_{day}.tsv" + (".gz" if cfg.gzip else "") for day in range(cfg.days)]
+    try:
+        report = _write_all(teacher, out, files, start)
+        _commit(out, [*files, "teacher.json"])
+    except BaseException:
+        for name in [*files, "teacher.json"]:
+            tmp_path(out / name).unlink(missing_ok=True)
+        raise
+    return report
+
+
+def _write_all(teacher: Teacher, out: Path, files: list[str], start: float) -> dict:
+    """The day files and ``teacher.json`` under their temporary names; returns the report."""
+    cfg = teacher.cfg
+    clicks, last = 0, []
+    for day, name in enumerate(files):
         c, kept = _write_day(teacher, out / name, day, keep=day == cfg.days - 1)
-        files.append(name)
         clicks += c
         last += kept
     p = np.concatenate([k[0] for k in last])
@@ -437,7 +467,6 @@ def generate(
         "seconds": round(seconds, 3),
         "rows_per_second": round(rows / seconds),
     }
-    tmp = tmp_path(out / "teacher.json")
-    tmp.write_text(json.dumps(report, indent=2) + "\n")
-    os.replace(tmp, out / "teacher.json")
+    with naming(out / "teacher.json"):
+        tmp_path(out / "teacher.json").write_text(json.dumps(report, indent=2) + "\n")
     return report

@@ -28,6 +28,12 @@ values on the host, which export cannot trace), so the tables can also be stored
 row-wise int8 and dequantized in the program (``--tables``). A run trained with bf16 tables
 and multi-hot bags pools in bf16 in eager mode; exported with ``--tables fp32`` it pools in
 float32 (a difference of bf16 rounding).
+
+The directory is written whole or not at all (:mod:`hybridrec.data.outputs`): into
+``DIR.tmp-<pid>``, fsynced, renamed to ``DIR`` when complete; a failure leaves an earlier
+export at ``DIR`` as it was. ``DIR`` may not be the run directory, hold it, its dataset or the
+checkpoint; ``--overwrite`` replaces only an earlier export: an ``export.json`` as this
+module writes it and nothing but the files of an export (:func:`export_in_the_way`).
 """
 
 from __future__ import annotations
@@ -44,6 +50,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hybridrec.data.outputs import refuse_over_inputs, replace_dir, unknown_entry
+from hybridrec.data.shards import clear_stale_tmp, tmp_path
 from hybridrec.errors import ConfigError, DataError
 from hybridrec.model.kernels import precision_scope
 
@@ -390,16 +398,19 @@ def export_run(run_dir: str | Path, out: str | Path, *, checkpoint: str | None =
     if tables not in TABLES:
         raise ConfigError(f"--tables {tables!r}: one of {', '.join(TABLES)}")
     out = Path(out)
-    _check_out(out, overwrite)
+    _check_out(out, overwrite, [("the run directory", Path(run_dir))])
     started = time.perf_counter()
     cfg, meta, model, path, extra = load_run_model(run_dir, checkpoint=checkpoint)
+    dataset = [("the run's dataset", meta.path)] if meta.path is not None else []
+    refuse_over_inputs(out, [("the checkpoint", Path(path)), *dataset])
     model.eval()
     spec, vocab_files = preprocessing_spec(meta)
     serving = ServingModel(model, onehot=[f.name for f in meta.schema.onehot],
                            multihot=[f.name for f in meta.schema.multihot], tables=tables)
     args = example_inputs(meta)
     program = export_program(serving, args)
-    tmp = out.with_name(f"{out.name}.tmp-export")
+    tmp = tmp_path(out)
+    clear_stale_tmp(out.parent, lambda name: name == out.name)
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
@@ -417,22 +428,56 @@ def export_run(run_dir: str | Path, out: str | Path, *, checkpoint: str | None =
                   "torch": torch.__version__, "seconds": round(time.perf_counter() - started, 2)}
         (tmp / "export.json").write_text(json.dumps(record, indent=2) + "\n")
         (tmp / "README.md").write_text(artifact_readme(record, spec))
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
+        replace_dir(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return record
 
 
-def _check_out(out: Path, overwrite: bool) -> None:
-    if not out.exists():
+def _check_out(out: Path, overwrite: bool, inputs: list[tuple[str, Path]]) -> None:
+    """Before anything is written: ``out`` is none of ``inputs`` and holds none; an existing
+    ``out`` is replaced only with ``overwrite`` and only when it is an earlier export."""
+    refuse_over_inputs(out, inputs)
+    if not out.exists() and not out.is_symlink():
         return
     if not overwrite:
         raise ConfigError(f"{out}: already exists (--overwrite replaces an earlier export)")
-    if not (out / "export.json").is_file():
-        raise ConfigError(f"{out}: refusing to overwrite, it is not an export directory (no export.json)")
+    problem = export_in_the_way(out)
+    if problem is not None:
+        raise ConfigError(f"{out}: refusing to overwrite, it is not an export directory ({problem})")
+
+
+_EXPORT_FILES = re.compile(
+    r"model\.pt2|model\.onnx|model\.onnx\.data|score\.py|README\.md|export\.json"
+    r"|preprocess/|preprocess/spec\.json|preprocess/vocab/|preprocess/vocab/[^/]+\.npy"
+    r"|__pycache__/|__pycache__/score\.[^/]+\.pyc")
+"""What an export directory holds (``__pycache__``: Python's, where ``score`` was imported)."""
+_RECORD_FIELDS = ("run_dir", "checkpoint", "arch", "tables", "inputs", "format", "model_bytes", "held_out")
+"""Fields of every ``export.json`` this module writes."""
+
+
+def export_in_the_way(directory: Path) -> str | None:
+    """Why ``directory`` is not an earlier export that ``--overwrite`` may replace, or None
+    when it is one (or empty): an ``export.json`` with the fields, tables and format this
+    module writes, and besides only the files of an export. One line naming what is in the way."""
+    if directory.is_symlink() or not directory.is_dir():
+        return "not a directory"
+    if not any(directory.iterdir()):
+        return None
+    try:
+        record = json.loads((directory / "export.json").read_text())
+    except FileNotFoundError:
+        return "no export.json"
+    except (OSError, ValueError) as e:
+        return f"export.json unreadable: {type(e).__name__}"
+    if not isinstance(record, dict) or any(k not in record for k in _RECORD_FIELDS):
+        missing = [k for k in _RECORD_FIELDS if not isinstance(record, dict) or k not in record]
+        return f"export.json is not an export's record (no {', '.join(missing)})"
+    if record["tables"] not in TABLES or record["format"] not in ("criteo", "csv", "parquet"):
+        return f"export.json is not an export's record (tables {record['tables']!r}, format {record['format']!r})"
+    extra = unknown_entry(directory, lambda rel: _EXPORT_FILES.fullmatch(rel) is not None)
+    return None if extra is None else f"{extra} is not a file of an export"
 
 
 def describe(record: dict) -> list[tuple[str, str]]:

@@ -12,9 +12,11 @@ evaluation computes them. So the probabilities of the raw held-out file are thos
 
 Files stream chunk by chunk (a few thousand rows); memory holds one chunk, one output
 buffer (:data:`FLUSH_ROWS` rows) and the model, whatever the input size. The output goes
-to ``OUT.tmp-<pid>`` beside ``OUT`` and is renamed to ``OUT`` once every input is read, so
-an interrupted run leaves no file that looks complete. The model runs on the GPU when
-CUDA is available, else on the CPU.
+to ``OUT.tmp-<pid>`` beside ``OUT`` and is fsynced and renamed to ``OUT`` once every input
+is read, so an interrupted run (a malformed line, a full disk) leaves no file that looks
+complete and an earlier ``OUT`` as it was; an ``OUT`` that is one of the inputs (by any
+name) is refused before anything is written (:mod:`hybridrec.data.outputs`). The model
+runs on the GPU when CUDA is available, else on the CPU.
 """
 
 from __future__ import annotations
@@ -33,9 +35,11 @@ import torch
 from hybridrec.data.chunk import ParseReport, RowChunk, check_on_bad_line
 from hybridrec.data.inputs import check_inputs
 from hybridrec.data.loader import keyed_ids
+from hybridrec.data.outputs import commit_file, refuse_over_inputs
 from hybridrec.data.preprocess import _progress, _tracked, encode_chunk, load_encoders
 from hybridrec.data.tabular import _pyarrow
-from hybridrec.errors import ConfigError, DataError
+from hybridrec.data.shards import tmp_path
+from hybridrec.errors import ConfigError, DataError, naming
 from hybridrec.serve.inputs import read_file, table_chunks
 from hybridrec.sparse.keyed_jagged import Batch
 from hybridrec.train.loop.pipeline import to_device
@@ -127,6 +131,16 @@ def output_format(out: Path) -> str:
     raise ConfigError(f"--out {out}: name a .parquet or .csv file (the format follows the extension)")
 
 
+def check_out(out: Path, inputs: Sequence[str | os.PathLike]) -> str:
+    """``out``'s format, once it is known to be no directory and none of ``inputs`` (the
+    same path, or the same file by another name): the refusals before the model loads."""
+    fmt = output_format(out)
+    refuse_over_inputs(out, [("the input", Path(p)) for p in inputs])
+    if out.is_dir():
+        raise ConfigError(f"--out {out}: is a directory")
+    return fmt
+
+
 class PredictionWriter:
     """Kept columns and probabilities into ``out`` (Parquet or CSV), through a tmp file."""
 
@@ -137,7 +151,7 @@ class PredictionWriter:
         if out.is_dir():
             raise ConfigError(f"--out {out}: is a directory")
         out.parent.mkdir(parents=True, exist_ok=True)
-        self.tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
+        self.tmp = tmp_path(out)
         self.rows = 0
         self._probs: list[np.ndarray] = []
         self._kept: dict[str, list] = {c: [] for c in self.keep}
@@ -152,16 +166,18 @@ class PredictionWriter:
         self._buffered += len(probs)
         self.rows += len(probs)
         if self._buffered >= FLUSH_ROWS:
-            self._flush()
+            with naming(self.out):  # (a full disk names the output, not its tmp file)
+                self._flush()
 
     def close(self) -> None:
-        """Write what is buffered, close, and rename the tmp file to ``out``."""
-        self._flush(final=True)
-        if self._writer is not None:
-            self._writer.close()
-        if self._file is not None:
-            self._file.close()
-        os.replace(self.tmp, self.out)
+        """Write what is buffered, close, and rename the tmp file to ``out`` (fsynced)."""
+        with naming(self.out):
+            self._flush(final=True)
+            if self._writer is not None:
+                self._writer.close()
+            if self._file is not None:
+                self._file.close()
+            commit_file(self.tmp, self.out)
 
     def abort(self) -> None:
         for handle in (self._writer, self._file):
@@ -234,8 +250,7 @@ def predict_files(predictor: Predictor, inputs: Sequence[str | os.PathLike], out
     check_on_bad_line(on_bad_line)
     paths = check_inputs(list(inputs))
     out = Path(out)
-    if any(out.resolve() == p.resolve() for p in paths):
-        raise ConfigError(f"--out {out}: is one of the inputs")
+    check_out(out, paths)
     writer = PredictionWriter(out, keep)
     report = ParseReport()
     try:
