@@ -83,7 +83,9 @@ def _add_synth(sub) -> None:
     p.add_argument(
         "--seed", type=int, default=0, metavar="N", help="teacher and sampling seed (default 0)"
     )
-    p.add_argument("--overwrite", action="store_true", help="replace files in a non-empty --out")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace the day files and teacher.json of a non-empty --out (once every new "
+                   "one is complete; other files are left alone)")
     p.set_defaults(func=_synth)
 
 
@@ -158,7 +160,9 @@ def _add_preprocess(sub) -> None:
         help="with --like and vocabulary tables: append rows for new keys seen --min-count times "
         "in the new training parts (train.init_from keeps the old rows)",
     )
-    p.add_argument("--overwrite", action="store_true", help="replace an existing dataset at --out")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an existing dataset at --out (only a hybridrec dataset: its meta.json "
+                   "and a dataset's files, nothing else; never an input or the --like dataset)")
     p.set_defaults(func=_preprocess)
 
 
