@@ -100,14 +100,14 @@ _REFERENCES = {}
 
 
 def _reference(dataset, tmp_path_factory, nproc, sharding):
-    """The uninterrupted run (6 steps, a checkpoint after each of the last three), once per
+    """The uninterrupted run (7 steps, a checkpoint after each of the last four), once per
     world size and sharding."""
     key = (nproc, sharding)
     if key not in _REFERENCES:
         ref = tmp_path_factory.mktemp("ref") / "ref"
-        _train(dataset, ref, nproc, f"dist.sharding={sharding}", "train.max_steps=6", "train.checkpoint_every=1",
-               "train.keep_checkpoints=3")
-        _REFERENCES[key] = {s: _weights(dataset, ref, s) for s in (4, 5, 6)}
+        _train(dataset, ref, nproc, f"dist.sharding={sharding}", "train.max_steps=7", "train.checkpoint_every=1",
+               "train.keep_checkpoints=4")
+        _REFERENCES[key] = {s: _weights(dataset, ref, s) for s in (4, 5, 6, 7)}
     return _REFERENCES[key]
 
 
@@ -116,34 +116,44 @@ def _reference(dataset, tmp_path_factory, nproc, sharding):
                                                      (2, "table_wise", "hot")])
 def test_partial_recovery_loses_only_the_failed_shards_updates(dataset, tmp_path, tmp_path_factory, nproc,
                                                                sharding, deltas):
-    """Rank 1 dies after step 6 (the last); the newest checkpoint is step 4. After the
+    """Rank 1 dies after step 7 (the last); the newest checkpoint is step 4. After the
     restart, the survivors' shards and the dense part are those of the uninterrupted run at
-    step 6; rank 1's shards those at step 4, or with incremental saves after every step
-    those at step 5 (``hot``: its hottest half of the rows touched in step 5 at step 5, the
-    others at step 4), and the record counts the steps they lost (``hot``: per row, the rows
-    left out of the delta two steps, the others one)."""
+    step 7; rank 1's shards those at step 4, or with incremental saves after every step
+    those at its newest complete delta, and the record counts the steps they lost.
+
+    What a delta in flight promises: deltas are written in the background, one at a time,
+    and a kill is a crash (nothing of the step is finished first). The delta of step 5 is
+    on disk (the delta of step 6 waited for it before it started); the delta of step 6
+    may still be being written when rank 1 dies after step 7 (on a loaded machine it is):
+    then it is lost whole, never half-applied, and the shards hold step 5. So the step
+    they hold is 5 or 6, and the shards, the record (``deltas``, ``steps_lost``,
+    ``held_rows``) and what is left on disk agree on which. With ``hot``, each row holds
+    its own newest save: the rows left out of the delta hold an older step, counted so."""
     refs = _reference(dataset, tmp_path_factory, nproc, sharding)
     run = tmp_path / "run"
     extra = [] if deltas == "none" else ["train.shard_delta_every=1", f"train.shard_delta_rows={deltas}",
                                          "train.shard_delta_hot=0.5"]
-    err = _train(dataset, run, nproc, f"dist.sharding={sharding}", "train.max_steps=6", "train.checkpoint_every=4",
-                 "train.recovery=partial", "train.inject_failure=1:6", "dist.max_restarts=1", *extra)
-    assert "rank 1 kills itself (SIGKILL) after step 6" in err
-    assert "resumed from step 6 (partial recovery" in err, err[-3000:]
+    err = _train(dataset, run, nproc, f"dist.sharding={sharding}", "train.max_steps=7", "train.checkpoint_every=4",
+                 "train.recovery=partial", "train.inject_failure=1:7", "dist.max_restarts=1", *extra)
+    assert "rank 1 kills itself (SIGKILL) after step 7" in err
+    assert "resumed from step 7 (partial recovery" in err, err[-3000:]
     summary = json.loads((run / "summary.json").read_text())
     (event,) = summary["recovery"]["events"]
     survivors = [r for r in range(nproc) if r != 1]
     assert (event["mode"], event["checkpoint_step"], event["failed_at_step"], event["resumed_at_step"]) == \
-        ("partial", 4, 6, 6)
+        ("partial", 4, 7, 7)
     assert event["failed_ranks"] == [1] and event["survivors"] == survivors and event["donor"] == 0
     if Path("/dev/shm").is_dir():  # the survivors' shards lived in files of local memory: taken, not copied
         assert event["shards_kept_in_memory"] == survivors
     assert not (run / "recovery" / "rank-00000").exists()  # the snapshots, consumed
-    held = 4 if deltas == "none" else 5
+    held = 4
     if deltas != "none":
-        assert event["deltas"]["1"]["step"] == 5
+        held = event["deltas"]["1"]["step"]
+        assert held in (5, 6), event["deltas"]  # 5 complete for sure; 6 complete, or lost whole in flight
         assert (event["deltas"]["1"]["pending_rows"] > 0) == (deltas == "hot")
-    now, got = refs[6], _weights(dataset, run, 6)
+        # a delta cut off by the kill left no half-written directory behind (the restart removed it)
+        assert not list((run / "recovery" / "deltas").rglob(".tmp-*"))
+    now, got = refs[7], _weights(dataset, run, 7)
     for k in now:
         if ".tables." not in k:  # the dense part: a survivor's
             assert torch.equal(got[k], now[k]), k
@@ -157,22 +167,32 @@ def test_partial_recovery_loses_only_the_failed_shards_updates(dataset, tmp_path
         if not failed:
             assert shard["steps_lost"] == 0 and torch.equal(block, now[key][rows, cols]), shard
             continue
-        at4, at5 = refs[4][key][rows, cols], refs[5][key][rows, cols]
-        if deltas == "hot":  # each row: saved at step 5, or still at the checkpoint's value
-            row_at5, row_at4 = (block == at5).all(dim=1), (block == at4).all(dim=1)
-            assert bool((row_at5 | row_at4).all()), shard
-            saved_hot += int((row_at5 & ~row_at4).sum())
-            # rows updated in step 5 but left out of its delta hold step 4: they lost 2 steps, counted so
-            older = int((row_at4 & ~row_at5).sum())
-            assert shard.get("held_rows", {}).get("2", 0) == older, shard
-            assert shard["steps_lost"] == (2 if older else 1)
-            assert shard["mean_steps_lost"] == pytest.approx((2 * older + (shard["rows"] - older)) / shard["rows"])
-            left_out += older
+        at = {s: (block == refs[s][key][rows, cols]).all(dim=1) for s in range(4, held + 1)}
+        if deltas == "hot":
+            # a row that differs from the delta's step was left out of it (touched since its own newest
+            # save) and holds that save: the checkpoint's or an earlier delta's, the first step it equals
+            older = ~at[held]
+            since: dict[int, int] = {}
+            for s in range(4, held):
+                mine = older & at[s]
+                since[7 - s] = since.get(7 - s, 0) + int(mine.sum())
+                older &= ~mine
+            assert not bool(older.any()), shard  # every row holds some save
+            since = {k: n for k, n in since.items() if n}
+            left = sum(since.values())
+            want = {**since, 7 - held: shard["rows"] - left} if left < shard["rows"] else since
+            # (the record names the rows by steps lost only where they differ)
+            assert shard.get("held_rows") == ({str(k): n for k, n in sorted(want.items())} if len(want) > 1
+                                              else None), shard
+            assert shard["steps_lost"] == max(want)
+            assert shard["mean_steps_lost"] == pytest.approx(sum(k * n for k, n in want.items()) / shard["rows"])
+            saved_hot += int((at[held] & ~at[4]).sum())  # (saved by a delta)
+            left_out += left
         else:
-            assert shard["steps_lost"] == 6 - held and shard["mean_steps_lost"] == 6 - held, shard
-            assert torch.equal(block, refs[held][key][rows, cols]), shard
-        # the updates counted as lost are real: the rows did change after the step they hold
-        lost_rows += int((now[key][rows, cols] != refs[held][key][rows, cols]).any(dim=1).sum())
+            assert shard["steps_lost"] == 7 - held and shard["mean_steps_lost"] == 7 - held, shard
+            assert bool(at[held].all()), shard
+        # the updates counted as lost are real: the rows changed since the step they hold
+        lost_rows += int((now[key][rows, cols] != block).any(dim=1).sum())
     assert lost_rows > 0
     if deltas == "hot":
         assert saved_hot > 0 and left_out > 0
@@ -338,6 +358,42 @@ def test_a_checkpoint_deletes_the_older_deltas_off_the_training_thread(tmp_path)
     (tmp_path / "d" / f"{OBSOLETE}00000002-1" / "step-00000001").mkdir(parents=True)  # (a killed process's)
     deltas.resumed(checkpoint_step=2, step=3)
     assert sorted(p.name for p in (tmp_path / "d").iterdir()) == ["step-00000003"]
+
+
+def test_a_delta_cut_off_by_a_kill_is_lost_whole(tmp_path):
+    """A rank killed while its delta is written leaves a ``.tmp-step-*`` directory (a partial
+    ``rows.pt``, no manifest): it is not listed, recovery applies the newest complete delta
+    (its rows, not the cut-off one's), and the restarted rank deletes it."""
+    ebc = EmbeddingBagCollection([TableConfig(name="t0", num_embeddings=40, embedding_dim=4)], seed=0)
+    opt = RowWiseAdagrad(ebc, lr=0.1)
+    deltas = ShardDeltas(ebc, opt, directory=tmp_path / "d", plan=None, every=1)
+    deltas.checkpointed(0)
+    w = ebc.group_weight(0)
+    start = w.detach().clone()
+    with torch.no_grad():
+        w[3] += 1.0
+    deltas.counts[0][3] = 1
+    deltas.save(1)
+    deltas.wait()
+    at1 = w.detach().clone()
+    with torch.no_grad():  # step 2 changes row 3 again; its delta is cut off
+        w[3] += 1.0
+    deltas.counts[0][3] = 1
+    deltas.save(2)
+    deltas.wait()
+    cut = tmp_path / "d" / "step-00000002"
+    killed = tmp_path / "d" / ".tmp-step-00000002-99999"  # (as a killed process left it)
+    cut.rename(killed)
+    (killed / "manifest.json").unlink()
+    rows = (killed / "rows.pt").read_bytes()
+    (killed / "rows.pt").write_bytes(rows[:len(rows) // 2])
+    assert [s for s, _ in deltas.list()] == [1]
+    with torch.no_grad():
+        w.copy_(start)  # (the checkpoint's values)
+    assert deltas.apply(0, 2)[0] == 1
+    assert torch.equal(w, at1)
+    deltas.resumed(checkpoint_step=0, step=2)
+    assert sorted(p.name for p in (tmp_path / "d").iterdir()) == ["step-00000001"]
 
 
 def test_deltas_read_ahead_apply_as_one_by_one(tmp_path):

@@ -58,6 +58,8 @@ DELTA_KIND = "shard-delta"
 ROWS = "rows.pt"
 OBSOLETE = ".obsolete-"
 """Prefix of the directory a checkpoint's obsolete deltas are moved into to be deleted."""
+TMP = ".tmp-step-"
+"""Prefix of a delta being written (renamed to ``step-N`` once complete)."""
 READ_TIMINGS = 3
 """Reads of :meth:`ShardDeltas.time_next_read`'s delta; the fastest counts."""
 _NAME = re.compile(r"^step-(\d{8})$")
@@ -276,7 +278,7 @@ class ShardDeltas:
         start = time.perf_counter()
         try:
             final = self.dir / f"step-{step:08d}"
-            tmp = self.dir / f".tmp-step-{step:08d}-{os.getpid()}"
+            tmp = self.dir / f"{TMP}{step:08d}-{os.getpid()}"
             tmp.mkdir(parents=True, exist_ok=True)
             # (nothing touched: an empty delta still says the rows are saved up to this step)
             with open(tmp / ROWS, "wb") as f:
@@ -336,12 +338,14 @@ class ShardDeltas:
     def resumed(self, *, checkpoint_step: int, step: int) -> None:
         """Training resumes at ``step`` from the checkpoint of ``checkpoint_step``: deltas
         after ``step`` or of another checkpoint belong to a trajectory this run left. No row
-        holds values older than the checkpoint."""
+        holds values older than the checkpoint. A delta a killed process was still writing
+        (its ``.tmp-step-*`` directory: never renamed into place, so never listed or applied)
+        is deleted."""
         self.base_step = checkpoint_step
         for a in self.saved_at:
             a.clamp_(min=checkpoint_step)
-        if self.dir.is_dir():  # (left by a process that ended while deleting them)
-            for p in self.dir.glob(f"{OBSOLETE}*"):
+        if self.dir.is_dir():  # (left by a process that ended while deleting or writing them)
+            for p in [*self.dir.glob(f"{OBSOLETE}*"), *self.dir.glob(f"{TMP}*")]:
                 shutil.rmtree(p, ignore_errors=True)
         for s, p in self.list():
             if s > step or s <= checkpoint_step:

@@ -16,7 +16,12 @@ injects again); ``train.resume=false`` deletes the marker with the rest of the o
 An entry whose step the resumed run never trains (it resumed past it) does not fire.
 
 The kill comes before anything else of that step (logging, evaluation, its checkpoint), so
-the steps since the last checkpoint are lost, as in a real crash. With parameter servers,
+the steps since the last checkpoint are lost, as in a real crash. Nor does it wait for work
+of earlier steps still running in the background: a shard delta being written
+(``train.shard_delta_every``) is cut off as a crash would cut it, and the recovery uses the
+rank's newest complete delta (a delta is renamed into place only when whole; the restart
+deletes the cut-off one). So which delta a failed rank holds can depend on the machine's
+load; the recovery's record says which it was. With parameter servers,
 RANK is a trainer's rank, or ``psJ`` for server J: it kills itself once every trainer's
 push of step STEP has reached it (and been applied), before it answers anything else.
 """
