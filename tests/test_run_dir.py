@@ -243,15 +243,26 @@ def test_two_ranks_agree_on_a_new_run_dir_and_both_refuse_another_config(dataset
 
 
 def test_starting_over_removes_what_the_old_run_wrote(tmp_path):
+    from hybridrec.errors import ConfigError
     from hybridrec.train.build import start_over
+    from hybridrec.train.run_files import MARKER
 
     run = tmp_path / "run"
-    names = ["summary.json", "eval.json", "plan.json", "metrics.jsonl", "failure_injected.json", "recovery.jsonl",
-             "checkpoint_interval.json"]
-    for d in ("checkpoints/step-00000004", "recovery/deltas/rank-00000", "tensorboard"):
+    names = ["config.json", "summary.json", "eval.json", "plan.json", "metrics.jsonl", "failure_injected.json",
+             "recovery.jsonl", "checkpoint_interval.json", "init_from.json", ".summary.json.k2j3.tmp",
+             LOCK_NAME, MARKER]
+    for d in ("checkpoints/step-00000004", "checkpoints/step-00000005.tmp-123", "recovery/deltas/rank-00000",
+              "tensorboard", "report"):
         (run / d).mkdir(parents=True)
-    for n in names:
+    for n in [*names, "checkpoints/step-00000004/__0_0.distcp", "report/index.html", "report/loss.svg"]:
         (run / n).write_text("{}")
-    (run / "config.json").write_text("{}")
+    # Something no run wrote: refused, and nothing is deleted.
+    (run / "checkpoints" / "x").mkdir()
+    (run / "notes.txt").write_text("mine")
+    with pytest.raises(ConfigError, match=r"run holds what no hybridrec run wrote \(checkpoints/x/, notes.txt\)"):
+        start_over(run)
+    assert (run / "summary.json").is_file() and (run / "checkpoints" / "step-00000004").is_dir()
+    (run / "checkpoints" / "x").rmdir()
+    (run / "notes.txt").unlink()
     start_over(run)
-    assert sorted(p.name for p in run.iterdir()) == ["config.json"]
+    assert sorted(p.name for p in run.iterdir()) == sorted([LOCK_NAME, MARKER])

@@ -90,7 +90,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import shutil
 import threading
 import time
 import warnings
@@ -121,6 +120,8 @@ from hybridrec.parallel.checkpoint_io import (
     quiet,
     raise_failures,
     root_cause,
+    save_begun,
+    save_ended,
     tensor_slots,
     write_and_publish,
 )
@@ -247,11 +248,13 @@ def _prepare(final: Path, model, dense_opt, sparse_opts, extra, per_rank, manife
         state, meta, mine = _save_state(model, dense_opt, sparse_opts, extra, per_rank or {}, topo)
         if topo.rank == 0:
             tmp = final.with_name(f"{final.name}{TMP_MARK}{os.getpid()}")
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
+            save_begun(tmp, make=True)  # (a SIGTERM removes it: hybridrec.train.terminate)
     except Exception as e:  # noqa: BLE001 - every rank learns of it below
         err = e
     infos = gather(topo, (describe(err), meta.get("sparse_opt"), tmp, mine))
+    tmp = infos[0][2]
+    if topo.rank != 0 and tmp is not None:  # (DCP writes this rank's files there too)
+        save_begun(tmp)
     try:
         raise_failures([m for m, *_ in infos], final, "saving the checkpoint", err)
         heads = [h for _, h, _, _ in infos if h is not None]  # a rank may hold no embeddings
@@ -262,12 +265,11 @@ def _prepare(final: Path, model, dense_opt, sparse_opts, extra, per_rank, manife
         _discard(tmp, topo)
         raise
     meta.update(manifest or {}, sparse_opt=heads[0] if heads else None, per_rank=[x for *_, x in infos])
-    return final, infos[0][2], state, meta
+    return final, tmp, state, meta
 
 
 def _discard(tmp: Path | None, topo: Topology) -> None:
-    if topo.rank == 0 and tmp is not None:
-        shutil.rmtree(tmp, ignore_errors=True)
+    save_ended(tmp, discard=topo.rank == 0)
 
 
 class PendingSave:

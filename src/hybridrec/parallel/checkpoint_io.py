@@ -32,6 +32,7 @@ import os
 import pickle
 import re
 import shutil
+import threading
 import warnings
 import zlib
 from collections.abc import Callable
@@ -66,6 +67,108 @@ def is_complete(path: str | Path) -> bool:
 
 
 # -- ranks agree on every outcome ------------------------------------------------------
+_UNFINISHED = re.compile(r"^(?:.+\.tmp-(\d+)|\.tmp-.+-(\d+))$")
+"""A save's directory before it is renamed into place, named for the process writing it:
+``step-N.tmp-PID`` (checkpoints), ``.tmp-NAME-PID`` (recovery snapshots, shard deltas)."""
+
+
+def remove_unfinished(directory: str | Path, *, pid: int | None = None) -> list[Path]:
+    """Remove the unfinished saves in ``directory`` (not below it; see :data:`_UNFINISHED`):
+    those of process ``pid`` (a process ending mid-save removes its own), or, with None,
+    those of every process that is gone (a killed save's leftovers, removed by the next run
+    with the run directory's lock held; one whose pid is alive is left, as it might still
+    be written). Symbolic links are not followed (a link is removed, not its target).
+    Returns what was removed."""
+    directory, removed = Path(directory), []
+    try:
+        entries = list(os.scandir(directory))
+    except OSError:  # (not there: nothing left)
+        return removed
+    for entry in entries:
+        m = _UNFINISHED.match(entry.name)
+        if m is None:
+            continue
+        owner = int(m.group(1) or m.group(2))
+        if (owner != pid) if pid is not None else _alive(owner):
+            continue
+        path = Path(entry.path)
+        for _ in range(3):  # (a writer thread still adding files: once more)
+            if entry.is_dir(follow_symlinks=False):
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                with contextlib.suppress(OSError):
+                    path.unlink()
+            if not os.path.lexists(path):
+                removed.append(path)
+                break
+    return removed
+
+
+_SAVES = threading.Lock()  # (held for good by stop_saves)
+_writing: set[Path] = set()  # the unpublished directories this process's saves write into
+_stopped = False
+
+
+def save_begun(tmp: Path, *, make: bool = False) -> None:
+    """This process writes into the unpublished checkpoint directory ``tmp`` (``make``: it
+    makes it, afresh: rank 0). Once :func:`stop_saves` ran, it blocks until the process
+    ends, so that no save directory appears after the last one was removed."""
+    with _SAVES:
+        _writing.add(Path(tmp))
+        if make:
+            shutil.rmtree(tmp, ignore_errors=True)
+            Path(tmp).mkdir(parents=True)
+
+
+def save_ended(tmp: Path | None, *, discard: bool = False, publish: Path | None = None) -> None:
+    """This process no longer writes into ``tmp``: ``publish`` renames it to that path
+    (replacing what is there), ``discard`` removes it (rank 0)."""
+    if tmp is None:
+        return
+    with _SAVES:
+        _writing.discard(Path(tmp))
+        if publish is not None:
+            if publish.exists():
+                shutil.rmtree(publish)
+            os.replace(tmp, publish)
+        elif discard:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def stop_saves() -> list[Path]:
+    """For a process about to end mid-run (SIGTERM): remove the unpublished directories its
+    saves write into, and let no save make or publish one from now on (it waits for a
+    save doing so to finish first). Returns what was removed. Another rank writing into the
+    same directory may make it again before it ends: it removes it too when it stops, and
+    what a process that is gone left is removed when the run starts again
+    (:func:`remove_unfinished`). Called again, it removes them again."""
+    global _stopped
+    if not _stopped:
+        _SAVES.acquire()  # (never released: the process ends)
+        _stopped = True
+    removed = []
+    for tmp in sorted(_writing):
+        for _ in range(3):  # (a writer thread still adding files: once more)
+            shutil.rmtree(tmp, ignore_errors=True)
+            if not os.path.lexists(tmp):
+                removed.append(tmp)
+                break
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` exists on this machine (this one included)."""
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # (EPERM: another user's)
+        return True
+    return True
+
+
 def gather(topo: Topology, obj) -> list:
     """Collective: every rank's ``obj`` (small, picklable: our own live processes, never
     a file), in rank order."""
@@ -252,7 +355,13 @@ class SafeFileSystemReader(dcp.FileSystemReader):
     def read_metadata(self, *args, **kwargs) -> Metadata:
         rank = kwargs.get("rank")
         name = ".metadata" if rank is None else f"__{rank}.metadata"
-        where = Path(self.path) / name
+        try:
+            return self._read_metadata(Path(self.path) / name)
+        except Exception as e:
+            self._metadata_error = e
+            raise
+
+    def _read_metadata(self, where: Path) -> Metadata:
         with open(where, "rb") as f:
             try:
                 metadata = _MetadataUnpickler(f).load()
@@ -286,6 +395,7 @@ class SafeFileSystemReader(dcp.FileSystemReader):
         """A file shorter than the metadata says is truncated; else the root cause."""
         needed = max((i.offset + i.length for i in self.storage_data.values()
                       if i.relative_path == self._reading), default=0)
+        _check_entries(metadata, where)
         with contextlib.suppress(OSError):
             size = where.stat().st_size
             if size < needed:

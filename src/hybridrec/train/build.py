@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import platform
-import shutil
 import sys
 import warnings
 from pathlib import Path
@@ -60,18 +59,16 @@ from hybridrec.train.loop.thread_governor import thread_governor
 from hybridrec.train.setup.rules import RunFacts, check_plan, check_run, dense_plan, group_size
 from hybridrec.train.setup.tables import build_plan, build_tables, load_dataset
 from hybridrec.train.checkpointing import checkpoint as ckpt
-from hybridrec.train import init_from
+from hybridrec.train import init_from, run_files
 from hybridrec.sync import BackgroundRunner, ForegroundRunner, RankReplica, SyncRunner, make_synchronizer
 from hybridrec.sync.algorithms import CATEGORY as SYNC_CATEGORY, GroupMean
 from hybridrec.sync.compressed import CompressedMean
 from hybridrec.sync.grouped import GroupedBackgroundRunner
-from hybridrec.train.checkpointing.checkpoint_interval import CHOICE_FILE
 from hybridrec.train.checkpointing.checkpointer import Checkpointer, Component, TorchRNG
 from hybridrec.train.loop.early_stop import COMPONENT as EARLY_STOP, EarlyStopping
 from hybridrec.train.loop.pipeline import TrainPipeline
 from hybridrec.train.checkpointing.deltas import ShardDeltas, deltas_dir, plan_json
 from hybridrec.train.checkpointing.recovery import (
-    EVENTS,
     Recovery,
     clear_snapshots,
     recovery_dir,
@@ -611,21 +608,17 @@ def tune_kernels(cfg: Config, model: torch.nn.Module, topo: Topology,
     return out
 
 
-RUN_FILES = ("summary.json", "eval.json", "plan.json", "metrics.jsonl", "failure_injected.json", EVENTS, CHOICE_FILE)
-"""What a run writes besides config.json and its directories (checkpoints/, tensorboard/)."""
-
-
 def start_over(run_dir: Path, snapshot_dir: str | None = None) -> None:
-    """``train.resume=false``: the previous run's checkpoints, metrics, summary and events
-    go, so that nothing of it is resumed or mixed into the new run's files later. Called
-    by :func:`hybridrec.train.run.train` (rank 0) before the trainer is built: building
-    deletes nothing."""
-    shutil.rmtree(ckpt.checkpoint_dir(run_dir), ignore_errors=True)
-    shutil.rmtree(run_dir / "tensorboard", ignore_errors=True)
+    """``train.resume=false``: the previous run's files go (config, checkpoints, metrics,
+    summary, events, report: :data:`hybridrec.train.run_files.FILES` and ``DIRS``), so that
+    nothing of it is resumed or mixed into the new run's files later; anything else in the
+    directory is refused first, in one line, and nothing is deleted
+    (:func:`~hybridrec.train.run_files.check_start_over`). Called by
+    :func:`hybridrec.train.run.train` (rank 0) before the trainer is built: building deletes
+    nothing."""
+    run_files.check_start_over(run_dir)
     clear_snapshots(run_dir, snapshot_dir)  # (also those on the launcher's local memory)
-    shutil.rmtree(recovery_dir(run_dir), ignore_errors=True)
-    for name in RUN_FILES:
-        (run_dir / name).unlink(missing_ok=True)
+    run_files.clear(run_dir)
 
 
 def steps_per_epoch(cfg: Config, meta: DatasetMeta, world_size: int) -> int:

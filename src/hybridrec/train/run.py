@@ -35,6 +35,7 @@ from hybridrec.sync.algorithms import CATEGORY as SYNC_CATEGORY
 from hybridrec.train.ps_run import PS_DIR, run_server
 from hybridrec.train.checkpointing import checkpoint as ckpt
 from hybridrec.train.checkpointing import run_lock
+from hybridrec.train import run_files, terminate
 from hybridrec.train.build import (
     build_loaders,
     build_model,
@@ -123,20 +124,27 @@ def _train(cfg: Config, meta, topo, shown: str, started_at: str, clock: float, e
         cfg = cfg.replace({"train.run_dir": created})
         if rank == 0:
             _announce(shown)
-    with run_lock.holding(cfg.train.run_dir, shown) if hold_run_dir and rank == 0 else contextlib.nullcontext():
+    run_dir = Path(cfg.train.run_dir)
+    with run_lock.holding(run_dir, shown) if hold_run_dir and rank == 0 else contextlib.nullcontext():
         finished = inspect_run_dir(cfg, meta, world_size=world, shown=shown)
         if finished is not None and not cfg.train.reevaluate:
             return finished
+        if rank == 0:  # (the lock is held, by this process or its launcher: a gone process's saves)
+            run_files.remove_leftovers(run_dir)
         if not cfg.train.resume and rank == 0:  # (a run refused by its rules deletes nothing)
             check_run(cfg, run_facts(cfg, meta, topo, building=True))
-            start_over(Path(cfg.train.run_dir), snapshot_dir)  # (before any rank builds: nothing of it is mixed in)
-        try:
-            trainer = build_trainer(cfg, meta=meta, topo=topo, started_at=started_at, snapshot_dir=snapshot_dir)
-        except HybridrecError:
-            if created and rank == 0:  # refused (e.g. memory): leave no empty directory behind
-                run_lock.remove_empty(created)
-            raise
-        return _fit(cfg, meta, trainer, shown, started_at, clock, extra_summary)
+            run_files.check_start_over(run_dir, shown)  # (what no run wrote: refused, nothing deleted)
+            start_over(run_dir, snapshot_dir)  # (before any rank builds: nothing of it is mixed in)
+        # SIGTERM: this process's unfinished saves go, and the process the user started says so
+        with terminate.on_sigterm(run_dir, shown, say=hold_run_dir and rank == 0, resume=cfg.train.resume) as term:
+            try:
+                trainer = build_trainer(cfg, meta=meta, topo=topo, started_at=started_at, snapshot_dir=snapshot_dir)
+            except HybridrecError:
+                if created and rank == 0:  # refused (e.g. memory): leave no empty directory behind
+                    run_lock.remove_empty(created)
+                raise
+            term.trainer = trainer
+            return _fit(cfg, meta, trainer, shown, started_at, clock, extra_summary)
 
 
 def _fit(cfg: Config, meta, trainer, shown: str, started_at: str, clock: float, extra_summary) -> dict:
@@ -267,6 +275,8 @@ def preflight(cfg: Config, *, world_size: int) -> tuple[dict | None, str, Config
         finished = inspect_run_dir(cfg, meta, world_size=world_size, shown=shown)
         if finished is not None and not cfg.train.reevaluate:
             return finished, shown, cfg
+        if not cfg.train.resume:  # (refused here in one line, before any rank starts)
+            run_files.check_start_over(cfg.train.run_dir, shown)
     if cfg.dist.num_ps:  # the tables live on the servers
         from hybridrec.train.ps_run import local_servers_memory_problem
 

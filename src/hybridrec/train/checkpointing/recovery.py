@@ -759,7 +759,8 @@ class Recovery:
                 "mean_steps_lost": steps}
 
     def _record(self, event: dict) -> None:
-        with open(self.run_dir / EVENTS, "a") as f:
+        fd = os.open(self.run_dir / EVENTS, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o666)
+        with open(fd, "a") as f:  # (never through a link: the record stays in the run directory)
             f.write(json.dumps(event) + "\n")
             f.flush()
             os.fsync(f.fileno())
@@ -901,12 +902,19 @@ class SigtermWatch:
     thread: :meth:`start` arms it in the main thread; on the signal the thread runs
     ``on_stop`` and ends the process as the signal would have. The thread reads
     :func:`signal.set_wakeup_fd`'s pipe, so it acts even while the main thread is blocked
-    inside a collective or an RPC call, where a Python signal handler would not run."""
+    inside a collective or an RPC call, where a Python signal handler would not run.
+
+    Watches nest: while one armed inside another holds the pipe, the signal reaches it
+    alone, so it runs the outer ones' ``on_stop`` after its own (innermost first; e.g.
+    partial recovery's snapshot, then :mod:`hybridrec.train.terminate`'s line)."""
+
+    _armed: list[SigtermWatch] = []  # (the watches armed now, outermost first)
 
     def __init__(self) -> None:
         self._watcher: threading.Thread | None = None
         self._old: tuple | None = None  # (SIGTERM handler, wakeup fd) to put back
         self._pipe: tuple[int, int] | None = None
+        self._on_stop = None
 
     def start(self, on_stop) -> None:
         if threading.current_thread() is not threading.main_thread() or self._old is not None:
@@ -920,8 +928,10 @@ class SigtermWatch:
             os.close(r)
             os.close(w)
             return
-        self._pipe, self._old = (r, w), (old_handler, old_fd)
-        self._watcher = threading.Thread(target=self._watch, args=(r, on_stop), name="hybridrec-recovery",
+        self._pipe, self._old, self._on_stop = (r, w), (old_handler, old_fd), on_stop
+        outer = [w._on_stop for w in reversed(SigtermWatch._armed)]
+        SigtermWatch._armed.append(self)
+        self._watcher = threading.Thread(target=self._watch, args=(r, on_stop, outer), name="hybridrec-recovery",
                                          daemon=True)
         self._watcher.start()
 
@@ -934,6 +944,8 @@ class SigtermWatch:
             signal.signal(signal.SIGTERM, handler)
             signal.set_wakeup_fd(fd)
         self._old = None
+        with contextlib.suppress(ValueError):
+            SigtermWatch._armed.remove(self)
         r, w = self._pipe
         os.close(w)  # the watcher's read ends (EOF) ...
         if self._watcher is not None:
@@ -941,7 +953,7 @@ class SigtermWatch:
         os.close(r)  # ... before its end of the pipe closes
 
     @staticmethod
-    def _watch(fd: int, on_stop) -> None:
+    def _watch(fd: int, on_stop, outer: list) -> None:
         while True:
             try:
                 data = os.read(fd, 64)
@@ -951,6 +963,9 @@ class SigtermWatch:
                 return
             if signal.SIGTERM in data:
                 on_stop()
+                for then in outer:
+                    with contextlib.suppress(Exception):
+                        then()
                 # End as the agent's SIGTERM would have (its status, 128 + 15). Not by
                 # signalling this process again: from this thread SIGTERM's handler cannot be
                 # put back, and the main thread would go on (training to its next

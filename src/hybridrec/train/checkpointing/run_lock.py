@@ -10,6 +10,13 @@ so a lock left by a dead run is simply taken (the file's stale contents only eve
 holder in a refusal while the lock is held). The file stays: removing it on release would
 let a waiting opener lock a file no longer in the directory.
 
+Before the lock file is made, the directory is checked to be one a run may take (new,
+empty, or a hybridrec run: :func:`hybridrec.train.run_files.check_claim`; a refusal writes
+nothing), and the lock file is opened without following a symbolic link. Once the lock is
+held the directory gets the marker that makes it a hybridrec run
+(:func:`~hybridrec.train.run_files.mark`), taken back when the block fails before the run
+wrote anything.
+
 ``flock`` is per machine: on a network file system that does not pass it on, two machines
 could still train one directory at once.
 """
@@ -27,45 +34,60 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from hybridrec.errors import ConfigError
+from hybridrec.train import run_files
 
-LOCK_NAME = ".lock"
+LOCK_NAME = run_files.LOCK
 
 
 @contextlib.contextmanager
 def holding(run_dir: str | Path, shown: str | None = None) -> Iterator[Path]:
     """Hold the run directory's lock (creating the directory if needed) while the block
-    runs; raises :class:`ConfigError` when another process holds it. A directory this call
-    created is removed again if the block fails and left it otherwise empty."""
+    runs; raises :class:`ConfigError` when another process holds it, or the directory is
+    not one a run may take (:func:`take`). A directory this call created is removed again
+    if the block fails and left it otherwise empty; the marker this call wrote goes too."""
     run_dir = Path(run_dir)
     shown = shown or str(run_dir)
-    created = not run_dir.exists()
+    created = not os.path.lexists(run_dir)
     fd = take(run_dir, shown)
-    ok = False
+    ok, marked = False, False
     try:
+        marked = run_files.mark(run_dir)
         yield run_dir
         ok = True
     finally:
         if not ok and created:
             remove_empty(run_dir)
+        elif not ok and marked:
+            run_files.unmark(run_dir)
         os.close(fd)
 
 
 def remove_empty(run_dir: str | Path) -> None:
-    """Remove a run directory that holds nothing but its lock (a run refused before it
-    wrote anything); anything else in it keeps it."""
+    """Remove a run directory that holds nothing but its lock and marker (a run refused
+    before it wrote anything); anything else in it keeps it."""
     run_dir = Path(run_dir)
     with contextlib.suppress(OSError):
-        if {p.name for p in run_dir.iterdir()} <= {LOCK_NAME}:
-            (run_dir / LOCK_NAME).unlink(missing_ok=True)
+        if {p.name for p in run_dir.iterdir()} <= {LOCK_NAME, run_files.MARKER}:
+            for name in (run_files.MARKER, LOCK_NAME):
+                (run_dir / name).unlink(missing_ok=True)
             run_dir.rmdir()
 
 
 def take(run_dir: Path, shown: str) -> int:
     """Lock ``run_dir`` for this process; returns the lock's descriptor (closing it releases
-    the lock). Raises :class:`ConfigError` naming the holder when another process has it."""
+    the lock). Raises :class:`ConfigError` naming the holder when another process has it,
+    and, before anything is created, for a directory no run may take
+    (:func:`~hybridrec.train.run_files.check_claim`)."""
+    run_files.check_claim(run_dir, shown)
     run_dir.mkdir(parents=True, exist_ok=True)
     path = run_dir / LOCK_NAME
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:  # (never through a link: check_claim refused one, and one made since is refused here)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
+    except OSError as e:
+        if e.errno != errno.ELOOP:
+            raise
+        raise ConfigError(f"{path} is a symbolic link: a run writes only inside its own directory; remove "
+                          "the link, or name a new or empty directory (train.run_dir=DIR)") from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as e:
