@@ -3,7 +3,8 @@
 Nothing is unpickled from a checkpoint: tensors load with ``torch.load(weights_only=True)``
 (DCP's reader), non-tensor data is JSON (:func:`encode_skeleton`: a skeleton whose tensors
 are moved out to DCP keys), and DCP's pickled ``.metadata`` is read by an unpickler that
-only builds DCP's own metadata classes (:class:`SafeFileSystemReader`).
+only builds DCP's own metadata classes and refuses an entry DCP would unpickle, a bytes
+entry (:class:`SafeFileSystemReader`).
 
 Atomicity: ranks write into ``PATH.tmp-<pid of rank 0>``; after every rank reported
 success, rank 0 renames it to ``PATH``. After each phase the ranks exchange their outcome
@@ -43,7 +44,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException as DCPException
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import LoadItemType
 
 from hybridrec.errors import HybridrecError, os_error_message
 from hybridrec.parallel.topology import Topology
@@ -350,18 +352,36 @@ class _Refused(pickle.UnpicklingError):
 
 class SafeFileSystemReader(dcp.FileSystemReader):
     """DCP's file reader with :class:`_MetadataUnpickler` for ``.metadata``; its errors
-    name the file (refused, truncated or corrupt) instead of torch's advice to unpickle."""
+    name the file (refused, truncated or corrupt) instead of torch's advice to unpickle.
+
+    Every DCP load of hybridrec goes through it (checkpoints, recovery snapshots, shard
+    deltas, the parameter servers' checkpoints and snapshots). It also refuses a bytes
+    entry (``BytesStorageMetadata``): DCP's load planner reads one with
+    ``torch.load(weights_only=False)``, which runs whatever the pickle names. hybridrec
+    never saves one (non-tensor data is JSON in the manifest), so the metadata's entries
+    must all be tensors (:meth:`_check_entries`), and :meth:`read_data` refuses a bytes
+    read item again before DCP reads it, whoever made the plan."""
+
+    def __init__(self, path, *args, **kwargs) -> None:
+        super().__init__(path, *args, **kwargs)
+        self._metadata = self._read_metadata()
+
+    def reset(self, checkpoint_id=None) -> None:
+        super().reset(checkpoint_id)
+        if checkpoint_id is not None:  # (another directory)
+            self._metadata = self._read_metadata()
 
     def read_metadata(self, *args, **kwargs) -> Metadata:
-        rank = kwargs.get("rank")
-        name = ".metadata" if rank is None else f"__{rank}.metadata"
-        try:
-            return self._read_metadata(Path(self.path) / name)
-        except Exception as e:
-            self._metadata_error = e
-            raise
+        """What :meth:`_read_metadata` read when the reader was made. Read then, not when
+        ``dcp.load`` asks, so that a refusal is a :class:`CheckpointError` where the reader
+        is made: from ``dcp.load`` it would come wrapped in DCP's exception (a
+        BaseException, which ``except Exception`` misses), after DCP tried rank-local
+        ``__<r>.metadata`` files instead (hybridrec writes none; none is read here)."""
+        self._metadata.storage_meta.load_id = self.load_id
+        return self._metadata
 
-    def _read_metadata(self, where: Path) -> Metadata:
+    def _read_metadata(self) -> Metadata:
+        where = Path(self.path) / ".metadata"
         with open(where, "rb") as f:
             try:
                 metadata = _MetadataUnpickler(f).load()
@@ -372,9 +392,9 @@ class SafeFileSystemReader(dcp.FileSystemReader):
                 raise CheckpointError(f"{where}: truncated or corrupt ({type(e).__name__}: {e})") from None
         if not isinstance(metadata, Metadata):
             raise CheckpointError(f"{where}: not DCP metadata")
+        _check_entries(metadata, where)
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
         return metadata
 
     def _slice_file(self, file, sinfo):
@@ -383,6 +403,12 @@ class SafeFileSystemReader(dcp.FileSystemReader):
 
     def read_data(self, plan, planner):
         self._reading = None
+        for item in plan.items:
+            if item.type == LoadItemType.BYTE_IO:  # (never planned from metadata read above)
+                info = self.storage_data.get(item.storage_index)
+                where = Path(self.path) / (info.relative_path if info is not None else ".metadata")
+                raise CheckpointError(f"{where}: refused: {item.dest_index.fqn!r} is a pickled object, "
+                                      "which is never unpickled (a checkpoint holds tensors only)")
         try:
             return super().read_data(plan, planner)
         except Exception as e:
@@ -395,12 +421,35 @@ class SafeFileSystemReader(dcp.FileSystemReader):
         """A file shorter than the metadata says is truncated; else the root cause."""
         needed = max((i.offset + i.length for i in self.storage_data.values()
                       if i.relative_path == self._reading), default=0)
-        _check_entries(metadata, where)
         with contextlib.suppress(OSError):
             size = where.stat().st_size
             if size < needed:
                 return f"truncated ({size:,} of {needed:,} bytes)"
         return root_cause(error)
+
+
+def _check_entries(metadata: Metadata, where: Path) -> None:
+    """Refuse DCP metadata that would make a load unpickle (a bytes entry) or read outside
+    its directory (a file name with a path), naming the entry and its file."""
+    entries, storage = metadata.state_dict_metadata, metadata.storage_data or {}
+    if not isinstance(entries, dict) or not isinstance(storage, dict):
+        raise CheckpointError(f"{where}: not DCP metadata (its index is not a dict)")
+    files: dict[str, set[str]] = {}
+    for index, info in storage.items():
+        name, fqn = getattr(info, "relative_path", None), getattr(index, "fqn", None)
+        if not isinstance(name, str) or not _plain_name(name):
+            raise CheckpointError(f"{where}: refused: {fqn!r} is stored in {name!r}, not a file of "
+                                  "the checkpoint directory")
+        files.setdefault(fqn, set()).add(name)
+    for key, md in entries.items():
+        if isinstance(md, BytesStorageMetadata):
+            held = ", ".join(sorted(files.get(key, ()))) or "no file"
+            raise CheckpointError(f"{where}: refused: {key!r} is a pickled object (bytes in {held}), "
+                                  "which is never unpickled (a checkpoint holds tensors only)")
+
+
+def _plain_name(name: str) -> bool:
+    return name not in ("", ".", "..") and "/" not in name and os.sep not in name
 
 
 @contextlib.contextmanager
