@@ -24,6 +24,8 @@ EXPECTED = {
                           "--embedding", "--cross", "--seeds", "--max-steps", "--overwrite"},
     "report": {"--out"},
     "export": {"--out", "--checkpoint", "--tables", "--onnx", "--eval-rows", "--overwrite"},
+    "serve": {"--host", "--port", "--max-batch-rows", "--max-wait-ms", "--max-rows", "--max-body-mb",
+              "--poll-s", "--threads"},
 }
 
 

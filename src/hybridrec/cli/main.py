@@ -52,6 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     train_cmd.register(sub)
     __import__("hybridrec.cli.predict", fromlist=["register"]).register(sub)
     __import__("hybridrec.cli.export", fromlist=["register"]).register(sub)
+    __import__("hybridrec.cli.serve", fromlist=["register"]).register(sub)
     plan_cmd.register(sub)
     bench_cmd.register(sub)
     report_cmd.register(sub)
