@@ -415,6 +415,7 @@ def export_run(run_dir: str | Path, out: str | Path, *, checkpoint: str | None =
     tmp.mkdir(parents=True)
     try:
         torch.export.save(program, str(tmp / "model.pt2"))
+        _check_archive(tmp / "model.pt2")
         write_spec(tmp, spec, vocab_files)
         write_score_script(tmp)
         onnx_problem = export_onnx(serving, args, tmp / "model.onnx") if onnx else None
@@ -480,6 +481,19 @@ def export_in_the_way(directory: Path) -> str | None:
     return None if extra is None else f"{extra} is not a file of an export"
 
 
+def _check_archive(path: Path) -> None:
+    """What score.py's ``load_model`` would refuse is not published: an archive torch wrote
+    with something torch.export.load unpickles or runs (a model holding objects other than
+    tensors, or a torch that writes more than the check knows) fails the export here rather
+    than its users' scoring later."""
+    from hybridrec.errors import HybridrecError
+    from hybridrec.serve.score_template import archive_problem
+
+    problem = archive_problem(path)
+    if problem is not None:
+        raise HybridrecError(f"model.pt2: torch wrote what score.py refuses to load: {problem}")
+
+
 def describe(record: dict) -> list[tuple[str, str]]:
     """Rows of the table the command prints."""
     m = record["held_out"]
@@ -529,13 +543,17 @@ Exported by `hybridrec export` from `{record['run_dir']}`, checkpoint `{record['
 
 ```python
 import torch
+from score import load_model  # score.py, beside model.pt2
 
-model = torch.export.load("model.pt2").module()
+model = load_model("model.pt2")  # torch.export.load(...).module() once the archive is checked
 dense = torch.zeros(2, {n_dense})                   # float32 [B, {n_dense}]: {', '.join(spec['dense'][:3])}... after {spec['dense_transform']}
 ids = torch.zeros(2, {n_oh}, dtype=torch.int64)     # int64 [B, {n_oh}]: one-hot features' table ids{example_mh}with torch.no_grad():
     probabilities = model({call})   # float32 [B]
 ```
 
+`load_model` first refuses an archive that `torch.export.load` would unpickle parts of or
+run code from (pickled weights or objects, guards or shape expressions other than torch's own);
+`torch.export.load` alone does both, so call it directly only on a model.pt2 you made yourself.
 The batch size is free (1 and up). Columns follow `spec.json`: `dense` in its `dense` order,
 `ids` in its `onehot` order{', `mh_lengths` in its `multihot` order and `mh_ids` holding the bags sample-major (row 0 bags in feature order, then row 1 bags ...)' if mh else ''}.
 Ids are the table ids preprocessing makes (`spec.json` `rules`); an id outside a table is an error.

@@ -9,12 +9,15 @@ or gzip; the label column may be absent). Models trained on Parquet are refused:
 Parquet needs pyarrow. OUTPUT.csv gets a ``probability`` header and one line per row,
 in input order, written to ``OUTPUT.csv.tmp-<pid>`` and renamed only when complete: a
 malformed row stops the run with ``INPUT:LINE: field F: why`` and leaves an earlier
-OUTPUT.csv as it was. An OUTPUT that is the INPUT (by any name) is refused.
+OUTPUT.csv as it was. An OUTPUT that is the INPUT (by any name) is refused. torch reads
+model.pt2 only once :func:`load_model` found nothing in it that ``torch.export.load`` would
+unpickle or run as code (pickled weights or objects, guards or shape expressions of Python).
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import contextlib
 import csv
 import gzip
@@ -23,7 +26,9 @@ import io
 import itertools
 import json
 import os
+import re
 import sys
+import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -269,6 +274,219 @@ def csv_blocks(stream, path: str, spec: dict, rows: int):
         yield dense, onehot, bags
 
 
+# ------------------------------------------------------------ the model, checked before torch reads it
+# torch.export.load is not a safe reader: it unpickles (torch.load(weights_only=False),
+# pickle.loads) weights and constants marked use_pickle, custom and opaque objects, the
+# legacy data/weights/*.pt and data/constants/*.pt, sample inputs that weights_only=True
+# refuses, and, when the archive fails to read, an older format's serialized_*.pt; it loads
+# AOTInductor's compiled libraries; it evaluates each symbolic-shape expression with
+# sympy.sympify (Python's eval); and the program's guards are Python source compiled into
+# the module and run at every call. So load_model reads the archive first (zipfile, json
+# and ast: nothing in it is run) and accepts only what torch.export.save writes for a plain
+# program: raw tensor files and their JSON configs, sample inputs that load with
+# weights_only=True, shape expressions of sympy's constructors and guards on input sizes.
+# What runs is then torch's own operators on those tensors (the graph's targets resolve to
+# torch's operators only). The check lives here because score.py is copied into the export
+# and needs only torch and numpy; hybridrec imports it from here (hybridrec.serve.export),
+# so there is one copy.
+
+_ARCHIVE_FILES = {"archive_format", "archive_version", "byteorder", ".data/version", ".data/serialization_id"}
+_ARCHIVE_ENTRY = re.compile(
+    r"models/(?P<model>\w+)\.json|data/weights/(?:weight_\d+|(?P<weights>\w+)_weights_config\.json)"
+    r"|data/constants/(?:tensor_\d+|(?P<constants>\w+)_constants_config\.json)"
+    r"|data/sample_inputs/(?P<inputs>\w+)\.pt|extra/[^/]+")
+_SYMBOL = re.compile(r"[a-z]+\d+")  # torch's shape symbols: s0, u3 ... (never a function's name)
+_DIGITS = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")  # a Float's string
+_SYMPY_CALLS = frozenset({  # sympy's constructors and torch's sympy functions (srepr of a shape)
+    "Symbol", "Integer", "Rational", "Float", "Add", "Mul", "Pow", "Mod", "Max", "Min", "Abs", "floor",
+    "ceiling", "Eq", "Ne", "Lt", "Le", "Gt", "Ge", "StrictLessThan", "StrictGreaterThan", "LessThan",
+    "GreaterThan", "Equality", "Unequality", "And", "Or", "Not", "FloorDiv", "ModularIndexing", "Where",
+    "PythonMod", "CleanDiv", "CeilToInt", "FloorToInt", "CeilDiv", "LShift", "RShift", "PowByNatural",
+    "FloatPow", "FloatTrueDiv", "IntTrueDiv", "ToFloat", "TruncToInt", "TruncToFloat", "RoundToInt",
+    "RoundDecimal", "Identity"})
+_ARITHMETIC = (ast.Add, ast.Sub, ast.Mult, ast.Div, ast.FloorDiv, ast.Mod, ast.Pow)
+_COMPARISONS = (ast.Eq, ast.NotEq, ast.Lt, ast.LtE, ast.Gt, ast.GtE)
+_SIZES = {"size", "stride", "storage_offset", "dim"}
+
+
+def archive_problem(path: str | Path) -> str | None:
+    """What in the torch.export archive ``path`` torch.export.load would unpickle, load as
+    compiled code or evaluate as Python (see above); None: nothing."""
+    try:
+        with zipfile.ZipFile(path) as z:
+            return _archive_problem(z)
+    except Exception as e:  # noqa: BLE001 - whatever fails to read is refused, not loaded
+        return f"unreadable ({type(e).__name__}: {e})"
+
+
+def _archive_problem(z: zipfile.ZipFile) -> str | None:
+    names = z.namelist()
+    if len(set(names)) != len(names):
+        return f"{next(n for n in names if names.count(n) > 1)}: in the archive twice"
+    roots = {n.partition("/")[0] for n in names}
+    if len(roots) != 1 or not all("/" in n for n in names):
+        return "its entries are not all in one directory (torch would read it as an older format, of pickles)"
+    for name in names:
+        entry = name.partition("/")[2]
+        m = _ARCHIVE_ENTRY.fullmatch(entry)
+        if entry in _ARCHIVE_FILES:
+            continue
+        if m is None:
+            return f"{name}: not part of a plain torch.export program (torch would load it as pickles or code)"
+        if m["model"]:
+            problem = _program_problem(json.loads(z.read(name)))
+        elif m["weights"] or m["constants"]:
+            problem = _payload_problem(json.loads(z.read(name)), "weight_" if m["weights"] else "tensor_")
+        elif m["inputs"]:
+            problem = _inputs_problem(z.read(name))
+        else:
+            continue
+        if problem is not None:
+            return f"{name}: {problem}"
+    return None
+
+
+def _payload_problem(config, prefix: str) -> str | None:
+    """A weights or constants config: every entry a raw tensor file, none pickled."""
+    entries = config.get("config") if isinstance(config, dict) else None
+    if not isinstance(entries, dict):
+        return "not a payload config"
+    for fqn, p in entries.items():
+        if not isinstance(p, dict) or p.get("use_pickle") is not False:
+            return f"{fqn!r} is pickled (use_pickle), which torch.export.load would unpickle"
+        if not isinstance(p.get("path_name"), str) or not re.fullmatch(rf"{prefix}\d+", p["path_name"]):
+            return f"{fqn!r} is an object ({p.get('path_name')!r}), which torch.export.load would unpickle"
+    return None
+
+
+def _inputs_problem(data: bytes) -> str | None:
+    """The sample inputs: torch reads them with weights_only=True, and if that fails, again
+    without; so they must load with it."""
+    if not data:
+        return None
+    try:
+        torch.load(io.BytesIO(data), weights_only=True)
+    except Exception as e:  # noqa: BLE001 - what weights_only refuses torch would unpickle
+        return f"holds objects other than tensors, which torch.export.load would unpickle ({type(e).__name__})"
+    return None
+
+
+def _program_problem(program) -> str | None:
+    """models/*.json: its shape expressions (sympify'd) and guards (compiled) only what
+    torch.export writes: sympy constructors of shape symbols, comparisons of input sizes."""
+    if not isinstance(program, dict):
+        return "not a torch.export program"
+    guards, ranges = program.get("guards_code") or [], program.get("range_constraints") or {}
+    if not isinstance(guards, list) or not isinstance(ranges, dict):
+        return "its guards or shape ranges are not a list and a dict"
+    for guard in guards:
+        if not isinstance(guard, str) or not _parses(guard, _guard_ok) or re.search(r"[#\\\n\"]", guard):
+            return f"guard {_shown(guard)} is not a comparison of input sizes (it would run as Python)"
+    for key in ranges:
+        if not _parses(key, _sympy_ok):
+            return f"shape symbol {_shown(key)} is not a symbol (it would be evaluated as Python)"
+    for expr in _expressions(program):
+        if not isinstance(expr, str) or not _parses(expr, _sympy_ok):
+            return f"shape expression {_shown(expr)} is not one of sympy's (it would be evaluated as Python)"
+    return None
+
+
+def _shown(text) -> str:
+    r = repr(text)
+    return r if len(r) <= 100 else r[:97] + "..."
+
+
+def _expressions(obj):
+    """Every ``expr_str`` in the program's JSON (what the loader passes to sympify)."""
+    stack = [obj]
+    while stack:
+        o = stack.pop()
+        if isinstance(o, dict):
+            if "expr_str" in o:
+                yield o["expr_str"]
+            stack.extend(o.values())
+        elif isinstance(o, list):
+            stack.extend(o)
+
+
+def _parses(text: str, ok) -> bool:
+    try:
+        return ok(ast.parse(text, mode="eval").body)
+    except (SyntaxError, ValueError, RecursionError):
+        return False
+
+
+def _sympy_ok(node) -> bool:
+    """Numbers, shape symbols, arithmetic and calls of sympy's constructors; a string only as
+    a Symbol's name or a Float's digits (a string elsewhere would be sympify'd: eval)."""
+    if isinstance(node, ast.Constant):
+        return type(node.value) in (int, float, bool)
+    if isinstance(node, ast.Name):
+        return _SYMBOL.fullmatch(node.id) is not None or node.id in ("oo", "zoo", "nan", "true", "false")
+    if isinstance(node, ast.UnaryOp):
+        return isinstance(node.op, (ast.USub, ast.UAdd, ast.Invert)) and _sympy_ok(node.operand)
+    if isinstance(node, ast.BinOp):
+        return (isinstance(node.op, (*_ARITHMETIC, ast.BitAnd, ast.BitOr))  # (& |: sympy's And, Or)
+                and _sympy_ok(node.left) and _sympy_ok(node.right))
+    if isinstance(node, ast.Compare):
+        return _compares(node, _sympy_ok)
+    if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in _SYMPY_CALLS):
+        return False
+    if not all(k.arg is not None and isinstance(k.value, ast.Constant) and type(k.value.value) in (bool, int)
+               for k in node.keywords):
+        return False
+    args, name = node.args, node.func.id
+    if name in ("Symbol", "Float") and args and _index(args[0], str):
+        return len(args) == 1 and (_SYMBOL if name == "Symbol" else _DIGITS).fullmatch(args[0].value) is not None
+    return name != "Symbol" and all(_sympy_ok(a) for a in args)
+
+
+def _guard_ok(node) -> bool:
+    """Comparisons and arithmetic of numbers and inputs' sizes: ``L['ids'].size()[0]``."""
+    if isinstance(node, ast.Constant):
+        return type(node.value) in (int, float, bool)
+    if isinstance(node, ast.BoolOp):
+        return all(map(_guard_ok, node.values))
+    if isinstance(node, ast.UnaryOp):
+        return isinstance(node.op, (ast.Not, ast.USub, ast.UAdd)) and _guard_ok(node.operand)
+    if isinstance(node, ast.BinOp):
+        return isinstance(node.op, _ARITHMETIC) and _guard_ok(node.left) and _guard_ok(node.right)
+    if isinstance(node, ast.Compare):
+        return _compares(node, _guard_ok)
+    if isinstance(node, ast.Subscript):  # a size: L[...].size()[i]
+        return _index(node.slice, int) and isinstance(node.value, ast.Call) and _guard_ok(node.value)
+    return (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in _SIZES
+            and _input(node.func.value) and not node.keywords and len(node.args) <= 1
+            and all(_index(a, int) for a in node.args))
+
+
+def _input(node) -> bool:
+    """An input of the program: ``L['name']``, ``L['name'][0]`` ..."""
+    if isinstance(node, ast.Name):
+        return node.id == "L"
+    return isinstance(node, ast.Subscript) and _index(node.slice, (int, str)) and _input(node.value)
+
+
+def _compares(node: ast.Compare, ok) -> bool:
+    return all(isinstance(o, _COMPARISONS) for o in node.ops) and all(map(ok, [node.left, *node.comparators]))
+
+
+def _index(node, types) -> bool:
+    """A constant of ``types`` (a type or a tuple of them); a string only an identifier."""
+    kinds = types if isinstance(types, tuple) else (types,)
+    return (isinstance(node, ast.Constant) and type(node.value) in kinds
+            and (not isinstance(node.value, str) or node.value.isidentifier()))
+
+
+def load_model(path: str | Path):
+    """The exported program at ``path`` as a module, once :func:`archive_problem` found
+    nothing in it that torch.export.load would unpickle or run; else :class:`ScoreError`."""
+    problem = archive_problem(path)
+    if problem is not None:
+        raise ScoreError(f"{path}: refused: {problem}")
+    return torch.export.load(str(path)).module()
+
+
 # ------------------------------------------------------------ scoring
 
 
@@ -336,7 +554,7 @@ def score(input_path: str, output_path: str, *, rows: int = 65536, root: Path | 
         out.write("probability\n")
         for block in blocks(stream, input_path, spec, rows):
             if model is None:  # (loaded after the first block parses: a bad input fails at once)
-                model = torch.export.load(str(root / "model.pt2")).module()
+                model = load_model(root / "model.pt2")
             with torch.no_grad():
                 p = model(*model_inputs(block, spec, encoders))
             out.write("".join(f"{v:.9g}\n" for v in p.tolist()))
