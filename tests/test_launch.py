@@ -177,3 +177,72 @@ def test_two_rank_resume_equals_uninterrupted_and_reshards_to_one(dataset, two_r
     assert summary["eval"]["auc"] == pytest.approx(ref_eval["auc"], abs=1e-6)
     assert summary["eval"]["log_loss"] == pytest.approx(ref_eval["log_loss"], abs=1e-6)
     assert _records(cut, "eval")[-1]["log_loss"] == pytest.approx(ref_eval["log_loss"], abs=1e-6)
+
+
+def _machine(dataset, run, port, node_rank, nnodes, join_timeout_s):
+    """One machine's launcher of a launch of ``nnodes`` on loopback (this machine stands for
+    them all), one rank each."""
+    argv = _cmd(dataset, run, f"dist.nnodes={nnodes}", f"dist.node_rank={node_rank}", f"dist.master=127.0.0.1:{port}",
+                "dist.interface=lo", f"dist.join_timeout_s={join_timeout_s}")
+    argv.remove("dist.nproc=2")
+    return subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
+def _ended(proc, within_s=180):
+    try:
+        _, err = proc.communicate(timeout=within_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        pytest.fail("the launcher did not give up waiting for the other machines")
+    return proc.returncode, err
+
+
+def test_a_launch_whose_machines_do_not_come_gives_up_naming_them(dataset, tmp_path):
+    """Machine 0 of 2 alone: after dist.join_timeout_s it exits non-zero with one line
+    naming the machine that did not join (it waited silently for 600 s and more)."""
+    port = free_port()
+    status, err = _ended(_machine(dataset, tmp_path / "run", port, 0, 2, 5))
+    assert status != 0, err[-3000:]
+    lines = err.splitlines()
+    assert lines[0].startswith("launching 1 rank of machine 0 of 2 "), err[-3000:]
+    assert lines[1:] == [f"hybridrec: error: gave up after dist.join_timeout_s=5 s: machine with dist.node_rank 1 "
+                         f"did not join the launch at 127.0.0.1:{port} (1 of 2 joined)"], err[-3000:]
+
+
+def test_a_machine_whose_host_does_not_come_gives_up_naming_it(dataset, tmp_path):
+    port = free_port()
+    status, err = _ended(_machine(dataset, tmp_path / "run", port, 1, 2, 5))
+    assert status != 0, err[-3000:]
+    assert err.splitlines()[1:] == [
+        "hybridrec: error: gave up after dist.join_timeout_s=5 s: machine 0 (dist.node_rank 0), which hosts the "
+        f"launch's rendezvous at 127.0.0.1:{port}, was not reachable (Connection refused)"], err[-3000:]
+
+
+def test_machines_that_came_name_the_one_that_did_not(dataset, tmp_path):
+    """Machines 0 and 1 of 3: both end, each in one line naming machine 2 (the one that
+    gives up first closes the launch; the other says so), and nothing else but the lines
+    of the wait (no C++ log of a store gone under the other)."""
+    port = free_port()
+    machines = [_machine(dataset, tmp_path / "run", port, r, 3, 40) for r in (0, 1)]
+    ended = [_ended(m, within_s=240) for m in machines]
+    missing = (f"machine with dist.node_rank 2 did not join the launch at 127.0.0.1:{port} (2 of 3 joined)")
+    for status, err in ended:
+        assert status != 0, err[-3000:]
+        lines = err.splitlines()  # (a wait of 40 s says so once, at 30 s)
+        assert all(line.startswith("waiting for machines (dist.nnodes=3, ") for line in lines[1:-1]), err[-3000:]
+        assert lines[-1].startswith("hybridrec: error: ") and lines[-1].endswith(missing), err[-3000:]
+
+
+def test_a_waiting_machine_says_so_every_30_s():
+    from hybridrec.cli.rendezvous import JoinReport
+
+    report = JoinReport(3, "10.0.0.1:29500", 600, start=100.0)
+    lines = {t: report.progress(1 if t < 70 else 2, 100.0 + t) for t in (1, 29.9, 30, 31, 59, 75, 76, 155)}
+    assert [t for t, line in lines.items() if line] == [30, 75, 155]  # (one line per 30 s, late ones not repeated)
+    assert lines[30] == "waiting for machines (dist.nnodes=3, rendezvous at 10.0.0.1:29500): 1 of 3 joined, 30 s"
+    assert lines[75].endswith(": 2 of 3 joined, 75 s")
+    assert report.deadline == 700.0
+    waiting_for_host = JoinReport(2, "10.0.0.1:29500", 600, start=0.0)
+    assert waiting_for_host.progress(0, 31.0, host_unreachable=True).endswith(
+        ": 0 of 2 joined, 31 s (machine 0, which hosts it, is not reachable yet)")

@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
+import math
 import multiprocessing
 import os
 import re
@@ -41,7 +42,7 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 from hybridrec.cli.lifeline import die_with_parent, end_with
@@ -76,7 +77,8 @@ _BASE_ENV = dict(os.environ)
 
 def run_local_ranks(nproc: int, argv: Sequence[str], *, servers: int = 0, port: int = 0,
                     max_restarts: int = 0, injection_marker: str | None = None, nnodes: int = 1,
-                    node_rank: int = 0, master: str = "", interface: str = "") -> int:
+                    node_rank: int = 0, master: str = "", interface: str = "", join_timeout_s: float = 600.0,
+                    terminated: Callable[[], str] | None = None) -> int:
     """Run ``python -m hybridrec ARGV`` as ``nproc`` local ranks (a standalone c10d
     rendezvous, as ``torchrun --standalone --nproc-per-node=NPROC``); returns the exit
     status: 0, or the failing rank's (1 when it was killed by a signal) after printing
@@ -92,7 +94,11 @@ def run_local_ranks(nproc: int, argv: Sequence[str], *, servers: int = 0, port: 
     the line says the kill was injected.
     ``nnodes`` > 1: this machine's ranks of a launch of several machines, which rendezvous at
     ``master`` (``HOST:PORT``, hosted by machine ``node_rank`` 0) over network interface
-    ``interface``, the only one their sockets bind (see :mod:`hybridrec.cli.rendezvous`)."""
+    ``interface``, the only one their sockets bind (see :mod:`hybridrec.cli.rendezvous`); it
+    waits ``join_timeout_s`` at most for the other machines (then a
+    :class:`~hybridrec.cli.rendezvous.MachinesMissing` names those that did not come).
+    ``terminated``: the line to say when this launcher is stopped by SIGTERM (once its ranks
+    ended; see :mod:`hybridrec.train.terminate`), instead of ``stopped by SIGTERM``."""
     import torch.distributed.run as torchrun
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -103,7 +109,7 @@ def run_local_ranks(nproc: int, argv: Sequence[str], *, servers: int = 0, port: 
     with tempfile.TemporaryDirectory(prefix="hybridrec-ranks-") as logs:  # (mode 0700)
         args = torchrun.parse_args([f"--nproc-per-node={nproc}", f"--log-dir={logs}", f"--nnodes={nnodes}",
                                     f"--max-restarts={max_restarts}", "-m", "hybridrec", *argv])
-        interface = _rendezvous_args(args, logs, port, nnodes, node_rank, master, interface)
+        interface = _rendezvous_args(args, logs, port, nnodes, node_rank, master, interface, join_timeout_s)
         env = _ranks_env(servers, interface)
         oom_kills = oom_kill_count()
         with _environ(env), _signal_handlers_kept(), _agent_quiet(not debug_enabled()), _one_agent_rendezvous():
@@ -126,6 +132,8 @@ def run_local_ranks(nproc: int, argv: Sequence[str], *, servers: int = 0, port: 
             except SignalException as e:  # the agent was signalled; it stopped the ranks
                 if e.sigval == signal.SIGINT:
                     _say("interrupted")
+                elif e.sigval == signal.SIGTERM and terminated is not None:
+                    _say(terminated())  # (the ranks, launched, said nothing)
                 else:
                     _say(f"hybridrec: error: stopped by {signal.Signals(e.sigval).name}")
                 return 128 + int(e.sigval)
@@ -164,10 +172,11 @@ def _ranks_env(servers: int, interface: str | None) -> dict[str, str]:
 
 
 def _rendezvous_args(args, logs: str, port: int, nnodes: int, node_rank: int, master: str,
-                     interface: str) -> str | None:
+                     interface: str, join_timeout_s: float = 600.0) -> str | None:
     """Point torchrun's ``args`` at this launch's rendezvous (:mod:`hybridrec.cli.rendezvous`):
     as ``torchrun --standalone`` on one machine, but on loopback alone; across machines, at
-    ``master`` over ``interface`` alone. Returns the interface the ranks' sockets use."""
+    ``master`` over ``interface`` alone, waiting ``join_timeout_s`` (torch's ``join_timeout``,
+    whole seconds) at most for the others. Returns the interface the ranks' sockets use."""
     from hybridrec.cli.rendezvous import (LOOPBACK, interface_address, local_rendezvous, loopback_interface,
                                           network_rendezvous)
 
@@ -185,7 +194,8 @@ def _rendezvous_args(args, logs: str, port: int, nnodes: int, node_rank: int, ma
     except OSError as e:
         raise ConfigError(f"dist.interface={interface}: no IPv4 address on this machine ({e.strerror or e})") from None
     args.rdzv_backend, args.rdzv_id, args.rdzv_endpoint = network_rendezvous(), f"hybridrec-{master}", master
-    args.rdzv_conf = f"bind_addr={address},is_host={int(node_rank == 0)}"
+    args.rdzv_conf = (f"bind_addr={address},is_host={int(node_rank == 0)},node_rank={node_rank},"
+                      f"join_timeout={max(1, math.ceil(join_timeout_s))}")
     args.local_addr = address
     return interface
 

@@ -167,6 +167,7 @@ def _start_ranks(cfg, args, named: bool, run_dir: str) -> int:
         f" and {servers} parameter servers" if servers else "") + (
         f", restarted up to {cfg.dist.max_restarts} times" if cfg.dist.max_restarts else "")
     print(f"launching {what}: hybridrec {' '.join(argv)}", file=sys.stderr, flush=True)
+    from hybridrec.train import terminate
     from hybridrec.train.checkpointing.faults import MARKER
     from hybridrec.train.checkpointing.recovery import fast_snapshots
 
@@ -176,7 +177,9 @@ def _start_ranks(cfg, args, named: bool, run_dir: str) -> int:
             argv[1:1] = ["--snapshot-dir", str(fast)]
         return run_local_ranks(nproc, argv, servers=servers, port=cfg.dist.port, max_restarts=cfg.dist.max_restarts,
                                injection_marker=os.path.join(cfg.train.run_dir, MARKER), nnodes=cfg.dist.nnodes,
-                               node_rank=cfg.dist.node_rank, master=cfg.dist.master, interface=cfg.dist.interface)
+                               node_rank=cfg.dist.node_rank, master=cfg.dist.master, interface=cfg.dist.interface,
+                               join_timeout_s=cfg.dist.join_timeout_s,
+                               terminated=lambda: terminate.line(cfg.train.run_dir, run_dir, resume=cfg.train.resume))
 
 
 def _eval(args) -> int:

@@ -275,6 +275,12 @@ class DistConfig(ReadOnly):
     """The network interface every socket of a launch of several machines binds (the
     rendezvous, the ranks' store, gloo, TensorPipe), e.g. ``eth0``: a private network's, as
     torch's store and RPC have no authentication (README, "Trust")."""
+    join_timeout_s: float = 600.0
+    """A launch of several machines (``dist.nnodes`` > 1): how long each machine waits, from
+    its start (on a machine other than 0, for machine 0 to be reachable too), for the others
+    to join before it gives up in one line naming the machines (``dist.node_rank``) that did
+    not come, and exits non-zero; the machines that came stop with it. While it waits it
+    says so every 30 s."""
     max_restarts: int = 0
     """Local launch: when a process fails, torch's elastic agent stops the others and starts
     them all again, up to this many times; they resume from the newest checkpoint of the

@@ -241,6 +241,7 @@ def _nodes_checks(cfg: Config) -> list[tuple[bool, str]]:
         (d.num_ps == 0, "dist.num_ps with dist.nnodes > 1: launch parameter servers across machines with "
                         "torchrun (README), not yet with dist.nnodes"),
         (d.port == 0, "dist.port is the local launch's port; across machines the rendezvous is at dist.master"),
+        (d.join_timeout_s >= 1, f"dist.join_timeout_s must be at least 1 (seconds), got {d.join_timeout_s}"),
     ]
 
 
