@@ -16,13 +16,24 @@ def torch_threads():
     torch.set_num_threads(before)
 
 
-def _train(gov: ThreadGovernor, steps: range, seconds_at: dict[int, float]) -> list[int]:
+class Clock:
+    """The wall time of the simulated machine: the sum of the step times fed so far."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+
+def _train(gov: ThreadGovernor, steps: range, seconds_at: dict[int, float], clock: Clock | None = None) -> list[int]:
     """Feed ``gov`` the step times a machine where ``seconds_at[n]`` is a step's time at n
-    threads would give (the count in force is torch's own); returns the count per step."""
+    threads would give (the count in force is torch's own), each step ending at ``clock``'s
+    time advanced by its seconds; returns the count per step."""
+    clock = clock or Clock()
     counts = []
     for step in steps:
         counts.append(torch.get_num_threads())
-        gov.record(step, seconds_at[torch.get_num_threads()])
+        seconds = seconds_at[torch.get_num_threads()]
+        clock.now += seconds
+        gov.record(step, seconds, now=clock.now)
     return counts
 
 
@@ -72,3 +83,59 @@ def test_the_governor_is_left_out_where_the_count_is_not_its_to_choose():
     assert thread_governor(0, world_size=1, workers=1, device=cpu) is None  # nothing to choose from
     with pytest.raises(ValueError, match="at least 2 threads"):
         ThreadGovernor(1)
+
+
+def test_a_bad_count_kept_by_a_probe_lasts_seconds_when_steps_turn_slow():
+    """The first probe keeps 2 threads on an idle machine; then a neighbour takes a core and
+    2 threads train 11x slower. The next probe comes after the wall-time wait (10 s), not
+    after the 400 steps of the steps' wait (68 s of such steps)."""
+    torch.set_num_threads(2)
+    gov, clock = ThreadGovernor(2), Clock()
+    _train(gov, range(1, 60), {2: 0.011, 1: 0.015}, clock)
+    assert [p["kept"] for p in gov.probes] == [2] and gov.next_at > 400
+    turned = clock.now
+    counts = _train(gov, range(60, 400), {2: 0.170, 1: 0.015}, clock)
+    assert gov.current == 1 and gov.probes[-1]["kept"] == 1
+    bad_steps = counts.index(1)  # steps at 2 threads after the machine turned busy
+    assert bad_steps * 0.170 < 10 + 2 * gov.probe_steps * 0.170, bad_steps
+    assert gov.probes[1]["step"] < 60 + 100, gov.probes
+    assert clock.now - turned < 60
+
+
+def _waits(gov: ThreadGovernor, steps: range, seconds_at: dict[int, float], clock: Clock) -> list[float]:
+    """Train as :func:`_train`; the wall-time wait set by each probe that ended meanwhile."""
+    waits, probes = [], len(gov.probes)
+    for step in steps:
+        _train(gov, range(step, step + 1), seconds_at, clock)
+        if len(gov.probes) > probes:
+            probes = len(gov.probes)
+            waits.append(round(gov.next_time - clock.now, 6))
+    return waits
+
+
+def test_the_wall_time_wait_doubles_on_a_keep_and_starts_over_on_a_change():
+    torch.set_num_threads(2)
+    gov = ThreadGovernor(2, probe_steps=4, first_at=5, period=10_000, max_period=10_000,
+                         period_s=5.0, max_period_s=40.0, spacing=0.0)
+    clock = Clock()
+    # steady: every probe keeps 2 threads; steps alone would wait 10,000 steps
+    assert _waits(gov, range(1, 2000), {2: 0.1, 1: 0.2}, clock)[:6] == [10, 20, 40, 40, 40, 40]
+    assert all(p["kept"] == 2 for p in gov.probes)
+    # 1 thread turns faster: the next probe (at most 40 s on) changes the count, and the
+    # wait starts over from period_s
+    waits = _waits(gov, range(2000, 2500), {2: 0.2, 1: 0.1}, clock)
+    assert gov.current == 1 and waits[0] == 5.0, waits
+    assert gov.probes[-len(waits)]["kept"] == 1 and gov.probes[-len(waits)]["step"] < 2000 + 40 / 0.2 + 12
+
+
+def test_probes_of_slow_steps_keep_their_share_of_the_time():
+    """Where every step is slow, a wall-time wait is at least ``spacing`` times the probe's
+    own duration: the probes do not take over the run."""
+    torch.set_num_threads(2)
+    gov = ThreadGovernor(2, probe_steps=4, first_at=5, period=10_000, max_period=10_000,
+                         period_s=1.0, max_period_s=1.0, spacing=8.0)
+    counts = _train(gov, range(1, 300), {2: 2.0, 1: 2.5}, Clock())  # 2 s steps: a probe takes 18 s
+    ends = [p["step"] for p in gov.probes]
+    gaps = [b - a for a, b in itertools.pairwise(ends)]
+    assert gaps and all(g >= 8 * (2 * 4 + 1) for g in gaps), gaps
+    assert counts.count(1) < 0.1 * len(counts)

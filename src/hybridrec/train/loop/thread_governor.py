@@ -21,6 +21,15 @@ conditions it costs the probe steps run at the slower count: about 1% of an idle
 time on 2 cores. ``summary.json`` ``kernels.threads`` records the counts, the probes and
 the changes.
 
+The wait is counted in wall time as well as in steps, whichever ends first: ``period_s``
+seconds at first, doubled with the steps' wait up to ``max_period_s`` (after a first probe
+that keeps the count: 400 steps or 10 s). Counted in steps alone, a bad count lasted as
+long as its slow steps took: beside one CPU-bound process, a first probe kept 2 threads and
+the demo run trained 2,958 samples/s against 33,744 with 1 thread for the 400 steps to the
+next probe, minutes of wall time. A wall-time wait is never shorter than ``spacing`` times
+the last probe's own duration, so that where every step is slow (a large model) probes
+take about the share of the run's time that the steps' wait gives them.
+
 Only the training thread's count changes (OpenMP's count is a per-thread setting); helper
 threads keep their one thread (:mod:`hybridrec.threads`). A count the user set
 (``train.threads=N``), Hogwild workers, several ranks (each already on ``OMP_NUM_THREADS``
@@ -30,6 +39,7 @@ threads, usually 1) and GPU runs are left alone.
 from __future__ import annotations
 
 import statistics
+import time
 
 import torch
 
@@ -39,14 +49,19 @@ class ThreadGovernor:
     module's docstring). Call :meth:`record` after every step with its seconds."""
 
     def __init__(self, most: int, *, probe_steps: int = 12, first_at: int = 24, period: int = 200,
-                 max_period: int = 3200, margin: float = 0.05) -> None:
+                 max_period: int = 3200, margin: float = 0.05, period_s: float = 5.0,
+                 max_period_s: float = 300.0, spacing: float = 8.0) -> None:
         if most < 2:
             raise ValueError(f"a thread governor needs at least 2 threads to choose from, got {most}")
         self.most = most  # torch's own count: the upper bound
         self.current = most
         self.probe_steps, self.period, self.max_period, self.margin = probe_steps, period, max_period, margin
+        self.period_s, self.max_period_s, self.spacing = period_s, max_period_s, spacing
         self.wait = period  # steps between two probes now
+        self.wait_s = period_s  # seconds between two probes now (the one first of the two ends the wait)
         self.next_at = first_at  # the step the next probe starts at
+        self.next_time: float | None = None  # the clock (time.monotonic) it starts at; None: steps alone
+        self._probe_start = 0.0
         self._up = False  # which way the next probe tries (see _neighbour)
         self._phase: str | None = None  # None, "base", "warm" (the first step at the other count), "other"
         self._times: list[float] = []
@@ -54,11 +69,14 @@ class ThreadGovernor:
         self._other = most
         self.probes: list[dict] = []  # step, counts and median seconds of each probe (summary.json)
 
-    def record(self, step: int, seconds: float) -> None:
-        """The step ``step`` took ``seconds`` (the loop's work between steps excluded)."""
+    def record(self, step: int, seconds: float, now: float | None = None) -> None:
+        """The step ``step`` took ``seconds`` (the loop's work between steps excluded) and
+        ended at ``now`` (``time.monotonic()`` seconds; None: read here)."""
+        if now is None:
+            now = time.monotonic()
         if self._phase is None:
-            if step >= self.next_at:
-                self._phase, self._times = "base", []
+            if step >= self.next_at or (self.next_time is not None and now >= self.next_time):
+                self._phase, self._times, self._probe_start = "base", [], now
             return
         if self._phase == "warm":  # (a new team's first parallel operators pay its start-up)
             self._phase = "other"
@@ -72,7 +90,7 @@ class ThreadGovernor:
             self._set(self._other)
             self._phase, self._times = "warm", []
             return
-        self._decide(step, statistics.median(self._times))
+        self._decide(step, statistics.median(self._times), now)
 
     @property
     def probing(self) -> bool:
@@ -87,18 +105,19 @@ class ThreadGovernor:
         self._up = choices[0] > self.current
         return choices[0]
 
-    def _decide(self, step: int, other_s: float) -> None:
+    def _decide(self, step: int, other_s: float, now: float) -> None:
         base, other, faster = self._base, self._other, other_s < self._base * (1 - self.margin)
         self.probes.append({"step": step, "threads": [self.current, other],
                             "median_step_s": [round(base, 6), round(other_s, 6)],
                             "kept": other if faster else self.current})
         if faster:  # (the next probe goes on in the same direction)
-            self.current, self.wait = other, self.period
+            self.current, self.wait, self.wait_s = other, self.period, self.period_s
         else:
             self._set(self.current)
-            self.wait = min(self.wait * 2, self.max_period)
+            self.wait, self.wait_s = min(self.wait * 2, self.max_period), min(self.wait_s * 2, self.max_period_s)
             self._up = not self._up
         self.next_at, self._phase, self._times = step + self.wait, None, []
+        self.next_time = now + max(self.wait_s, self.spacing * (now - self._probe_start))
 
     def _set(self, count: int) -> None:
         torch.set_num_threads(count)
