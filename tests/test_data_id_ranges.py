@@ -50,8 +50,11 @@ def clean(tmp_path_factory) -> Path:
 
 @pytest.fixture
 def ds(clean, tmp_path) -> Path:
-    """A fresh copy to corrupt."""
-    return Path(shutil.copytree(clean, tmp_path / "ds"))
+    """A fresh copy to corrupt, opened once: a copy is new files (new inodes), which the
+    cache, keyed by inode, size, mtime and ctime, scans once and then holds."""
+    copy = Path(shutil.copytree(clean, tmp_path / "ds"))
+    _open(copy, "train"), _open(copy, "eval")
+    return copy
 
 
 def _poke(path: Path, index: tuple, value: int) -> None:
@@ -99,14 +102,44 @@ def test_range_problem_names_feature_id_and_table():
 
 
 # -- the check at load --------------------------------------------------------------------
-def test_a_clean_dataset_opens_from_the_cache_preprocessing_wrote(ds, monkeypatch):
-    cache = json.loads((ds / "part-00000" / id_ranges.CACHE_NAME).read_text())
+def test_a_clean_dataset_opens_from_the_cache_preprocessing_wrote(clean, monkeypatch):
+    cache = json.loads((clean / "part-00000" / id_ranges.CACHE_NAME).read_text())
     assert sorted(cache["files"]) == ["mh-C1.values.npy", "onehot.npy"]
-    onehot = np.load(ds / "part-00000/onehot.npy")
+    onehot = np.load(clean / "part-00000/onehot.npy")
     assert cache["files"]["onehot.npy"]["ranges"]["C2"] == [int(onehot[:, 0].min()), int(onehot[:, 0].max())]
     scans = _scans(monkeypatch)
-    _open(ds, "train"), _open(ds, "eval")
-    assert scans == []  # nothing rescanned: every file's size and mtime match the cache
+    _open(clean, "train"), _open(clean, "eval")
+    assert scans == []  # nothing rescanned: every file's key matches the cache
+
+
+def test_a_same_size_rewrite_with_its_old_mtime_put_back_is_rescanned(ds, monkeypatch):
+    """A shard rewritten at the same size, its mtime set back (``touch -r``), is not the
+    file the cache describes: its bad id is found (the key of size and mtime alone kept
+    the old ranges, and the id failed deep in torch)."""
+    shard = ds / "part-00000/onehot.npy"
+    before = shard.stat()
+    bad = np.load(shard)
+    bad[17, 6] = 10**9  # column 6 = C8
+    tmp = ds / "onehot.tmp.npy"
+    np.save(tmp, bad)
+    assert tmp.stat().st_size == before.st_size
+    shard.write_bytes(tmp.read_bytes())  # in place: the same inode
+    tmp.unlink()
+    os.utime(shard, ns=(before.st_atime_ns, before.st_mtime_ns))
+    after = shard.stat()
+    assert (after.st_ino, after.st_size, after.st_mtime_ns) == (before.st_ino, before.st_size, before.st_mtime_ns)
+    scans = _scans(monkeypatch)
+    with pytest.raises(DataError, match=r"part-00000/onehot.npy: feature C8 holds id 1000000000, past"):
+        _open(ds)
+    assert scans == [(ROWS[0], 25)]
+    # replaced by another file of the same size and mtime (a new inode): rescanned too
+    good = np.load(ds / "part-00000/onehot.npy")
+    good[17, 6] = 0
+    np.save(tmp, good)
+    os.utime(tmp, ns=(before.st_atime_ns, before.st_mtime_ns))
+    os.replace(tmp, shard)
+    _open(ds)
+    assert len(scans) == 2
 
 
 def test_an_id_past_its_table_is_refused_naming_file_feature_id_and_size(ds, monkeypatch):

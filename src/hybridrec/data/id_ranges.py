@@ -8,18 +8,28 @@ So the id files of every part are checked when a loader opens the part:
 
 - the scan: the smallest and largest id of each feature, per file (``onehot.npy``'s
   columns, each ``mh-<feature>.values.npy``), vectorised over blocks of rows;
-- the cache: ``part-XXXXX/id_ranges.json`` keeps them, keyed by each file's size and
-  mtime (a content hash would cost the scan itself), so a later start reads a small
-  JSON file instead of the shards. Preprocessing writes it as it writes the part. A
-  cache that cannot be written (a read-only dataset) only means the next start scans
-  again; one that cannot be read, or is stale, is ignored;
+- the cache: ``part-XXXXX/id_ranges.json`` keeps them, keyed by each file's inode,
+  size, mtime and ctime (a content hash would cost the scan itself), so a later start
+  reads a small JSON file instead of the shards. Preprocessing writes it as it writes the
+  part. A cache that cannot be written (a read-only dataset) only means the next start
+  scans again; one that cannot be read, or is stale, is ignored;
 - the check: those ranges against the table sizes of ``meta.json``, on every start
   (a meta.json whose ``num_embeddings`` was lowered is caught with the cache too).
 
-Limits: a file rewritten at the same size within one tick of the file system's clock
-after the cache was written keeps its key (shards are written once, by preprocessing);
-on a first start every rank of a run scans the parts it opens (the page cache shares
-the reads) and writes the same cache.
+Size and mtime alone were not enough: a same-size rewrite whose mtime was put back
+(``touch -r``, ``cp -p``, ``rsync -t``) kept its key and the stale ranges, and an id past
+its table then failed deep in torch. The ctime cannot be set back (``utime`` itself moves
+it to now) and a new file has another inode, so any write or replacement changes the key.
+The price: what changes the ctime without the contents (``chmod``, ``chown``, a hard link)
+or the inode (a copy) costs one more scan, after which the cache holds the new key; where
+the part directory cannot be written then (``chmod -R a-w`` after preprocessing), at every
+start. A read-only mount keeps the ctime: mount a finished dataset read-only rather than
+``chmod`` it.
+
+Limits: a file rewritten in place within one tick of the file system's clock after the
+cache was written, at the same size, can keep its key (shards are written once, by
+preprocessing); on a first start every rank of a run scans the parts it opens (the page
+cache shares the reads) and writes the same cache.
 
 The first bad feature of a file is one line: ``DIR/part-00003/onehot.npy: feature C7
 holds id 1000000000, past its table of 100,000 rows (meta.json num_embeddings)``.
@@ -40,7 +50,8 @@ from hybridrec.errors import DataError
 CACHE_NAME = "id_ranges.json"
 """The cache file in each part directory."""
 
-CACHE_VERSION = 1
+CACHE_VERSION = 2
+"""2: files keyed by inode, size, mtime and ctime (1: size and mtime)."""
 
 SCAN_BYTES = 1 << 20
 """Bytes of ids reduced at a time (1 MiB: a block stays in the cache between its min and
@@ -136,9 +147,10 @@ def part_ranges(directory: Path, files: Mapping[str, tuple[np.ndarray, Sequence[
 
 # -- the cache --------------------------------------------------------------------------
 def file_key(path: Path) -> list[int]:
-    """What says a file is unchanged: its size and modification time (ns)."""
+    """What says a file is unchanged: its inode, size, modification and change times (ns)
+    (see the module's docstring)."""
     st = path.stat()
-    return [st.st_size, st.st_mtime_ns]
+    return [st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
 
 
 def read_cache(directory: Path) -> dict[str, dict]:
