@@ -62,21 +62,30 @@ def test_a_killed_parameter_server_alone_rolls_back_and_the_record_counts_its_lo
         dataset, tmp_path, tmp_path_factory):
     """Server ps1 dies once every trainer's push of step 6 (the last) reached it; the newest
     checkpoint is step 4. One command (the launcher restarts every process once): the
-    trainers' dense part and ps0's shards are those of the uninterrupted run at step 6,
-    ps1's those at step 4, and the record says ps1's shards lost 2 steps of updates."""
+    trainers' dense part is that of the uninterrupted run at step 6, ps1's shards those at
+    step 4, and the record says ps1's shards lost 2 steps of updates.
+
+    ps0 holds the newest step every trainer's push of which it had applied when the run
+    stopped under it: the trainers' pushes of step 6 go to both servers at once, and ps0
+    may be stopped (the launcher's SIGTERM once ps1 died) before they reach it (on a loaded
+    machine they may not): a push in flight is lost, as designed. Step 5 it has applied for
+    sure (a trainer's pull of step 6 waited for its pushes of step 5). So ps0's shards are
+    those of step 5 or 6, and its snapshot's line and the record agree on which."""
     refs = _reference(dataset, tmp_path_factory)
     run = tmp_path / "run"
     err = _train(dataset, run, "train.checkpoint_every=4", "train.recovery=partial", "train.inject_failure=ps1:6",
                  "dist.max_restarts=1")
     assert "parameter server ps1 kills itself (SIGKILL) after step 6" in err
-    assert "parameter server ps0: the run stopped with every push up to step 6 applied" in err, err[-3000:]
     assert "resumed from step 6 (partial recovery" in err, err[-3000:]
     summary = json.loads((run / "summary.json").read_text())
     (event,) = summary["recovery"]["events"]
     assert (event["mode"], event["checkpoint_step"], event["failed_at_step"], event["resumed_at_step"]) == \
         ("partial", 4, 6, 6)
     assert event["failed_ranks"] == [] and event["survivors"] == [0, 1] and event["failed_servers"] == [1]
-    assert [(s["server"], s["snapshot"], s["held_step"]) for s in event["servers"]] == [(0, True, 6), (1, False, 4)]
+    held = event["servers"][0]["held_step"]
+    assert held in (5, 6), event["servers"]  # 5 applied for sure; 6 applied, or in flight and lost
+    assert [(s["server"], s["snapshot"], s["held_step"]) for s in event["servers"]] == [(0, True, held), (1, False, 4)]
+    assert f"parameter server ps0: the run stopped with every push up to step {held} applied" in err, err[-3000:]
     assert not list((run / "recovery").glob("ps-*"))  # the snapshots, consumed
     now, got = refs[6], _weights(dataset, run, 6)
     for k in now:
@@ -88,7 +97,7 @@ def test_a_killed_parameter_server_alone_rolls_back_and_the_record_counts_its_lo
     for shard in event["shards"]:
         assert shard["samples_lost"] == shard["steps_lost"] * 64 * 2
         if shard["server"] == 0:
-            assert shard["steps_lost"] == 0 and torch.equal(_block(got, shard), _block(now, shard)), shard
+            assert shard["steps_lost"] == 6 - held and torch.equal(_block(got, shard), _block(refs[held], shard)), shard
             continue
         assert shard["steps_lost"] == 2 and torch.equal(_block(got, shard), _block(refs[4], shard)), shard
         changed += int((_block(now, shard) != _block(refs[4], shard)).any(dim=1).sum())
