@@ -886,7 +886,8 @@ def save_snapshot(final: Path, skeleton: dict, tensors: dict[str, torch.Tensor],
 def check_snapshot_dir(progress: dict, path: Path) -> dict:
     """The manifest of the snapshot ``progress`` speaks of, at ``path``, if it can be used
     on this machine now (written since the machine's kernel booted, or synced; complete; a
-    recovery snapshot); else :class:`CheckpointError` saying why."""
+    recovery snapshot, its ``.metadata`` safe to read); else :class:`CheckpointError` saying
+    why, so that the rank or server rolls back rather than the recovery failing."""
     if progress.get("boot") is not None and progress["boot"] != boot_id():
         raise CheckpointError(f"{path}: written before the machine restarted, and not synced to disk")
     if not is_complete(path):
@@ -894,6 +895,7 @@ def check_snapshot_dir(progress: dict, path: Path) -> dict:
     meta = json.loads((path / MANIFEST).read_text())
     if meta.get("format") != FORMAT or meta.get("kind") != SNAPSHOT_KIND:
         raise CheckpointError(f"{path}: not a recovery snapshot")
+    SafeFileSystemReader(path)  # (reads and checks .metadata: a refusal is raised here)
     return meta
 
 
