@@ -138,3 +138,104 @@ def test_empty_file(tmp_path):
 def test_unknown_multihot_field():
     with pytest.raises(DataError, match="C27"):
         CriteoReader(multihot=("C27",))
+
+
+# -- the line cap -------------------------------------------------------------------------
+LONG = 8 << 20  # an 8 MiB line: 8 times the cap
+
+
+def _gz_with_long_line(tmp_path, head: list[str], name="long.tsv.gz") -> str:
+    """``head``'s lines, then one line of LONG bytes (no tab, no newline for 8 MiB), then a
+    good line: 8 KiB on disk."""
+    path = tmp_path / name
+    with gzip.open(path, "wb") as f:
+        f.write(("\n".join(head) + "\n").encode())
+        for _ in range(LONG // (1 << 20)):
+            f.write(b"7" * (1 << 20))
+        f.write(("\n" + line() + "\n").encode())
+    return str(path)
+
+
+def _peak_bytes(fn) -> int:
+    import tracemalloc
+
+    tracemalloc.start()
+    try:
+        fn()
+    finally:
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+    return peak
+
+
+def test_a_line_past_the_cap_is_one_error_naming_it_read_in_bounded_blocks(tmp_path):
+    """A line longer than MAX_LINE_BYTES (1 MiB) ends the read in one line naming file and
+    line number, having read little more than the cap of it (it was gathered whole: a 500
+    MB line took 2.7 GB)."""
+    from hybridrec.data.chunk import MAX_LINE_BYTES
+
+    path = _gz_with_long_line(tmp_path, [line(), line("0")])
+    reader, chunks = CriteoReader(), []
+
+    def read():
+        with pytest.raises(DataError) as e:
+            chunks.extend(c for c, _ in reader.read(path, ParseReport()))
+        assert str(e.value) == (f"{path}:3: line longer than 1,048,576 bytes, the most a line of a Criteo file "
+                                "may hold (is this the right file and format?)")
+
+    peak = _peak_bytes(read)
+    assert MAX_LINE_BYTES == 1 << 20
+    assert sum(len(c) for c in chunks) == 2  # the lines before it were read
+    assert peak < LONG / 2, peak  # (the whole line: more than LONG)
+
+
+@pytest.mark.parametrize("chunk_bytes", [64, 1 << 19])
+def test_a_long_line_inside_a_block_and_the_errors_before_it(tmp_path, chunk_bytes):
+    """The cap holds for a line whole inside one block too, and a bad line before the long
+    one is the file's first error."""
+    long = line(cats=["0000000a"] * 25 + [",".join(["0000000b"] * 40)])  # a bag of 40 ids: 578 bytes
+    path = write(tmp_path, [line(), line(), long, line()])
+    reader = CriteoReader(multihot=("C26",), chunk_bytes=chunk_bytes, max_line_bytes=300)
+    with pytest.raises(DataError, match=r"day.tsv:3: line longer than 300 bytes, the most a line of a Criteo"):
+        list(reader.read(path, ParseReport()))
+    path = write(tmp_path, [line(), line("7"), long, line()])
+    with pytest.raises(DataError, match=r"day.tsv:2: field label \(column 1\): label must be 0 or 1"):
+        list(reader.read(path, ParseReport()))
+    ok = CriteoReader(multihot=("C26",), chunk_bytes=chunk_bytes, max_line_bytes=len(long))  # at the cap: taken
+    assert sum(len(c) for c, _ in ok.read(write(tmp_path, [line(), long, line()], end="\r\n"), ParseReport())) == 3
+
+
+def test_a_csv_line_past_the_cap_is_one_error_naming_it(tmp_path):
+    from hybridrec.data.tabular import CsvReader, TabularSpec
+
+    spec = TabularSpec(label="y", dense=["x"], categorical=["c"])
+    path = tmp_path / "long.csv.gz"
+    with gzip.open(path, "wb") as f:
+        f.write(b"y,x,c\n1,0.5,a\n")
+        for _ in range(LONG // (1 << 20)):
+            f.write(b"7" * (1 << 20))
+        f.write(b"\n0,1,b\n")
+
+    def read():
+        with pytest.raises(DataError) as e:
+            list(CsvReader(spec=spec).read(path, ParseReport()))
+        assert str(e.value) == (f"{path}:3: line longer than 1,048,576 characters, the most a line of a CSV "
+                                "file may hold (is this the right file and format?)")
+
+    assert _peak_bytes(read) < LONG / 2
+    short = tmp_path / "short.csv"
+    short.write_text("y,x,c\r\n1,0.5," + "a" * 90 + "\r\n0,1,b\r\n")
+    assert sum(len(c) for c, _ in CsvReader(spec=spec, max_line_bytes=96).read(short, ParseReport())) == 2
+    with pytest.raises(DataError, match=r"short.csv:2: line longer than 95 characters"):
+        list(CsvReader(spec=spec, max_line_bytes=95).read(short, ParseReport()))
+
+
+def test_preprocess_refuses_a_long_line_in_one_line(tmp_path, capsys):
+    from hybridrec.cli.main import main
+
+    path = _gz_with_long_line(tmp_path, [line()])
+    assert main(["data", "preprocess", path, "--out", str(tmp_path / "out")]) != 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"hybridrec: error: {path}:2: line longer than 1,048,576 bytes, the most a line of a "
+                   "Criteo file may hold (is this the right file and format?)"]
+    assert not (tmp_path / "out").exists()

@@ -10,12 +10,13 @@ the writing pass share them.
 from __future__ import annotations
 
 import itertools
+import os
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from hybridrec.errors import ConfigError
+from hybridrec.errors import ConfigError, DataError
 
 MISSING = -1
 """Raw key of a missing one-hot value (maps to id 0 in every encoding)."""
@@ -23,6 +24,13 @@ MISSING = -1
 ON_BAD_LINE = ("error", "skip")
 DENSE_TRANSFORMS = ("log1p", "none")
 MAX_BAD_EXAMPLES = 5
+
+MAX_LINE_BYTES = 1 << 20
+"""The longest input line the text readers take: 1 MiB (a Criteo line is 150-500 bytes, a
+wide CSV row a few KiB). A longer one ends the read in one line naming the file and the
+line number, found having read at most this much of it plus one block: without the cap, a
+file without newlines (a 2 MB ``.gz`` holding one 500 MB line) was gathered whole in
+memory, 2.7 GB and a minute, before its first field was refused."""
 
 
 @dataclass
@@ -63,6 +71,41 @@ class ParseReport:
         room = MAX_BAD_EXAMPLES - len(self.bad_line_examples)
         if room > 0:
             self.bad_line_examples.extend(itertools.islice(messages, room))
+
+
+def line_too_long(path: os.PathLike | str, line: int, cap: int, what: str, unit: str = "bytes") -> DataError:
+    """The error of line ``line`` (1-based) of ``path`` running past ``cap`` bytes (or
+    characters: ``unit``)."""
+    return DataError(f"{path}:{line}: line longer than {cap:,} {unit}, the most a line of {what} may hold "
+                     "(is this the right file and format?)")
+
+
+def capped_lines(text, path: os.PathLike | str, cap: int, what: str) -> Iterable[str]:
+    """The lines of text stream ``text`` (newlines kept), each read ``cap`` characters at
+    most past its end: a longer one is :func:`line_too_long`, not gathered whole."""
+    number = 0
+    while True:
+        line = text.readline(cap + 2)  # (room for CR LF after cap characters)
+        if not line:
+            return
+        number += 1
+        if len(line) > cap and len(line.rstrip("\r\n")) > cap:
+            raise line_too_long(path, number, cap, what, "characters")
+        yield line
+
+
+def first_long_line(data: bytes, cap: int) -> int | None:
+    """Where the first of ``data``'s lines (each ending in a newline, the last one too)
+    longer than ``cap`` bytes begins (its newline, and a CR before it, not counted); None
+    when there is none."""
+    if len(data) <= cap:
+        return None
+    ends = np.flatnonzero(np.frombuffer(data, dtype=np.uint8) == 10)
+    starts = np.concatenate(([0], ends[:-1] + 1))
+    for i in np.flatnonzero(ends - starts > cap).tolist():
+        if ends[i] - starts[i] - (data[ends[i] - 1] == 13) > cap:
+            return int(starts[i])
+    return None
 
 
 def check_on_bad_line(value: str) -> str:

@@ -28,10 +28,13 @@ import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
 from hybridrec.data.chunk import (
+    MAX_LINE_BYTES,
     MISSING,
     ParseReport,
     RowChunk,
     check_on_bad_line,
+    first_long_line,
+    line_too_long,
     show,
     transform_dense,
 )
@@ -65,6 +68,9 @@ class CriteoReader:
     """``"error"``: a malformed line raises DataError; ``"skip"``: drop and count it."""
     chunk_bytes: int = 1 << 19
     """Bytes parsed per block; a few MB keeps the temporaries in cache."""
+    max_line_bytes: int = MAX_LINE_BYTES
+    """The longest line taken (:data:`~hybridrec.data.chunk.MAX_LINE_BYTES`): a longer one
+    is a DataError naming the file and line, found with at most this plus one block read."""
 
     def __post_init__(self) -> None:
         check_on_bad_line(self.on_bad_line)
@@ -89,13 +95,17 @@ class CriteoReader:
                     data = tail + block
                     cut = data.rfind(b"\n") + 1
                     data, tail = data[:cut], data[cut:]
-                    if not data:  # no complete line yet
-                        continue
-                chunk, n_lines = self._parse_block(data, line, f.path, report)
-                line += n_lines
-                report.lines_read += n_lines
-                if len(chunk):
-                    yield chunk, f.position
+                long = first_long_line(data, self.max_line_bytes)
+                if long is not None:  # (the lines before it first: their errors come first)
+                    data, tail = data[:long], None
+                if data:
+                    chunk, n_lines = self._parse_block(data, line, f.path, report)
+                    line += n_lines
+                    report.lines_read += n_lines
+                    if len(chunk):
+                        yield chunk, f.position
+                if tail is None or len(tail) > self.max_line_bytes:
+                    raise line_too_long(f.path, line + 1, self.max_line_bytes, "a Criteo file")
             if line == 0:
                 raise DataError(f"{f.path}: empty file (no lines)")
 

@@ -51,9 +51,11 @@ import numpy as np
 
 from hybridrec.data.chunk import (
     DENSE_TRANSFORMS,
+    MAX_LINE_BYTES,
     MISSING,
     ParseReport,
     RowChunk,
+    capped_lines,
     check_on_bad_line,
     show,
     transform_dense,
@@ -357,6 +359,9 @@ class CsvReader:
     spec: TabularSpec
     on_bad_line: str = "error"
     chunk_rows: int = 1 << 16
+    max_line_bytes: int = MAX_LINE_BYTES
+    """The longest line taken, in characters (:data:`~hybridrec.data.chunk.MAX_LINE_BYTES`):
+    a longer one is a DataError naming the file and line, read no further than that."""
 
     def __post_init__(self) -> None:
         check_on_bad_line(self.on_bad_line)
@@ -364,7 +369,8 @@ class CsvReader:
     def read(self, path: str | os.PathLike, report: ParseReport) -> Iterator[tuple[RowChunk, int]]:
         with open_input(path) as f:
             text = io.TextIOWrapper(f.stream, encoding="utf-8", newline="")
-            reader = csv.reader(text, delimiter=self.spec.csv_delimiter)
+            lines = capped_lines(text, f.path, self.max_line_bytes, "a CSV file")
+            reader = csv.reader(lines, delimiter=self.spec.csv_delimiter)
             try:
                 yield from self._read_rows(reader, f.path, report, lambda: f.position)
             except (EOFError, OSError, zlib.error) as e:
