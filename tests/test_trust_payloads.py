@@ -415,6 +415,21 @@ def test_score_py_refuses_the_archive(world, tmp_path, what, why):
     assert score_template.archive_problem(art / "model.pt2") == line.split(": refused: ", 1)[1]
 
 
+@pytest.mark.parametrize("what", ["use_pickle", "guard", "expression"])
+def test_hybridrec_serve_refuses_the_archive(world, tmp_path, what):
+    """``hybridrec serve`` loads an export (or a published version) through ``load_version``:
+    the same check before torch reads the program."""
+    from hybridrec.errors import DataError
+    from hybridrec.serve.versions import load_version
+
+    marker = tmp_path / "marker"
+    art = _tampered_export(world, tmp_path, marker, what)
+    with pytest.raises(DataError) as e:
+        load_version(art)
+    assert str(e.value) == f"{art / 'model.pt2'}: refused: {score_template.archive_problem(art / 'model.pt2')}"
+    assert not marker.exists()
+
+
 def test_an_export_as_written_passes_the_check_and_scores(world, tmp_path):
     """The check accepts what ``hybridrec export`` writes (the export itself runs it before
     publishing), and score.py scores with it."""

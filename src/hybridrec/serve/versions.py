@@ -173,6 +173,7 @@ def load_version(path: str | Path, name: str | None = None) -> ModelVersion:
                         f"this hybridrec serves {SPEC_VERSION}")
     meta = meta_from_spec(spec, path / "preprocess")
     encoders = _encoders(spec, path / "preprocess")
+    _check_archive(path / "model.pt2")
     try:
         program = torch.export.load(str(path / "model.pt2")).module()
     except FileNotFoundError:
@@ -183,6 +184,15 @@ def load_version(path: str | Path, name: str | None = None) -> ModelVersion:
     version = ModelVersion(name or path.name, path, meta, encoders, program, record, published.info(path))
     _smoke(version, path)
     return version
+
+
+def _check_archive(pt2: Path) -> None:
+    """Before torch reads ``pt2``: refused if ``torch.export.load`` would unpickle any of
+    it or run code from it (score.py's check, :func:`~hybridrec.serve.score_template.archive_problem`)."""
+    from hybridrec.serve.score_template import archive_problem
+
+    if pt2.is_file() and (problem := archive_problem(pt2)) is not None:  # (missing: said below)
+        raise DataError(f"{pt2}: refused: {problem}")
 
 
 def _json(file: Path) -> dict:
