@@ -526,7 +526,9 @@ def is_loopback(host: str) -> bool:
 
 
 def listen(host: str, port: int):
-    """A bound socket on ``host:port`` (port 0: a free one)."""
+    """A socket listening on ``host:port`` (port 0: a free one). It listens from here on, so
+    a client that connects once the address is printed waits in the backlog until uvicorn
+    accepts (rather than being refused)."""
     import socket
 
     try:
@@ -535,6 +537,7 @@ def listen(host: str, port: int):
         sock = socket.socket(family, kind, proto)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(address)
+        sock.listen(2048)
     except OSError as e:
         raise ConfigError(f"--host {host} --port {port}: cannot listen there ({e.strerror or e})") from None
     sock.set_inheritable(True)

@@ -20,7 +20,9 @@ vocabularies but must take the same raw columns (:meth:`ModelVersion.same_column
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import re
 import time
 from dataclasses import dataclass
@@ -175,7 +177,8 @@ def load_version(path: str | Path, name: str | None = None) -> ModelVersion:
     encoders = _encoders(spec, path / "preprocess")
     _check_archive(path / "model.pt2")
     try:
-        program = torch.export.load(str(path / "model.pt2")).module()
+        with _quiet("torch.export"):  # (it logs a traceback before raising; the error is the line)
+            program = torch.export.load(str(path / "model.pt2")).module()
     except FileNotFoundError:
         raise DataError(f"{path / 'model.pt2'}: missing") from None
     except Exception as e:  # noqa: BLE001 (whatever a corrupt archive raises: one line)
@@ -184,6 +187,17 @@ def load_version(path: str | Path, name: str | None = None) -> ModelVersion:
     version = ModelVersion(name or path.name, path, meta, encoders, program, record, published.info(path))
     _smoke(version, path)
     return version
+
+
+@contextlib.contextmanager
+def _quiet(logger: str):
+    log = logging.getLogger(logger)
+    level = log.level
+    log.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
 
 
 def _check_archive(pt2: Path) -> None:
