@@ -274,6 +274,10 @@ def test_bad_requests_get_a_4xx_and_one_line_and_the_server_stays_healthy(traine
     del no_c7[1]["C7"]
     text_value = [dict(r) for r in rows[:3]]
     text_value[2]["I5"] = "many"
+    tab = [dict(r) for r in rows[:2]]
+    tab[1]["C3"] = "68fd\t1e64"
+    nested = [dict(r) for r in rows[:2]]
+    nested[0]["I2"] = {"value": 1}
     uneven = _columns(rows[:4])
     uneven["I3"] = uneven["I3"][:3]
     padded = json.dumps({"rows": rows[:2]}) + " " * (300 * 1024)
@@ -284,6 +288,8 @@ def test_bad_requests_get_a_4xx_and_one_line_and_the_server_stays_healthy(traine
         (json.dumps({"columns": {k: v for k, v in _columns(rows[:2]).items() if k != "I9"}}), 400, ["I9"]),
         (json.dumps({"rows": text_value}), 400, ["row 2", "I5", "many"]),
         (json.dumps({"columns": uneven}), 400, ["I3", "3 values"]),
+        (json.dumps({"rows": tab}), 400, ["row 1", "C3", "tab"]),
+        (json.dumps({"rows": nested}), 400, ["row 0", "I2", "object"]),
         (json.dumps({"rows": rows + rows[:1]}), 413, [f"{ROWS + 1} rows", "--max-rows"]),
         (padded, 413, ["bytes", "--max-body-mb"]),
     ]

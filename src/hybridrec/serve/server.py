@@ -19,7 +19,8 @@ Endpoints (JSON unless said):
 **Batching.** Concurrent requests are scored together: each request's rows are parsed
 and encoded on its own worker thread (Starlette's thread pool), then queued; one batcher
 task takes what is queued, up to ``max_batch_rows`` rows, waiting at most
-``max_wait_s`` for more after the first, and runs one forward on a single model thread
+``max_wait_s`` for more after the first while other requests are being read or encoded
+(none: no wait), and runs one forward on a single model thread
 whose torch operations use every core the process may run on (``threads``). While a
 forward runs the next batch gathers, so under load batches grow by themselves. A request
 is never split; one larger than ``max_batch_rows`` is a batch of its own. Starlette has no
@@ -203,6 +204,7 @@ class Batcher:
         self.limits, self.metrics = limits, metrics
         self.queue: asyncio.Queue = asyncio.Queue()
         self.waiting: deque = deque()  # taken from the queue, left for a later batch
+        self.coming = 0  # requests being read and encoded (they will be queued soon)
         self.model_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="hybridrec-model")
 
     async def score(self, inputs: Inputs) -> np.ndarray:
@@ -214,11 +216,9 @@ class Batcher:
         loop = asyncio.get_running_loop()
         while True:
             batch = await self._gather(loop)
-            version = batch[0][0].version
-            rows = sum(i.rows for i, _ in batch)
-            self.metrics.batch_rows.observe(rows)
             try:
-                probs = await loop.run_in_executor(self.model_thread, _forward, version,
+                self.metrics.batch_rows.observe(sum(i.rows for i, _ in batch))
+                probs = await loop.run_in_executor(self.model_thread, _forward, batch[0][0].version,
                                                    [i.args for i, _ in batch])
             except Exception as e:  # noqa: BLE001 (the requests of this batch fail; the server goes on)
                 for _, future in batch:
@@ -251,7 +251,7 @@ class Batcher:
                 item = self.queue.get_nowait()
             except asyncio.QueueEmpty:
                 left = deadline - loop.time()
-                if left <= 0:
+                if left <= 0 or not self.coming:  # (no other request on its way: no wait)
                     break
                 try:
                     item = await asyncio.wait_for(self.queue.get(), left)
@@ -333,12 +333,17 @@ def _columns(cols, columns: list[str], max_rows: int) -> tuple[dict[str, list], 
 
 def check_values(columns: dict[str, list], fmt: str) -> None:
     """What the in-memory readers cannot see: in Criteo's tab-separated text a tab or line
-    break inside a value would split it, and an object is no value in any format."""
+    break inside a value would split it, and an object is no value in any format (CSV
+    would hash its text)."""
     for name, values in columns.items():
-        for i, v in enumerate(values):
-            if isinstance(v, dict):
-                raise BadRequest(400, f"row {i}: column {name}: an object is not a value")
-            if fmt == "criteo" and isinstance(v, str) and ("\t" in v or "\n" in v or "\r" in v):
+        types = set(map(type, values))
+        if dict in types:
+            i = next(i for i, v in enumerate(values) if isinstance(v, dict))
+            raise BadRequest(400, f"row {i}: column {name}: an object is not a value")
+        if fmt == "criteo" and str in types:
+            text = "".join(v for v in values if type(v) is str)
+            if "\t" in text or "\n" in text or "\r" in text:
+                i = next(i for i, v in enumerate(values) if isinstance(v, str) and set(v) & set("\t\n\r"))
                 raise BadRequest(400, f"row {i}: column {name}: a tab or line break inside a value")
 
 
@@ -382,6 +387,7 @@ class Server:
         self.metrics.serving(version.name, None)
         self.refused: str | None = None
         self.batcher: Batcher | None = None
+        self.tasks: list[asyncio.Task] = []
 
     def app(self):
         from starlette.applications import Starlette
@@ -390,15 +396,15 @@ class Server:
         @contextlib.asynccontextmanager
         async def lifespan(app):
             self.batcher = Batcher(self.limits, self.metrics)
-            tasks = [asyncio.create_task(self.batcher.run(), name="hybridrec-batcher")]
+            self.tasks = [asyncio.create_task(self.batcher.run(), name="hybridrec-batcher")]
             if self.source.run is not None:
-                tasks.append(asyncio.create_task(self.watch(), name="hybridrec-watch"))
+                self.tasks.append(asyncio.create_task(self.watch(), name="hybridrec-watch"))
             try:
                 yield
             finally:
-                for t in tasks:
+                for t in self.tasks:
                     t.cancel()
-                await asyncio.gather(*tasks, return_exceptions=True)
+                await asyncio.gather(*self.tasks, return_exceptions=True)
                 self.batcher.close()
 
         return Starlette(lifespan=lifespan, routes=[
@@ -417,8 +423,12 @@ class Server:
         start = time.perf_counter()
         version = self.current
         try:
-            body = await read_body(request, self.limits.max_body_bytes)
-            inputs = await run_in_threadpool(self._inputs, version, body)
+            self.batcher.coming += 1
+            try:
+                body = await read_body(request, self.limits.max_body_bytes)
+                inputs = await run_in_threadpool(self._inputs, version, body)
+            finally:
+                self.batcher.coming -= 1
             probs = await self.batcher.score(inputs) if inputs.rows else np.zeros(0, np.float32)
         except BadRequest as e:
             return self._error(e.status, e.message, e.kind)
@@ -457,8 +467,11 @@ class Server:
     async def health(self, request):
         from starlette.responses import JSONResponse
 
-        self.metrics.requests.labels(endpoint="healthz", status="200").inc()
-        return JSONResponse({"status": "ok", "version": self.current.name})
+        stopped = [t.get_name() for t in self.tasks if t.done()]
+        status = 503 if stopped else 200  # (a task that ended is a bug; a probe should see it)
+        self.metrics.requests.labels(endpoint="healthz", status=str(status)).inc()
+        return JSONResponse({"status": f"{', '.join(stopped)} stopped" if stopped else "ok",
+                             "version": self.current.name}, status_code=status)
 
     async def prometheus(self, request):
         from prometheus_client import CONTENT_TYPE_LATEST
