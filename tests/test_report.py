@@ -192,9 +192,11 @@ def test_write_report_is_fast_on_a_long_log_and_thins_lines_keeping_spikes(runs,
             loss = 5.0 if step == 5_003 else 0.5 + (step % 7) / 100
             f.write(json.dumps({"step": step, "split": "train", "time": 1.0 + step,
                                 "loss": loss, "samples_per_sec": 20_000.0 + step}) + "\n")
-    start = time.perf_counter()
+    # (this process's CPU seconds, which other processes on a loaded machine do not stretch as
+    # they stretch the wall clock; 0.08-0.32 s of wall clock on a loaded 2-core machine)
+    start = time.process_time()
     assert report.write_report(run) is not None
-    assert time.perf_counter() - start < 1.0
+    assert time.process_time() - start < 1.0
     points = _series(run / "report" / "loss.svg")["long"]
     assert 100 < len(points) <= 1500
     # The spike (loss 5 against 0.5-0.56) is the top of the axis: a point near the top.
