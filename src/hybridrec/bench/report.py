@@ -687,10 +687,10 @@ def build_report(run_dirs: list[Path], out: Path | None = None) -> tuple[Path, l
     paths = [Path(p) for p in run_dirs]
     if not paths:
         raise HybridrecError("report: no run directory given")
-    runs = [load_run(p, label) for p, label in zip(paths, labels(paths))]
     if out is None and default_out(paths).is_symlink():  # (a run's report stays in its directory)
         raise HybridrecError(f"{default_out(paths)} is a symbolic link: the report is not written through it; "
                              "remove the link, or name where the report goes (--out DIR)")
+    runs = [load_run(p, label) for p, label in zip(paths, labels(paths))]
     out = Path(out) if out is not None else default_out(paths)
     figures = charts(runs)
     # A file that cannot be written raises OSError naming it (RUN/report/loss.svg: No

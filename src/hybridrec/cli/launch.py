@@ -210,6 +210,7 @@ def rank_main(argv: list[str], environ: dict[str, str], launcher: int | None = N
     :func:`end_with`)."""
     from hybridrec.cli.main import main
 
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # (the fork server ignores it: see hybridrec.cli.lifeline)
     die_with_parent()  # (the fork server, which dies with the launcher: see hybridrec.cli.lifeline)
     if launcher is not None:
         end_with(launcher, "its launcher")

@@ -14,7 +14,8 @@ the end. Two mechanisms end it:
   one line; under torchrun, where no fork server stands between, the thread waits on
   torchrun's agent, the rank's parent.
 
-A checkpoint a killed rank was writing stays an unfinished save (``*.tmp``), never loaded.
+A checkpoint a killed rank was writing stays an unfinished save (``*.tmp-PID``), never
+loaded, and removed when the run starts again; a SIGTERM'd one removes it itself.
 """
 
 from __future__ import annotations
@@ -90,3 +91,8 @@ def _in_fork_server() -> bool:
 
 if _in_fork_server():  # the launcher's fork server: it dies with the launcher, and its ranks with it
     die_with_parent()
+    # A SIGTERM to the whole process group (a scheduler's stop) is for the launcher and the
+    # ranks to act on (hybridrec.train.terminate); killed by it, the server would take the
+    # ranks with it (SIGKILL) mid-save. It ignores it, as it ignores SIGINT, and ends with
+    # the launcher; a rank puts SIGTERM's default back first thing (cli.launch.rank_main).
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)

@@ -68,7 +68,6 @@ def is_complete(path: str | Path) -> bool:
     return TMP_MARK not in p.name and (p / ".metadata").is_file() and (p / MANIFEST).is_file()
 
 
-# -- ranks agree on every outcome ------------------------------------------------------
 _UNFINISHED = re.compile(r"^(?:.+\.tmp-(\d+)|\.tmp-.+-(\d+))$")
 """A save's directory before it is renamed into place, named for the process writing it:
 ``step-N.tmp-PID`` (checkpoints), ``.tmp-NAME-PID`` (recovery snapshots, shard deltas)."""
@@ -171,6 +170,7 @@ def _alive(pid: int) -> bool:
     return True
 
 
+# -- ranks agree on every outcome ------------------------------------------------------
 def gather(topo: Topology, obj) -> list:
     """Collective: every rank's ``obj`` (small, picklable: our own live processes, never
     a file), in rank order."""
@@ -490,13 +490,12 @@ def write_and_publish(final: Path, tmp: Path, state: dict, meta: dict, topo: Top
     agree(topo, err, final, "saving the checkpoint")
     try:  # phase 4: every rank's part is on disk; rank 0 publishes the directory
         if topo.rank == 0:
-            if final.exists():
-                shutil.rmtree(final)
-            os.replace(tmp, final)
+            save_ended(tmp, publish=final)  # (not while a SIGTERM removes it: stop_saves)
             fsync_dir(final.parent)
     except Exception as e:  # noqa: BLE001
         err = e
     agree(topo, err, final, "publishing the checkpoint")
+    save_ended(tmp)
 
 
 # -- checksums -------------------------------------------------------------------------------

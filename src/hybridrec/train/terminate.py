@@ -15,9 +15,12 @@ Under hybridrec's own launcher the ranks stay quiet (its agent stops them with S
 after any rank's failure too) and the launcher says it once for the run, after its ranks
 ended (without the step, which only the ranks know).
 
-Simplification: a save that a writer thread is still adding files to while its directory
-is removed can be left behind (the removal is tried three times); the next start of the
-run removes what a process that is gone left (``remove_leftovers``, with the lock held).
+The main thread is stopped first (:func:`~hybridrec.train.checkpointing.recovery.park_main`:
+it waits in SIGTERM's handler), so that the save it was writing does not make its
+directory again once removed. Simplification: a background save's writer thread
+(``train.async_checkpoint``) is not stopped, and may make it again before the process
+ends; the next start of the run removes what a process that is gone left
+(``remove_leftovers``, with the lock held).
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from pathlib import Path
 from hybridrec.parallel.checkpoint_io import stop_saves
 from hybridrec.train import run_files
 from hybridrec.train.checkpointing import checkpoint as ckpt
-from hybridrec.train.checkpointing.recovery import SigtermWatch
+from hybridrec.train.checkpointing.recovery import SigtermWatch, park_main
 
 
 class Terminating:
@@ -46,8 +49,9 @@ class Terminating:
         """At the signal (in the watching thread): no save goes on, this process's unfinished
         saves go, then the line (the process ends right after)."""
         stop_saves()  # (waits for a checkpoint being published: the line names it)
+        park_main()  # (a save of the main thread's may have made its directory again since)
         text = line(self.run_dir, self.shown, step=getattr(self.trainer, "step", None), resume=self.resume)
-        stop_saves()  # (again: a writer thread may have made the directory again meanwhile)
+        stop_saves()  # (again, now that the main thread writes nothing)
         run_files.remove_leftovers(self.run_dir, pid=os.getpid())  # (snapshots', deltas')
         if self.say:
             print(text, file=sys.stderr, flush=True)

@@ -978,6 +978,25 @@ class SigtermWatch:
                 os._exit(128 + signal.SIGTERM)
 
 
+_park = threading.Event()  # set by park_main: the main thread stops in SIGTERM's handler
+_parked = threading.Event()
+
+
+def park_main(timeout_s: float = 2.0) -> bool:
+    """From a :class:`SigtermWatch`'s ``on_stop``: have the main thread wait in SIGTERM's
+    handler until the process ends, so that it makes nothing more (a save's directory)
+    while ``on_stop`` cleans up. Returns whether it got there within ``timeout_s`` (a main
+    thread inside a collective or a long C call does not, and makes nothing meanwhile)."""
+    _park.set()
+    with contextlib.suppress(ValueError, OSError):
+        signal.pthread_kill(threading.main_thread().ident, signal.SIGTERM)
+    return _parked.wait(timeout_s)
+
+
 def _ignore(signum, frame) -> None:
     """SIGTERM's Python-level handler: nothing; the recovery thread acts on it (the byte
-    :func:`signal.set_wakeup_fd` writes), after the step's update."""
+    :func:`signal.set_wakeup_fd` writes), after the step's update. Once :func:`park_main`
+    asked, the main thread waits here for the process to end."""
+    if _park.is_set():
+        _parked.set()
+        threading.Event().wait()
