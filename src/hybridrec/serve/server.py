@@ -385,7 +385,8 @@ class Server:
         self.source, self.current, self.limits = source, version, limits or Limits()
         self.metrics = Metrics()
         self.metrics.serving(version.name, None)
-        self.refused: str | None = None
+        self.refused: str | None = None  # the last version refused (not tried again)
+        self.unreadable: str | None = None  # why LATEST could not be read (said once)
         self.batcher: Batcher | None = None
         self.tasks: list[asyncio.Task] = []
 
@@ -489,10 +490,11 @@ class Server:
             try:
                 name = await asyncio.to_thread(published.latest_name, self.source.run)
             except (HybridrecError, OSError) as e:
-                if self.refused != str(e):
-                    log(f"cannot read {published.LATEST}: {e}")
-                    self.refused = str(e)
+                if self.unreadable != str(e):
+                    log(f"cannot read {published.LATEST}: {e}; still serving {self.current.name}")
+                    self.unreadable = str(e)
                 continue
+            self.unreadable = None
             if name is None or name in (self.current.name, self.refused):
                 continue
             await self.swap_to(name)
