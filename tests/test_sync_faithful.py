@@ -161,6 +161,7 @@ def write_back_worker(topo, write_back):
     deadline = time.monotonic() + 30
     while not runner.round_starts and time.monotonic() < deadline:  # (appended once its target is out)
         time.sleep(0.005)
+    assert runner.round_starts, "the round's target did not come out within 30 s of its release"
     runner.after_step(1)
     written = p.detach().clone()
     runner.stop()
@@ -190,14 +191,18 @@ class FailingAveraging(ModelAveraging):
         return super().round(snapshot, mean)
 
 
-def dead_thread_worker(topo, fail_at, steps):
-    """Steps of about 20 ms with rounds back to back; returns the step whose after_step
-    raised (None: none did) with its message, and the step at which the thread died."""
+def dead_thread_worker(topo, fail_at, limit_s):
+    """Steps of about 20 ms with rounds back to back, until a step's after_step raises
+    (however many steps the rounds up to the failing one take on a loaded machine; none
+    within ``limit_s`` seconds: the thread died unnoticed, or never ran). Returns the step
+    whose after_step raised (None: none did) with its message, and the step at which the
+    thread died."""
     p = torch.nn.Parameter(torch.zeros(4))
     runner = BackgroundRunner(FailingAveraging(fail_at), [p], topo.parallel_groups(1)[0])
     runner.start()
-    raised = None
-    for step in range(1, steps + 1):
+    raised, step, deadline = None, 0, time.monotonic() + limit_s
+    while raised is None and time.monotonic() < deadline:
+        step += 1
         with torch.no_grad():
             p.add_(topo.rank + 1.0)
         time.sleep(0.02)
@@ -205,13 +210,11 @@ def dead_thread_worker(topo, fail_at, steps):
             runner.after_step(step)
         except ShadowSyncDied as e:
             raised = (step, str(e))
-            break
     return raised, runner._died_at
 
 
 def test_a_dead_shadow_thread_ends_the_run_at_the_next_step():
-    steps = 150
-    for raised, died_at in run_ranks(dead_thread_worker, 2, 3, steps):
+    for raised, died_at in run_ranks(dead_thread_worker, 2, 3, 60.0, timeout_s=60.0):
         assert raised is not None, "the run trained on without its shadow thread"
         step, message = raised
         assert died_at is not None and died_at <= step <= died_at + 1, (died_at, step)
