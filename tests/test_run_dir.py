@@ -245,12 +245,10 @@ def test_two_ranks_agree_on_a_new_run_dir_and_both_refuse_another_config(dataset
 def test_starting_over_removes_what_the_old_run_wrote(tmp_path):
     from hybridrec.errors import ConfigError
     from hybridrec.train.build import start_over
-    from hybridrec.train.run_files import MARKER
 
     run = tmp_path / "run"
     names = ["config.json", "summary.json", "eval.json", "plan.json", "metrics.jsonl", "failure_injected.json",
-             "recovery.jsonl", "checkpoint_interval.json", "init_from.json", ".summary.json.k2j3.tmp",
-             LOCK_NAME, MARKER]
+             "recovery.jsonl", "checkpoint_interval.json", "init_from.json", ".summary.json.k2j3.tmp", LOCK_NAME]
     for d in ("checkpoints/step-00000004", "checkpoints/step-00000005.tmp-123", "recovery/deltas/rank-00000",
               "tensorboard", "report"):
         (run / d).mkdir(parents=True)
@@ -265,4 +263,4 @@ def test_starting_over_removes_what_the_old_run_wrote(tmp_path):
     (run / "checkpoints" / "x").rmdir()
     (run / "notes.txt").unlink()
     start_over(run)
-    assert sorted(p.name for p in run.iterdir()) == sorted([LOCK_NAME, MARKER])
+    assert sorted(p.name for p in run.iterdir()) == [LOCK_NAME]

@@ -83,7 +83,7 @@ def _copy(run: Path, to: Path) -> Path:
 
 # -- whose directory ---------------------------------------------------------------------------
 def test_the_root_directory_is_refused(dataset, capsys):
-    before = {n: os.path.lexists(os.path.join(os.sep, n)) for n in (LOCK_NAME, run_files.MARKER)}
+    before = {n: os.path.lexists(os.path.join(os.sep, n)) for n in (LOCK_NAME, "config.json")}
     assert main(_args(dataset, "/")) == 2
     line = _one_error(capsys)
     assert "train.run_dir=/ is the root directory" in line and "train.run_dir=DIR" in line, line
@@ -122,20 +122,29 @@ def test_someone_elses_directory_is_left_byte_identical(dataset, tmp_path, capsy
     assert _hashes(theirs) == before
 
 
-def test_a_new_or_empty_directory_becomes_a_run_and_an_older_run_still_resumes(dataset, run5, tmp_path, capsys):
+def test_a_new_or_empty_directory_becomes_a_run_and_older_runs_still_resume(dataset, run5, tmp_path, capsys):
     empty = tmp_path / "empty"
     empty.mkdir()
+    (empty / LOCK_NAME).write_text("")  # (a lock file alone: empty still)
     assert main(_args(dataset, empty, "train.max_steps=2")) == 0
-    assert (empty / run_files.MARKER).is_file() and run_files.is_run(empty)
-    # A run written before the marker existed (its config.json is hybridrec's) resumes.
-    old = _copy(run5, tmp_path / "old")
-    (old / run_files.MARKER).unlink()
-    (old / "summary.json").unlink()
-    shutil.rmtree(old / "checkpoints" / "step-00000005")
-    capsys.readouterr()
-    assert main(_args(dataset, old, "train.max_steps=5", "train.checkpoint_every=2", "train.keep_checkpoints=5")) == 0
-    assert "resumed from step 4" in capsys.readouterr().err
-    assert (old / run_files.MARKER).is_file()
+    assert json.loads((empty / LOCK_NAME).read_text())["hybridrec"] and run_files.is_run(empty)
+    resume = ["train.max_steps=5", "train.checkpoint_every=2", "train.keep_checkpoints=5"]
+    # A run is recognised by its config.json alone (a run from before the lock file), and,
+    # before config.json is written, by its lock file alone (here as runs before the
+    # "hybridrec" key wrote it): both resume.
+    for name, old_lock in (("config-only", None), ("lock-only", {"pid": 1, "host": "h", "since": "2025"})):
+        old = _copy(run5, tmp_path / name)
+        (old / "summary.json").unlink()
+        shutil.rmtree(old / "checkpoints" / "step-00000005")
+        if old_lock is None:
+            (old / LOCK_NAME).unlink()
+        else:
+            (old / "config.json").unlink()
+            (old / LOCK_NAME).write_text(json.dumps(old_lock))
+        assert run_files.is_run(old)
+        capsys.readouterr()
+        assert main(_args(dataset, old, *resume)) == 0
+        assert "resumed from step 4" in capsys.readouterr().err
 
 
 # -- what starting over deletes -------------------------------------------------------------------
@@ -193,19 +202,22 @@ def test_checkpoints_that_are_a_symbolic_link_are_refused(dataset, run5, tmp_pat
     assert _hashes(elsewhere) == theirs and set(_hashes(run)) == set(before)
 
 
-def test_the_metrics_file_and_the_report_are_not_written_through_links(tmp_path, capsys):
-    from hybridrec.metrics.logger import MetricLogger
-
-    run, target = tmp_path / "run", tmp_path / "target.jsonl"
-    run.mkdir()
+def test_the_metrics_file_and_the_report_are_not_written_through_links(dataset, run5, tmp_path, capsys):
+    run = _copy(run5, tmp_path / "run")
+    (run / "summary.json").unlink()  # (a run to resume: it would append to metrics.jsonl)
+    target = tmp_path / "theirs.jsonl"
     target.write_text("theirs\n")
+    (run / "metrics.jsonl").rename(tmp_path / "metrics.jsonl")
     (run / "metrics.jsonl").symlink_to(target)
-    with pytest.raises(OSError, match="a symbolic link; not written through"):
-        MetricLogger(run)
+    assert main(_args(dataset, run, "train.max_steps=8")) == 2
+    assert f"{run}/metrics.jsonl is a symbolic link (to {target})" in _one_error(capsys)
     assert target.read_text() == "theirs\n"
-    elsewhere = tmp_path / "elsewhere"
-    elsewhere.mkdir()
+    # `hybridrec report RUN` does not write through RUN/report either.
     (run / "metrics.jsonl").unlink()
+    (tmp_path / "metrics.jsonl").rename(run / "metrics.jsonl")
+    elsewhere = tmp_path / "elsewhere"
+    shutil.rmtree(run / "report")
+    elsewhere.mkdir()
     (run / "report").symlink_to(elsewhere)
     assert main(["report", str(run)]) == 2
     assert "report is a symbolic link: the report is not written through it" in _one_error(capsys)

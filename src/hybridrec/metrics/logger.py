@@ -12,7 +12,6 @@ benchmarks read numbers, never log text.
 from __future__ import annotations
 
 import contextlib
-import errno
 import json
 import math
 import numbers
@@ -277,16 +276,9 @@ class MetricLogger:
 
 def _open_append(path: Path):
     """``path`` opened for appending bytes, unbuffered: :class:`MetricLogger` keeps its own
-    buffer, so that a failed write can be taken back whole. Never through a symbolic link
-    (the records stay in the run directory): a link is an error naming it."""
-    flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW
-    try:
-        fd = os.open(path, flags, 0o666)
-    except OSError as e:
-        if e.errno == errno.ELOOP:
-            raise OSError(e.errno, "a symbolic link; not written through", os.fspath(path)) from None
-        raise
-    return open(fd, "ab", buffering=0)  # noqa: SIM115 (closed in MetricLogger.close())
+    buffer, so that a failed write can be taken back whole. (A run's metrics.jsonl that is
+    a symbolic link is refused before the run starts: hybridrec.train.run_files.)"""
+    return open(path, "ab", buffering=0)  # noqa: SIM115 (closed in MetricLogger.close())
 
 
 def _append_whole(f, data: bytes) -> None:

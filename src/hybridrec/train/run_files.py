@@ -2,21 +2,22 @@
 
 A run directory holds one hybridrec run and nothing of anyone else's:
 
-- **Whose it is.** A run takes a directory that is new, empty (a leftover lock file aside)
-  or already a hybridrec run, recognised by its marker ``.hybridrec-run`` (written when a
-  run first takes the directory) or, for a run made before the marker, by a config.json as
-  hybridrec writes it (a JSON object of config sections, ``train.run_dir`` among them); such
-  a run gets its marker when it is taken again, and resumes as before. The root directory,
-  the user's home directory and any other non-empty directory are refused in one line
-  before anything is written (:func:`check_claim`, called by the run lock's
+- **Whose it is.** A run takes a directory that is new, empty (a lock file aside) or
+  already a hybridrec run, recognised by its config.json as hybridrec writes it (a JSON
+  object of config sections, ``train.run_dir`` among them) or, before that is written, by
+  its lock file as the run lock writes it (``{"hybridrec": VERSION, "pid": ...}``; runs
+  before that key: exactly ``pid``, ``host``, ``since``): the lock file, which every run
+  makes first, is the run's marker, and no other file is added. The root directory, the
+  user's home directory and any other non-empty directory are refused in one line before
+  anything is written (:func:`check_claim`, called by the run lock's
   :func:`~hybridrec.train.checkpointing.run_lock.take` before it creates the lock file).
-- **No links.** The names a run writes (:data:`FILES`, :data:`DIRS`, the lock and the
-  marker), and the entries of its checkpoints/ and recovery/, must not be symbolic links: a
+- **No links.** The names a run writes (:data:`FILES`, :data:`DIRS`, the lock), and the
+  entries of its checkpoints/, recovery/ and recovery/deltas/, must not be symbolic links: a
   run writes and deletes inside its own directory only, never through a link to somewhere
-  else (:func:`link_problem`; the lock and metrics.jsonl are also opened with
-  ``O_NOFOLLOW``).
+  else (:func:`link_problem`, checked when the run takes the directory; the lock and
+  recovery.jsonl are also opened with ``O_NOFOLLOW``).
 - **What starting over deletes.** ``train.resume=false`` deletes the names a run writes
-  and nothing else: :func:`foreign` lists whatever else the directory holds (a file of
+  (but the lock) and nothing else: :func:`foreign` lists whatever else the directory holds (a file of
   another name, a ``checkpoints/x`` that is no hybridrec checkpoint, a report/ file of
   another name), and :func:`check_start_over` refuses, in one line, deleting nothing, while
   there is any.
@@ -33,7 +34,6 @@ files are); and ``flock`` and these checks are per machine, like the lock.
 from __future__ import annotations
 
 import contextlib
-import datetime
 import json
 import os
 import re
@@ -41,17 +41,15 @@ import shutil
 import stat
 from pathlib import Path
 
-import hybridrec
 from hybridrec.errors import ConfigError
 from hybridrec.metrics.logger import METRICS_FILE, TENSORBOARD_DIR
 from hybridrec.parallel.checkpoint_io import FORMAT, MANIFEST, remove_unfinished
 from hybridrec.train.checkpointing.checkpoint_interval import CHOICE_FILE
 from hybridrec.train.checkpointing.faults import MARKER as INJECTED_FILE
+from hybridrec.train.setup.config import SECTIONS
 
-MARKER = ".hybridrec-run"
-"""The file that makes a directory a hybridrec run (see the module docstring)."""
-
-LOCK = ".lock"  # (hybridrec.train.checkpointing.run_lock.LOCK_NAME)
+LOCK = ".lock"
+"""The run lock's file (:mod:`hybridrec.train.checkpointing.run_lock`), also the run's marker."""
 CONFIG = "config.json"
 CHECKPOINTS = "checkpoints"  # (hybridrec.train.checkpointing.checkpoint.checkpoint_dir)
 RECOVERY = "recovery"  # (hybridrec.train.checkpointing.recovery.RECOVERY_DIR)
@@ -97,68 +95,47 @@ def check_claim(run_dir: str | Path, shown: str | None = None) -> None:
     if home and home != os.sep and real == os.path.realpath(home):
         raise ConfigError(f"train.run_dir={shown} is the home directory: a run directory holds one run's "
                           f"files alone; {elsewhere}")
-    if not os.path.lexists(run_dir):
+    if not run_dir.is_dir():  # (nothing there yet; or not a directory: making it says so)
         return
-    if not run_dir.is_dir():
-        raise ConfigError(f"train.run_dir={shown} exists and is not a directory: {elsewhere}")
-    others = _entries(run_dir) - {LOCK, MARKER}
+    others = _entries(run_dir) - {LOCK}
     if others and not is_run(run_dir):
         raise ConfigError(f"{shown} is not empty and is not a hybridrec run (it holds {_some(others)}): "
                           f"hybridrec writes and deletes files in its run directory; {elsewhere}")
     if (why := link_problem(run_dir)) is not None:
-        fix = "remove the link" if why.startswith((LOCK, MARKER)) else "replace the link with what it points to"
+        fix = "remove the link" if why.startswith(LOCK) else "replace the link with what it points to"
         raise ConfigError(f"{_join(shown, why)}: a run writes only inside its own directory; {fix}, or {elsewhere}")
 
 
 def is_run(run_dir: str | Path) -> bool:
-    """Whether ``run_dir`` is a hybridrec run: its marker, or a config.json as hybridrec
-    writes it (runs made before the marker)."""
+    """Whether ``run_dir`` is a hybridrec run: a config.json as hybridrec writes it, or
+    a lock file as the run lock writes it."""
     run_dir = Path(run_dir)
-    if _regular(run_dir / MARKER):
+    data = _json(run_dir / CONFIG)
+    if (isinstance(data, dict) and set(data) <= set(SECTIONS)
+            and all(isinstance(data.get(s), dict) for s in ("model", "data", "train")) and "run_dir" in data["train"]):
         return True
-    if not _regular(run_dir / CONFIG):
-        return False
+    record = _json(run_dir / LOCK)
+    return (isinstance(record, dict) and isinstance(record.get("pid"), int)
+            and ("hybridrec" in record or set(record) == {"pid", "host", "since"}))
+
+
+def _json(path: Path):
+    """The JSON in the regular file ``path`` (None: none there, or not JSON)."""
+    if not _regular(path):
+        return None
     try:
-        data = json.loads((run_dir / CONFIG).read_text())
+        return json.loads(path.read_text())
     except (OSError, ValueError):
-        return False
-    from hybridrec.train.setup.config import SECTIONS
-
-    return (isinstance(data, dict) and set(data) <= set(SECTIONS)
-            and all(isinstance(data.get(s), dict) for s in ("model", "data", "train"))
-            and "run_dir" in data["train"])
-
-
-def mark(run_dir: str | Path) -> bool:
-    """Write the marker (with the run lock held); returns whether this call wrote it."""
-    record = {"hybridrec": hybridrec.__version__,
-              "since": datetime.datetime.now().astimezone().isoformat(timespec="seconds")}
-    try:
-        fd = os.open(Path(run_dir) / MARKER, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-                     0o666)
-    except FileExistsError:
-        return False
-    with os.fdopen(fd, "w") as f:
-        f.write(json.dumps(record) + "\n")
-    return True
-
-
-def unmark(run_dir: str | Path) -> None:
-    """Remove the marker :func:`mark` wrote when the directory holds nothing else (but the
-    lock): a run refused before it wrote anything leaves the directory as it found it."""
-    run_dir = Path(run_dir)
-    with contextlib.suppress(OSError):
-        if _entries(run_dir) <= {LOCK, MARKER}:
-            (run_dir / MARKER).unlink()
+        return None
 
 
 def link_problem(run_dir: str | Path) -> str | None:
     """The first of the run's names that is a symbolic link, as ``NAME is a symbolic link
     (to TARGET)`` relative to ``run_dir``; None when there is none. Looked at: the lock,
-    the marker, :data:`FILES`, :data:`DIRS`, and the entries of checkpoints/, recovery/ and
+    :data:`FILES`, :data:`DIRS`, and the entries of checkpoints/, recovery/ and
     recovery/deltas/."""
     run_dir = Path(run_dir)
-    names = [LOCK, MARKER, *FILES, *DIRS]
+    names = [LOCK, *FILES, *DIRS]
     for sub in (CHECKPOINTS, RECOVERY, f"{RECOVERY}/deltas"):
         if _real_dir(run_dir / sub):
             names += [f"{sub}/{n}" for n in sorted(_entries(run_dir / sub))]
@@ -180,7 +157,7 @@ def foreign(run_dir: str | Path) -> list[str]:
         p = run_dir / name
         if p.is_symlink():
             out.append(name)
-        elif name in (LOCK, MARKER) or (name in FILES and _regular(p)) or _atomic_leftover(name, FILES):
+        elif (name == LOCK and _regular(p)) or (name in FILES and _regular(p)) or _atomic_leftover(name, FILES):
             continue
         elif name in DIRS and _real_dir(p):
             out += [f"{name}/{x}" for x in _foreign_in(name, p)]
@@ -247,7 +224,7 @@ def check_start_over(run_dir: str | Path, shown: str | None = None) -> None:
 
 def clear(run_dir: str | Path) -> None:
     """Delete the run's own files (:data:`FILES`, :data:`DIRS` and what an interrupted
-    atomic write left), keeping the lock and the marker; :func:`check_start_over` first.
+    atomic write left), keeping the lock; :func:`check_start_over` first.
     No link is followed (:func:`foreign` refused any)."""
     run_dir = Path(run_dir)
     for name in DIRS:

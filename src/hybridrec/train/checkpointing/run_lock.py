@@ -12,10 +12,9 @@ let a waiting opener lock a file no longer in the directory.
 
 Before the lock file is made, the directory is checked to be one a run may take (new,
 empty, or a hybridrec run: :func:`hybridrec.train.run_files.check_claim`; a refusal writes
-nothing), and the lock file is opened without following a symbolic link. Once the lock is
-held the directory gets the marker that makes it a hybridrec run
-(:func:`~hybridrec.train.run_files.mark`), taken back when the block fails before the run
-wrote anything.
+nothing), and the lock file is opened without following a symbolic link. Its record names
+hybridrec: the lock file is also what makes the directory a hybridrec run before its
+config.json is written.
 
 ``flock`` is per machine: on a network file system that does not pass it on, two machines
 could still train one directory at once.
@@ -33,6 +32,7 @@ import socket
 from collections.abc import Iterator
 from pathlib import Path
 
+import hybridrec
 from hybridrec.errors import ConfigError
 from hybridrec.train import run_files
 
@@ -44,32 +44,28 @@ def holding(run_dir: str | Path, shown: str | None = None) -> Iterator[Path]:
     """Hold the run directory's lock (creating the directory if needed) while the block
     runs; raises :class:`ConfigError` when another process holds it, or the directory is
     not one a run may take (:func:`take`). A directory this call created is removed again
-    if the block fails and left it otherwise empty; the marker this call wrote goes too."""
+    if the block fails and left it otherwise empty."""
     run_dir = Path(run_dir)
     shown = shown or str(run_dir)
     created = not os.path.lexists(run_dir)
     fd = take(run_dir, shown)
-    ok, marked = False, False
+    ok = False
     try:
-        marked = run_files.mark(run_dir)
         yield run_dir
         ok = True
     finally:
         if not ok and created:
             remove_empty(run_dir)
-        elif not ok and marked:
-            run_files.unmark(run_dir)
         os.close(fd)
 
 
 def remove_empty(run_dir: str | Path) -> None:
-    """Remove a run directory that holds nothing but its lock and marker (a run refused
-    before it wrote anything); anything else in it keeps it."""
+    """Remove a run directory that holds nothing but its lock (a run refused before it
+    wrote anything); anything else in it keeps it."""
     run_dir = Path(run_dir)
     with contextlib.suppress(OSError):
-        if {p.name for p in run_dir.iterdir()} <= {LOCK_NAME, run_files.MARKER}:
-            for name in (run_files.MARKER, LOCK_NAME):
-                (run_dir / name).unlink(missing_ok=True)
+        if {p.name for p in run_dir.iterdir()} <= {LOCK_NAME}:
+            (run_dir / LOCK_NAME).unlink(missing_ok=True)
             run_dir.rmdir()
 
 
@@ -97,7 +93,7 @@ def take(run_dir: Path, shown: str) -> int:
             raise
         raise ConfigError(f"{shown} is being trained by another process ({holder}): wait for it to end "
                           "or stop it, or train another run (train.run_dir=DIR)") from None
-    record = {"pid": os.getpid(), "host": socket.gethostname(),
+    record = {"hybridrec": hybridrec.__version__, "pid": os.getpid(), "host": socket.gethostname(),
               "since": datetime.datetime.now().astimezone().isoformat(timespec="seconds")}
     os.ftruncate(fd, 0)
     os.pwrite(fd, (json.dumps(record) + "\n").encode(), 0)
