@@ -4,7 +4,10 @@ A run directory belongs to one run. Before anything is written, :func:`inspect_r
 compares what the directory holds (config.json, the newest checkpoint) with the new
 config: a run of an incompatible config is refused (nothing in the directory changes),
 a finished run is left alone, anything else is resumed. Every rank of a multi-rank run
-reads the same files and decides the same, before any collective.
+reads the same files and decides the same, before any collective. What a directory must be
+for a run to take it (new, empty or a hybridrec run; no links), what starting over deletes
+and the leftovers of killed saves: :mod:`hybridrec.train.run_files`; SIGTERM:
+:mod:`hybridrec.train.terminate`.
 """
 
 from __future__ import annotations

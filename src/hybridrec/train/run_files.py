@@ -17,10 +17,10 @@ A run directory holds one hybridrec run and nothing of anyone else's:
   else (:func:`link_problem`, checked when the run takes the directory; the lock and
   recovery.jsonl are also opened with ``O_NOFOLLOW``).
 - **What starting over deletes.** ``train.resume=false`` deletes the names a run writes
-  (but the lock) and nothing else: :func:`foreign` lists whatever else the directory holds (a file of
-  another name, a ``checkpoints/x`` that is no hybridrec checkpoint, a report/ file of
-  another name), and :func:`check_start_over` refuses, in one line, deleting nothing, while
-  there is any.
+  (but the lock) and nothing else: :func:`foreign` lists whatever else the directory holds
+  (a file of another name, a ``checkpoints/x`` that is no hybridrec checkpoint, a report/
+  file of another name), and :func:`check_start_over` refuses, in one line, deleting
+  nothing, while there is any.
 - **Killed saves.** A save writes ``NAME.tmp-PID`` / ``.tmp-NAME-PID`` and renames it into
   place when complete; :func:`remove_leftovers` removes those of processes that are gone
   (the next run, holding the lock) or of this process (a SIGTERM, see
@@ -81,9 +81,9 @@ def _atomic_leftover(name: str, names) -> bool:
 # -- whose directory -------------------------------------------------------------------------
 def check_claim(run_dir: str | Path, shown: str | None = None) -> None:
     """Refuse (:class:`ConfigError`, one line naming the directory and the way out) a run
-    directory a run must not take: the root, the home directory, something that is not a
-    directory, a non-empty directory that is not a hybridrec run, or a run whose names are
-    symbolic links. Reads only; nothing is created."""
+    directory a run must not take: the root, the home directory, a non-empty directory that
+    is not a hybridrec run, or a run whose names are symbolic links (a path that is not a
+    directory is left to making it, whose error names it). Reads only; nothing is created."""
     run_dir = Path(run_dir)
     shown = shown or str(run_dir)
     real = os.path.realpath(run_dir)
