@@ -132,6 +132,7 @@ async def load(url: str, bodies: list[bytes], clients: int, seconds: float) -> d
     latencies: list[float] = []
     versions: set[str] = set()
     errors = 0
+    kinds: dict[str, int] = {}
     rows = len(json.loads(bodies[0])["rows"])
     limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
     async with httpx.AsyncClient(base_url=url, limits=limits, timeout=60,
@@ -148,8 +149,11 @@ async def load(url: str, bodies: list[bytes], clients: int, seconds: float) -> d
                     ok = r.status_code == 200
                     if ok:
                         versions.add(r.json()["version"])
-                except httpx.HTTPError:
+                    else:
+                        kinds[f"HTTP {r.status_code}: {r.text[:120]}"] = kinds.get(f"HTTP {r.status_code}: {r.text[:120]}", 0) + 1
+                except httpx.HTTPError as e:
                     ok = False
+                    kinds[f"{type(e).__name__}: {e}"[:160]] = kinds.get(f"{type(e).__name__}: {e}"[:160], 0) + 1
                 latencies.append(time.perf_counter() - t)
                 errors += not ok
                 i += clients
@@ -164,7 +168,7 @@ async def load(url: str, bodies: list[bytes], clients: int, seconds: float) -> d
             "rows_per_s": round((n - errors) * rows / elapsed, 1),
             "p50_ms": round(float(np.percentile(lat, 50)), 2) if n else None,
             "p99_ms": round(float(np.percentile(lat, 99)), 2) if n else None,
-            "versions_seen": sorted(versions, key=lambda v: int(v[1:]) if v[1:].isdigit() else -1)}
+            "error_kinds": kinds, "versions_seen": sorted(versions, key=lambda v: int(v[1:]) if v[1:].isdigit() else -1)}
 
 
 def metric(url: str, name: str) -> float:

@@ -36,29 +36,29 @@ raw columns) and then swapped in with one assignment; requests already encoded b
 version finish on it. A version that fails is refused with one log line and the old one
 keeps serving; the same name is not retried (the next publication is).
 
-**Why Starlette on uvicorn** (not FastAPI, not LitServe). Measured on this project's
-2-core machine (shared, load from other processes; the same exported model, parsing and
-1-2 ms batching window in both; an httpx client of N concurrent connections, 8 s each,
-requests/s then p50 ms), two alternating rounds:
+**Why Starlette on uvicorn** (not LitServe, not FastAPI). Measured with
+``benchmarks/serve_stack.py`` (docs/benchmarks.md, "Serving over HTTP"): a minimal server of
+each stack doing the same work per request (this module's encoding and scoring, a 2 ms
+batching window), closed-loop httpx clients, two alternating rounds on a shared 2-core Zen 4;
+requests/s, round 1 and round 2:
 
-    ===================  =========================  =========================
-    clients x rows       Starlette + uvicorn        LitServe 0.2.19
-    ===================  =========================  =========================
-    1 x 1                35.8 / 24 ms, 23.5 / 44    30.8 / 26 ms, 31.7 / 28
-    16 x 1               109 / 135 ms, 88 / 174     115 / 87 ms, 82 / 158
-    64 x 1               44.6 / 900 ms, 37.2 / 1037 51.1 / 737 ms, 42.8 / 919
-    16 x 256             16.5 / 956 ms, 14.2 / 1151 26.8 / 436 ms, 11.7 / 1124
-    ===================  =========================  =========================
+    ================  ====================  =================
+    clients x rows    Starlette + uvicorn   LitServe 0.2.19
+    ================  ====================  =================
+    1 x 1             77.6, 114.8           112.0, 42.6
+    16 x 1            212.1, 192.9          113.8, 68.3
+    64 x 1            85.4, 129.2           44.4, 60.8
+    16 x 256          42.5, 73.8            24.0, 7.2
+    ================  ====================  =================
 
-Neither is faster here beyond the run-to-run spread of a loaded machine (the client,
-server and model share two cores). The choice is made on fit: LitServe scores in worker
-processes behind a queue, so a hot swap and the version each response names would have
-to be coordinated across processes; its batches count requests, not rows (a 256-row
-request weighs as much as a 1-row one); it listens on 0.0.0.0 unless told otherwise and
-brings FastAPI, pydantic and pyzmq. Starlette on uvicorn runs the model in this process,
-where swapping is one assignment, needs three small dependencies (starlette, uvicorn,
-prometheus-client) and leaves batching to a 60-line queue. FastAPI adds request models
-this API does not need (the columns are the run's, known at load time).
+Starlette answered 1.7-2.8x the requests at 16 clients and more in every loaded case (one
+client: the machine's spread). It also fits: the model runs in this process, where a swap
+is one assignment, and the dependencies are three small packages (starlette, uvicorn,
+prometheus-client). LitServe scores in worker processes behind a queue, so a hot swap and
+the version each response names would have to be coordinated across processes; its batches
+count requests, not rows (a 256-row request weighs as much as a 1-row one); it listens on
+0.0.0.0 unless told otherwise and brings FastAPI, pydantic and pyzmq. FastAPI's request
+models would add nothing: the columns are the run's, known when a version loads.
 """
 
 from __future__ import annotations
@@ -600,8 +600,10 @@ def serve(path: str | os.PathLike, *, host: str = "127.0.0.1", port: int = 8000,
     following = f", following {source.run / published.PUBLISHED / published.LATEST}" if source.run else ""
     print(f"hybridrec serve: serving {version.name} ({source.first}) on http://{shown}:{bound_port}"
           f"{following}; {n_threads} torch threads", flush=True)
+    # (keep-alive longer than clients' and proxies' own idle timeouts, e.g. httpx's 5 s and a
+    # load balancer's 60 s: a connection the server closes as the client reuses it fails a request)
     config = uvicorn.Config(server.app(), log_level="warning", access_log=False, lifespan="on",
-                            timeout_graceful_shutdown=10)
+                            timeout_graceful_shutdown=10, timeout_keep_alive=75)
     uvicorn.Server(config).run(sockets=[sock])
 
 
