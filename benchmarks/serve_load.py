@@ -12,7 +12,8 @@ once, publishes the first as ``RUN/published/v1`` (:mod:`hybridrec.serve.publish
 starts ``hybridrec serve RUN --port 0`` as its own process. Each case is a closed loop: N
 asyncio clients (httpx, one connection each) post requests back to back for --seconds,
 rows of the held-out day as ``{"rows": [...]}``; a request that is not answered 200 is an
-error. With publishing on, a thread publishes a new version every --publish-every seconds
+error (``error_kinds`` counts them by status or exception). With publishing on, a thread
+publishes a new version every --publish-every seconds
 (alternating the two exports, copied: the server's load and swap are measured, not the
 export) and keeps the newest 3. Client, server and publisher share this machine's cores.
 
@@ -33,6 +34,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -132,7 +134,7 @@ async def load(url: str, bodies: list[bytes], clients: int, seconds: float) -> d
     latencies: list[float] = []
     versions: set[str] = set()
     errors = 0
-    kinds: dict[str, int] = {}
+    kinds: Counter = Counter()
     rows = len(json.loads(bodies[0])["rows"])
     limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
     async with httpx.AsyncClient(base_url=url, limits=limits, timeout=60,
@@ -150,10 +152,10 @@ async def load(url: str, bodies: list[bytes], clients: int, seconds: float) -> d
                     if ok:
                         versions.add(r.json()["version"])
                     else:
-                        kinds[f"HTTP {r.status_code}: {r.text[:120]}"] = kinds.get(f"HTTP {r.status_code}: {r.text[:120]}", 0) + 1
+                        kinds[f"HTTP {r.status_code}: {r.text[:120]}"] += 1
                 except httpx.HTTPError as e:
                     ok = False
-                    kinds[f"{type(e).__name__}: {e}"[:160]] = kinds.get(f"{type(e).__name__}: {e}"[:160], 0) + 1
+                    kinds[f"{type(e).__name__}: {e}"[:160]] += 1
                 latencies.append(time.perf_counter() - t)
                 errors += not ok
                 i += clients
@@ -168,14 +170,14 @@ async def load(url: str, bodies: list[bytes], clients: int, seconds: float) -> d
             "rows_per_s": round((n - errors) * rows / elapsed, 1),
             "p50_ms": round(float(np.percentile(lat, 50)), 2) if n else None,
             "p99_ms": round(float(np.percentile(lat, 99)), 2) if n else None,
-            "error_kinds": kinds, "versions_seen": sorted(versions, key=lambda v: int(v[1:]) if v[1:].isdigit() else -1)}
+            "error_kinds": dict(kinds), "versions_seen": sorted(versions, key=lambda v: int(v[1:]) if v[1:].isdigit() else -1)}
 
 
 def metric(url: str, name: str) -> float:
     import httpx
 
     text = httpx.get(f"{url}/metrics", timeout=30).text
-    m = re.search(rf"^{name} ([0-9.e+-]+)$", text, re.M)
+    m = re.search(rf"^{name} ([0-9.e+-]+)$", text, re.MULTILINE)
     return float(m.group(1)) if m else 0.0
 
 
@@ -237,7 +239,8 @@ def main() -> None:
     print("| publishing | clients | rows/request | requests/s | rows/s | p50 ms | p99 ms | errors | swaps |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in results:
-        print(f"| {'every %gs' % args.publish_every if r['publishing'] else 'no'} | {r['clients']} | "
+        every = f"every {args.publish_every:g} s" if r["publishing"] else "no"
+        print(f"| {every} | {r['clients']} | "
               f"{r['rows_per_request']} | {r['requests_per_s']:,} | {r['rows_per_s']:,.0f} | {r['p50_ms']} | "
               f"{r['p99_ms']} | {r['errors']} | {r['swaps']} |")
     print(f"\nwrote {out}")

@@ -221,7 +221,7 @@ def _wait_until(condition, what: str, timeout: float = WAIT_S) -> None:
 
 
 def _metric(text: str, name: str) -> float:
-    m = re.search(rf"^{re.escape(name)}(?:{{[^}}]*}})? ([0-9.e+-]+)$", text, re.M)
+    m = re.search(rf"^{re.escape(name)}(?:{{[^}}]*}})? ([0-9.e+-]+)$", text, re.MULTILINE)
     assert m, f"no metric {name}"
     return float(m.group(1))
 
@@ -404,7 +404,7 @@ def test_a_hot_swap_under_concurrent_requests_fails_none_and_mixes_no_versions(t
             np.testing.assert_allclose(r["probabilities"], want, rtol=0, atol=1e-6, err_msg=r["version"])
     assert {r["version"] for s in seen for _, _, r in s} == set(order)
     assert _metric(metrics, "hybridrec_serve_swaps_total") == 2
-    assert not re.search(r"^hybridrec_serve_errors_total", metrics, re.M)  # (none counted)
+    assert not re.search(r"^hybridrec_serve_errors_total", metrics, re.MULTILINE)  # (none counted)
 
 
 @pytest.mark.slow  # a server process and four exports: 20-90 s
