@@ -25,7 +25,8 @@ share of the run), but no step is trained again.
    sparse optimizer state live all along in files of that directory
    (:mod:`hybridrec.train.checkpointing.resident`, :meth:`Recovery.start_resident`): the snapshot takes
    those files by a rename and writes only the rest. A rank killed outright (SIGKILL, a lost
-   machine) writes nothing.
+   machine) writes nothing, and its shards' delta being written (incremental saves, below)
+   is lost: its newest complete one serves. A stopped rank finishes that delta first.
    The snapshot is written as the state is, without a copy (no update runs meanwhile),
    and not synced to disk (the page cache serves the restart on this machine, in a
    fraction of the time): ``rank-R.json`` records the kernel's boot id, and a snapshot
@@ -455,11 +456,25 @@ class Recovery:
                 self._note("the rank stopped inside a step's update: no snapshot")
                 return
             try:
-                self.write_snapshot()
-            except Exception as e:  # noqa: BLE001 - the run is ending already; say why, go on
-                self._note(f"writing the recovery snapshot failed: {e}")
+                try:
+                    self.write_snapshot()
+                except Exception as e:  # noqa: BLE001 - the run is ending already; say why, go on
+                    self._note(f"writing the recovery snapshot failed: {e}")
+                self._delta_on_disk()
             finally:
                 self._state_lock.release()
+
+    def _delta_on_disk(self) -> None:
+        """The delta being written reaches disk before the process ends: it serves this
+        rank's next failure, and the snapshot's counts take its rows as saved. (The SIGTERM
+        watcher ends the process past :meth:`watch`'s own wait; called under the state lock,
+        so no delta is being staged.)"""
+        if self.deltas is None:
+            return
+        try:
+            self.deltas.wait()
+        except OSError as e:  # (the run is ending already: said, not raised)
+            self._note(str(e))
 
     def _note(self, text: str) -> None:
         with contextlib.suppress(OSError):
