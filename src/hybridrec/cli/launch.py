@@ -177,8 +177,13 @@ def _rendezvous_args(args, logs: str, port: int, nnodes: int, node_rank: int, ma
     as ``torchrun --standalone`` on one machine, but on loopback alone; across machines, at
     ``master`` over ``interface`` alone, waiting ``join_timeout_s`` (torch's ``join_timeout``,
     whole seconds) at most for the others. Returns the interface the ranks' sockets use."""
-    from hybridrec.cli.rendezvous import (LOOPBACK, interface_address, local_rendezvous, loopback_interface,
-                                          network_rendezvous)
+    from hybridrec.cli.rendezvous import (
+        LOOPBACK,
+        interface_address,
+        local_rendezvous,
+        loopback_interface,
+        network_rendezvous,
+    )
 
     if nnodes == 1:
         if port:

@@ -256,7 +256,7 @@ def row_topk(x: torch.Tensor, k: int, impl: str = "torch") -> torch.Tensor:
     return x.abs().topk(k, dim=-1, sorted=False).indices
 
 
-def time_topk_codec(codec: "TopKCodec", rows: int, cols: int, impls: list[str], *, device: str = "cpu",
+def time_topk_codec(codec: TopKCodec, rows: int, cols: int, impls: list[str], *, device: str = "cpu",
                     reps: int = 5, budget_s: float = 0.2) -> Timing:
     """Seconds of one round trip of ``codec``'s hop over ``[rows, cols]`` normal values (encode,
     decode, the gradients' encode and decode: what a step runs) with each of ``impls`` as the

@@ -278,7 +278,7 @@ def _open_append(path: Path):
     """``path`` opened for appending bytes, unbuffered: :class:`MetricLogger` keeps its own
     buffer, so that a failed write can be taken back whole. (A run's metrics.jsonl that is
     a symbolic link is refused before the run starts: hybridrec.train.run_files.)"""
-    return open(path, "ab", buffering=0)  # noqa: SIM115 (closed in MetricLogger.close())
+    return open(path, "ab", buffering=0)  # closed in MetricLogger.close()
 
 
 def _append_whole(f, data: bytes) -> None:

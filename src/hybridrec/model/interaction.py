@@ -30,7 +30,7 @@ class _PairwiseDot(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, z, pairs: "_Pairs", impl: str):
+    def forward(ctx, z, pairs: _Pairs, impl: str):
         b, n = z.shape[0], z.shape[1]
         ctx.save_for_backward(z)
         ctx.pairs, ctx.impl = pairs, impl
@@ -128,7 +128,7 @@ class DotInteraction(nn.Module):
         with torch.autocast(z.device.type, enabled=False):
             return torch.cat([dense, _PairwiseDot.apply(z, pairs, impl)], dim=1)
 
-    def _pairs(self, order: tuple[int, ...] | None, m: int) -> "_Pairs":
+    def _pairs(self, order: tuple[int, ...] | None, m: int) -> _Pairs:
         """The pairs' rows and columns (and their flat positions in an ``[m, m]`` matrix)
         where the features stand in ``order`` (None: their own), the dense vector first:
         the pair ``(i, j)`` of the features' order at ``(at[i], at[j])``, on either side of

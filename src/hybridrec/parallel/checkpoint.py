@@ -148,8 +148,18 @@ from hybridrec.parallel.checkpoint_layout import (
 from hybridrec.parallel.topology import Topology
 from hybridrec.threads import single_threaded
 
-__all__ = ["CheckpointError", "LoadedState", "PendingSave", "TMP_MARK", "is_complete", "load_sharded",
-           "load_state", "read_manifest", "save_sharded", "save_sharded_async"]
+__all__ = [
+    "TMP_MARK",
+    "CheckpointError",
+    "LoadedState",
+    "PendingSave",
+    "is_complete",
+    "load_sharded",
+    "load_state",
+    "read_manifest",
+    "save_sharded",
+    "save_sharded_async",
+]
 
 
 # -- save -------------------------------------------------------------------------------

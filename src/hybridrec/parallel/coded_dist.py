@@ -78,7 +78,6 @@ from __future__ import annotations
 import torch
 
 from hybridrec.comm.ledger import CommLedger
-from hybridrec.phases import phase
 from hybridrec.parallel.layout import (  # noqa: F401 - owner layouts are part of this hop's API
     VALUE_BYTES,
     EmbeddingLayout,
@@ -88,6 +87,7 @@ from hybridrec.parallel.layout import (  # noqa: F401 - owner layouts are part o
 )
 from hybridrec.parallel.threshold_dist import ThresholdAllToAll
 from hybridrec.parallel.topology import Topology
+from hybridrec.phases import phase
 
 AUTO = 0
 """``chunks`` of :func:`output_all_to_all_start` (``compress.embedding_chunks``): chosen by
@@ -309,7 +309,7 @@ class _InFlight:
     """The plain exchange between :class:`_PlainStart` and :class:`_PlainFinish`: the
     forward's handle and send buffer, then the backward's (kept alive until waited for)."""
 
-    __slots__ = ("splits", "handle", "send", "recv", "grad_out", "grad_handle", "grad_send")
+    __slots__ = ("grad_handle", "grad_out", "grad_send", "handle", "recv", "send", "splits")
 
     def __init__(self) -> None:
         self.splits = self.handle = self.send = self.recv = None
@@ -420,7 +420,7 @@ class _CodedFlight:
     forward's send and receive buffers and handle, then the backward's (each kept alive
     until waited for)."""
 
-    __slots__ = ("rows", "bwd_splits", "sends", "recvs", "handles", "grad_sends", "grad_outs", "grad_handles")
+    __slots__ = ("bwd_splits", "grad_handles", "grad_outs", "grad_sends", "handles", "recvs", "rows", "sends")
 
     def __init__(self, batch_sizes: list[int], chunks: int) -> None:
         self.rows = [_chunk_rows(batch_sizes, chunks, i) for i in range(chunks)]

@@ -28,6 +28,7 @@ from hybridrec.parallel.layout import EmbeddingLayout
 from hybridrec.parallel.topology import Topology
 from hybridrec.sparse.keyed_jagged import KeyedJagged
 
+
 def bucketize(values: torch.Tensor, lengths: torch.Tensor, rows: tuple[int, int]):
     """The ids of a bag list that fall in ``[rows)``, rebased, and the new bag lengths
     (``values [nnz]``, ``lengths [B]`` -> ``[nnz']``, ``[B]`` int64)."""

@@ -64,7 +64,6 @@ from torch import nn
 
 from hybridrec.comm.codecs import Codec
 from hybridrec.comm.ddp_hooks import CompressedAllReduce
-from hybridrec.parallel.threshold_dist import ThresholdMP
 from hybridrec.comm.ledger import CommLedger, ring_allreduce_bytes, tensor_nbytes
 from hybridrec.model.embedding import (
     EmbeddingBagCollection,
@@ -79,6 +78,7 @@ from hybridrec.parallel.host_reduce import host_reduce
 from hybridrec.parallel.input_dist import OwnerInput, PendingInput, start_input_dist
 from hybridrec.parallel.layout import EmbeddingLayout, Slot, build_layout, local_tables
 from hybridrec.parallel.plan import Shard, ShardingPlan
+from hybridrec.parallel.threshold_dist import ThresholdMP
 from hybridrec.parallel.topology import Topology
 from hybridrec.sparse.keyed_jagged import KeyedJagged
 

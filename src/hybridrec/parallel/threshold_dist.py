@@ -55,9 +55,9 @@ import torch
 from hybridrec.comm.codecs import VALUE_DTYPES, from_bytes, index_dtype, to_bytes
 from hybridrec.comm.compress import keep_count, refresh_due
 from hybridrec.comm.ledger import CommLedger
-from hybridrec.phases import phase
 from hybridrec.parallel.layout import EmbeddingLayout
 from hybridrec.parallel.topology import Topology
+from hybridrec.phases import phase
 
 SIZE_BYTES = 8
 """One int64 per rank pair in the size exchange."""

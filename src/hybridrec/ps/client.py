@@ -40,9 +40,9 @@ import threading
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed.rpc as rpc
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed import rpc
 
 from hybridrec.comm.ledger import CommLedger
 from hybridrec.errors import HybridrecError, PeerGone

@@ -37,8 +37,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.distributed.rpc as rpc
 from torch import nn
+from torch.distributed import rpc
 
 from hybridrec.model.embedding import TableConfig
 from hybridrec.model.id_groups import aggregate_rows

@@ -24,7 +24,7 @@ import warnings
 from dataclasses import dataclass
 
 import torch.distributed as dist
-import torch.distributed.rpc as rpc
+from torch.distributed import rpc
 
 from hybridrec.errors import ConfigError
 from hybridrec.parallel.topology import Topology

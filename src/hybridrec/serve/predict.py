@@ -37,8 +37,8 @@ from hybridrec.data.inputs import check_inputs
 from hybridrec.data.loader import keyed_ids
 from hybridrec.data.outputs import commit_file, refuse_over_inputs
 from hybridrec.data.preprocess import _progress, _tracked, encode_chunk, load_encoders
-from hybridrec.data.tabular import _pyarrow
 from hybridrec.data.shards import tmp_path
+from hybridrec.data.tabular import _pyarrow
 from hybridrec.errors import ConfigError, DataError, naming
 from hybridrec.serve.inputs import read_file, table_chunks
 from hybridrec.sparse.keyed_jagged import Batch

@@ -38,7 +38,7 @@ class KeyedJagged:
             :meth:`one_id_per_bag` return, when the maker knows it (not checked).
     """
 
-    __slots__ = ("keys", "values", "lengths", "_offsets", "_length_per_key", "_one_id")
+    __slots__ = ("_length_per_key", "_offsets", "_one_id", "keys", "lengths", "values")
 
     def __init__(self, keys: list[str], values: torch.Tensor, lengths: torch.Tensor, *,
                  length_per_key: list[int] | None = None, one_id_per_bag: bool | None = None) -> None:

@@ -8,9 +8,9 @@ from pathlib import Path
 
 from hybridrec.data.preprocess import preprocess_criteo
 from hybridrec.data.synth import generate
+from hybridrec.train.run import train
 from hybridrec.train.setup import recipes
 from hybridrec.train.setup.config import build_config
-from hybridrec.train.run import train
 
 
 def _synthesize(raw: Path, *, days: int, rows_per_day: int, seed: int) -> dict:

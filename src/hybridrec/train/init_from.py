@@ -76,8 +76,8 @@ from hybridrec.parallel.checkpoint_layout import (
 )
 from hybridrec.parallel.topology import Topology
 from hybridrec.train.checkpointing import checkpoint as ckpt
-from hybridrec.train.setup.config import Config
 from hybridrec.train.loop.early_stop import resolve_checkpoint
+from hybridrec.train.setup.config import Config
 
 PS_PART = ckpt.PS_PART
 RECORD = "init_from.json"

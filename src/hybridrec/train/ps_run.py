@@ -7,11 +7,11 @@ import sys
 from pathlib import Path
 
 import torch.distributed
-import torch.distributed.rpc as rpc
+from torch.distributed import rpc
 
 from hybridrec.data.schema import DatasetMeta
-from hybridrec.model.embedding import TableConfig
 from hybridrec.errors import ConfigError
+from hybridrec.model.embedding import TableConfig
 from hybridrec.parallel.checkpoint_io import agree, gather
 from hybridrec.parallel.cost_model import memory_by_rank
 from hybridrec.parallel.plan import ShardingPlan
@@ -19,12 +19,12 @@ from hybridrec.parallel.topology import Topology
 from hybridrec.ps import server as srv
 from hybridrec.ps.client import ServerError, wait_reply
 from hybridrec.ps.world import Roles, init_world, join_rpc, server_name, shutdown
-from hybridrec.train.setup.config import Config
-from hybridrec.train.setup.memory import memory_limit, size_text
-from hybridrec.train.loop.sparse_optim import combined_sparse_optimizer
-from hybridrec.train.setup.tables import build_tables, uniform_plan
 from hybridrec.train.checkpointing.faults import FailureInjector
 from hybridrec.train.checkpointing.server_recovery import ServerRecovery
+from hybridrec.train.loop.sparse_optim import combined_sparse_optimizer
+from hybridrec.train.setup.config import Config
+from hybridrec.train.setup.memory import memory_limit, size_text
+from hybridrec.train.setup.tables import build_tables, uniform_plan
 
 PS_DIR = "ps"
 """The servers' part of a checkpoint: ``step-N/ps/``, a sharded checkpoint of its own."""

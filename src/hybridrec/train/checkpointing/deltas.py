@@ -50,7 +50,14 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 
-from hybridrec.parallel.checkpoint_io import FORMAT, MANIFEST, SafeFileSystemReader, is_complete, quiet, write_json
+from hybridrec.parallel.checkpoint_io import (
+    FORMAT,
+    MANIFEST,
+    SafeFileSystemReader,
+    is_complete,
+    quiet,
+    write_json,
+)
 from hybridrec.parallel.sharded_embedding import SHARDS
 from hybridrec.threads import single_threaded
 

@@ -112,7 +112,12 @@ from hybridrec.parallel.sharded_embedding import REPLICATED, SHARDS
 from hybridrec.parallel.topology import Topology
 from hybridrec.train.checkpointing.checkpoint import list_checkpoints
 from hybridrec.train.checkpointing.deltas import ShardDeltas, plan_json
-from hybridrec.train.checkpointing.resident import ResidentShards, files_fit, read_into, shard_tensors
+from hybridrec.train.checkpointing.resident import (
+    ResidentShards,
+    files_fit,
+    read_into,
+    shard_tensors,
+)
 
 RECOVERY_DIR = "recovery"
 RESIDENT_DIR = "resident"  # (in a snapshot: its shards' files, see hybridrec.train.checkpointing.resident)

@@ -22,8 +22,8 @@ from hybridrec.train.checkpointing.checkpoint_interval import (
     young_daly_interval,
 )
 from hybridrec.train.checkpointing.checkpointer import Checkpointer
-from hybridrec.train.loop.parts import Done, End, Part, next_multiple
 from hybridrec.train.checkpointing.recovery import Recovery, elastic_restarts, read_events
+from hybridrec.train.loop.parts import Done, End, Part, next_multiple
 
 
 class Checkpoints(Part):

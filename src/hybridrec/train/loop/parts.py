@@ -45,8 +45,8 @@ from tqdm import tqdm
 from hybridrec.metrics.classification import RunningLoss
 from hybridrec.metrics.logger import MetricLogger
 from hybridrec.metrics.throughput import RunTotals, Throughput
-from hybridrec.train.loop.early_stop import EarlyStopping
 from hybridrec.train.checkpointing.faults import FailureInjector
+from hybridrec.train.loop.early_stop import EarlyStopping
 from hybridrec.train.loop.step import evaluate_model
 
 

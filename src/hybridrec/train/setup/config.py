@@ -15,11 +15,12 @@ import dataclasses
 import difflib
 import json
 import os
-import tomllib
 import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import tomllib
 
 from hybridrec.errors import ConfigError
 
@@ -694,6 +695,14 @@ def _field_doc(section: str, name: str) -> str:
 
 
 __all__ = [
-    "Config", "DataConfig", "DistConfig", "ModelConfig", "OptimConfig", "TrainConfig",
-    "build_config", "set_value", "describe", "validate",
+    "Config",
+    "DataConfig",
+    "DistConfig",
+    "ModelConfig",
+    "OptimConfig",
+    "TrainConfig",
+    "build_config",
+    "describe",
+    "set_value",
+    "validate",
 ]

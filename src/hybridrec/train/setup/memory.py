@@ -21,7 +21,6 @@ from hybridrec.parallel.topology import Topology
 from hybridrec.train.setup.config import Config
 from hybridrec.train.setup.tables import build_plan, build_tables, uniform_plan
 
-
 _DENSE_OPT_STATES = {"sgd": 0, "adagrad": 1, "adam": 2}
 
 
