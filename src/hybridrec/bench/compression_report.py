@@ -253,23 +253,23 @@ def format_markdown(results: dict) -> str:
     steps = results["max_steps"] or "recipe's epochs"
     lines = ["# Compression sweep", ""]
     if not results["complete"]:
-        lines += [f"**Partial: {results['runs_finished']} of {results['runs_total']} runs "
-                  "finished; the sweep is still running or was stopped.**", ""]
+        lines += [(f"**Partial: {results['runs_finished']} of {results['runs_total']} runs "
+                   "finished; the sweep is still running or was stopped.**"), ""]
     lines += [f"Data `{results['data']}`, {results['nproc']} rank(s), recipe "
               f"`{results['recipe']}`, seeds {', '.join(map(str, results['seeds']))}, "
               f"steps: {steps}" + (f", overrides `{' '.join(results['overrides'])}`"
                                   if results["overrides"] else "") + f". {results['written']}.",
               "",
-              "Bytes: rank 0's mean per training step sent to other ranks (ledger), with the "
-              "mean original float32 bytes / mean bytes sent in parentheses (a ratio of means "
-              "over seeds); total = every category. "
-              "AUC and log loss on the held-out split: mean ± std over seeds. Pareto: no other "
-              "setting has a higher AUC for no more bytes. At 1 Gbit/s and 100 Mbit/s: the "
-              "run's time modelled as its measured step time plus its bytes per step at the line "
-              "rate, no overlap (a model, not a measurement; speed-up against the baseline).", "",
-              "| setting | dense (η) | embedding (η) | AUC | ΔAUC | log loss "
-              "| dense all-reduce/step | output_dist/step | total sent/step | samples/s "
-              "| at 1 Gbit/s | at 100 Mbit/s | Pareto |",
+              ("Bytes: rank 0's mean per training step sent to other ranks (ledger), with the "
+               "mean original float32 bytes / mean bytes sent in parentheses (a ratio of means "
+               "over seeds); total = every category. "
+               "AUC and log loss on the held-out split: mean ± std over seeds. Pareto: no other "
+               "setting has a higher AUC for no more bytes. At 1 Gbit/s and 100 Mbit/s: the "
+               "run's time modelled as its measured step time plus its bytes per step at the line "
+               "rate, no overlap (a model, not a measurement; speed-up against the baseline)."), "",
+              ("| setting | dense (η) | embedding (η) | AUC | ΔAUC | log loss "
+               "| dense all-reduce/step | output_dist/step | total sent/step | samples/s "
+               "| at 1 Gbit/s | at 100 Mbit/s | Pareto |"),
               "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     base = next((r for r in results["settings"] if r["name"] == results["baseline"]), None)
     for r in results["settings"]:
@@ -289,6 +289,6 @@ def format_markdown(results: dict) -> str:
         lines += ["", "Failed runs:", ""]
         lines += [f"- `{name}` seed {run['seed']}: {run['error']} (log: `{run['log']}`)"
                   for name, run in failed]
-    lines += ["", "Plot: `pareto.svg`. Every number: `results.json`; every run: "
-              "`<setting>/seed<k>/summary.json`."]
+    lines += ["", ("Plot: `pareto.svg`. Every number: `results.json`; every run: "
+               "`<setting>/seed<k>/summary.json`.")]
     return "\n".join(lines) + "\n"

@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from itertools import pairwise
 from xml.sax.saxutils import escape, quoteattr
 
 _W, _H = 540, 400  # one panel, in px
@@ -172,8 +173,8 @@ def _panel(panel: Panel, ox: float, oy: float, x_label: str,
            x_format: Callable[[float], str], x_base: int) -> list[str]:
     """SVG elements of one panel whose top-left corner is (ox, oy)."""
     f = _Frame(ox + _LEFT, oy + _TOP, _W - _LEFT - _RIGHT, _H - _TOP - _BOTTOM)
-    out = [f'<g class="panel"><text x="{f.x0 + f.pw / 2:.1f}" y="{oy + 26}" '
-           f'text-anchor="middle" font-size="14" font-weight="bold">{escape(panel.title)}</text>',
+    out = [(f'<g class="panel"><text x="{f.x0 + f.pw / 2:.1f}" y="{oy + 26}" '
+            f'text-anchor="middle" font-size="14" font-weight="bold">{escape(panel.title)}</text>'),
            _border(f)]
     if not panel.points:
         return [*out, _empty(f, "no finished runs") + "</g>"]
@@ -198,7 +199,7 @@ def _panel(panel: Panel, ox: float, oy: float, x_label: str,
     front = sorted((p for p in panel.points if p.front), key=lambda p: p.x)
     if len(front) > 1:  # staircase: each front point holds its y until the next one
         pts = [(px(front[0].x), py(front[0].y))]
-        for a, b in zip(front, front[1:]):
+        for a, b in pairwise(front):
             pts += [(px(b.x), py(a.y)), (px(b.x), py(b.y))]
         out.append('<polyline class="front" fill="none" stroke="' + _FRONT + '" '
                    'stroke-dasharray="4 3" points="'
@@ -248,11 +249,11 @@ def _document(width: float, height: float, title: str, body: list[str], note: st
     (20 px more when there is one)."""
     height += 20 if note else 0
     out = ['<?xml version="1.0" encoding="UTF-8"?>',
-           f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
-           f'viewBox="0 0 {width} {height}" font-family="sans-serif">',
+           (f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+            f'viewBox="0 0 {width} {height}" font-family="sans-serif">'),
            f'<rect width="{width}" height="{height}" fill="white"/>',
-           f'<text x="{width / 2:.1f}" y="22" text-anchor="middle" font-size="16">'
-           f"{escape(title)}</text>", *body]
+           (f'<text x="{width / 2:.1f}" y="22" text-anchor="middle" font-size="16">'
+            f"{escape(title)}</text>"), *body]
     if note:
         out.append(f'<text x="12" y="{height - 8}" font-size="11" fill="#555">'
                    f"{escape(note)}</text>")

@@ -323,8 +323,8 @@ def describe(meta) -> list[str]:
     s = meta.schema
     out = [
         f"dataset {meta.path} (format_version {meta.format_version}, {meta.created_by})",
-        f"label: {s.label}{_label_map_text(meta.preprocessing.get('label_map'))}; "
-        f"dense ({len(s.dense)}): {', '.join(s.dense)}",
+        (f"label: {s.label}{_label_map_text(meta.preprocessing.get('label_map'))}; "
+         f"dense ({len(s.dense)}): {', '.join(s.dense)}"),
         f"features: {len(s.onehot)} one-hot, {len(s.multihot)} multi-hot",
         "splits: "
         + "; ".join(

@@ -247,8 +247,8 @@ def _ranks_text(ranks: list[int]) -> str:
 def format_tables(report: dict) -> list[str]:
     """One line per table: size, sharding type, ranks, memory (all copies)."""
     w = max([5] + [len(t["table"]) for t in report["tables"]])
-    lines = [f"{'table':<{w}} {'rows':>13} {'dim':>5} {'sharding':<15} {'ranks':<12} "
-             f"{'memory':>11}"]
+    lines = [(f"{'table':<{w}} {'rows':>13} {'dim':>5} {'sharding':<15} {'ranks':<12} "
+              f"{'memory':>11}")]
     for t in report["tables"]:
         lines.append(f"{t['table']:<{w}} {t['rows']:>13,} {t['dim']:>5} {t['sharding_type']:<15} "
                      f"{_ranks_text(t['ranks']):<12} {fmt_bytes(t['memory_bytes']):>11}")
@@ -299,6 +299,6 @@ def _choice(d) -> list[str]:
     if "why" in c:
         return [f"{'':<12} auto: not partitioned ({c['why']})"]
     verdict = "partitioned: pays" if c["pays"] else "replicated: does not pay"
-    return [f"{'':<12} auto: {verdict}; its {c['layer']} per rank per step at batch {c['batch']}: "
-            f"activations {fmt_bytes(c['activation_bytes'])} vs all-reduce saved "
-            f"{fmt_bytes(c['allreduce_bytes_saved'])} (sent + received)"]
+    return [(f"{'':<12} auto: {verdict}; its {c['layer']} per rank per step at batch {c['batch']}: "
+             f"activations {fmt_bytes(c['activation_bytes'])} vs all-reduce saved "
+             f"{fmt_bytes(c['allreduce_bytes_saved'])} (sent + received)")]
