@@ -30,6 +30,7 @@ Worked example, 2 ranks, rank 0 keeps rows [0:3) and sends rows [3:5) to rank 1:
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import pairwise
 
 import torch
 import torch.distributed as dist
@@ -118,4 +119,4 @@ def _slices(flat: torch.Tensor, k: int) -> list[torch.Tensor]:
     receiver cut the same element count the same way, so slice g meets slice g)."""
     n = flat.numel()
     bounds = [n * g // k for g in range(k + 1)]
-    return [flat[a:b] for a, b in zip(bounds, bounds[1:]) if b > a]
+    return [flat[a:b] for a, b in pairwise(bounds) if b > a]

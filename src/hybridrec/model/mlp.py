@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from itertools import pairwise
 
 import torch
 from torch import nn
@@ -25,7 +26,7 @@ class MLP(nn.Module):
         super().__init__()
         if len(sizes) < 2:
             raise ValueError(f"MLP needs at least an input and an output width, got {sizes}")
-        self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in zip(sizes[:-1], sizes[1:]))
+        self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in pairwise(sizes))
         self.final_relu = final_relu
         self.impls = ["torch"] * len(self.layers)
         """Each layer's linear implementation (:mod:`hybridrec.model.kernels`); set by
