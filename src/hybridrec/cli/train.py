@@ -234,7 +234,7 @@ def format_results(summary: dict) -> str:
     es = summary.get("early_stop")
     if es and es.get("best_step") is not None:
         rows.insert(1, (f"best AUC (step {es['best_step']:,})", f"{es['best_auc']:.4f}"))
-    rows += [("train samples/s", "n/a" if tp != tp else f"{tp:,.0f}"),
+    rows += [("train samples/s", "n/a" if math.isnan(tp) else f"{tp:,.0f}"),
              ("steps", f"{summary['step']:,}" + (" (stopped early)" if es and es.get("stopped_early") else "")),
              ("peak memory", f"{summary['peak_memory_bytes'] / 2**20:,.0f} MiB")]
     if summary.get("cuda_peak_memory_bytes") is not None:  # (trained on a GPU: which, and its peak)

@@ -30,7 +30,7 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -134,7 +134,7 @@ class CastCompressor(GradientCompressor):
     """Sends the gradient cast to fp16 or bf16 (no residual: the rounding error is
     relative, about 2^-11 for fp16 and 2^-8 for bf16)."""
 
-    DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+    DTYPES: ClassVar[dict[str, torch.dtype]] = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
     def __init__(self, dtype: str, *, warmup_steps: int = 0) -> None:
         super().__init__(warmup_steps=warmup_steps)

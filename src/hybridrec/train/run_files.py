@@ -184,9 +184,8 @@ def _foreign_in(name: str, d: Path) -> list[str]:
         elif name == REPORT:
             if not (_REPORT_FILE.match(entry) and _regular(p)):
                 out.append(entry + ("/" if p.is_dir() else ""))
-        elif name == TENSORBOARD_DIR:
-            if not (_TENSORBOARD_FILE.match(entry) and _regular(p)):
-                out.append(entry + ("/" if p.is_dir() else ""))
+        elif name == TENSORBOARD_DIR and not (_TENSORBOARD_FILE.match(entry) and _regular(p)):
+            out.append(entry + ("/" if p.is_dir() else ""))
     return out
 
 

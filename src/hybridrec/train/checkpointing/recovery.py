@@ -81,6 +81,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -786,7 +787,7 @@ class Recovery:
             os.fsync(f.fileno())
         clear_snapshots(self.run_dir, self.fast_dir)  # consumed (the incremental saves stay: they serve the next failure)
         failed = ([f"rank(s) {event['failed_ranks']}"] if event["failed_ranks"] else []) + (
-            [f"parameter server(s) {['ps%d' % j for j in event['failed_servers']]}"] if event.get("failed_servers") else [])
+            [f"parameter server(s) {[f'ps{j}' for j in event['failed_servers']]}"] if event.get("failed_servers") else [])
         what = (f"partial: the survivors {event['survivors']} kept their state at step {event['resumed_at_step']}, "
                 f"the shards of {' and '.join(failed) or 'no rank'} {self._rolled_back(event)}"
                 if event["survivors"] else
@@ -930,7 +931,7 @@ class SigtermWatch:
     alone, so it runs the outer ones' ``on_stop`` after its own (innermost first; e.g.
     partial recovery's snapshot, then :mod:`hybridrec.train.terminate`'s line)."""
 
-    _armed: list[SigtermWatch] = []  # (the watches armed now, outermost first)
+    _armed: ClassVar[list[SigtermWatch]] = []  # (the watches armed now, outermost first)
 
     def __init__(self) -> None:
         self._watcher: threading.Thread | None = None

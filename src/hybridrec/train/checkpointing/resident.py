@@ -177,7 +177,7 @@ class ResidentShards:
         system); returns what its manifest records of them. No update may follow."""
         target.mkdir(parents=True, exist_ok=True)
         entries = describe(self.tensors())
-        for k, e in entries.items():
+        for e in entries.values():
             os.replace(self.dir / e["file"], target / e["file"])
         with contextlib.suppress(OSError):
             self.dir.rmdir()
