@@ -314,7 +314,7 @@ def _build() -> ctypes.CDLL:
             src, out = Path(tmp) / "row_topk.c", Path(tmp) / "row_topk.so"
             src.write_text(SOURCE)
             res = subprocess.run([cc, *FLAGS, str(src), "-o", str(out)], capture_output=True, text=True,
-                                 timeout=120)
+                                 timeout=120, check=False)
             if res.returncode != 0:
                 raise RuntimeError(f"{cc} failed (exit {res.returncode}): {res.stderr.strip()[-500:]}")
             os.replace(out, lib)
