@@ -28,7 +28,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from throughput import machine  # noqa: E402 - benchmarks/ is not a package
+from throughput import machine  # benchmarks/ is not a package
 
 OUT = ROOT / "benchmarks/out/checkpoint_checksums"
 

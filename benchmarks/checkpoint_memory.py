@@ -43,7 +43,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from throughput import machine  # noqa: E402 - benchmarks/ is not a package
+from throughput import machine  # benchmarks/ is not a package
+
 OUT = ROOT / "benchmarks/out/checkpoint_memory"
 MODES = ("sync", "async", "sync-clone")
 
@@ -103,10 +104,10 @@ def worker(args) -> None:
 
     from hybridrec.parallel import checkpoint as C
     from hybridrec.parallel import checkpoint_layout as L
-    from hybridrec.train.setup import recipes
     from hybridrec.train.build import build_trainer
-    from hybridrec.train.setup.tables import load_dataset
+    from hybridrec.train.setup import recipes
     from hybridrec.train.setup.config import build_config
+    from hybridrec.train.setup.tables import load_dataset
 
     mode = args.worker
     run_dir = Path(args.out) / f"run-{mode}"
@@ -204,7 +205,7 @@ def table(runs: list[dict]) -> str:
     for run in runs:
         rs = run["ranks"]
         ratio = max(r["ckpt_peak_kib"] / r["train_peak_kib"] for r in rs)
-        m = lambda k: max(r[k] for r in rs)  # noqa: E731 - the slowest rank's
+        m = lambda k: max(r[k] for r in rs)  # the slowest rank's
         rows.append(f"| {run['mode']} | {' / '.join(gib(r['train_peak_kib']) for r in rs)} "
                     f"| {' / '.join(gib(r['ckpt_peak_kib']) for r in rs)} | {ratio:.2f}x "
                     f"| {m('blocking_s'):.2f} | {m('total_s'):.2f} | {m('stall_s'):.2f} |")

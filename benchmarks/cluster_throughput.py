@@ -35,7 +35,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
-import throughput  # noqa: E402  (data preparation shared with the local benchmark)
+import throughput  # data preparation shared with the local benchmark
 
 PEER_PY = ROOT / "benchmarks/peers/.venv-torchrec/bin/python"
 PEER_SCRIPT = ROOT / "benchmarks/peers/torchrec_dlrm.py"

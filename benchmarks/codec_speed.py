@@ -26,7 +26,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from throughput import machine  # noqa: E402 (this folder's: the CPU model)
+from throughput import machine  # this folder's: the CPU model
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -35,7 +35,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from throughput import machine  # noqa: E402
+from throughput import machine
 
 SETTINGS = {
     "default": ({}, []),

@@ -35,9 +35,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from throughput import PEER_PY, machine  # noqa: E402
+from throughput import PEER_PY, machine
 
-from hybridrec.model.kernels import precision_problem  # noqa: E402
+from hybridrec.model.kernels import precision_problem
 
 
 def parse_args(argv=None) -> argparse.Namespace:

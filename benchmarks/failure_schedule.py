@@ -89,7 +89,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import throughput  # data preparation, machine()
 
-from hybridrec.bench.report import read_jsonl  # noqa: E402
+from hybridrec.bench.report import read_jsonl
 
 MODES = {  # the overrides of each mode (besides the schedule and checkpoint_every=auto)
     "full": ["train.recovery=full"],

@@ -36,10 +36,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 import torch
 
-from hybridrec.comm.codecs import make_codec
-from hybridrec.comm.sparse_message import encoded_size
-from hybridrec.model.embedding import TableConfig
-from hybridrec.parallel import plan as P
 from hybridrec.bench.hier_cost import (
     Links,
     dlrm_dense_params,
@@ -47,6 +43,10 @@ from hybridrec.bench.hier_cost import (
     step_phases,
     to_owners,
 )
+from hybridrec.comm.codecs import make_codec
+from hybridrec.comm.sparse_message import encoded_size
+from hybridrec.model.embedding import TableConfig
+from hybridrec.parallel import plan as P
 
 TABLES, ROWS, DIM = 26, 1_000_000, 128
 BOTTOM, TOP, NUM_DENSE = [512, 256, 128], [1024, 1024, 512, 256, 1], 13

@@ -89,8 +89,8 @@ def parse_args(argv=None):
 
 def parse_setting(text: str, cross_a2a: list[str] = ()):
     """``NAME=INTRA,CROSS[,A2A_EFF,ALLREDUCE_EFF]`` -> ``(name, Links)``; rates in tc units."""
-    from hybridrec.bench.netns import parse_rate
     from hybridrec.bench.hier_cost import Links
+    from hybridrec.bench.netns import parse_rate
 
     name, _, rest = text.partition("=")
     parts = rest.split(",")
@@ -137,8 +137,8 @@ def parse_measured(text: str) -> tuple[int, int, float, bool, dict]:
 
 def bench_workload(args):
     """The bench model as :class:`~hybridrec.bench.hier_cost.Workload`."""
-    from hybridrec.model.embedding import TableConfig
     from hybridrec.bench.hier_cost import Workload, dlrm_dense_params
+    from hybridrec.model.embedding import TableConfig
 
     tables = tuple(TableConfig(name=f"C{i}", num_embeddings=ROWS, embedding_dim=DIM)
                    for i in range(1, TABLES + 1))

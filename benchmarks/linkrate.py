@@ -54,8 +54,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import throughput  # noqa: E402  (machine description)
-from cluster_throughput import _pythonpath, run_main  # noqa: E402
+import throughput  # machine description
+from cluster_throughput import _pythonpath, run_main
 
 ROOT = Path(__file__).resolve().parents[1]
 MIB = 2**20

@@ -28,9 +28,13 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from throughput import bench_parser, machine, prepare_data  # this folder's: arguments, data, CPU model
+from throughput import (  # this folder's: arguments, data, CPU model
+    bench_parser,
+    machine,
+    prepare_data,
+)
 
-from hybridrec.phases import MP_PHASES  # noqa: E402 (the coded hop's own ranges, inside forward and backward)
+from hybridrec.phases import MP_PHASES  # the coded hop's own ranges, inside forward and backward
 
 ROOT = Path(__file__).resolve().parents[1]
 PHASES = ("forward", "embeddings", "bottom_mlp", "interaction", "top_mlp", "backward", "grad_sync",
@@ -58,8 +62,8 @@ def worker(args) -> dict | None:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from hybridrec.train.setup import recipes
     from hybridrec.train.build import build_trainer
+    from hybridrec.train.setup import recipes
     from hybridrec.train.setup.config import build_config
 
     precision = args.precision[0]

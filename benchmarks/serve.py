@@ -91,8 +91,7 @@ def big_file(work: Path, rows: int) -> Path:
     if not path.is_file():
         lines = (work / "raw" / "day_2.tsv").read_bytes().splitlines(keepends=True)
         with open(path, "wb") as f:
-            for i in range(0, rows, len(lines)):
-                f.write(b"".join(lines[: min(len(lines), rows - i)]))
+            f.writelines(b"".join(lines[: min(len(lines), rows - i)]) for i in range(0, rows, len(lines)))
     return path
 
 

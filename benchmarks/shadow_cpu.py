@@ -38,7 +38,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import throughput  # noqa: E402  (machine description)
+import throughput  # machine description
 
 ROOT = Path(__file__).resolve().parents[1]
 MIB = 2**20

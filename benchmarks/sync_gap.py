@@ -24,8 +24,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
-import cluster_throughput  # noqa: E402
-import throughput  # noqa: E402
+import cluster_throughput
+import throughput
 
 
 def parse_args(argv=None):

@@ -126,8 +126,8 @@ def worker_hybridrec(args) -> dict:
     """Train the benchmark model from the shards; print one JSON line."""
     import torch
 
-    from hybridrec.train.setup import recipes
     from hybridrec.train.build import build_trainer
+    from hybridrec.train.setup import recipes
     from hybridrec.train.setup.config import build_config
 
     cfg = build_config(recipes.recipe("bench"), overrides=[

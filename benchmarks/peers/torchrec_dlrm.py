@@ -191,10 +191,10 @@ def build_model(args, pg):
                            dense_device=torch.device("cpu")))
     if args.optimizers == "default":
         fused = {"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": 0.05, "eps": 1e-8}
-        make_dense = lambda params: torch.optim.Adam(params, lr=0.001)  # noqa: E731
+        make_dense = lambda params: torch.optim.Adam(params, lr=0.001)
     else:
         fused = {"optimizer": EmbOptimType.EXACT_SGD, "learning_rate": args.lr}
-        make_dense = lambda params: torch.optim.SGD(params, lr=args.lr)  # noqa: E731
+        make_dense = lambda params: torch.optim.SGD(params, lr=args.lr)
     sharder = EmbeddingBagCollectionSharder(fused_params=fused)
     constraints = None
     if args.sharding == "table_wise":
