@@ -176,6 +176,14 @@ def default_workers(pin_memory: bool) -> int:
     return max(1, cores // local - 1)
 
 
+def steps_per_epoch(rows: int, batch_size: int, world_size: int, *, drop_last: bool = True) -> int:
+    """Steps in one epoch of ``rows`` rows read ``batch_size`` rows per rank by ``world_size``
+    ranks: whole global batches (``drop_last``), else the last one partial. The one home of
+    this arithmetic: the loader's length, and the checks and plans made before a loader exists."""
+    g = batch_size * world_size
+    return rows // g if drop_last else -(-rows // g)
+
+
 def rank_slice(total: int, rank: int, world_size: int) -> tuple[int, int]:
     """Rank ``rank``'s contiguous piece of ``total`` rows (near-equal, earlier ranks larger)."""
     base, extra = divmod(total, world_size)
@@ -255,8 +263,7 @@ class ShardedLoader:
         self._step = 0
 
     def __len__(self) -> int:
-        g = self.global_batch_size
-        return self.num_rows // g if self.drop_last else -(-self.num_rows // g)
+        return steps_per_epoch(self.num_rows, self.global_batch_size, 1, drop_last=self.drop_last)
 
     def set_epoch(self, epoch: int) -> None:
         """Start ``epoch`` from its first step (its shuffle depends on it)."""

@@ -8,6 +8,7 @@ import os
 import platform
 import sys
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -32,19 +33,23 @@ from hybridrec.metrics.logger import MetricLogger, write_text_atomic
 from hybridrec.metrics.throughput import RunTotals
 from hybridrec.model.deepfm import DeepFM
 from hybridrec.model.dlrm import DLRM
-from hybridrec.model.embedding import WEIGHT_DTYPES, EmbeddingBagCollection, TableConfig, tune_lookups
+from hybridrec.model.embedding import (
+    WEIGHT_DTYPES,
+    EmbeddingBagCollection,
+    TableConfig,
+    tune_lookups,
+)
 from hybridrec.model.interaction import tune_interactions
 from hybridrec.model.kernels import PRECISIONS, cache_path, machine_id
 from hybridrec.model.mlp import tune_mlps
-from hybridrec.train.loop.allocator import configure_allocator
-from hybridrec.train.setup.config import CompressConfig, Config
-from hybridrec.train.loop.optim import (
-    LRSchedule,
-    LRScheduler,
-    build_dense_optimizer,
-    dense_parameters,
+from hybridrec.parallel.dense_sync import (
+    AllReduceSync,
+    DDPSync,
+    DenseSync,
+    NoSync,
+    dense_arches,
+    synced_parameters,
 )
-from hybridrec.parallel.dense_sync import AllReduceSync, DDPSync, DenseSync, NoSync, dense_arches, synced_parameters
 from hybridrec.parallel.devices import choose_backend
 from hybridrec.parallel.parallelize import parallelize_dlrm
 from hybridrec.parallel.plan import ShardingPlan
@@ -52,21 +57,20 @@ from hybridrec.parallel.sharded_embedding import SHARDS, ShardedEmbeddingBagColl
 from hybridrec.parallel.threshold_dist import ThresholdMP
 from hybridrec.parallel.topology import Topology
 from hybridrec.ps.client import PushOptimizer, RemoteEmbeddingCollection
-from hybridrec.train.setup.memory import check_memory
-from hybridrec.train.ps_run import ServerCheckpoints, ps_plan
-from hybridrec.train.loop.sparse_optim import CombinedSparseOptimizer, combined_sparse_optimizer
-from hybridrec.train.loop.thread_governor import thread_governor
-from hybridrec.train.setup.rules import RunFacts, check_plan, check_run, dense_plan, group_size
-from hybridrec.train.setup.tables import build_plan, build_tables, load_dataset
-from hybridrec.train.checkpointing import checkpoint as ckpt
-from hybridrec.train import init_from, run_files
-from hybridrec.sync import BackgroundRunner, ForegroundRunner, RankReplica, SyncRunner, make_synchronizer
-from hybridrec.sync.algorithms import CATEGORY as SYNC_CATEGORY, GroupMean
+from hybridrec.sync import (
+    BackgroundRunner,
+    ForegroundRunner,
+    RankReplica,
+    SyncRunner,
+    make_synchronizer,
+)
+from hybridrec.sync.algorithms import CATEGORY as SYNC_CATEGORY
+from hybridrec.sync.algorithms import GroupMean
 from hybridrec.sync.compressed import CompressedMean
 from hybridrec.sync.grouped import GroupedBackgroundRunner
+from hybridrec.train import init_from, run_files
+from hybridrec.train.checkpointing import checkpoint as ckpt
 from hybridrec.train.checkpointing.checkpointer import Checkpointer, Component, TorchRNG
-from hybridrec.train.loop.early_stop import COMPONENT as EARLY_STOP, EarlyStopping
-from hybridrec.train.loop.pipeline import TrainPipeline
 from hybridrec.train.checkpointing.deltas import ShardDeltas, deltas_dir, plan_json
 from hybridrec.train.checkpointing.recovery import (
     Recovery,
@@ -75,8 +79,17 @@ from hybridrec.train.checkpointing.recovery import (
     shards_go_resident,
     survivors_step,
 )
+from hybridrec.train.loop.allocator import configure_allocator
 from hybridrec.train.loop.checkpoint_policy import Checkpoints, RecoveryWatch, nothing_updating
+from hybridrec.train.loop.early_stop import COMPONENT as EARLY_STOP
+from hybridrec.train.loop.early_stop import EarlyStopping
 from hybridrec.train.loop.hogwild import HogwildSteps
+from hybridrec.train.loop.optim import (
+    LRSchedule,
+    LRScheduler,
+    build_dense_optimizer,
+    dense_parameters,
+)
 from hybridrec.train.loop.parts import (
     Evaluation,
     FailureInjection,
@@ -88,7 +101,22 @@ from hybridrec.train.loop.parts import (
     Sync,
     ThreadTiming,
 )
+from hybridrec.train.loop.pipeline import TrainPipeline
+from hybridrec.train.loop.sparse_optim import CombinedSparseOptimizer, combined_sparse_optimizer
+from hybridrec.train.loop.thread_governor import thread_governor
 from hybridrec.train.loop.trainer import Optimizers, Trainer
+from hybridrec.train.ps_run import ServerCheckpoints, ps_plan
+from hybridrec.train.setup.config import CompressConfig, Config
+from hybridrec.train.setup.memory import check_memory
+from hybridrec.train.setup.rules import (
+    RunFacts,
+    check_plan,
+    check_run,
+    dense_plan,
+    group_size,
+    planned_steps,
+)
+from hybridrec.train.setup.tables import build_plan, build_tables, load_dataset
 
 
 def build_model(cfg: Config, meta: DatasetMeta, *, plan: ShardingPlan | None = None,
@@ -428,11 +456,13 @@ def build_ps_model(cfg: Config, meta: DatasetMeta, topo: Topology, ledger: CommL
 
 
 def build_trainer(cfg: Config, *, meta: DatasetMeta | None = None, topo: Topology | None = None,
-                  started_at: str | None = None, snapshot_dir: str | None = None) -> Trainer:
+                  started_at: str | None = None, snapshot_dir: str | None = None,
+                  extra_parts: Sequence[Part] = ()) -> Trainer:
     """The run's trainer; ``started_at``: when this invocation started (the run's start,
     unless its checkpoint knows an earlier one); ``snapshot_dir``: the local launcher's
     directory on local memory for partial recovery's snapshots (``hybridrec train
-    --snapshot-dir``; None: ``RUN/recovery/``)."""
+    --snapshot-dir``; None: ``RUN/recovery/``); ``extra_parts``: more parts of the loop,
+    after the run's own (:func:`hybridrec.train.run.train`)."""
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
     allocator = configure_allocator(cfg.train.allocator)  # before the model and the loaders allocate
@@ -524,6 +554,7 @@ def build_trainer(cfg: Config, *, meta: DatasetMeta | None = None, topo: Topolog
     parts = loop_parts(cfg, topo, total_steps=total_steps, run_dir=run_dir, logger=logger, totals=totals,
                        schedule=schedule, eval_loader=eval_loader, early_stop=early_stop, sync_runner=sync_runner,
                        remote=bool(servers), checkpoints=checkpoints, recovery=recovery)
+    parts += extra_parts
     return Trainer(model=model, optim=optim, source=source, checkpoints=checkpoints, parts=parts, logger=logger,
                    ledger=ledger, total_steps=total_steps, topo=topo, kernels=kernels)
 
@@ -619,16 +650,6 @@ def start_over(run_dir: Path, snapshot_dir: str | None = None) -> None:
     run_files.check_start_over(run_dir)
     clear_snapshots(run_dir, snapshot_dir)  # (also those on the launcher's local memory)
     run_files.clear(run_dir)
-
-
-def steps_per_epoch(cfg: Config, meta: DatasetMeta, world_size: int) -> int:
-    """The training loader's length (:func:`build_loaders`: whole global batches), before it is built."""
-    return meta.split_rows("train") // (cfg.data.batch_size * world_size)
-
-
-def planned_steps(cfg: Config, per_epoch: int) -> int:
-    total = cfg.train.epochs * per_epoch
-    return min(total, cfg.train.max_steps) if cfg.train.max_steps else total
 
 
 def versions() -> dict:

@@ -20,12 +20,14 @@ import subprocess
 import sys
 import time
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 import hybridrec
+from hybridrec.data.loader import steps_per_epoch
 from hybridrec.data.schema import DatasetMeta
 from hybridrec.errors import ConfigError, HybridrecError, records_errors
 from hybridrec.metrics.logger import cuda_peak_memory_bytes, peak_memory_bytes, write_json_atomic
@@ -35,28 +37,28 @@ from hybridrec.parallel.checkpoint_layout import table_key
 from hybridrec.parallel.topology import Topology
 from hybridrec.ps import world as ps_world
 from hybridrec.sync.algorithms import CATEGORY as SYNC_CATEGORY
-from hybridrec.train.ps_run import PS_DIR, run_server
-from hybridrec.train.checkpointing import checkpoint as ckpt
-from hybridrec.train.checkpointing import run_lock
 from hybridrec.train import run_files, terminate
 from hybridrec.train.build import (
     build_loaders,
     build_model,
     build_topology,
     build_trainer,
-    planned_steps,
     ranks_backend,
     run_facts,
     start_over,
     versions,
 )
+from hybridrec.train.checkpointing import checkpoint as ckpt
+from hybridrec.train.checkpointing import run_lock
+from hybridrec.train.checkpointing.recovery import elastic_restarts
+from hybridrec.train.loop.early_stop import resolve_checkpoint
+from hybridrec.train.loop.parts import Part, merge_entries
+from hybridrec.train.loop.step import evaluate_model
+from hybridrec.train.ps_run import PS_DIR, run_server
 from hybridrec.train.setup.config import PATH_KEYS, Config, apply_dict, validate
 from hybridrec.train.setup.memory import memory_problem
-from hybridrec.train.setup.rules import RunFacts, check_run, group_size
+from hybridrec.train.setup.rules import RunFacts, check_run, group_size, planned_steps
 from hybridrec.train.setup.tables import load_dataset
-from hybridrec.train.loop.early_stop import resolve_checkpoint
-from hybridrec.train.checkpointing.recovery import elastic_restarts
-from hybridrec.train.loop.step import evaluate_model
 
 RUNS_ROOT = "runs"
 """Where the run directories that are not named (``train.run_dir`` empty) go."""
@@ -64,7 +66,7 @@ RUNS_ROOT = "runs"
 
 @records_errors  # a rank's error reaches its launcher even if the rank then dies in teardown
 def train(cfg: Config, *, extra_summary: dict | None = None, hold_run_dir: bool = True,
-          snapshot_dir: str | None = None) -> dict:
+          snapshot_dir: str | None = None, extra_parts: Sequence[Part] = ()) -> dict:
     """Train, evaluate on the held-out split, write summary.json; returns the summary.
 
     ``cfg``'s paths are made absolute (config.json works from any directory); an empty
@@ -74,13 +76,16 @@ def train(cfg: Config, *, extra_summary: dict | None = None, hold_run_dir: bool 
     ``hold_run_dir``: this process (global rank 0) locks the run directory while it trains
     (:mod:`~hybridrec.train.checkpointing.run_lock`); false where a launcher holds it for its ranks.
     ``snapshot_dir``: the local launcher's directory on local memory for partial recovery
-    (``hybridrec train --snapshot-dir``, :func:`~hybridrec.train.checkpointing.recovery.fast_snapshots`)."""
+    (``hybridrec train --snapshot-dir``, :func:`~hybridrec.train.checkpointing.recovery.fast_snapshots`).
+    ``extra_parts``: more parts of the training loop (:class:`~hybridrec.train.loop.parts.Part`),
+    after the run's own; their ``summary()`` entries go into summary.json."""
     started_at, clock = now_iso(), time.monotonic()
     shown = cfg.train.run_dir  # the run directory as the user wrote it, for messages
     cfg = absolute_paths(cfg)
     meta = load_dataset(cfg)
     if not cfg.dist.num_ps:
-        return _train(cfg, meta, None, shown, started_at, clock, extra_summary, hold_run_dir, snapshot_dir)
+        return _train(cfg, meta, None, shown, started_at, clock, extra_summary, hold_run_dir, snapshot_dir,
+                      extra_parts)
     # Parameter-server run: servers serve until the trainers leave; trainers train.
     r = ps_world.roles(cfg.dist.num_ps)
     local = r.num_trainers if r.all_local else 1  # (trainers per machine: the default group)
@@ -95,7 +100,8 @@ def train(cfg: Config, *, extra_summary: dict | None = None, hold_run_dir: bool 
     ps_world.join_rpc(r, timeout_s=cfg.dist.timeout_s, interface=cfg.dist.rpc_interface)
     ok = False
     try:
-        summary = _train(cfg, meta, topo, shown, started_at, clock, extra_summary, hold_run_dir, snapshot_dir)
+        summary = _train(cfg, meta, topo, shown, started_at, clock, extra_summary, hold_run_dir, snapshot_dir,
+                         extra_parts)
         ok = True
         return summary
     finally:  # graceful: the servers leave once every trainer has; after an error, leave now
@@ -103,7 +109,7 @@ def train(cfg: Config, *, extra_summary: dict | None = None, hold_run_dir: bool 
 
 
 def _train(cfg: Config, meta, topo, shown: str, started_at: str, clock: float, extra_summary,
-           hold_run_dir: bool, snapshot_dir: str | None) -> dict:
+           hold_run_dir: bool, snapshot_dir: str | None, extra_parts: Sequence[Part] = ()) -> dict:
     """:func:`train` in this process (``topo``: a parameter-server run's trainers, else
     None: from torchrun's environment)."""
     world, rank = (topo.group_size, topo.rank) if topo is not None else _world_and_rank()
@@ -141,7 +147,8 @@ def _train(cfg: Config, meta, topo, shown: str, started_at: str, clock: float, e
         # SIGTERM: this process's unfinished saves go, and the process the user started says so
         with terminate.on_sigterm(run_dir, shown, say=hold_run_dir and rank == 0, resume=cfg.train.resume) as term:
             try:
-                trainer = build_trainer(cfg, meta=meta, topo=topo, started_at=started_at, snapshot_dir=snapshot_dir)
+                trainer = build_trainer(cfg, meta=meta, topo=topo, started_at=started_at, snapshot_dir=snapshot_dir,
+                                        extra_parts=extra_parts)
             except HybridrecError:
                 if created and rank == 0:  # refused (e.g. memory): leave no empty directory behind
                     run_lock.remove_empty(created)
@@ -172,55 +179,38 @@ def _fit(cfg: Config, meta, trainer, shown: str, started_at: str, clock: float, 
 
 
 def run_summary(trainer, result, meta, cfg: Config, *, shown: str, started_at: str, clock: float) -> dict:
-    """What summary.json holds after :meth:`Trainer.fit` (collective: memory per rank)."""
-    parts = result.parts  # every loop part's entries (hybridrec.train.loop.parts)
-    return {
+    """What summary.json holds after :meth:`Trainer.fit` (collective: memory per rank): the
+    run's own entries, then every loop part's (``result.parts``, :func:`summary_entries`:
+    evaluation, train loss and throughput, the run's totals, the synchronizer, the
+    parameter servers, early stopping, the checkpoint interval, recovery, ...), a part's
+    dict under a key the run has (``kernels``) merged into it."""
+    topo = trainer.topo
+    run = {
         "run_dir": shown,
         "step": result.step,
         "resumed_from": result.resumed_from,
-        "eval": result.eval_metrics,
-        "eval_history": result.history,
-        "train_loss": result.train_loss,
-        "throughput": result.throughput,
         "peak_memory_bytes": peak_memory_bytes(),
-        "peak_memory_bytes_per_rank": _gather_ints(peak_memory_bytes(), trainer.topo),
-        "world_size": trainer.topo.job_size,
+        "peak_memory_bytes_per_rank": _gather_ints(peak_memory_bytes(), topo),
+        "world_size": topo.job_size,
         # Where the model trained ("cpu", or "cuda:0 NVIDIA H100 80GB HBM3"), and its peak there.
-        "device": device_name(trainer.topo.device),
-        "cuda_peak_memory_bytes": cuda_peak_memory_bytes(trainer.topo.device),
+        "device": device_name(topo.device),
+        "cuda_peak_memory_bytes": cuda_peak_memory_bytes(topo.device),
         "comm": (comm := trainer.ledger.summary()),  # this rank's (rank 0's in summary.json)
         # Hierarchical training: groups, and rank 0's bytes per step inside its group and across.
-        "hierarchy": ({"groups": trainer.topo.num_groups, "group_size": trainer.topo.group_size}
-                      if trainer.topo.hierarchical else None),
-        "bytes_by_level": bytes_by_level(comm, trainer.topo),
+        "hierarchy": {"groups": topo.num_groups, "group_size": topo.group_size} if topo.hierarchical else None,
+        "bytes_by_level": bytes_by_level(comm, topo),
         "dataset": {"path": str(meta.path), "train_rows": meta.split_rows("train"),
                     "eval_rows": meta.split_rows("eval")},
         "config": cfg.to_dict(),
         "versions": {**versions(), **code_version()},
-        # Each MLP layer's linear implementation, measured or cached, with its timings
-        # (train.threads=0: the thread count chosen by timing steps).
-        "kernels": {**(trainer.kernels or {}), **({"threads": t} if (t := parts.get("threads")) else {})},
+        # Each MLP layer's linear implementation, measured or cached, with its timings.
+        "kernels": dict(trainer.kernels or {}),
         "command": list(sys.argv),
         "started_at": started_at,
         "ended_at": now_iso(),
         "wall_seconds": time.monotonic() - clock,
-        # Over every invocation that trained the final checkpoint's steps (resumes included).
-        "run": parts.get("run"),
-        # Rounds and the sync gap of this rank's synchronizer of dense replicas (rank 0's).
-        "sync": parts.get("sync"),
-        # A parameter-server run: this trainer's pushes and their staleness (rank 0's).
-        "ps": parts.get("ps"),
-        # Why training ended, and with train.early_stop the best evaluation and its checkpoint.
-        "stop_reason": parts.get("stop_reason", "planned_steps"),
-        "early_stop": parts.get("early_stop"),
-        # Steps between checkpoints: the configured number, or train.checkpoint_every=auto's
-        # choice (mtbf_s, save_s, step_s, steps, reason); None: the run ended before choosing.
-        "checkpoint_interval": parts.get("checkpoint_interval"),
-        # Every recovery of the run from a failure (RUN/recovery.jsonl): the steps each shard
-        # lost (train.recovery=partial: only the failed rank's) or trained again (full).
-        # With train.shard_delta_every, rank 0's incremental saves of its shards (this invocation's).
-        "recovery": parts.get("recovery"),
     }
+    return merge_entries(run, result.parts)
 
 
 def device_name(device: torch.device) -> str:
@@ -345,7 +335,7 @@ def inspect_run_dir(cfg: Config, meta: DatasetMeta, *, world_size: int,
         raise ConfigError(f"{shown} holds a run of another configuration ({'; '.join(diffs)}): "
                           f"{_WAYS_OUT}")
     summary = _read_json(run_dir / "summary.json")
-    per_epoch = meta.split_rows("train") // (cfg.data.batch_size * world_size)
+    per_epoch = steps_per_epoch(meta.split_rows("train"), cfg.data.batch_size, world_size)
     planned = planned_steps(cfg, per_epoch)
     if summary is None or manifest is None or summary.get("step") != manifest.get("step"):
         return None

@@ -152,12 +152,6 @@ def _files_problem(path: Path, share: tuple[int, int] | None) -> str | None:
     return f"{unlisted[0]}: not among the files the manifest's checksums cover" if unlisted else None
 
 
-def sound_checkpoints(run_dir: str | Path) -> list[tuple[int, Path]]:
-    """The complete checkpoints whose files pass :func:`problem` without reading their
-    contents (sizes and the manifest's checksum only), oldest first."""
-    return [(s, p) for s, p in list_checkpoints(run_dir) if problem(p, share=None) is None]
-
-
 def latest_sound(run_dir: str | Path) -> Path | None:
     """The newest checkpoint whose files pass :func:`problem` without reading their
     contents (None: there is none); what it is read for is its manifest. A load reads

@@ -24,6 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from hybridrec.data.loader import steps_per_epoch
 from hybridrec.errors import ConfigError
 from hybridrec.train.setup.config import Config, TrainConfig
 
@@ -453,7 +454,7 @@ def _batches(cfg: Config, f: RunFacts) -> str | None:
     if f.meta is None:
         return None
     rows = f.meta.split_rows("train")
-    if rows // (cfg.data.batch_size * f.world) == 0:
+    if steps_per_epoch(rows, cfg.data.batch_size, f.world) == 0:
         return (f"data.batch_size={cfg.data.batch_size} x {f.world} rank(s) is larger than the "
                 f"{rows} training rows of {f.meta.path}")
     return None
@@ -462,9 +463,15 @@ def _batches(cfg: Config, f: RunFacts) -> str | None:
 def _steps(cfg: Config, f: RunFacts) -> str | None:
     if f.meta is None:
         return None
-    per_epoch = f.meta.split_rows("train") // (cfg.data.batch_size * f.world)
+    per_epoch = steps_per_epoch(f.meta.split_rows("train"), cfg.data.batch_size, f.world)
+    return steps_problem(cfg, planned_steps(cfg, per_epoch))
+
+
+def planned_steps(cfg: Config, per_epoch: int) -> int:
+    """The steps a run takes: ``train.epochs`` epochs of ``per_epoch`` steps
+    (:func:`~hybridrec.data.loader.steps_per_epoch`), capped by ``train.max_steps``."""
     total = cfg.train.epochs * per_epoch
-    return steps_problem(cfg, min(total, cfg.train.max_steps) if cfg.train.max_steps else total)
+    return min(total, cfg.train.max_steps) if cfg.train.max_steps else total
 
 
 def _workers(cfg: Config, f: RunFacts) -> str | None:
