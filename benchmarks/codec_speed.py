@@ -54,15 +54,17 @@ def main(argv: list[str] | None = None) -> None:
           f"best of {args.reps} alternating rounds, ms\n")
     print("| implementation | select | encode | decode | encode_grad | decode_grad | round trip |")
     print("|---|---|---|---|---|---|---|")
-    for impl in TOPK_IMPLS:
+
+    def row(impl: str) -> str:
+        """One implementation's table row (a function, so that the timed closures hold this
+        implementation's codec and payloads, not the loop's latest)."""
         codec = TopKCodec(args.eta, args.values)
         codec.impls[args.cols] = impl
         try:
             payload, sent = codec.encode(x)
         except RuntimeError as e:  # (native where no compiler runs)
-            print(f"| {impl} | not here: {e} | | | | | |")
-            continue
-        out, received = codec.decode(payload, args.cols)
+            return f"| {impl} | not here: {e} | | | | | |"
+        _, received = codec.decode(payload, args.cols)
         gbytes = codec.encode_grad(g, received)
         steps = {"select": lambda: row_topk(x, k, impl), "encode": lambda: codec.encode(x),
                  "decode": lambda: codec.decode(payload, args.cols),
@@ -70,7 +72,10 @@ def main(argv: list[str] | None = None) -> None:
                  "decode_grad": lambda: codec.decode_grad(gbytes, args.cols, sent)}
         seconds = race(list(steps), lambda name: steps[name](), reps=args.reps, budget_s=float("inf"))
         ms = [seconds[name] * 1e3 for name in steps]
-        print(f"| {impl} | " + " | ".join(f"{v:.2f}" for v in ms) + f" | {sum(ms[1:]):.2f} |")
+        return f"| {impl} | " + " | ".join(f"{v:.2f}" for v in ms) + f" | {sum(ms[1:]):.2f} |"
+
+    for impl in TOPK_IMPLS:
+        print(row(impl))
 
 
 if __name__ == "__main__":

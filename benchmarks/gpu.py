@@ -51,6 +51,7 @@ import statistics
 import sys
 import time
 from collections import defaultdict
+from itertools import pairwise
 from pathlib import Path
 
 import torch
@@ -181,7 +182,7 @@ class PlainDLRM(nn.Module):
 
         def mlp(sizes, last_relu):
             layers = []
-            for i, (a, b) in enumerate(zip(sizes[:-1], sizes[1:])):
+            for i, (a, b) in enumerate(pairwise(sizes)):
                 layers.append(nn.Linear(a, b, device=device))
                 if i < len(sizes) - 2 or last_relu:
                     layers.append(nn.ReLU())
@@ -362,8 +363,8 @@ def work_per_sample(spec: dict, weight_bytes: int = 4) -> dict:
     d, n = spec["dim"], NUM_TABLES + 1
     bottom = [NUM_DENSE, *spec["bottom"]]
     top = [d + n * (n - 1) // 2, *spec["top"]]
-    mac_b = sum(a * b for a, b in zip(bottom[:-1], bottom[1:]))
-    mac_t = sum(a * b for a, b in zip(top[:-1], top[1:]))
+    mac_b = sum(a * b for a, b in pairwise(bottom))
+    mac_t = sum(a * b for a, b in pairwise(top))
     # forward 2 MAC; backward: dW 2 MAC each layer, dX 2 MAC except the bottom's first layer
     flops = 2 * (mac_b + mac_t) + 2 * (mac_b + mac_t) + 2 * (mac_b - bottom[0] * bottom[1] + mac_t)
     flops += 2 * 2 * n * n * d  # the interaction's Gram matrix, forward and backward
@@ -403,15 +404,12 @@ def micro_kernels(args, device: torch.device) -> list[dict]:
     w = torch.empty(rows * NUM_TABLES, d, device=device).uniform_(-0.01, 0.01)
     delta = torch.randn(n, d, device=device) * 1e-3
     offsets = torch.arange(n + 1, device=device)
-    out = []
-    for law in ("zipf", "uniform"):
-        if law == "zipf":
-            ids = make_batches(1, args.batch_size, rows, device)[0][1]
-        else:
-            ids = torch.randint(0, rows, (NUM_TABLES, args.batch_size), device=device)
-        ids = (ids + torch.arange(NUM_TABLES, device=device).unsqueeze(1) * rows).t().reshape(-1)
-        row_bytes = n * d * 4
-        cands = {
+    row_bytes = n * d * 4
+
+    def candidates(ids: torch.Tensor) -> dict:
+        """The kernels timed on ``ids``, with the bytes each moves (a function, so that every
+        closure holds its own law's ids, not the loop's latest)."""
+        return {
             "lookup embedding_bag": (lambda: F.embedding_bag(ids, w, offsets, mode="sum", include_last_offset=True),
                                      2 * row_bytes),
             "lookup index_select": (lambda: w.index_select(0, ids), 2 * row_bytes),
@@ -425,6 +423,15 @@ def micro_kernels(args, device: torch.device) -> list[dict]:
                                                3 * row_bytes),
             "copy (reference)": (lambda: delta.clone(), 2 * row_bytes),
         }
+
+    out = []
+    for law in ("zipf", "uniform"):
+        if law == "zipf":
+            ids = make_batches(1, args.batch_size, rows, device)[0][1]
+        else:
+            ids = torch.randint(0, rows, (NUM_TABLES, args.batch_size), device=device)
+        ids = (ids + torch.arange(NUM_TABLES, device=device).unsqueeze(1) * rows).t().reshape(-1)
+        cands = candidates(ids)
         if "triton" not in lookup_impls(device):
             del cands["lookup triton"], cands["update triton (scale fused)"]
         for name, (fn, nbytes) in cands.items():
@@ -522,15 +529,15 @@ def main(argv=None) -> int:
 def format_report(rep: dict) -> str:
     r = rep["rates"]
     lines = [f"device: {rep['device']}   torch {rep['torch']}   date: {rep['date']}   batch {rep['batch_size']:,}",
-             f"measured here: copy {r['copy_bytes_per_s'] / 1e12:.2f} TB/s (read + write), "
-             f"bf16 matmul {r['bf16_flops_per_s'] / 1e12:.0f} TFLOP/s", ""]
+             (f"measured here: copy {r['copy_bytes_per_s'] / 1e12:.2f} TB/s (read + write), "
+              f"bf16 matmul {r['bf16_flops_per_s'] / 1e12:.0f} TFLOP/s"), ""]
     for m, v in rep["models"].items():
         w = v["work_per_sample"]
-        lines += [f"### {m} ({v['rows']:,} rows per table; bound: {w['embedding_bytes']:,} embedding bytes and "
-                  f"{w['flops'] / 1e6:.2f} MFLOP per sample -> {v['bound_samples_per_sec']:,.0f} samples/s, "
-                  f"{v['bound_step_ms']:.3f} ms per step)", "",
-                  "| precision | run | samples/s (median) | runs | ms/step | vs best plain | bound / achieved |"
-                  " GPU ms per step by phase |",
+        lines += [(f"### {m} ({v['rows']:,} rows per table; bound: {w['embedding_bytes']:,} embedding bytes and "
+                   f"{w['flops'] / 1e6:.2f} MFLOP per sample -> {v['bound_samples_per_sec']:,.0f} samples/s, "
+                   f"{v['bound_step_ms']:.3f} ms per step)"), "",
+                  ("| precision | run | samples/s (median) | runs | ms/step | vs best plain | bound / achieved |"
+                   " GPU ms per step by phase |"),
                   "|---|---|---|---|---|---|---|---|"]
         for precision, runs in v["results"].items():
             for k, e in runs.items():
