@@ -263,9 +263,9 @@ def summarize(runs, args, data, rate_bps, threads, commands, setup) -> dict:
 
 
 def format_report(rep: dict) -> str:
-    lines = [f"machine: {rep['machine']}   date: {rep['date']}   link: {rep['rate']} per "
-             f"direction, {rep['world']} ranks, {rep['threads_per_rank']} thread(s) per rank, "
-             f"optimizers: {rep['settings'].get('optimizers', 'bench')}",
+    lines = [(f"machine: {rep['machine']}   date: {rep['date']}   link: {rep['rate']} per "
+              f"direction, {rep['world']} ranks, {rep['threads_per_rank']} thread(s) per rank, "
+              f"optimizers: {rep['settings'].get('optimizers', 'bench')}"),
              *[f"{k} overrides: {' '.join(v) or '(none)'}" for k, v in rep["variants"].items()], "",
              "| run | samples/s (median) | runs | held-out AUC | peak RSS (all ranks) "
              "| vs TorchRec | " + "".join(f"vs {b} | " for b in rep.get("baselines", []))

@@ -55,7 +55,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def run(cmd: list[str], *, capture: bool = False) -> str | None:
     """Run ``cmd`` from the project root, shown first; its stdout when ``capture``."""
     print("$ " + " ".join(cmd), file=sys.stderr, flush=True)
-    proc = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.PIPE if capture else None, text=True)
+    proc = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.PIPE if capture else None, text=True, check=False)
     if proc.returncode:
         raise SystemExit(f"failed ({proc.returncode}): {' '.join(cmd)}")
     return proc.stdout

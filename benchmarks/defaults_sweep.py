@@ -277,7 +277,7 @@ def run(args, out: Path, ds: DataSet, s: Setting, seed: int) -> dict:
         return result(json.loads(summary.read_text()), reused=True)
     start = time.perf_counter()
     proc = subprocess.run([sys.executable, "-m", "hybridrec", "train", *recipe, *overrides], cwd=ROOT,
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, check=False)
     if proc.returncode != 0:
         log(f"{ds.name} {s.name} seed {seed}: exit {proc.returncode}\n{proc.stdout[-3000:]}")
         return {"auc": float("nan"), "log_loss": float("nan"), "failed": proc.returncode}
@@ -351,8 +351,8 @@ def markdown(summary: dict, grid: list[Setting], sets: dict) -> str:
             continue
         sm = summary[name]
         lines += [f"**{name}**: {ds.about}", "",
-                  "| setting | dense | sparse | batch | warm-up | AUC per seed | AUC mean (± half range) "
-                  "| below best | log loss | samples/s |", "|---|---|---|---|---|---|---|---|---|---|"]
+                  ("| setting | dense | sparse | batch | warm-up | AUC per seed | AUC mean (± half range) "
+                   "| below best | log loss | samples/s |"), "|---|---|---|---|---|---|---|---|---|---|"]
         for r in sorted(sm["rows"], key=lambda r: -r["mean"]):
             s = by[r["setting"]]
             tag = " (default)" if r["default"] else ""
@@ -363,8 +363,8 @@ def markdown(summary: dict, grid: list[Setting], sets: dict) -> str:
                          f"{r['samples_per_sec']:,.0f} |")
         if sm["default"]:
             ok = "within" if sm["default_gap"] <= 0.003 else "NOT within"
-            lines += ["", f"Default ({sm['default']}): {sm['default_gap']:.4f} below the best ({sm['best']}), "
-                          f"{ok} 0.003."]
+            lines += ["", (f"Default ({sm['default']}): {sm['default_gap']:.4f} below the best ({sm['best']}), "
+                           f"{ok} 0.003.")]
         lines.append("")
     return "\n".join(lines)
 

@@ -503,9 +503,9 @@ def format_report(rep: dict) -> str:
     for seed in rep["seeds"]:
         for r in seed["runs"]:
             if r.get("fallback") == "full":
-                lines += ["", f"{r['name']} (seed {seed['seed']}) fell back to full recovery: "
-                              f"{r.get('fallback_reason') or '(no reason recorded)'}; the run said: "
-                              f"{r.get('fallback_said') or '(nothing)'}"]
+                lines += ["", (f"{r['name']} (seed {seed['seed']}) fell back to full recovery: "
+                               f"{r.get('fallback_reason') or '(no reason recorded)'}; the run said: "
+                               f"{r.get('fallback_said') or '(nothing)'}")]
     sources = sorted({f"{r['name']}: saves from {r['saves_source']}, failures from {r['failures_source']}"
                       for seed in rep["seeds"] for r in seed["runs"]})
     lines += ["", ("overhead = wall - the reference's wall, % of the reference's training seconds; CPR "

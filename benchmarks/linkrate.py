@@ -249,8 +249,8 @@ def rate_bps(rate: str) -> int:
 
 
 def format_table(runs: list[dict]) -> str:
-    lines = ["| ranks | link | op | MiB/rank | late peer | MB/s per direction | of link rate | "
-             "CPU s per rank and call |", "|---|---|---|---|---|---|---|---|"]
+    lines = [("| ranks | link | op | MiB/rank | late peer | MB/s per direction | of link rate | "
+              "CPU s per rank and call |"), "|---|---|---|---|---|---|---|---|"]
     for run in runs:
         link = run.get("cross_rate_bps", run["rate_bps"]) / 8
         where = (f"{run['rate']}, groups of {run['group_size']} at {run['cross_rate']}"

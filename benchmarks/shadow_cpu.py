@@ -35,6 +35,7 @@ import os
 import statistics
 import sys
 import time
+from itertools import pairwise
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -107,7 +108,7 @@ def _one_point(mib: float, kind: str, args, rank: int) -> dict:
                 at += n
             marks.append((_cpu(), time.perf_counter()))
         if rep:  # the first is a warm-up (the anchor's first compressed round, buffers)
-            for k, (a, b) in zip(phases, zip(marks, marks[1:])):
+            for k, (a, b) in zip(phases, pairwise(marks)):
                 phases[k].append(b[0] - a[0])
                 walls[k].append(b[1] - a[1])
         del snapshot, target
@@ -160,8 +161,8 @@ def main(argv=None) -> int:
     if any(p.exitcode for p in procs):
         raise SystemExit(f"a rank failed: exit codes {[p.exitcode for p in procs]}")
     points = [pt for r in results for pt in r["points"]]
-    lines = ["| replica MiB | sync.compress | rank | snapshot CPU s | round CPU s (wall) | "
-             "write-back CPU s | thread CPU s per MiB |", "|---|---|---|---|---|---|---|"]
+    lines = [("| replica MiB | sync.compress | rank | snapshot CPU s | round CPU s (wall) | "
+              "write-back CPU s | thread CPU s per MiB |"), "|---|---|---|---|---|---|---|"]
     for pt in sorted(points, key=lambda p: (p["compress"], p["mib"], p["rank"])):
         c, w = pt["cpu_s"], pt["wall_s"]
         lines.append(f"| {pt['mib']:g} | {pt['compress']} | {pt['rank']} | {c['snapshot']:.3f} | "

@@ -80,8 +80,8 @@ def main(argv=None) -> int:
 
 
 def format_table(rows: list[dict]) -> str:
-    lines = ["| link (per direction) | variant | rounds | sync gap mean | max | busy share "
-             "| seconds per round | samples/s |", "|---|---|---|---|---|---|---|---|"]
+    lines = [("| link (per direction) | variant | rounds | sync gap mean | max | busy share "
+              "| seconds per round | samples/s |"), "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         gap = f"{r['gap_mean']:.2f}" if r["gap_mean"] is not None else "-"
         busy = f"{r['busy_fraction']:.2f}" if r["busy_fraction"] is not None else "-"

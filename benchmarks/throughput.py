@@ -174,7 +174,7 @@ def worker_hybridrec(args) -> dict:
 
 
 def run_json(cmd: list[str], env=None) -> dict:
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
@@ -251,7 +251,7 @@ def baseline_command(args, me: list[str]) -> tuple[str, list[str], dict]:
     ``git archive`` of that revision under --out, its own benchmark script, its ``src`` first
     on PYTHONPATH (ahead of the installed package)."""
     rev = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", args.baseline_rev],
-                         capture_output=True, text=True)
+                         capture_output=True, text=True, check=False)
     if rev.returncode:
         raise SystemExit(f"--baseline-rev {args.baseline_rev}: {rev.stderr.strip()}")
     sha = rev.stdout.strip()
