@@ -78,10 +78,10 @@ def _ps_checks(cfg: Config) -> list[tuple[bool, str]]:
         (d.num_ps > 0, f"dist.num_ps must be >= 0, got {d.num_ps}"),
         (d.ps_sharding in ("row_wise", "table_wise"), f"dist.ps_sharding {d.ps_sharding!r}: row_wise or table_wise"),
         (d.ps_max_staleness >= -1, f"dist.ps_max_staleness must be >= -1 (-1: unbounded), got {d.ps_max_staleness}"),
-        (cfg.model.arch == "dlrm", "dist.num_ps: parameter servers serve ordinary tables; model.arch=deepfm's "
-         "FM tables need DES (dist.num_ps=0)"),
-        (cfg.compress.embedding == "none", "dist.num_ps: compress.embedding compresses DES's pooled-embedding "
-         "hops, which a parameter-server run does not have"),
+        (cfg.model.arch == "dlrm", ("dist.num_ps: parameter servers serve ordinary tables; model.arch=deepfm's "
+          "FM tables need DES (dist.num_ps=0)")),
+        (cfg.compress.embedding == "none", ("dist.num_ps: compress.embedding compresses DES's pooled-embedding "
+          "hops, which a parameter-server run does not have")),
         (not d.plan, "dist.plan is a DES sharding plan; parameter servers place tables by dist.ps_sharding"),
     ]
 
@@ -107,11 +107,11 @@ def workers_problem(cfg: Config, world_size: int) -> str | None:
 def _early_stop_checks(t: TrainConfig) -> list[tuple[bool, str]]:
     """``train.early_stop`` (held-out rows are checked with the dataset, in train.run)."""
     return [
-        (t.early_stop >= 0, f"train.early_stop must be >= 0 (evaluations without an AUC "
-         f"improvement before stopping; 0 = off), got {t.early_stop}"),
+        (t.early_stop >= 0, (f"train.early_stop must be >= 0 (evaluations without an AUC "
+          f"improvement before stopping; 0 = off), got {t.early_stop}")),
         (t.early_stop_min_delta >= 0, f"train.early_stop_min_delta must be >= 0, got {t.early_stop_min_delta}"),
-        (t.early_stop <= 0 or t.eval_every > 0, f"train.early_stop={t.early_stop} counts the evaluations of "
-         "train.eval_every, which is 0 (only at the end): set train.eval_every=N"),
+        (t.early_stop <= 0 or t.eval_every > 0, (f"train.early_stop={t.early_stop} counts the evaluations of "
+          "train.eval_every, which is 0 (only at the end): set train.eval_every=N")),
     ]
 
 
@@ -134,11 +134,11 @@ def _checkpoint_checks(t: TrainConfig) -> list[tuple[bool, str]]:
         (t.shard_delta_rows in ("touched", "hot"), f"train.shard_delta_rows {t.shard_delta_rows!r}: touched or hot"),
         (0 < t.shard_delta_hot <= 1, f"train.shard_delta_hot must be in (0, 1], got {t.shard_delta_hot}"),
         (not (t.shard_delta_every and t.async_checkpoint),
-         "train.shard_delta_every follows the newest checkpoint on disk, which train.async_checkpoint=true "
-         "writes later: use one of them"),
+         ("train.shard_delta_every follows the newest checkpoint on disk, which train.async_checkpoint=true "
+          "writes later: use one of them")),
         (not t.shard_delta_every or t.recovery == "partial",
-         f"train.shard_delta_every={t.shard_delta_every}: the shards' incremental saves serve partial recovery; "
-         "set train.recovery=partial"),
+         (f"train.shard_delta_every={t.shard_delta_every}: the shards' incremental saves serve partial recovery; "
+          "set train.recovery=partial")),
     ]
 
 
@@ -205,8 +205,8 @@ def _sync_checks(cfg: Config) -> list[tuple[bool, str]]:
         (s.block_lr > 0, "sync.block_lr must be positive"),
         (s.write_back in ("delta", "overwrite"), f"sync.write_back {s.write_back!r}: delta or overwrite"),
         (s.algorithm == "none" or cfg.compress.dense == "none" or cfg.dist.group_size > 0,
-         f"sync.algorithm={s.algorithm} averages replicas, not gradients: compress.dense must be none "
-         "(or groups, dist.group_size, whose members average gradients)"),
+         (f"sync.algorithm={s.algorithm} averages replicas, not gradients: compress.dense must be none "
+          "(or groups, dist.group_size, whose members average gradients)")),
         (s.compress in ("none", "fp16", "bf16", "dct"), f"sync.compress {s.compress!r}: none, fp16, bf16 or dct"),
         (0 < s.compress_ratio <= 1, f"sync.compress_ratio must be in (0, 1], got {s.compress_ratio}"),
         (cfg.dist.group_size >= 0, f"dist.group_size must be >= 0 (0: automatic), got {cfg.dist.group_size}"),
@@ -235,12 +235,12 @@ def _nodes_checks(cfg: Config) -> list[tuple[bool, str]]:
         (0 <= d.node_rank < d.nnodes, f"dist.node_rank must be in [0, dist.nnodes={d.nnodes}), got {d.node_rank}"),
         (bool(host) and port.isdigit() and 0 < int(port) < 65536,
          f"dist.master {d.master!r}: HOST:PORT of machine 0's rendezvous (dist.nnodes={d.nnodes})"),
-        (bool(d.interface), f"dist.nnodes={d.nnodes} needs dist.interface: the network interface its sockets "
-                            "bind (e.g. eth0: a private network's)"),
-        (bool(cfg.train.run_dir), f"dist.nnodes={d.nnodes}: name the run directory (train.run_dir, on a file "
-                                  "system every machine shares)"),
-        (d.num_ps == 0, "dist.num_ps with dist.nnodes > 1: launch parameter servers across machines with "
-                        "torchrun (README), not yet with dist.nnodes"),
+        (bool(d.interface), (f"dist.nnodes={d.nnodes} needs dist.interface: the network interface its sockets "
+                             "bind (e.g. eth0: a private network's)")),
+        (bool(cfg.train.run_dir), (f"dist.nnodes={d.nnodes}: name the run directory (train.run_dir, on a file "
+                                   "system every machine shares)")),
+        (d.num_ps == 0, ("dist.num_ps with dist.nnodes > 1: launch parameter servers across machines with "
+                         "torchrun (README), not yet with dist.nnodes")),
         (d.port == 0, "dist.port is the local launch's port; across machines the rendezvous is at dist.master"),
         (d.join_timeout_s >= 1, f"dist.join_timeout_s must be at least 1 (seconds), got {d.join_timeout_s}"),
     ]
@@ -316,8 +316,8 @@ def config_rules(cfg: Config) -> list[tuple[bool, str]]:
         (c.dense_when in ("always", "pays"), f"compress.dense_when {c.dense_when!r}: always or pays"),
         (c.dense_when == "always" or (c.dense in ("dct", "topk") and c.dense_ratio < 1
                                       and (c.dense == "topk" or c.dense_cap >= 1)),
-         "compress.dense_when=pays measures the bounded messages of compress.dense=dct (dense_cap >= 1) "
-         "or topk, dense_ratio below 1"),
+         ("compress.dense_when=pays measures the bounded messages of compress.dense=dct (dense_cap >= 1) "
+          "or topk, dense_ratio below 1")),
         (c.dense_when == "always" or not cfg.dist.num_ps,
          "compress.dense_when=pays is not measured with parameter servers (dist.num_ps)"),
         *_sync_checks(cfg),
@@ -337,16 +337,16 @@ def config_rules(cfg: Config) -> list[tuple[bool, str]]:
         (c.embedding_chunks >= 0, f"compress.embedding_chunks must be >= 0 (0: auto), got {c.embedding_chunks}"),
         (c.embedding_chunks <= 1 or (c.embedding != "none" and not (c.embedding == "dct"
                                                                    and c.embedding_select == "threshold")),
-         "compress.embedding_chunks splits the codecs' hop (compress.embedding=dct with embedding_select=topk, "
-         "fp16, bf16 or int8); the float32 and the threshold hops travel in one exchange"),
+         ("compress.embedding_chunks splits the codecs' hop (compress.embedding=dct with embedding_select=topk, "
+          "fp16, bf16 or int8); the float32 and the threshold hops travel in one exchange")),
         (c.embedding_select in ("topk", "threshold"),
          f"compress.embedding_select {c.embedding_select!r}: topk or threshold"),
         (c.embedding_refresh_every >= 0, "compress.embedding_refresh_every must be >= 0 (0: auto)"),
         (c.embedding_cap >= 1, f"compress.embedding_cap must be >= 1, got {c.embedding_cap}"),
         (c.embedding_when in ("always", "pays"), f"compress.embedding_when {c.embedding_when!r}: always or pays"),
         (c.embedding_when == "always" or c.embedding_select == "topk" or c.embedding != "dct",
-         "compress.embedding_when=pays measures the top-k DCT-MP and the casting codecs, not "
-         "compress.embedding_select=threshold"),
+         ("compress.embedding_when=pays measures the top-k DCT-MP and the casting codecs, not "
+          "compress.embedding_select=threshold")),
         *_threshold_checks(cfg),
     ]
     return checks
@@ -359,10 +359,10 @@ def _threshold_checks(cfg: Config) -> list[tuple[bool, str]]:
         return []
     return [
         (not (c.embedding_tables or c.embedding_min_rows),
-         "compress.embedding_select=threshold codes every sharded table: leave compress.embedding_tables "
-         "and compress.embedding_min_rows unset"),
-        (cfg.model.arch == "dlrm", f"compress.embedding_select=threshold needs model.arch=dlrm (got "
-         f"{cfg.model.arch}: its FM piece is not an activation to threshold)"),
+         ("compress.embedding_select=threshold codes every sharded table: leave compress.embedding_tables "
+          "and compress.embedding_min_rows unset")),
+        (cfg.model.arch == "dlrm", (f"compress.embedding_select=threshold needs model.arch=dlrm (got "
+          f"{cfg.model.arch}: its FM piece is not an activation to threshold)")),
     ]
 
 
