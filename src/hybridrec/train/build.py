@@ -29,7 +29,8 @@ from hybridrec.comm.ddp_hooks import CompressedAllReduce, HookFactory, PowerSGDH
 from hybridrec.comm.ledger import CommLedger
 from hybridrec.data.loader import ShardedLoader
 from hybridrec.data.schema import DatasetMeta
-from hybridrec.metrics.logger import MetricLogger, write_text_atomic
+from hybridrec.files import write_text_atomic
+from hybridrec.metrics.logger import MetricLogger
 from hybridrec.metrics.throughput import RunTotals
 from hybridrec.model.deepfm import DeepFM
 from hybridrec.model.dlrm import DLRM
@@ -338,8 +339,8 @@ def build_sync_runner(cfg: Config, topo: Topology, model: torch.nn.Module, ledge
     rows = "all" if cfg.optim.sparse == "sgd" else "touched"
     if s.mode == "foreground":
         return ForegroundRunner(sync, params, group, ledger=ledger, every=s.every, mean=mean, rows=rows)
-    kw = dict(ledger=ledger, write_back=s.write_back, every=s.every, interval_s=s.interval_s,
-              duty=s.duty, mean=mean, rows=rows)
+    kw = {"ledger": ledger, "write_back": s.write_back, "every": s.every, "interval_s": s.interval_s,
+          "duty": s.duty, "mean": mean, "rows": rows}
     if not topo.hierarchical:  # (a checkpoint's ranks agree on its rounds over the training group)
         return BackgroundRunner(sync, params, group, train_group=topo.group, **kw)
     return GroupedBackgroundRunner(sync, params, group, members=topo.group,
