@@ -15,12 +15,12 @@ import pytest
 import hybridrec
 
 LAYERS = ("cli", "bench", "serve", "train", "sync", "ps", "parallel", "comm", "model", "data", "sparse", "metrics")
-"""Top to bottom. ``errors.py``, ``threads.py``, ``phases.py`` and ``__init__.py`` at the package root are
+"""Top to bottom. ``errors.py``, ``threads.py``, ``phases.py``, ``files.py`` and ``__init__.py`` at the package root are
 below every layer (all may import them, they import no layer); ``__main__.py`` is above
 every layer."""
 
 PACKAGE = Path(hybridrec.__file__).parent
-ROOT_SHARED = ("hybridrec", "hybridrec.errors", "hybridrec.threads", "hybridrec.phases")
+ROOT_SHARED = ("hybridrec", "hybridrec.errors", "hybridrec.threads", "hybridrec.phases", "hybridrec.files")
 ENTRY = "hybridrec.__main__"
 CALLED = {("hybridrec.train", "hybridrec.serve.api"), ("hybridrec", "hybridrec.train")}
 """Imports made when the Python API is first *used*, not when a module is imported: the root
@@ -211,7 +211,7 @@ def test_every_subpackage_has_a_place_in_the_order():
     assert packages == set(LAYERS), ("add new packages to LAYERS and docs/design.md",
                                      packages ^ set(LAYERS))
     root = {p.stem for p in PACKAGE.glob("*.py")}
-    assert root == {"__init__", "__main__", "errors", "threads", "phases"}, root
+    assert root == {"__init__", "__main__", "errors", "threads", "phases", "files"}, root
 
 
 def test_no_module_imports_a_layer_above_its_own():

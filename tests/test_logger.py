@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from hybridrec.errors import HybridrecError
-from hybridrec.metrics import MetricLogger, peak_memory_bytes, write_json_atomic
+from hybridrec.files import write_json_atomic
+from hybridrec.metrics import MetricLogger, peak_memory_bytes
 from hybridrec.metrics import logger as logger_mod
 
 

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 from hybridrec.bench.svg import Panel, Point, scatter_svg
-from hybridrec.metrics.logger import write_json_atomic, write_text_atomic
+from hybridrec.files import write_json_atomic, write_text_atomic
 
 BASELINE = "baseline"
 """The setting every sweep includes: no compression, the reference of the others' AUC and bytes."""

@@ -36,7 +36,8 @@ from xml.sax.saxutils import escape
 from hybridrec.bench.compression_report import byte_ratio, fmt_bytes
 from hybridrec.bench.svg import Bar, BarGroup, Series, bar_svg, color, line_svg
 from hybridrec.errors import HybridrecError, os_error_message
-from hybridrec.metrics.logger import METRICS_FILE, write_text_atomic
+from hybridrec.files import write_text_atomic
+from hybridrec.metrics.logger import METRICS_FILE
 from hybridrec.train.checkpointing.faults import MARKER as INJECTED_FILE
 from hybridrec.train.checkpointing.faults import injections, read_marker
 

@@ -9,8 +9,8 @@ hybridrec):
   rename), fsynced, and renamed to its final name only once complete. A failure on the way (a
   malformed line, a full disk, Ctrl-C) removes the temporary, and an earlier complete output
   under the final name stays as it was. (Whole JSON or text files written at once:
-  :func:`hybridrec.metrics.logger.write_text_atomic`; this module is for outputs streamed
-  into a file and for directories.)
+  :func:`hybridrec.files.write_text_atomic`, whose module also holds the fsync helpers;
+  this module is for outputs streamed into a file and for directories.)
 - **Never over an input.** Before anything is opened for writing, an output that is one of
   the command's inputs is refused in one line: the same resolved path, or the same file by
   another name (a hard link, a bind mount: :func:`os.path.samestat`). So is an output
@@ -31,7 +31,7 @@ from pathlib import Path
 
 from hybridrec.data.shards import TMP_MARK, tmp_path
 from hybridrec.errors import ConfigError
-from hybridrec.metrics.logger import _fsync_dir
+from hybridrec.files import fsync_dir, fsync_file, fsync_tree
 
 
 def same_file(a: Path, b: Path) -> bool:
@@ -75,29 +75,11 @@ def refuse_over_inputs(out: Path, inputs: Iterable[tuple[str, Path]], *, option:
                               "delete; write the output elsewhere")
 
 
-def fsync_file(path: Path) -> None:
-    """Flush a closed file's data to the disk (a rename after it then never shows an empty
-    or short file after a crash)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def fsync_tree(directory: Path) -> None:
-    """:func:`fsync_file` for every file under ``directory``, then every directory's entries."""
-    for root, _, files in os.walk(directory):
-        for name in files:
-            fsync_file(Path(root) / name)
-        _fsync_dir(Path(root))
-
-
 def commit_file(tmp: Path, out: Path) -> None:
     """A complete, closed ``tmp`` renamed over ``out`` (same directory), durably."""
     fsync_file(tmp)
     os.replace(tmp, out)
-    _fsync_dir(out.parent)
+    fsync_dir(out.parent)
 
 
 @contextlib.contextmanager
@@ -127,14 +109,14 @@ def replace_dir(tmp: Path, out: Path) -> None:
         except BaseException:
             os.rename(old, out)
             raise
-        _fsync_dir(out.parent)
+        fsync_dir(out.parent)
         if old.is_dir() and not old.is_symlink():
             shutil.rmtree(old, ignore_errors=True)
         else:
             old.unlink(missing_ok=True)
     else:
         os.rename(tmp, out)
-        _fsync_dir(out.parent)
+        fsync_dir(out.parent)
 
 
 _STALE = re.compile(re.escape(TMP_MARK) + r"\d+$")

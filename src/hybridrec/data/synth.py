@@ -46,11 +46,10 @@ from pathlib import Path
 import numpy as np
 
 from hybridrec.data.criteo import CATEGORICAL, DENSE
-from hybridrec.data.outputs import fsync_file
 from hybridrec.data.shards import clear_stale_tmp, tmp_path
 from hybridrec.errors import ConfigError, DataError, naming
+from hybridrec.files import fsync_dir, fsync_file
 from hybridrec.metrics.classification import auc
-from hybridrec.metrics.logger import _fsync_dir
 
 KAGGLE_CARDINALITIES = (
     1460, 583, 10131227, 2202608, 305, 24, 12517, 633, 3, 93145, 5683, 8351593, 3194,
@@ -373,7 +372,7 @@ def _commit(out: Path, written: list[str]) -> None:
             p.unlink(missing_ok=True)
     for name in sorted(written, key=lambda n: n == "teacher.json"):
         os.replace(tmp_path(out / name), out / name)
-    _fsync_dir(out)
+    fsync_dir(out)
 
 
 def _write_day(teacher: Teacher, path: Path, day: int, keep: bool) -> tuple[int, list]:

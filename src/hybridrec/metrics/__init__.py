@@ -10,13 +10,7 @@ from hybridrec.metrics.classification import (
     log_loss,
     normalized_entropy,
 )
-from hybridrec.metrics.logger import (
-    MetricLogger,
-    cuda_peak_memory_bytes,
-    peak_memory_bytes,
-    to_jsonable,
-    write_json_atomic,
-)
+from hybridrec.metrics.logger import MetricLogger, cuda_peak_memory_bytes, peak_memory_bytes
 from hybridrec.metrics.throughput import Throughput
 
 __all__ = [
@@ -32,6 +26,4 @@ __all__ = [
     "log_loss",
     "normalized_entropy",
     "peak_memory_bytes",
-    "to_jsonable",
-    "write_json_atomic",
 ]

@@ -1,4 +1,5 @@
-"""Run-directory outputs: metrics.jsonl (+ optional TensorBoard), atomic JSON, peak memory.
+"""Run-directory outputs: metrics.jsonl (+ optional TensorBoard), peak memory. (Atomic JSON
+and text files: :mod:`hybridrec.files`.)
 
 ``metrics.jsonl`` holds one JSON object per :meth:`MetricLogger.log` call::
 
@@ -18,7 +19,6 @@ import numbers
 import os
 import resource
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from hybridrec.errors import HybridrecError, naming
+from hybridrec.files import write_text_atomic
 
 if TYPE_CHECKING:
     from typing_extensions import Self  # typing.Self needs Python 3.11
@@ -58,97 +59,6 @@ def _number(key: str, value: Any) -> int | float | None:
         value = float(value)
         return value if math.isfinite(value) else None
     raise TypeError(f"metric {key!r}: expected a number, got {type(value).__name__}")
-
-
-def to_jsonable(obj: Any) -> Any:
-    """Recursively converts ``obj`` to what ``json.dumps(allow_nan=False)`` accepts.
-
-    Non-finite floats become ``None``; numpy and torch scalars become Python
-    numbers, arrays and tensors become (nested) lists; tuples become lists and
-    paths strings. Anything else is returned unchanged (json then rejects it).
-    """
-    if isinstance(obj, dict):
-        return {k: to_jsonable(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [to_jsonable(v) for v in obj]
-    if isinstance(obj, (torch.Tensor, np.ndarray)):
-        return to_jsonable(obj.tolist())
-    if isinstance(obj, np.generic):
-        return to_jsonable(obj.item())
-    if isinstance(obj, float):
-        return obj if math.isfinite(obj) else None
-    if isinstance(obj, os.PathLike):
-        return os.fspath(obj)
-    return obj
-
-
-def write_json_atomic(path: str | os.PathLike[str], obj: Any, *, indent: int | None = 2) -> None:
-    """Writes ``obj`` as JSON to ``path`` so readers see the old file or the new, never half.
-
-    The temporary file lives in the destination directory (``os.replace`` is only
-    atomic within one file system), is fsynced before the rename so a crash
-    cannot leave an empty file under the final name, and is removed on error.
-    NaN and ±inf are written as ``null`` (see :func:`to_jsonable`).
-    """
-    write_text_atomic(path, json.dumps(to_jsonable(obj), indent=indent, allow_nan=False) + "\n")
-
-
-def write_text_atomic(path: str | Path, text: str) -> None:
-    """Readers see the old file or the new one, never half of it: a temporary file in the
-    destination directory, fsynced, renamed over ``path``, removed on error. A file system
-    error names ``path`` (not the temporary file), e.g. ``RUN/summary.json: No space left
-    on device``."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = None
-    try:
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-        os.fchmod(fd, file_mode())  # mkstemp's 0600 -> what open() would give (0644)
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException as e:
-        if tmp is not None:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-        if isinstance(e, OSError) and e.errno is not None:
-            raise type(e)(e.errno, e.strerror, os.fspath(path)) from e
-        raise
-    _fsync_dir(path.parent)
-
-
-def file_mode() -> int:
-    """The mode a newly created file gets from ``open()``: 0666 less the umask (0644
-    with the usual 022), so files written through a temporary file match the others."""
-    return 0o666 & ~_umask()
-
-
-def _umask() -> int:
-    try:  # Linux >= 4.7 reports it without changing it
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("Umask:"):
-                return int(line.split()[1], 8)
-    except (OSError, ValueError, IndexError):
-        pass
-    mask = os.umask(0o022)  # elsewhere: read by setting it, then put it back
-    os.umask(mask)
-    return mask
-
-
-def _fsync_dir(directory: Path) -> None:
-    """Makes a rename in ``directory`` durable (POSIX); a no-op where unsupported."""
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def peak_memory_bytes() -> int:

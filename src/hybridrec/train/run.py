@@ -30,7 +30,8 @@ import hybridrec
 from hybridrec.data.loader import steps_per_epoch
 from hybridrec.data.schema import DatasetMeta
 from hybridrec.errors import ConfigError, HybridrecError, records_errors
-from hybridrec.metrics.logger import cuda_peak_memory_bytes, peak_memory_bytes, write_json_atomic
+from hybridrec.files import write_json_atomic
+from hybridrec.metrics.logger import cuda_peak_memory_bytes, peak_memory_bytes
 from hybridrec.parallel.checkpoint import load_sharded, load_state, read_manifest
 from hybridrec.parallel.checkpoint_io import SafeFileSystemReader
 from hybridrec.parallel.checkpoint_layout import table_key

@@ -73,7 +73,7 @@ _TENSORBOARD_FILE = re.compile(r"^events\.out\.tfevents\..+$")
 
 
 def _atomic_leftover(name: str, names) -> bool:
-    """A temporary file of :func:`~hybridrec.metrics.logger.write_text_atomic` for one of
+    """A temporary file of :func:`~hybridrec.files.write_text_atomic` for one of
     ``names`` (``.summary.json.k2j3.tmp``), left by a process killed mid-write."""
     return name.startswith(".") and name.endswith(".tmp") and any(name.startswith(f".{n}.") for n in names)
 

@@ -89,7 +89,7 @@ import json
 import math
 from pathlib import Path
 
-from hybridrec.metrics.logger import write_json_atomic
+from hybridrec.files import write_json_atomic
 
 CHOICE_FILE = "checkpoint_interval.json"
 """In the run directory: the newest choice (``{"inputs", "choice"}``)."""

@@ -137,7 +137,7 @@ class FailureInjector:
     def after_step(self, step: int) -> None:
         if step not in self.steps:
             return
-        from hybridrec.metrics.logger import write_json_atomic
+        from hybridrec.files import write_json_atomic
 
         path = self.run_dir / MARKER
         at = datetime.datetime.now().astimezone().isoformat(timespec="seconds")

@@ -87,7 +87,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from hybridrec.errors import os_error_message
-from hybridrec.metrics.logger import write_json_atomic
+from hybridrec.files import write_json_atomic
 from hybridrec.parallel.checkpoint_io import (
     FORMAT,
     MANIFEST,

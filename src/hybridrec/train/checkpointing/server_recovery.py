@@ -46,7 +46,7 @@ from pathlib import Path
 
 import torch
 
-from hybridrec.metrics.logger import write_json_atomic
+from hybridrec.files import write_json_atomic
 from hybridrec.parallel.checkpoint_io import CheckpointError, encode_skeleton
 from hybridrec.ps.server import EmbeddingServer
 from hybridrec.train.checkpointing.deltas import plan_json
