@@ -5,7 +5,6 @@ embedding collection answers the one interface the step and the checkpointer cal
 from __future__ import annotations
 
 import pytest
-from synth_data import synth_dataset
 
 from hybridrec.train.loop import hogwild
 from hybridrec.train.build import build_trainer
@@ -18,8 +17,8 @@ SMALL = ["model.embedding_dim=8", "model.bottom_mlp=16,8", "model.top_mlp=16,1",
 
 
 @pytest.fixture(scope="module")
-def data(tmp_path_factory):
-    return synth_dataset(tmp_path_factory.mktemp("parts"), days=2, rows=2000)  # 15 batches of 128
+def data(shared_dataset):
+    return shared_dataset(days=2, rows=2000)  # 15 batches of 128
 
 
 def _trainer(data, run_dir, *extra):
@@ -119,3 +118,37 @@ def test_every_collection_answers_the_interface(data, tmp_path):
     assert (remote.spans_ranks, remote.holds_tables, remote.plan_dict()) == (True, False, None)
     assert remote.local_weights() == {} and remote.updated_collections() == {}
     assert remote.step_grads() == {"ps": []}
+
+
+class StepCounter(Part):
+    """A part that reports a number: the steps it saw, in summary.json as ``counted_steps``."""
+
+    def __init__(self) -> None:
+        self.steps = 0
+
+    def after_step(self, loop, done):
+        self.steps += 1
+
+    def summary(self):
+        return {"counted_steps": self.steps}
+
+
+def test_a_new_part_reports_in_summary_json(data, tmp_path):
+    """A part defined here, added through the Python entry point, is built into the real
+    trainer and its number lands in summary.json beside every built-in part's entries."""
+    import json
+
+    from hybridrec.train.run import train
+
+    cfg = build_config(recipe("demo"), overrides=[f"data.path={data}", f"train.run_dir={tmp_path / 'run'}",
+                                                  *SMALL, "train.max_steps=5"])
+    counter = StepCounter()
+    returned = train(cfg, extra_parts=[counter])
+    written = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert written["counted_steps"] == returned["counted_steps"] == 5
+    assert written["step"] == 5
+    # the built-in parts' entries, and the absent parts' keys (no synchronizer, no early stop)
+    assert written["sync"] is None and written["stop_reason"] == "planned_steps" and written["early_stop"] is None
+    assert written["recovery"] is None and written["ps"] is None
+    assert written["eval"]["auc"] is not None and written["eval_history"] == []
+    assert written["run"] is not None and written["checkpoint_interval"] is not None

@@ -260,6 +260,8 @@ class RecoveryWatch(Part):
     shards (``train.shard_delta_every``) between full checkpoints; what each recovery
     lost, in the summary."""
 
+    absent = {"recovery": None}
+
     def __init__(self, recovery: Recovery, checkpoints: Checkpoints, *, logger: MetricLogger | None) -> None:
         self.recovery, self.checkpoints, self.logger = recovery, checkpoints, logger
 

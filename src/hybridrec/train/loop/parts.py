@@ -20,7 +20,11 @@ components) and acts through one small protocol, :class:`Part`:
 - ``finish(loop, end)``: training ended (last sync round, last log line, early stopping's
   evaluation), before the final checkpoint; ``close(loop)`` after it (the final
   evaluation, waiting for background writes);
-- ``summary()``: this part's entries of the fit's result (summary.json).
+- ``summary()``: this part's entries of summary.json, under their names there; a
+  run without the part has its class's ``absent`` entries instead (``{"sync": None}``),
+  so summary.json has the same keys whatever the run (:func:`summary_entries` merges
+  them, :func:`hybridrec.train.run.run_summary` writes them). A part that reports a
+  number is one class: its hooks and its ``summary()``.
 
 The order of the list is the order of every hook (:func:`hybridrec.train.build.build_trainer`
 makes it). A way of producing steps (one thread, Hogwild's threads, a parameter-server
@@ -71,6 +75,8 @@ class End:
 class Part:
     """One concern of the loop (module docstring); every hook does nothing by default."""
 
+    absent: dict = {}  # summary.json's entries of a run without this part
+
     def running(self, loop) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()
 
@@ -103,6 +109,34 @@ class Part:
 
     def summary(self) -> dict:
         return {}
+
+
+def merge_entries(base: dict, entries: dict) -> dict:
+    """``base`` with ``entries`` over it; where both hold a dict under one key, the two
+    dicts merged (one level: a part adds ``{"kernels": {"threads": ...}}`` to the run's
+    ``kernels``)."""
+    out = dict(base)
+    for key, value in entries.items():
+        old = out.get(key)
+        out[key] = {**old, **value} if isinstance(old, dict) and isinstance(value, dict) else value
+    return out
+
+
+def summary_entries(parts: list[Part]) -> dict:
+    """Every part's summary entries, in the list's order, over the ``absent`` entries of
+    every part class (those of the parts this run has not: their keys are in summary.json
+    too)."""
+    out: dict = {}
+    for cls in _part_classes(Part):
+        out = merge_entries(out, cls.absent)
+    for part in parts:
+        out = merge_entries(out, part.summary())
+    return out
+
+
+def _part_classes(cls: type) -> list[type]:
+    """``cls`` and its subclasses (every imported part class), parents first."""
+    return [cls, *(c for sub in cls.__subclasses__() for c in _part_classes(sub))]
 
 
 def next_multiple(step: int, every: int) -> int:
@@ -224,7 +258,7 @@ class Evaluation(Part):
             self.final = self._eval_and_log(loop)
 
     def summary(self) -> dict:
-        return {"eval_metrics": self.final, "history": self.history}
+        return {"eval": self.final, "eval_history": self.history}
 
     def _drop(self, step: int) -> None:
         if self.logger:
@@ -255,6 +289,8 @@ class Evaluation(Part):
 
 class StopEarly(Part):
     """Early stopping's summary entries (the part that stops is :class:`Evaluation`)."""
+
+    absent = {"stop_reason": "planned_steps", "early_stop": None}
 
     def __init__(self, early_stop: EarlyStopping, *, total_steps: int, run_dir: Path, saved: bool) -> None:
         self.early_stop, self.total_steps, self.run_dir, self.saved = early_stop, total_steps, run_dir, saved
@@ -294,14 +330,16 @@ class ThreadTiming(Part):
     def after_step(self, loop, done: Done) -> None:
         self.governor.record(done.step, done.seconds)
 
-    def summary(self) -> dict:
-        return {"threads": self.governor.summary()}
+    def summary(self) -> dict:  # (the thread count chosen: with the run's kernels)
+        return {"kernels": {"threads": t}} if (t := self.governor.summary()) else {}
 
 
 class Sync(Part):
     """The synchronizer of dense replicas (MA / EASGD / BMUF, foreground or background):
     started with training, a round (or a background target written back) closing each
     step, parked while a checkpoint is saved, its last round at the end."""
+
+    absent = {"sync": None}  # rounds and the sync gap of this rank's synchronizer
 
     def __init__(self, runner) -> None:
         self.runner = runner
@@ -346,6 +384,8 @@ class ServerSteps(StepSource):
     """A parameter-server trainer's steps: as one thread's, and at the end every
     trainer's last push has landed before anyone evaluates; its pushes and their
     staleness in the summary."""
+
+    absent = {"ps": None}  # this trainer's pushes and their staleness
 
     def __init__(self, pipeline, remote) -> None:
         super().__init__(pipeline)

@@ -24,20 +24,35 @@ from hybridrec.parallel.topology import Topology
 from hybridrec.sparse.keyed_jagged import Batch
 from hybridrec.train.loop.checkpoint_policy import Checkpoints
 from hybridrec.train.loop.optim import LRScheduler
-from hybridrec.train.loop.parts import Done, End, Part, StepSource
+from hybridrec.train.loop.parts import Done, End, Part, StepSource, summary_entries
 from hybridrec.train.loop.sparse_optim import CombinedSparseOptimizer
 from hybridrec.train.loop.step import training_step
 
 
 @dataclass
 class FitResult:
+    """The fit's outcome: its last step, the step it resumed from, and every part's
+    summary entries under their summary.json names (:func:`summary_entries`); the loop
+    names none of them. The properties read the common ones."""
     step: int
-    eval_metrics: dict
-    train_loss: float
-    throughput: dict
     resumed_from: int | None = None
-    history: list[dict] = field(default_factory=list)
-    parts: dict = field(default_factory=dict)  # every part's summary entries (summary.json)
+    parts: dict = field(default_factory=dict)
+
+    @property
+    def eval_metrics(self) -> dict | None:
+        return self.parts.get("eval")
+
+    @property
+    def history(self) -> list[dict]:
+        return self.parts.get("eval_history") or []
+
+    @property
+    def train_loss(self) -> float | None:
+        return self.parts.get("train_loss")
+
+    @property
+    def throughput(self) -> dict | None:
+        return self.parts.get("throughput")
 
 
 @dataclass
@@ -135,11 +150,7 @@ class Trainer:
                 p.close(self)  # after it
             if self.logger is not None:  # (rank 0's metrics.jsonl: every record written)
                 self.logger.flush()
-        out: dict = {}
-        for p in self.parts:
-            out.update(p.summary())
-        return FitResult(self.step, out.pop("eval_metrics"), out.pop("train_loss"), out.pop("throughput"),
-                         resumed, out.pop("history"), out)
+        return FitResult(self.step, resumed, summary_entries(self.parts))
 
     def _loop(self) -> bool:
         """Every remaining step, with the parts' work after each; True: a part stopped
