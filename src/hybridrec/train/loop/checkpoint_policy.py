@@ -9,6 +9,7 @@ import contextlib
 import sys
 import time
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 import torch.distributed as dist
@@ -180,10 +181,10 @@ class Checkpoints(Part):
         servers = self.checkpointer.servers
         processes = self.topo.group_size + (servers.num_ps if servers is not None else 0)
         if t.recovery == "partial" and processes > 1:
-            inputs = dict(save_s=save_s, step_s=step_s, mtbf_s=mtbf_s, total_steps=self.total_steps,
-                          ranks=processes, lost_fraction=t.lost_fraction,
-                          delta_steps=deltas.every if deltas is not None else 0, delta_share=share,
-                          delta_update_share=update)
+            inputs = {"save_s": save_s, "step_s": step_s, "mtbf_s": mtbf_s, "total_steps": self.total_steps,
+                      "ranks": processes, "lost_fraction": t.lost_fraction,
+                      "delta_steps": deltas.every if deltas is not None else 0, "delta_share": share,
+                      "delta_update_share": update}
             self._take(partial_recovery_interval(**inputs))
             if deltas is not None:  # a replay's cost, measured on the next delta, chooses again
                 deltas.time_next_read()
@@ -260,7 +261,7 @@ class RecoveryWatch(Part):
     shards (``train.shard_delta_every``) between full checkpoints; what each recovery
     lost, in the summary."""
 
-    absent = {"recovery": None}
+    absent: ClassVar[dict] = {"recovery": None}
 
     def __init__(self, recovery: Recovery, checkpoints: Checkpoints, *, logger: MetricLogger | None) -> None:
         self.recovery, self.checkpoints, self.logger = recovery, checkpoints, logger

@@ -41,6 +41,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 import torch.distributed as dist
@@ -75,7 +76,7 @@ class End:
 class Part:
     """One concern of the loop (module docstring); every hook does nothing by default."""
 
-    absent: dict = {}  # summary.json's entries of a run without this part
+    absent: ClassVar[dict] = {}  # summary.json's entries of a run without this part
 
     def running(self, loop) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()
@@ -290,7 +291,7 @@ class Evaluation(Part):
 class StopEarly(Part):
     """Early stopping's summary entries (the part that stops is :class:`Evaluation`)."""
 
-    absent = {"stop_reason": "planned_steps", "early_stop": None}
+    absent: ClassVar[dict] = {"stop_reason": "planned_steps", "early_stop": None}
 
     def __init__(self, early_stop: EarlyStopping, *, total_steps: int, run_dir: Path, saved: bool) -> None:
         self.early_stop, self.total_steps, self.run_dir, self.saved = early_stop, total_steps, run_dir, saved
@@ -339,7 +340,7 @@ class Sync(Part):
     started with training, a round (or a background target written back) closing each
     step, parked while a checkpoint is saved, its last round at the end."""
 
-    absent = {"sync": None}  # rounds and the sync gap of this rank's synchronizer
+    absent: ClassVar[dict] = {"sync": None}  # rounds and the sync gap of this rank's synchronizer
 
     def __init__(self, runner) -> None:
         self.runner = runner
@@ -385,7 +386,7 @@ class ServerSteps(StepSource):
     trainer's last push has landed before anyone evaluates; its pushes and their
     staleness in the summary."""
 
-    absent = {"ps": None}  # this trainer's pushes and their staleness
+    absent: ClassVar[dict] = {"ps": None}  # this trainer's pushes and their staleness
 
     def __init__(self, pipeline, remote) -> None:
         super().__init__(pipeline)
