@@ -6,7 +6,6 @@ import xml.etree.ElementTree as ET
 
 import pytest
 
-from synth_data import synth_dataset
 from hybridrec.bench import compression_report as report
 from hybridrec.bench.compression import (
     SweepSpec,
@@ -219,8 +218,8 @@ def test_results_of_an_unfinished_sweep_say_so(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def dataset(tmp_path_factory):
-    return synth_dataset(tmp_path_factory.mktemp("bench"), days=2, rows=2000)
+def dataset(shared_dataset):
+    return shared_dataset(days=2, rows=2000)
 
 
 def test_one_process_sweep_reports_a_failure_continues_and_reuses_finished_runs(

@@ -134,6 +134,7 @@ def sharded_worker(topo, precision_wire):
     return out.dtype, after.dtype, [g.dtype for _, _, g, _ in grads["shards"]], bool((after != before).any())
 
 
+@pytest.mark.distributed
 def test_sharded_bf16_tables_pool_into_the_wire_dtype_and_update_in_float32():
     for wire, want in ((BF16, BF16), (None, torch.float32)):
         for out_dtype, weight_dtype, grad_dtypes, moved in run_ranks(sharded_worker, 2, wire):

@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from synth_data import synth_dataset
 
 from hybridrec.cli.main import DEBUG_ENV, main
 from hybridrec.parallel import checkpoint_io
@@ -33,8 +32,8 @@ def _no_debug_no_ranks(monkeypatch):
 
 
 @pytest.fixture(scope="module")
-def data(tmp_path_factory):
-    return synth_dataset(tmp_path_factory.mktemp("integrity"), days=2, rows=400)
+def data(tiny_data):
+    return tiny_data
 
 
 def _args(data: Path, run: Path, steps: int, *extra: str) -> list[str]:
@@ -43,10 +42,11 @@ def _args(data: Path, run: Path, steps: int, *extra: str) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def two_checkpoints(data, tmp_path_factory):
-    """A run interrupted after step 4, with checkpoints at steps 2 and 4."""
-    run = tmp_path_factory.mktemp("two") / "run"
-    assert main(_args(data, run, 4)) == 0
+def two_checkpoints(data, trained_run, tmp_path_factory):
+    """A run interrupted after step 4, with checkpoints at steps 2 and 4 (a copy of the
+    shared run test_trust_payloads.py reads)."""
+    shared = trained_run(data, 4, "train.checkpoint_every=2", "train.keep_checkpoints=3", export=True)
+    run = shutil.copytree(shared, tmp_path_factory.mktemp("two") / "run")
     (run / "summary.json").unlink()  # as if it had stopped before the end
     assert [s for s, _ in ckpt.list_checkpoints(run)] == [2, 4]
     return run

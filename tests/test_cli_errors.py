@@ -16,7 +16,6 @@ import sys
 from pathlib import Path
 
 import pytest
-from synth_data import synth_dataset
 
 from hybridrec.cli.main import BROKEN_PIPE, DEBUG_ENV, main
 from hybridrec.errors import ConfigError, DataError
@@ -32,8 +31,8 @@ def _no_debug_no_ranks(monkeypatch):
 
 
 @pytest.fixture(scope="module")
-def data(tmp_path_factory):
-    return synth_dataset(tmp_path_factory.mktemp("cli_errors"), days=2, rows=400)
+def data(shared_dataset):
+    return shared_dataset(days=2, rows=400)
 
 
 @pytest.fixture(scope="module")

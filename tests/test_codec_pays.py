@@ -5,7 +5,6 @@ on every rank alike."""
 import pytest
 
 from distributed import run_ranks
-from synth_data import synth_dataset
 
 pytestmark = pytest.mark.distributed
 
@@ -15,8 +14,8 @@ SMALL = ["model.embedding_dim=8", "model.bottom_mlp=16,8", "model.top_mlp=16,1",
 
 
 @pytest.fixture(scope="module")
-def dataset(tmp_path_factory):
-    return synth_dataset(tmp_path_factory.mktemp("pays"), days=2, rows=1000)
+def dataset(shared_dataset):
+    return shared_dataset(days=2, rows=1000)
 
 
 def _build(topo, data, run_dir, codec_ms):

@@ -8,7 +8,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from synth_data import synth_dataset
 from distributed import run_ranks
 from hybridrec.comm import native_topk
 from hybridrec.comm.codecs import (
@@ -521,8 +520,8 @@ def test_eta_one_fp32_trains_exactly_like_uncompressed():
 
 # -- the config path, 2 ranks ------------------------------------------------------------
 @pytest.fixture(scope="module")
-def dataset(tmp_path_factory):
-    return synth_dataset(tmp_path_factory.mktemp("codecs"), days=2, rows=800)
+def dataset(shared_dataset):
+    return shared_dataset(days=2, rows=800)
 
 
 def config_worker(topo, data, run_root):

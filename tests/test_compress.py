@@ -11,7 +11,6 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from synth_data import synth_dataset
 from distributed import run_ranks
 from hybridrec.comm import sparse_message as sm
 from hybridrec.comm.compress import (
@@ -353,8 +352,8 @@ STEPS = 5
 
 
 @pytest.fixture(scope="module")
-def dataset(tmp_path_factory):
-    return synth_dataset(tmp_path_factory.mktemp("compress"), days=2, rows=1000)
+def dataset(shared_dataset):
+    return shared_dataset(days=2, rows=1000)
 
 
 def _train_settings(topo, data, run_root):

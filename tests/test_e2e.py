@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from processor import needs_bf16
-from synth_data import synth_dataset
 from hybridrec.cli.main import main
 from hybridrec.train.checkpointing import checkpoint as ckpt
 from hybridrec.train.run import load_run_model
@@ -20,8 +19,8 @@ SMALL = ["model.embedding_dim=8", "model.bottom_mlp=16,8", "model.top_mlp=16,1",
 
 
 @pytest.fixture(scope="module")
-def dataset(tmp_path_factory):
-    return synth_dataset(tmp_path_factory.mktemp("e2e"), days=3, rows=3000)
+def dataset(shared_dataset):
+    return shared_dataset(days=3, rows=3000)
 
 
 def _train(dataset, run_dir, *extra):

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 from distributed import run_ranks
-from synth_data import synth_dataset
 
 from hybridrec.cli.main import main
 from hybridrec.errors import ConfigError
@@ -25,8 +24,8 @@ NEVER_BETTER = ["train.early_stop_min_delta=1"]
 
 
 @pytest.fixture(scope="module")
-def dataset(tmp_path_factory):
-    return synth_dataset(tmp_path_factory.mktemp("early_stop"), days=2, rows=1000)
+def dataset(shared_dataset):
+    return shared_dataset(days=2, rows=1000)
 
 
 def _train(dataset, run, *extra) -> int:

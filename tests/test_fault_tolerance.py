@@ -9,7 +9,6 @@ from types import SimpleNamespace
 
 import pytest
 
-from synth_data import synth_dataset
 from hybridrec.cli.launch import _injected_pid, failure_line
 from hybridrec.cli.main import main
 from hybridrec.errors import ConfigError
@@ -25,8 +24,8 @@ SMALL = ["model.embedding_dim=8", "model.bottom_mlp=16,8", "model.top_mlp=16,1",
 
 
 @pytest.fixture(scope="module")
-def dataset(tmp_path_factory):
-    return synth_dataset(tmp_path_factory.mktemp("faults"), days=2, rows=2000)
+def dataset(shared_dataset):
+    return shared_dataset(days=2, rows=2000)
 
 
 def _args(dataset, run, *extra):

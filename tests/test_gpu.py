@@ -17,7 +17,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from synth_data import synth_dataset
 from hybridrec.cli.main import main
 from hybridrec.train.setup import recipes
 from hybridrec.train.build import build_trainer
@@ -33,8 +32,8 @@ SMALL = ["model.embedding_dim=8", "model.bottom_mlp=16,8", "model.top_mlp=16,1",
 
 
 @pytest.fixture(scope="module")
-def dataset(tmp_path_factory):
-    return synth_dataset(tmp_path_factory.mktemp("gpu"), days=3, rows=3000)
+def dataset(shared_dataset):
+    return shared_dataset(days=3, rows=3000)
 
 
 def _train(dataset, run, *extra) -> dict:

@@ -27,7 +27,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from synth_data import synth_dataset
 
 ON_CPU = os.environ.get("HYBRIDREC_GPU_TESTS_ON_CPU") == "1"
 pytestmark = [pytest.mark.gpu, pytest.mark.distributed,
@@ -41,8 +40,8 @@ B = 128  # per rank; the one process takes 2 * B
 
 
 @pytest.fixture(scope="module")
-def dataset(tmp_path_factory):
-    return synth_dataset(tmp_path_factory.mktemp("gpu_dist"), days=3, rows=3000)
+def dataset(shared_dataset):
+    return shared_dataset(days=3, rows=3000)
 
 
 def _train(dataset, run: Path, nproc: int, *extra) -> tuple[str, dict]:
@@ -92,6 +91,7 @@ def one_process(dataset, tmp_path_factory):
     return summary, _weights(run)
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("sharding", ["table_wise", "row_wise", "column_wise"])
 @pytest.mark.parametrize("dense_sync", ["ddp", "allreduce"])
 def test_two_ranks_sharing_the_gpu_train_what_one_gpu_process_trains(dataset, tmp_path, one_process,
@@ -118,6 +118,7 @@ DCT = ["compress.dense=dct", "compress.dense_ratio=0.05", "compress.dense_refres
        "dist.sharding=row_wise", f"data.batch_size={B}"]
 
 
+@pytest.mark.distributed
 def test_dct_run_stopped_and_resumed_equals_the_uninterrupted_one(dataset, tmp_path):
     _, full = _train(dataset, tmp_path / "full", 2, *DCT, "train.max_steps=30")
     _train(dataset, tmp_path / "cut", 2, *DCT, "train.max_steps=15")
@@ -133,6 +134,7 @@ def test_dct_run_stopped_and_resumed_equals_the_uninterrupted_one(dataset, tmp_p
     _record(test="dct_resume", device=cut["device"], auc_full=full["eval"]["auc"], auc_resumed=cut["eval"]["auc"])
 
 
+@pytest.mark.distributed
 def test_background_sync_and_a_hierarchical_run_train(dataset, tmp_path):
     common = [f"data.batch_size={B}", "train.max_steps=40", "dist.dense_sync=none"]
     _, none = _train(dataset, tmp_path / "none", 2, *common)

@@ -159,10 +159,9 @@ SMALL = ["model.embedding_dim=8", "model.bottom_mlp=16,8", "model.top_mlp=16,1",
 
 
 @pytest.fixture(scope="module")
-def dataset(tmp_path_factory):
-    from synth_data import synth_dataset
-
-    return synth_dataset(tmp_path_factory.mktemp("hier"), days=2, rows=4000)  # 15 steps of 4 x 64
+def dataset(shared_dataset):
+    
+    return shared_dataset(days=2, rows=4000)  # 15 steps of 4 x 64
 
 
 def _launch(dataset, run, *extra, timeout=240):

@@ -10,7 +10,6 @@ from collections import Counter
 
 import pytest
 import torch
-from synth_data import synth_dataset
 
 from hybridrec.cli.main import main
 from hybridrec.errors import ConfigError
@@ -28,8 +27,8 @@ SMALL = ["model.embedding_dim=8", "model.bottom_mlp=16,8", "model.top_mlp=16,1",
 
 
 @pytest.fixture(scope="module")
-def data(tmp_path_factory):
-    return synth_dataset(tmp_path_factory.mktemp("hogwild"), days=2, rows=4000)  # 31 batches of 128
+def data(shared_dataset):
+    return shared_dataset(days=2, rows=4000)  # 31 batches of 128
 
 
 def _config(data, run_dir, *extra):

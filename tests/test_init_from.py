@@ -10,7 +10,6 @@ import sys
 import pytest
 import torch
 from distributed import run_ranks
-from synth_data import synth_dataset
 
 SMALL = ["model.embedding_dim=8", "model.bottom_mlp=16,8", "model.top_mlp=16,1", "data.batch_size=64",
          "data.eval_batch_size=1000", "train.progress=false", "train.log_every=0", "optim.warmup_steps=0",
@@ -46,12 +45,12 @@ def _source_worker(topo, data, run):
 
 
 @pytest.fixture(scope="module")
-def world(tmp_path_factory):
+def world(shared_dataset, tmp_path_factory):
     """Days 0-1 (``data``); day 2 made ``--like data`` (``like``) and ``--like data --grow``
     (``grown``); a 1-process and a 2-rank run trained on ``data``."""
     root = tmp_path_factory.mktemp("init_from")
-    data = synth_dataset(root, days=3, rows=1500)  # (days 0, 1 train, 2 held out)
-    day2 = str(root / "raw" / "day_2.tsv")
+    data = shared_dataset(days=3, rows=1500)  # (days 0, 1 train, 2 held out)
+    day2 = str(data.parent / "raw" / "day_2.tsv")
     _main("data", "preprocess", day2, "--like", str(data), "--out", str(root / "like"))
     _main("data", "preprocess", day2, "--like", str(data), "--grow", "--out", str(root / "grown"))
     one, two = root / "one", root / "two"

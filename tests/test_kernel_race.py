@@ -16,7 +16,6 @@ from hybridrec.model import kernels
 from hybridrec.model.dlrm import DLRM
 from hybridrec.model.embedding import EmbeddingBagCollection, TableConfig
 from hybridrec.model.mlp import tune_mlps
-from synth_data import synth_dataset
 
 ROOT = Path(__file__).resolve().parents[1]
 PRIMITIVE_ERROR = "could not create a primitive descriptor for the inner product forward propagation primitive"
@@ -137,8 +136,8 @@ def test_bf16_onednn_is_offered_only_where_the_processor_has_bf16_kernels(monkey
 
 
 @pytest.fixture(scope="module")
-def dataset(tmp_path_factory):
-    return synth_dataset(tmp_path_factory.mktemp("race"), days=2, rows=2000)
+def dataset(shared_dataset):
+    return shared_dataset(days=2, rows=2000)
 
 
 TINY = ["model.embedding_dim=8", "model.bottom_mlp=16,8", "model.top_mlp=16,1", "data.batch_size=128",

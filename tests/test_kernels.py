@@ -164,6 +164,7 @@ def _agree_on_kernels(topo):
     return model.bottom.impls + model.top.impls, report["mode"]
 
 
+@pytest.mark.distributed
 @pytest.mark.skipif(not kernels.onednn_available(), reason="one candidate: nothing to disagree on")
 def test_ranks_train_with_rank_0s_choices():
     (r0, mode0), (r1, mode1) = run_ranks(_agree_on_kernels, 2)

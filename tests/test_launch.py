@@ -10,7 +10,6 @@ import time
 import pytest
 import torch
 
-from synth_data import synth_dataset
 from distributed import free_port, launched_ranks
 from hybridrec.cli.launch import PEER_LOST, oom_kill_count
 from hybridrec.cli.main import main
@@ -22,8 +21,8 @@ SMALL = ["model.embedding_dim=8", "model.bottom_mlp=16,8", "model.top_mlp=16,1",
 
 
 @pytest.fixture(scope="module")
-def dataset(tmp_path_factory):
-    return synth_dataset(tmp_path_factory.mktemp("launch"), days=2, rows=2000)
+def dataset(shared_dataset):
+    return shared_dataset(days=2, rows=2000)
 
 
 def _cmd(dataset, run, *extra):

@@ -14,7 +14,6 @@ import time
 from pathlib import Path
 
 import pytest
-from synth_data import synth_dataset
 from test_launch import SMALL  # the launch tests' small model
 
 from hybridrec.cli.launch import failure_line
@@ -27,8 +26,8 @@ pytestmark = pytest.mark.distributed
 
 
 @pytest.fixture(scope="module")
-def dataset(tmp_path_factory):
-    return synth_dataset(tmp_path_factory.mktemp("trust"), days=2, rows=4000)
+def dataset(shared_dataset):
+    return shared_dataset(days=2, rows=4000)
 
 
 def _start(dataset, run, *extra):

@@ -18,7 +18,6 @@ import sys
 from pathlib import Path
 
 import pytest
-from synth_data import synth_dataset
 
 from hybridrec.cli.main import DEBUG_ENV, main
 from hybridrec.data.schema import DatasetMeta
@@ -39,17 +38,12 @@ def _no_debug_no_ranks(monkeypatch):
 
 
 @pytest.fixture(scope="module")
-def made(tmp_path_factory):
-    """Three synthetic days (the last held out), a run trained on them and its export."""
-    root = tmp_path_factory.mktemp("outputs")
-    data = synth_dataset(root, days=3, rows=ROWS)
-    run = root / "run"
-    assert main(["train", "--recipe", "demo", f"data.path={data}", f"train.run_dir={run}",
-                 "data.batch_size=64", "data.eval_batch_size=256", "train.max_steps=8",
-                 "train.progress=false"]) == 0
-    art = root / "art"
-    assert main(["export", str(run), "--out", str(art)]) == 0
-    return {"root": root, "data": data, "run": run, "art": art, "raw": root / "raw"}
+def made(shared_dataset, trained_run):
+    """Three synthetic days (the last held out), a run trained on them and its export
+    (shared: read-only)."""
+    data = shared_dataset(days=3, rows=ROWS)
+    run = trained_run(data, 12, "data.eval_batch_size=256", export=True)  # (test_predict.py's run)
+    return {"data": data, "run": run, "art": run.parent / "art", "raw": data.parent / "raw"}
 
 
 def _files(directory: Path) -> dict[str, bytes]:

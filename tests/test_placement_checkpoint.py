@@ -165,7 +165,7 @@ def test_partitioned_checkpoint_loads_replicated_and_back_resharded(tmp_path):
 
 
 @pytest.mark.slow
-def test_auto_placed_cli_run_resumes_to_the_same_checkpoint(tmp_path):
+def test_auto_placed_cli_run_resumes_to_the_same_checkpoint(shared_dataset, tmp_path):
     """``hybridrec train`` on 2 ranks with ``dist.partition_dense=auto`` (a wide top MLP at a
     small batch: the planner partitions it, plan.json says why), stopped at a checkpoint and
     resumed: its last checkpoint holds the uninterrupted run's tensors, bit for bit."""
@@ -175,10 +175,9 @@ def test_auto_placed_cli_run_resumes_to_the_same_checkpoint(tmp_path):
     import sys
     import warnings
 
-    from synth_data import synth_dataset
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-    data = synth_dataset(tmp_path / "data", days=2, rows=600)
+    data = shared_dataset(days=2, rows=600)
 
     def train(run, steps):
         cmd = [sys.executable, "-m", "hybridrec", "train", "--recipe", "demo", f"data.path={data}",

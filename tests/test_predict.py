@@ -12,7 +12,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from synth_data import synth_dataset
 
 from hybridrec.cli.main import DEBUG_ENV, main
 from hybridrec.data.chunk import ParseReport
@@ -36,14 +35,11 @@ def _no_debug_no_ranks(monkeypatch):
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory):
-    """A tiny Criteo-format dataset (3 days, the last held out) and a run trained on it."""
-    root = tmp_path_factory.mktemp("predict")
-    data = synth_dataset(root, days=3, rows=600)
-    run = root / "run"
-    assert main(["train", "--recipe", "demo", f"data.path={data}", f"train.run_dir={run}",
-                 "data.batch_size=64", "data.eval_batch_size=256", "train.max_steps=12"]) == 0
-    return data, run
+def trained(shared_dataset, trained_run):
+    """A tiny Criteo-format dataset (3 days, the last held out) and a run trained on it
+    (the one test_outputs_atomic.py reads; shared: read-only)."""
+    data = shared_dataset(days=3, rows=600)
+    return data, trained_run(data, 12, "data.eval_batch_size=256", export=True)
 
 
 def held_out_file(data: Path) -> Path:

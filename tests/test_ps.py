@@ -17,15 +17,14 @@ import torch
 from hybridrec.cli.main import main
 from hybridrec.train.run import load_run_model
 from distributed import launched_ranks
-from synth_data import synth_dataset
 
 SMALL = ["model.bottom_mlp=[32,16]", "model.top_mlp=[32,1]", "data.batch_size=256", "data.prefetch=0",
          "train.progress=false"]
 
 
 @pytest.fixture(scope="module")
-def data(tmp_path_factory) -> Path:
-    return synth_dataset(tmp_path_factory.mktemp("ps"), days=2, rows=4000)
+def data(shared_dataset) -> Path:
+    return shared_dataset(days=2, rows=4000)
 
 
 def _summary(run: Path) -> dict:
@@ -54,6 +53,7 @@ def test_one_trainer_equals_one_process(data, tmp_path):
     assert cats["ps_push"]["sent"] > cats["ps_pull"]["sent"]  # ids and their gradient rows
 
 
+@pytest.mark.distributed
 def test_two_synchronous_trainers_equal_one_process_across_a_resume(data, tmp_path):
     """Staleness bound 0: each step's pushes are summed into one update, so 2 trainers of
     batch B train what one process trains with batch 2B (row-wise Adagrad included), also
@@ -104,6 +104,7 @@ def _wait_for_training(proc: subprocess.Popen, run: Path) -> list[str]:
     raise AssertionError(proc.communicate()[0])
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("victim", ["server", "trainer"])
 def test_a_dead_process_ends_the_run(data, tmp_path, victim):
     """A server or a trainer killed mid-run: the others stop with an error, no hang."""

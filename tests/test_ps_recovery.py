@@ -10,7 +10,6 @@ import sys
 import pytest
 import torch
 
-from synth_data import synth_dataset
 from hybridrec.errors import ConfigError
 from hybridrec.train.checkpointing.faults import FailureInjector, parse_inject_failure
 from hybridrec.train.run import load_run_model
@@ -23,8 +22,8 @@ _REFERENCE: dict = {}
 
 
 @pytest.fixture(scope="module")
-def dataset(tmp_path_factory):
-    return synth_dataset(tmp_path_factory.mktemp("ps_recovery"), days=2, rows=2000)
+def dataset(shared_dataset):
+    return shared_dataset(days=2, rows=2000)
 
 
 def _train(dataset, run, *extra):

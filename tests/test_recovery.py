@@ -9,7 +9,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from synth_data import synth_dataset
 from hybridrec.errors import ConfigError
 from hybridrec.model.embedding import EmbeddingBagCollection, TableConfig
 from hybridrec.parallel.sharded_embedding import SHARDS
@@ -25,8 +24,8 @@ SMALL = ["model.embedding_dim=8", "model.bottom_mlp=16,8", "model.top_mlp=16,1",
 
 
 @pytest.fixture(scope="module")
-def dataset(tmp_path_factory):
-    return synth_dataset(tmp_path_factory.mktemp("recovery"), days=2, rows=2000)
+def dataset(shared_dataset):
+    return shared_dataset(days=2, rows=2000)
 
 
 def _train(dataset, run, nproc, *extra):

@@ -12,7 +12,6 @@ import xml.etree.ElementTree as ET
 
 import pytest
 
-from synth_data import synth_dataset
 from hybridrec.bench import report
 from hybridrec.bench.svg import Bar, BarGroup, Series, bar_svg, line_svg
 from hybridrec.cli.main import main
@@ -25,10 +24,10 @@ LINE_CHARTS = ("loss", "auc", "log_loss", "throughput")
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(shared_dataset, tmp_path_factory):
     """Two finished one-process runs of 20 steps under one parent, another dense lr."""
     root = tmp_path_factory.mktemp("report")
-    data = synth_dataset(root, days=2, rows=2000)
+    data = shared_dataset(days=2, rows=2000)
     out = []
     for name, lr in (("lr05", "0.05"), ("lr20", "0.2")):
         run = root / "runs" / name

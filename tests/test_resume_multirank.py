@@ -9,7 +9,6 @@ import sys
 
 import pytest
 
-from synth_data import synth_dataset
 
 pytestmark = pytest.mark.distributed
 
@@ -21,8 +20,8 @@ DCT = ["compress.dense=dct", "compress.dense_ratio=0.05", "compress.dense_refres
 
 
 @pytest.fixture(scope="module")
-def dataset(tmp_path_factory):
-    return synth_dataset(tmp_path_factory.mktemp("resume"), days=2, rows=2000)
+def dataset(shared_dataset):
+    return shared_dataset(days=2, rows=2000)
 
 
 def _train(dataset, run, nproc, *extra):

@@ -14,7 +14,6 @@ from pathlib import Path
 
 import pytest
 from distributed import free_port
-from synth_data import synth_dataset
 
 import hybridrec
 from hybridrec.cli.main import main
@@ -26,8 +25,8 @@ STEPS_PER_EPOCH = 1000 // 64  # 1000 training rows, drop_last
 
 
 @pytest.fixture(scope="module")
-def dataset(tmp_path_factory):
-    return synth_dataset(tmp_path_factory.mktemp("rundir"), days=2, rows=1000)
+def dataset(shared_dataset):
+    return shared_dataset(days=2, rows=1000)
 
 
 def _args(dataset, *extra):

@@ -16,7 +16,6 @@ import time
 from pathlib import Path
 
 import pytest
-from synth_data import synth_dataset
 
 from hybridrec.cli.main import main
 from hybridrec.train import run_files
@@ -28,8 +27,8 @@ CLI = [sys.executable, "-m", "hybridrec"]
 
 
 @pytest.fixture(scope="module")
-def dataset(tmp_path_factory):
-    return synth_dataset(tmp_path_factory.mktemp("ownership"), days=2, rows=1000)
+def dataset(shared_dataset):
+    return shared_dataset(days=2, rows=1000)
 
 
 def _args(dataset, run, *extra):

@@ -21,7 +21,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from synth_data import synth_dataset
 
 from hybridrec.cli.main import DEBUG_ENV, main
 from hybridrec.errors import ConfigError, DataError
@@ -120,17 +119,14 @@ def _no_debug_no_ranks(monkeypatch):
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory):
+def trained(shared_dataset, trained_run, tmp_path_factory):
     """A tiny Criteo-format run with checkpoints at steps 6 and 12, ``ROWS`` raw rows of its
     held-out day (as a file and as JSON rows, label included) and each checkpoint's
     `hybridrec predict` probabilities of those rows."""
     root = tmp_path_factory.mktemp("serve")
-    data = synth_dataset(root, days=3, rows=600)
-    run = root / "run"
-    assert main(["train", "--recipe", "demo", f"data.path={data}", f"train.run_dir={run}",
-                 "data.batch_size=64", "data.eval_batch_size=256", "train.max_steps=12",
-                 "train.checkpoint_every=6", "train.progress=false"]) == 0
-    lines = (root / "raw" / "day_2.tsv").read_text().splitlines()[:ROWS]
+    data = shared_dataset(days=3, rows=600)
+    run = trained_run(data, 12, "data.eval_batch_size=256", "train.checkpoint_every=6")  # (shared: read-only)
+    lines = (data.parent / "raw" / "day_2.tsv").read_text().splitlines()[:ROWS]
     raw = root / "rows.tsv"
     raw.write_text("".join(line + "\n" for line in lines))
     rows = [{n: (None if v == "" else int(v) if n[0] in "lI" else v) for n, v in zip(NAMES, line.split("\t"))}

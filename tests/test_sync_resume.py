@@ -15,7 +15,6 @@ import time
 import pytest
 import torch
 from distributed import run_ranks
-from synth_data import synth_dataset
 from test_sharded_embedding import GLOBAL_B, build, global_batches, local_batch, make_plan
 
 from hybridrec.comm.compress import DCTCompressor
@@ -258,12 +257,12 @@ def _cli_train(dataset, run, *extra):
 
 
 @pytest.mark.slow  # two 2-rank runs through the launcher, one restarted: 15-30 s
-def test_cli_foreground_easgd_killed_and_resumed_equals_uninterrupted(tmp_path):
+def test_cli_foreground_easgd_killed_and_resumed_equals_uninterrupted(shared_dataset, tmp_path):
     """Rank 1 is killed after step 14 (the checkpoint at 10 lies between two rounds, at 9
     and 12: the replicas and their Adam states differ); the launcher restarts the ranks,
     they resume from it and end where the uninterrupted run ends, to the last bit of every
     metric."""
-    dataset = synth_dataset(tmp_path / "data", days=2, rows=2000)
+    dataset = shared_dataset(days=2, rows=2000)
     _, full = _cli_train(dataset, tmp_path / "full")
     proc, cut = _cli_train(dataset, tmp_path / "cut", "train.inject_failure=1:14", "dist.max_restarts=1")
     assert "resumed from step 10" in proc.stderr and cut["step"] == full["step"] == 20

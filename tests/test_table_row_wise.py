@@ -268,12 +268,14 @@ def check_ledger(cmp, lw):
         assert v["predicted"] == v["counted"]
 
 
+@pytest.mark.distributed
 def test_four_ranks_in_two_hosts_equal_one_process(four_ranks):
     check_equal(four_ranks, 4)
     for r in four_ranks:
         check_ledger(r["plain_ledger"], 2)
 
 
+@pytest.mark.distributed
 def test_codecs_code_the_cross_host_sums(four_ranks):
     """fp16 on "b" (host 0's): the sums of host 1's samples cross hosts, rounded once, their
     gradients too (so the reference takes fp16-rounded output gradients there); the sums a
@@ -308,12 +310,14 @@ def test_codecs_code_the_cross_host_sums(four_ranks):
         check_ledger(r["coded_ledger"], 2)
 
 
+@pytest.mark.distributed
 def test_ledger_counts_fewer_cross_host_bytes_than_row_wise(four_ranks):
     for rank, r in enumerate(four_ranks):
         assert r["bytes"]["table_row_wise"] == TRW_COUNTS[rank], rank
         assert r["bytes"]["row_wise"] == RW_COUNTS[rank], rank
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("lw", [1, 2])
 def test_two_ranks_equal_one_process(lw):
     """Hosts of one rank: TRW is table-wise (nothing to sum, nothing in trw_intra); one host
@@ -352,6 +356,7 @@ def checkpoint_round_trip(topo, root):
             "resumed": ck.snapshot(m2, d2, s2)}
 
 
+@pytest.mark.distributed
 def test_checkpoint_of_trw_shards_round_trips(four_ranks):
     import test_sharded_checkpoint as ck
 
@@ -385,6 +390,7 @@ def deepfm_worker(topo, codec):
     return losses, shards, ledger.summary()["predicted_vs_counted"]
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("codec", [None, "dct"])
 def test_deepfm_with_trw_tables_equals_one_process(codec):
     """Lossless DCT (eta = 1): the coded owners' FM piece carries s_p, summed in the host."""

@@ -22,7 +22,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from synth_data import synth_dataset
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
 
@@ -106,15 +105,11 @@ def _no_debug_no_ranks(monkeypatch):
 
 
 @pytest.fixture(scope="module")
-def world(tmp_path_factory):
-    """A dataset, a run with checkpoints at steps 2 and 4, and its export."""
-    root = tmp_path_factory.mktemp("trust")
-    data = synth_dataset(root, days=2, rows=400)
-    run = root / "run"
-    assert main(_train_args(data, run, 4)) == 0
+def world(tiny_data, trained_run):
+    """A dataset, a run with checkpoints at steps 2 and 4, and its export (shared: read-only)."""
+    run = trained_run(tiny_data, 4, "train.checkpoint_every=2", "train.keep_checkpoints=3", export=True)
     assert [s for s, _ in ckpt.list_checkpoints(run)] == [2, 4]
-    assert main(["export", str(run), "--out", str(root / "art")]) == 0
-    return {"data": data, "run": run, "raw": root / "raw" / "day_1.tsv", "art": root / "art"}
+    return {"data": tiny_data, "run": run, "raw": tiny_data.parent / "raw" / "day_1.tsv", "art": run.parent / "art"}
 
 
 def _train_args(data: Path, run: Path, steps: int, *extra: str) -> list[str]:
@@ -261,10 +256,10 @@ def test_a_shard_delta_of_the_dcp_layout_is_refused(tmp_path):
 def test_a_servers_recovery_snapshot_is_refused(tmp_path):
     """A snapshot as a parameter server writes one (:func:`save_snapshot` of its state's
     skeleton) read as a server's recovery reads it (:func:`check_snapshot_dir`, whose
-    refusal makes the server roll back, and ``_read`` of its weights, sparse optimizer
+    refusal makes the server roll back, and ``read_snapshot`` of its weights, sparse optimizer
     state and version)."""
     from hybridrec.parallel.checkpoint_io import encode_skeleton
-    from hybridrec.train.checkpointing.recovery import _read, check_snapshot_dir, save_snapshot
+    from hybridrec.train.checkpointing.recovery import check_snapshot_dir, read_snapshot, save_snapshot
 
     marker = tmp_path / "marker"
     state = {"weights": {"t0@0": torch.randn(5, 4)}, "sparse_opt": {"lr": 0.1, "step": 3}, "version": 7}
@@ -272,7 +267,7 @@ def test_a_servers_recovery_snapshot_is_refused(tmp_path):
     skeleton = encode_skeleton(state, "s", tensors)
     path = save_snapshot(tmp_path / "ps-00000", skeleton, tensors, {"server": 0, "step": 4}, sync=False)
     meta = json.loads((path / MANIFEST).read_text())
-    assert _read(path, meta, ("weights", "sparse_opt", "version"))["version"] == 7  # (it reads as saved)
+    assert read_snapshot(path, meta, ("weights", "sparse_opt", "version"))["version"] == 7  # (it reads as saved)
     plant(path, marker, skeleton="state.sparse_opt", key="s.sparse_opt.note")
     meta = json.loads((path / MANIFEST).read_text())
     refusal = (f"{path / '.metadata'}: refused: 's.sparse_opt.note' is a pickled object (bytes in __0_0.distcp), "
@@ -281,7 +276,7 @@ def test_a_servers_recovery_snapshot_is_refused(tmp_path):
         check_snapshot_dir({"boot": None}, path)
     assert str(e.value) == refusal
     with pytest.raises(CheckpointError) as e:  # (an Exception, which the server's recovery catches)
-        _read(path, meta, ("weights", "sparse_opt", "version"))
+        read_snapshot(path, meta, ("weights", "sparse_opt", "version"))
     assert str(e.value) == refusal
     assert not marker.exists()
 
