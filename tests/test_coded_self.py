@@ -14,13 +14,17 @@ from __future__ import annotations
 import pytest
 import torch
 from distributed import run_ranks
-
-from test_codecs import tables
 from test_codecs import make_plan as codec_plan
+from test_codecs import tables
 
 from hybridrec.comm.codecs import make_codec
 from hybridrec.comm.ledger import CommLedger
-from hybridrec.parallel.coded_dist import _chunk_rows, _decode, _encode, output_all_to_all_start
+from hybridrec.parallel.coded_dist import (
+    _chunk_rows,
+    decode_rows,
+    encode_rows,
+    output_all_to_all_start,
+)
 from hybridrec.parallel.layout import build_layout
 
 pytestmark = pytest.mark.distributed
@@ -77,14 +81,14 @@ def hop_worker(topo, sizes, cases, chunk_counts):
             out[kind, codec_name, chunks] = plain, one_hop(topo, coded_layout, sizes, chunks)
         # What the codecs make of the rows, locally: the reference for what crosses a link.
         me, lays = topo.rank, coded_layout.coded
-        received = [_decode(_encode(x, lays[o], grad=False)[0], lays[o], grad=False)[0]
+        received = [decode_rows(encode_rows(x, lays[o], grad=False)[0], lays[o], grad=False)[0]
                     for o, x in enumerate(plain[0])]
         grads = []  # the gradients of this rank's block's rows of every rank's samples, as they come back
         for d, (x, (lo, hi)) in enumerate(zip(torch.split(plain[1], sizes), _chunk_rows(sizes, 1, 0))):
-            payload, sent = _encode(x, lays[me], grad=False)
-            _, got = _decode(payload, lays[me], grad=False)
-            g = _encode(weight(d, me, hi - lo, x.shape[1]), lays[me], grad=True, states=got)[0]
-            grads.append(_decode(g, lays[me], grad=True, states=sent)[0])
+            payload, sent = encode_rows(x, lays[me], grad=False)
+            _, got = decode_rows(payload, lays[me], grad=False)
+            g = encode_rows(weight(d, me, hi - lo, x.shape[1]), lays[me], grad=True, states=got)[0]
+            grads.append(decode_rows(g, lays[me], grad=True, states=sent)[0])
         out[kind, codec_name, "round trip"] = received, torch.cat(grads)
     return out
 

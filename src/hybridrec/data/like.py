@@ -43,14 +43,14 @@ from hybridrec.data.chunk import check_on_bad_line
 from hybridrec.data.criteo import CATEGORICAL, DENSE, CriteoReader
 from hybridrec.data.encode import VocabEncoder
 from hybridrec.data.inputs import check_inputs
-from hybridrec.data.preprocess import _Job, load_encoders
+from hybridrec.data.preprocess import PreprocessJob, load_encoders
 from hybridrec.data.schema import DatasetMeta
 from hybridrec.errors import ConfigError, DataError
 
 
 @dataclass
 class Like:
-    """The encoders of an existing dataset, for :class:`~hybridrec.data.preprocess._Job`."""
+    """The encoders of an existing dataset, for :class:`~hybridrec.data.preprocess.PreprocessJob`."""
 
     meta: DatasetMeta
     mode: str  # "modulo" or "vocabulary"
@@ -184,7 +184,7 @@ def preprocess_like(
         transform, label_map = spec.dense_transform, spec.label_map
     else:
         raise ConfigError(f"format {fmt!r}: expected criteo, csv or parquet")
-    job = _Job(inputs=check_inputs(list(inputs)), out=Path(out), reader=reader, label=s.label,
+    job = PreprocessJob(inputs=check_inputs(list(inputs)), out=Path(out), reader=reader, label=s.label,
                label_map=label_map, dense=list(s.dense), features=features, table_size=None,
                min_count=None, dense_transform=transform, eval_parts=eval_parts,
                overwrite=overwrite, progress=progress, like=ref)

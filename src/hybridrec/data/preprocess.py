@@ -73,7 +73,7 @@ def preprocess_criteo(
     multi = _multihot_names(multi_hot_fields, CATEGORICAL)
     reader = CriteoReader(multihot=tuple(multi), on_bad_line=check_on_bad_line(on_bad_line))
     features = [(n, "multihot" if n in multi else "onehot") for n in CATEGORICAL]
-    job = _Job(
+    job = PreprocessJob(
         inputs=check_inputs(list(inputs)),
         out=Path(out),
         reader=reader,
@@ -119,7 +119,7 @@ def preprocess_tabular(
     else:
         raise ConfigError(f"format {fmt!r}: expected criteo, csv or parquet")
     features = [(n, "onehot") for n in spec.categorical] + [(n, "multihot") for n in spec.multihot]
-    job = _Job(
+    job = PreprocessJob(
         inputs=paths,
         out=Path(out),
         reader=reader,
@@ -173,7 +173,7 @@ def _eval_part_indices(eval_parts, inputs: list[Path]) -> list[int]:
 
 
 @dataclass(kw_only=True)
-class _Job:
+class PreprocessJob:
     """One preprocessing run (the arguments of preprocess_criteo / preprocess_tabular)."""
 
     inputs: list[Path]
@@ -250,7 +250,7 @@ class _Job:
         stats = {f.name: FeatureStats(f.name, f.num_embeddings, tmp / "stats") for f in specs}
         report = ParseReport()
         parts = []
-        with _progress(self.inputs, "write", self.progress) as bar:
+        with byte_progress(self.inputs, "write", self.progress) as bar:
             for i, path in enumerate(self.inputs):
                 rows = self._write_part(
                     tmp / self.part_names[i],
@@ -321,9 +321,9 @@ class _Job:
         by ``reducers[feature]`` (modulo its table size, when it has one)."""
         counters = {n: KeyCounter() for n in reducers}
         train = [self.inputs[i] for i in self.train_idx]
-        with _progress(train, "count", self.progress) as bar:
+        with byte_progress(train, "count", self.progress) as bar:
             for path in train:
-                for chunk, pos in _tracked(self.reader.read(path, ParseReport()), bar):
+                for chunk, pos in tracked_chunks(self.reader.read(path, ParseReport()), bar):
                     for n, keys in _keys_by_feature(chunk, self.features):
                         counters[n].add(reducers[n].reduce(keys[keys >= 0]))
         return {n: c.result() for n, c in counters.items()}
@@ -331,7 +331,7 @@ class _Job:
     def _write_part(self, directory, schema, path, encoders, stats, report, bar) -> int:
         writer = PartWriter(directory, schema, source=str(path))
         try:
-            for chunk, _ in _tracked(self.reader.read(path, report), bar):
+            for chunk, _ in tracked_chunks(self.reader.read(path, report), bar):
                 onehot, mh = encode_chunk(chunk, schema, encoders)
                 writer.append(chunk.labels, chunk.dense, onehot, mh)
                 if stats is not None:
@@ -439,7 +439,7 @@ def dataset_in_the_way(directory: Path) -> str | None:
     return None if extra is None else f"{extra} is not a dataset's file"
 
 
-class _progress:
+class byte_progress:
     """A tqdm bar over the input bytes (only on a terminal unless asked)."""
 
     def __init__(self, paths: list[Path], desc: str, enabled: bool | None) -> None:
@@ -457,7 +457,7 @@ class _progress:
         self.bar.close()
 
 
-def _tracked(chunks, bar):
+def tracked_chunks(chunks, bar):
     """Pass chunks through, advancing ``bar`` by the bytes each consumed."""
     last = 0
     for chunk, pos in chunks:

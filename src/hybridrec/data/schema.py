@@ -116,7 +116,7 @@ class Schema:
 
     @staticmethod
     def from_json(text: str, where: str = "schema") -> Schema:
-        return Schema.from_dict(_parse_json(text, where), where)
+        return Schema.from_dict(parse_json(text, where), where)
 
 
 @dataclass(kw_only=True)
@@ -216,14 +216,16 @@ class DatasetMeta:
                 f"{path}: no meta.json, so not a complete preprocessed dataset "
                 "(interrupted run, or not made by `hybridrec data preprocess`)"
             )
-        d = _parse_json(file.read_text(), str(file))
+        d = parse_json(file.read_text(), str(file))
         return _meta_from_dict(d, path, str(file))
 
     def _where(self) -> str:
         return str(self.path / "meta.json") if self.path else "meta.json"
 
 
-def _parse_json(text: str, where: str) -> dict[str, Any]:
+def parse_json(text: str, where: str) -> dict[str, Any]:
+    """``text`` as a JSON object, or a one-line DataError naming ``where`` (shared by every
+    reader of hybridrec's JSON files: meta.json, the tabular spec)."""
     try:
         d = json.loads(text)
     except json.JSONDecodeError as e:

@@ -152,12 +152,12 @@ class TabularSpec:
 
     @staticmethod
     def load(path: str | os.PathLike) -> TabularSpec:
-        from hybridrec.data.schema import _parse_json
+        from hybridrec.data.schema import parse_json
 
         path = Path(path)
         if not path.is_file():
             raise DataError(f"{path}: schema file does not exist")
-        d = _parse_json(path.read_text(), str(path))
+        d = parse_json(path.read_text(), str(path))
         known = {f for f in TabularSpec.__dataclass_fields__ if f != "source"}
         unknown = sorted(set(d) - known)
         if unknown:
@@ -448,7 +448,9 @@ def _column_index(spec: TabularSpec, names: list[str], path: Path) -> dict[str, 
 # ---------------------------------------------------------------- Parquet
 
 
-def _pyarrow():
+def import_pyarrow():
+    """``(pyarrow, pyarrow.compute, pyarrow.parquet)``, imported when Parquet is first read
+    (an optional dependency), or a one-line DataError saying how to install it."""
     try:
         import pyarrow as pa
         import pyarrow.compute as pc
@@ -463,7 +465,7 @@ def _pyarrow():
 
 def _pa_keys(arr, name: str, path: Path) -> np.ndarray:
     """Integer columns as keys (63-bit mask), strings hashed; null -> MISSING."""
-    pa, pc, _ = _pyarrow()
+    pa, pc, _ = import_pyarrow()
     t = arr.type
     if pa.types.is_dictionary(t):
         arr, t = arr.cast(t.value_type), t.value_type
@@ -487,7 +489,7 @@ def _pa_keys(arr, name: str, path: Path) -> np.ndarray:
 
 
 def _pa_lists(arr, name: str, path: Path):
-    pa, pc, _ = _pyarrow()
+    pa, pc, _ = import_pyarrow()
     if not (pa.types.is_list(arr.type) or pa.types.is_large_list(arr.type)):
         raise DataError(f"{path}: multi-hot column {name!r} has type {arr.type}; expected a list")
     lengths = pc.fill_null(pc.list_value_length(arr), 0).to_numpy(zero_copy_only=False)
@@ -504,7 +506,7 @@ def _pa_lists(arr, name: str, path: Path):
 
 def _pa_numbers(arr, name: str, path: Path) -> tuple[np.ndarray, np.ndarray]:
     """Float64 values and null mask of a numeric (or boolean) column."""
-    pa, pc, _ = _pyarrow()
+    pa, pc, _ = import_pyarrow()
     if not (
         pa.types.is_integer(arr.type)
         or pa.types.is_floating(arr.type)
@@ -517,7 +519,7 @@ def _pa_numbers(arr, name: str, path: Path) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _pa_label(arr, spec: TabularSpec, path: Path) -> LabelColumn:
-    pa, pc, _ = _pyarrow()
+    pa, pc, _ = import_pyarrow()
     name = spec.label
     if pa.types.is_dictionary(arr.type):
         arr = arr.cast(arr.type.value_type)
@@ -570,7 +572,7 @@ class ParquetReader:
         check_on_bad_line(self.on_bad_line)
 
     def read(self, path: str | os.PathLike, report: ParseReport) -> Iterator[tuple[RowChunk, int]]:
-        pa, _, pq = _pyarrow()
+        pa, _, pq = import_pyarrow()
         path = Path(path)
         try:
             pf = pq.ParquetFile(path)

@@ -234,7 +234,7 @@ def raise_failures(messages: list, path: str | Path, action: str, error: BaseExc
     by_cause: dict[str, set[int]] = {}
     for r, described in enumerate(messages):
         for ranks, cause in described or ():
-            by_cause.setdefault(_relative(cause, path), set()).update((r,) if ranks is None else ranks)
+            by_cause.setdefault(relative_cause(cause, path), set()).update((r,) if ranks is None else ranks)
     if not by_cause:
         return
     single = len(messages) == 1 and all(rs == {0} for rs in by_cause.values())
@@ -249,7 +249,7 @@ def raise_failures(messages: list, path: str | Path, action: str, error: BaseExc
     raise err from error
 
 
-def _relative(cause: str, path: str | Path) -> str:
+def relative_cause(cause: str, path: str | Path) -> str:
     """``PATH/x: ...`` -> ``x: ...`` and ``PATH: ...`` -> ``...`` (the message names PATH)."""
     p = str(path)
     if cause.startswith(p + ": "):

@@ -71,7 +71,13 @@ from torch import nn
 from hybridrec.comm import sparse_message as sm
 from hybridrec.comm.compress import DCTCompressor, GradientCompressor
 from hybridrec.comm.exchange import collective_device
-from hybridrec.parallel.coded_dist import _decode, _encode, _peer_splits, _recv_order, _splits
+from hybridrec.parallel.coded_dist import (
+    decode_rows,
+    encode_rows,
+    exchange_splits,
+    peer_splits,
+    recv_order,
+)
 
 
 def _best_ms(fn, reps: int) -> float:
@@ -120,17 +126,17 @@ def codec_ms(layout, batch_sizes: list[int], rank: int, *, reps: int = 3) -> flo
     me, b = layout.coded_of(rank), batch_sizes[rank]
     others = sum(batch_sizes) - b  # (its own samples' rows are not coded)
     pooled = torch.randn(others, layout.blocks[rank].width, generator=gen)
-    lays = [layout.coded_of(i) for o, i in _recv_order(layout, rank) if o != rank]
+    lays = [layout.coded_of(i) for o, i in recv_order(layout, rank) if o != rank]
     rows = [torch.randn(b, lay.width, generator=gen) for lay in lays]
-    payloads = [_encode(x, lay, grad=False)[0] for x, lay in zip(rows, lays)]
+    payloads = [encode_rows(x, lay, grad=False)[0] for x, lay in zip(rows, lays)]
     grads_back = torch.randn(others, me.bwd_bytes, generator=gen).to(torch.uint8)
 
     def step() -> None:
-        _, own_states = _encode(pooled, me, grad=False)
+        _, own_states = encode_rows(pooled, me, grad=False)
         for x, lay, payload in zip(rows, lays, payloads):
-            _, states = _decode(payload, lay, grad=False)
-            _encode(x, lay, grad=True, states=states)
-        _decode(grads_back, me, grad=True, states=own_states)
+            _, states = decode_rows(payload, lay, grad=False)
+            encode_rows(x, lay, grad=True, states=states)
+        decode_rows(grads_back, me, grad=True, states=own_states)
 
     step()  # (warm-up: first calls allocate)
     return _best_ms(step, reps)
@@ -142,7 +148,7 @@ def exchange_ms(layout, batch_sizes: list[int], topo, per_row, dtype: torch.dtyp
     sample and block, through ``topo``'s all-to-all, after a warm-up; ``backward``: the
     gradients' exchange, the other way round; ``coded``: the coded hop's splits (nothing to
     the rank itself), else the float32 hop's."""
-    to, frm = (_peer_splits if coded else _splits)(layout, batch_sizes, topo.rank, per_row)
+    to, frm = (peer_splits if coded else exchange_splits)(layout, batch_sizes, topo.rank, per_row)
     if backward:
         to, frm = frm, to
     # (On the host as the codecs' timing is, except where NCCL takes device tensors only:

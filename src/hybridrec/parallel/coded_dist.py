@@ -141,7 +141,7 @@ def output_all_to_all_start(pooled: torch.Tensor, reduced: torch.Tensor, layout:
     travels while the autograd nodes created between the start and the wait run.
     """
     me, b = topo.rank, batch_sizes[topo.rank]
-    order = _recv_order(layout, me)
+    order = recv_order(layout, me)
     widths = [layout.all_blocks[i].width for _, i in order]
 
     def assemble(parts) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -181,13 +181,13 @@ def output_all_to_all_start(pooled: torch.Tensor, reduced: torch.Tensor, layout:
     return Pending(finish)
 
 
-def _recv_order(layout: EmbeddingLayout, rank: int) -> list[tuple[int, int]]:
+def recv_order(layout: EmbeddingLayout, rank: int) -> list[tuple[int, int]]:
     """``(owner, all_blocks index)`` of what ``rank`` receives, in wire order."""
     return [(o, i) for o in range(layout.world_size) for i in layout.segments(o, rank)]
 
 
-def _splits(layout: EmbeddingLayout, batch_sizes: list[int], rank: int,
-            per_row) -> tuple[list[int], list[int]]:
+def exchange_splits(layout: EmbeddingLayout, batch_sizes: list[int], rank: int,
+                    per_row) -> tuple[list[int], list[int]]:
     """``(to, from)``: the units ``rank`` sends every rank and receives from it forward,
     ``per_row(block)`` units per sample and block (floats or encoded bytes)."""
     b = batch_sizes[rank]
@@ -196,11 +196,11 @@ def _splits(layout: EmbeddingLayout, batch_sizes: list[int], rank: int,
     return to, frm
 
 
-def _peer_splits(layout: EmbeddingLayout, batch_sizes: list[int], rank: int,
-                 per_row) -> tuple[list[int], list[int]]:
-    """:func:`_splits` of the coded hop: nothing to ``rank`` itself (what a rank keeps for
+def peer_splits(layout: EmbeddingLayout, batch_sizes: list[int], rank: int,
+                per_row) -> tuple[list[int], list[int]]:
+    """:func:`exchange_splits` of the coded hop: nothing to ``rank`` itself (what a rank keeps for
     its own samples does not travel, nor is it coded: :class:`_CodedStart`)."""
-    to, frm = _splits(layout, batch_sizes, rank, per_row)
+    to, frm = exchange_splits(layout, batch_sizes, rank, per_row)
     to[rank] = frm[rank] = 0
     return to, frm
 
@@ -319,14 +319,14 @@ class _InFlight:
 class _PlainStart(torch.autograd.Function):
     """``pooled`` ``[total_B, W_rank]`` and ``reduced`` ``[rows, W_t]`` (see
     :func:`output_all_to_all_start`) -> the receive buffer of this rank's segments, flat, in wire
-    order (``b * W`` floats each, :func:`_recv_order`), *being filled*: only
+    order (``b * W`` floats each, :func:`recv_order`), *being filled*: only
     :class:`_PlainFinish` reads it, after the wait. Backward waits for the gradients'
     exchange that :class:`_PlainFinish`'s backward started, and hands them on."""
 
     @staticmethod
     def forward(ctx, pooled, reduced, flight: _InFlight, layout: EmbeddingLayout, batch_sizes: list[int],
                 topo: Topology, ledger):
-        to, frm = flight.splits = _splits(layout, batch_sizes, topo.rank, lambda i: layout.all_blocks[i].width)
+        to, frm = flight.splits = exchange_splits(layout, batch_sizes, topo.rank, lambda i: layout.all_blocks[i].width)
         ctx.meta = (layout, batch_sizes, topo, pooled.shape[1], reduced.shape[1])
         ctx.flight = flight
         flight.send = _by_peer(pooled, reduced, layout, batch_sizes, topo.rank)
@@ -369,7 +369,7 @@ class _PlainFinish(torch.autograd.Function):
         return flight.grad_send, None, None, None, None
 
 
-def _encode(x: torch.Tensor, layout: OwnerLayout, grad: bool, states=None):
+def encode_rows(x: torch.Tensor, layout: OwnerLayout, grad: bool, states=None):
     """Rows ``[B, W]`` -> uint8 ``[B, R]`` (and the codecs' states when not ``grad``)."""
     out, kept = [], []
     for i, g in enumerate(layout.groups):
@@ -393,7 +393,7 @@ def _side_by_side(parts: list[torch.Tensor], empty: torch.Tensor) -> torch.Tenso
     return torch.cat(parts, dim=1) if parts else empty
 
 
-def _decode(buf: torch.Tensor, layout: OwnerLayout, grad: bool, states=None, into: torch.Tensor | None = None):
+def decode_rows(buf: torch.Tensor, layout: OwnerLayout, grad: bool, states=None, into: torch.Tensor | None = None):
     """uint8 ``[B, R]`` -> rows ``[B, W]`` float32 (and the codecs' states when not ``grad``);
     gradients written into ``into`` (``[B, W]``, returned) when given."""
     out, kept = [], []
@@ -492,7 +492,7 @@ def _encode_ranges(x: torch.Tensor, ranges: list[tuple[int, int]], layout: Owner
     bytes are those of the rows encoded with the whole block. No range: no codec call."""
     parts, states = [], []
     for a, b in ranges:
-        payload, state = _encode(x[a:b], layout, grad=False)
+        payload, state = encode_rows(x[a:b], layout, grad=False)
         parts.append(payload)
         states.append(state)
     if not parts:
@@ -506,7 +506,7 @@ def _decode_ranges(buf: torch.Tensor, ranges: list[tuple[int, int]], layout: Own
     by range into those rows of ``into``."""
     parts = torch.split(buf, [b - a for a, b in ranges]) if ranges else []
     for (a, b), part, st in zip(ranges, parts, states):
-        _decode(part, layout, grad=True, states=st, into=into[a:b])
+        decode_rows(part, layout, grad=True, states=st, into=into[a:b])
 
 
 def _kept_rows(layout: EmbeddingLayout, batch_sizes: list[int], rank: int) -> tuple[int, int | None]:
@@ -548,8 +548,8 @@ class _CodedStart(torch.autograd.Function):
             with phase("mp_encode"):
                 own, own_states = _encode_ranges(pooled, own_ranges, mine)
                 red, red_states = _encode_ranges(reduced, red_ranges, host)
-            to, frm = _peer_splits(layout, sizes, me, lambda i: layout.coded_of(i).fwd_bytes)
-            flight.bwd_splits.append(_peer_splits(layout, sizes, me, lambda i: layout.coded_of(i).bwd_bytes))
+            to, frm = peer_splits(layout, sizes, me, lambda i: layout.coded_of(i).fwd_bytes)
+            flight.bwd_splits.append(peer_splits(layout, sizes, me, lambda i: layout.coded_of(i).bwd_bytes))
             send = _by_peer(own, red, layout, sent, me)
             recv, handle = _exchange_start(send, frm, to, topo, layout, ledger, "fwd")
             flight.sends.append(send)
@@ -586,7 +586,7 @@ class _CodedStart(torch.autograd.Function):
 class _CodedFinish(torch.autograd.Function):
     """Waits for :class:`_CodedStart`'s exchanges chunk by chunk, decoding each while the
     later ones travel, and returns this rank's segments from the *other* owners, ``[b, W]``
-    each, in wire order (:func:`_recv_order` without the rank's own; a world of 2 ranks or
+    each, in wire order (:func:`recv_order` without the rank's own; a world of 2 ranks or
     more: at least one), as separate tensors (side by side they would be copied once
     forward and once backward, only to be split again). Backward encodes their gradients at
     the positions received, chunk by chunk, starting each chunk's exchange as soon as it is
@@ -596,7 +596,7 @@ class _CodedFinish(torch.autograd.Function):
     def forward(ctx, _token, flight: _CodedFlight, layout: EmbeddingLayout, batch_sizes: list[int],
                 topo: Topology, ledger):
         me = topo.rank
-        lays = [layout.coded_of(i) for o, i in _recv_order(layout, me) if o != me]
+        lays = [layout.coded_of(i) for o, i in recv_order(layout, me) if o != me]
         decoded: list[list[torch.Tensor]] = [[] for _ in lays]
         recv_states = []  # per chunk, per segment
         for i, rows in enumerate(flight.rows):
@@ -608,7 +608,7 @@ class _CodedFinish(torch.autograd.Function):
             states = []
             with phase("mp_decode"):
                 for lay, part, out in zip(lays, torch.split(recv, [b * lay.fwd_bytes for lay in lays]), decoded):
-                    x, state = _decode(part.view(b, lay.fwd_bytes), lay, grad=False)
+                    x, state = decode_rows(part.view(b, lay.fwd_bytes), lay, grad=False)
                     out.append(x)
                     states.append(state)
             recv_states.append(states)
@@ -623,7 +623,7 @@ class _CodedFinish(torch.autograd.Function):
         for i, (rows, states) in enumerate(zip(flight.rows, recv_states)):
             lo, hi = rows[topo.rank]
             with phase("mp_grad_encode"):
-                coded = [_encode(g[lo:hi], lay, grad=True, states=s)[0].reshape(-1)
+                coded = [encode_rows(g[lo:hi], lay, grad=True, states=s)[0].reshape(-1)
                          for g, lay, s in zip(parts, lays, states)]
                 send = coded[0] if len(coded) == 1 else torch.cat(coded)
             to, frm = flight.bwd_splits[i]

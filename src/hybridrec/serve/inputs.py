@@ -38,7 +38,7 @@ from hybridrec.data.chunk import ParseReport, RowChunk
 from hybridrec.data.criteo import CATEGORICAL, DENSE, FIELDS, CriteoReader
 from hybridrec.data.inputs import open_input
 from hybridrec.data.schema import DatasetMeta
-from hybridrec.data.tabular import CsvReader, ParquetReader, TabularSpec, _pyarrow
+from hybridrec.data.tabular import CsvReader, ParquetReader, TabularSpec, import_pyarrow
 from hybridrec.errors import ConfigError, DataError
 
 FORMATS = ("criteo", "csv", "parquet")
@@ -224,7 +224,7 @@ class _CsvInput(CsvReader):
 
 def _zero_label(batch, label: str):
     """``batch`` with the label column all zeros (added when absent)."""
-    pa, _, _ = _pyarrow()
+    pa, _, _ = import_pyarrow()
     names = list(batch.schema.names)
     cols = [batch.column(i) for i in range(len(names))]
     zeros = pa.array(np.zeros(batch.num_rows, np.int8))
@@ -256,7 +256,7 @@ def _arrow_chunks(batches, spec: TabularSpec, on_bad_line: str, report: ParseRep
 
 
 def _parquet_file(path: Path, meta, on_bad_line, report, keep) -> Iterator[Chunk]:
-    pa, _, pq = _pyarrow()
+    pa, _, pq = import_pyarrow()
     spec = predict_spec(meta)
     try:
         pf = pq.ParquetFile(path)
@@ -310,7 +310,7 @@ def _columns(data: Any) -> tuple[dict[str, list], int]:
 
 
 def _arrow_table(data: Any):
-    pa, _, _ = _pyarrow()
+    pa, _, _ = import_pyarrow()
     if isinstance(data, pa.Table):
         return data
     if hasattr(data, "columns") and hasattr(data, "to_dict"):

@@ -36,9 +36,9 @@ from hybridrec.data.chunk import ParseReport, RowChunk, check_on_bad_line
 from hybridrec.data.inputs import check_inputs
 from hybridrec.data.loader import keyed_ids
 from hybridrec.data.outputs import commit_file, refuse_over_inputs
-from hybridrec.data.preprocess import _progress, _tracked, encode_chunk, load_encoders
+from hybridrec.data.preprocess import byte_progress, encode_chunk, load_encoders, tracked_chunks
 from hybridrec.data.shards import tmp_path
-from hybridrec.data.tabular import _pyarrow
+from hybridrec.data.tabular import import_pyarrow
 from hybridrec.errors import ConfigError, DataError, naming
 from hybridrec.serve.inputs import read_file, table_chunks
 from hybridrec.sparse.keyed_jagged import Batch
@@ -199,7 +199,7 @@ class PredictionWriter:
         self._buffered = 0
 
     def _write_parquet(self, probs: np.ndarray) -> None:
-        pa, _, pq = _pyarrow()
+        pa, _, pq = import_pyarrow()
         cols = {c: _arrow_concat(pa, parts) for c, parts in self._kept.items()}
         table = pa.table({**cols, PROBABILITY: pa.array(probs, pa.float32())})
         if self._writer is None:
@@ -254,10 +254,10 @@ def predict_files(predictor: Predictor, inputs: Sequence[str | os.PathLike], out
     writer = PredictionWriter(out, keep)
     report = ParseReport()
     try:
-        with _progress(paths, "predict", progress) as bar:
+        with byte_progress(paths, "predict", progress) as bar:
             for path in paths:
                 chunks = read_file(path, predictor.meta, on_bad_line=on_bad_line, report=report, keep=keep)
-                for (chunk, kept, _), _pos in _tracked(((c[:3], c[3]) for c in chunks), bar):
+                for (chunk, kept, _), _pos in tracked_chunks(((c[:3], c[3]) for c in chunks), bar):
                     writer.add(predictor.predict_chunk(chunk), kept)
         if writer.rows == 0:
             raise DataError(f"{', '.join(map(str, paths))}: no valid rows to predict")

@@ -32,10 +32,10 @@ from hybridrec.parallel.checkpoint_io import (
     MANIFEST,
     CheckpointError,
     SafeFileSystemReader,
-    _relative,
     checksum_problem,
     gather,
     is_complete,
+    relative_cause,
 )
 from hybridrec.parallel.topology import Topology
 
@@ -113,9 +113,9 @@ def problem(path: str | Path, *, share: tuple[int, int] | None = (0, 1)) -> str 
         if (why := _files_problem(path, share)) is not None:
             return why
     except CheckpointError as e:
-        return _relative(str(e), path)
+        return relative_cause(str(e), path)
     except OSError as e:
-        return _relative(os_error_message(e), path)
+        return relative_cause(os_error_message(e), path)
     if (path / PS_PART).is_dir() and (why := problem(path / PS_PART, share=share)) is not None:
         return f"{PS_PART}/{why}"
     return None
@@ -181,7 +181,7 @@ def load_newest(candidates: list[Path], load: Callable[[Path], T], topo: Topolog
             except CheckpointError as e:
                 if topo.group_size > 1 and not getattr(e, "same_on_every_rank", False):
                     raise
-                why = _relative(_cause(str(e), path), path)
+                why = relative_cause(_cause(str(e), path), path)
         skipped.append((path, why))
     if not skipped:
         raise CheckpointError("no checkpoint to load")

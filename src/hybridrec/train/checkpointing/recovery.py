@@ -135,7 +135,7 @@ def recovery_dir(run_dir: str | Path) -> Path:
     return Path(run_dir) / RECOVERY_DIR
 
 
-def _progress_file(run_dir: Path, rank: int, role: str = "rank") -> Path:
+def progress_file(run_dir: Path, rank: int, role: str = "rank") -> Path:
     """``role``: ``rank`` (a trainer) or ``ps`` (a parameter server: ``rank`` its index)."""
     return recovery_dir(run_dir) / f"{role}-{rank:05d}.json"
 
@@ -185,7 +185,7 @@ def not_private(d: Path) -> str | None:
     return None
 
 
-def _written_at(progress: dict, run_dir: Path, rank: int, role: str = "rank") -> Path:
+def snapshot_written_at(progress: dict, run_dir: Path, rank: int, role: str = "rank") -> Path:
     """Where the snapshot ``progress`` speaks of is: where it was written, or in
     ``RUN/recovery/`` once the launcher moved it there (see :func:`fast_snapshots`)."""
     where = progress.get("path")
@@ -240,7 +240,7 @@ def read_progress(run_dir: str | Path, rank: int, role: str = "rank") -> dict | 
     """What rank ``rank`` (``role`` ``ps``: parameter server ``rank``) wrote when the run
     last stopped under it (None: nothing readable)."""
     try:
-        data = json.loads(_progress_file(Path(run_dir), rank, role).read_text())
+        data = json.loads(progress_file(Path(run_dir), rank, role).read_text())
     except (OSError, ValueError):
         return None
     return data if isinstance(data, dict) and isinstance(data.get("step"), int) else None
@@ -362,7 +362,7 @@ class Recovery:
         progress = read_progress(self.run_dir, self.topo.rank)
         if progress is None or not progress.get("snapshot"):
             return None
-        path = _written_at(progress, self.run_dir, self.topo.rank)
+        path = snapshot_written_at(progress, self.run_dir, self.topo.rank)
         if path.parent != resident.dir.parent:
             return None
         try:
@@ -514,7 +514,7 @@ class Recovery:
                                    "plan": plan_json(self.ckpt.model.sparse)}, sync=boot is None,
                                   more=(lambda tmp: {"resident": resident.hand_over(tmp / RESIDENT_DIR)})
                                   if resident is not None else None)
-        write_json_atomic(_progress_file(self.run_dir, rank), {
+        write_json_atomic(progress_file(self.run_dir, rank), {
             "rank": rank, "step": self.step, "snapshot": snapshot, "mode": self.mode, "time": time.time(),
             "seconds": time.perf_counter() - start, "pid": os.getpid(), "boot": boot,
             **({"path": str(final)} if snapshot else {})})
@@ -623,7 +623,7 @@ class Recovery:
             try:
                 if early and self._own_error is not None:
                     raise self._own_error
-                self._load(path, mine, _written_at(everyone[donor][0], self.run_dir, donor), shards=not early)
+                self._load(path, mine, snapshot_written_at(everyone[donor][0], self.run_dir, donor), shards=not early)
                 if mine is not None:
                     held = (progress["step"], None, {})
                 elif self.deltas is not None:  # a failed rank: its shards' incremental saves
@@ -673,7 +673,7 @@ class Recovery:
     def _usable_snapshot(self, progress: dict) -> tuple[Path, dict | None]:
         """Where this rank's snapshot of ``progress`` is, and its manifest if it passes
         :meth:`_check_snapshot` (None, said on stderr: this rank rolls back)."""
-        path = _written_at(progress, self.run_dir, self.topo.rank)
+        path = snapshot_written_at(progress, self.run_dir, self.topo.rank)
         try:
             return path, self._check_snapshot(progress, path)
         except Exception as e:  # noqa: BLE001 - a snapshot that does not fit: this rank rolls back
@@ -705,7 +705,7 @@ class Recovery:
         c = self.ckpt
         live = {k: w.detach() for k, w in local_weights(c.model.sparse).items()
                 if not k.endswith("@*")}  # (replicated tables: the donor's, in _load)
-        state = _read(path, mine, ("weights", "sparse_opt", "deltas"),
+        state = read_snapshot(path, mine, ("weights", "sparse_opt", "deltas"),
                       weights=lambda k: not k.endswith("@*"), into=live)
         if self.deltas is not None and state["deltas"] is not None:  # (rows still pending stay so)
             self.deltas.load_state_dict(state["deltas"])
@@ -725,12 +725,12 @@ class Recovery:
         if mine is not None:
             if shards:
                 self._load_shards(path, mine)
-            state = _read(path, mine, ("components",))
+            state = read_snapshot(path, mine, ("components",))
             for x in c.components:
                 if x.per_rank and x.name in state["components"]:
                     x.obj.load_state_dict(state["components"][x.name])
         dmeta = json.loads((dpath / MANIFEST).read_text())
-        state = _read(dpath, dmeta, ("dense", "dense_opt", "components", "weights", "sparse_opt"),
+        state = read_snapshot(dpath, dmeta, ("dense", "dense_opt", "components", "weights", "sparse_opt"),
                       weights=lambda k: k.endswith("@*"), sparse_opt=lambda k: k == REPLICATED)
         live = dense_tensors(model)
         with torch.no_grad():
@@ -846,8 +846,8 @@ def clear_snapshots(run_dir: Path, fast_dir: str | Path | None = None) -> None:
                 p.unlink()
 
 
-def _read(path: Path, meta: dict, parts: tuple[str, ...], weights=None, sparse_opt=None,
-          into: dict[str, torch.Tensor] | None = None) -> dict:
+def read_snapshot(path: Path, meta: dict, parts: tuple[str, ...], weights=None, sparse_opt=None,
+                  into: dict[str, torch.Tensor] | None = None) -> dict:
     """The parts of a snapshot's state (``weights``: which of its weights, ``sparse_opt``:
     whose tensors of the sparse optimizers; None: all). The sparse optimizers' steps and
     learning rates are read in any case. ``into``: live weights (by name) that the saved

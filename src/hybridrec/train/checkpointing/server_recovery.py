@@ -53,15 +53,15 @@ from hybridrec.train.checkpointing.deltas import plan_json
 from hybridrec.train.checkpointing.recovery import (
     LOCK_WAIT_S,
     SigtermWatch,
-    _progress_file,
-    _read,
-    _written_at,
     boot_id,
     check_snapshot_dir,
+    progress_file,
     read_progress,
+    read_snapshot,
     recovery_dir,
     save_snapshot,
     snapshot_root,
+    snapshot_written_at,
     usable_fast_dir,
 )
 
@@ -117,7 +117,7 @@ class ServerRecovery:
             skeleton = encode_skeleton(state, "s", tensors)
             final = save_snapshot(snapshot_root(self.fast_dir, d, tensors) / f"{ROLE}-{self.index:05d}",
                                   skeleton, tensors, self._identity(step), sync=boot is None)
-        write_json_atomic(_progress_file(self.run_dir, self.index, ROLE), {
+        write_json_atomic(progress_file(self.run_dir, self.index, ROLE), {
             "server": self.index, "step": step, "version": state["version"], "snapshot": partial,
             "mode": self.mode, "time": time.time(), "seconds": time.perf_counter() - start, "pid": os.getpid(),
             "boot": boot, **({"path": str(final)} if final is not None else {})})
@@ -139,13 +139,13 @@ class ServerRecovery:
             progress = None  # (older than the checkpoint: of a recovery long done)
         used = False
         if use_snapshot and progress is not None and progress.get("snapshot"):
-            path = _written_at(progress, self.run_dir, self.index, ROLE)
+            path = snapshot_written_at(progress, self.run_dir, self.index, ROLE)
             try:
                 meta = check_snapshot_dir(progress, path)
                 if {k: meta.get(k) for k in ("server", "num_trainers", "step", "plan")} != \
                         self._identity(progress["step"]):
                     raise CheckpointError(f"{path}: saved by another server, trainer count, step or plan")
-                self.server.load_own(_read(path, meta, ("weights", "sparse_opt", "version")))
+                self.server.load_own(read_snapshot(path, meta, ("weights", "sparse_opt", "version")))
                 used = True
             except Exception as e:  # noqa: BLE001 - a snapshot that does not fit: this server rolls back
                 self._note(f"its recovery snapshot is not used ({e}); its shards hold the checkpoint's values")
