@@ -22,7 +22,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from synth_data import synth_dataset
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
 
@@ -106,15 +105,11 @@ def _no_debug_no_ranks(monkeypatch):
 
 
 @pytest.fixture(scope="module")
-def world(tmp_path_factory):
-    """A dataset, a run with checkpoints at steps 2 and 4, and its export."""
-    root = tmp_path_factory.mktemp("trust")
-    data = synth_dataset(root, days=2, rows=400)
-    run = root / "run"
-    assert main(_train_args(data, run, 4)) == 0
+def world(tiny_data, trained_run):
+    """A dataset, a run with checkpoints at steps 2 and 4, and its export (shared: read-only)."""
+    run = trained_run(tiny_data, 4, "train.checkpoint_every=2", "train.keep_checkpoints=3", export=True)
     assert [s for s, _ in ckpt.list_checkpoints(run)] == [2, 4]
-    assert main(["export", str(run), "--out", str(root / "art")]) == 0
-    return {"data": data, "run": run, "raw": root / "raw" / "day_1.tsv", "art": root / "art"}
+    return {"data": tiny_data, "run": run, "raw": tiny_data.parent / "raw" / "day_1.tsv", "art": run.parent / "art"}
 
 
 def _train_args(data: Path, run: Path, steps: int, *extra: str) -> list[str]:
@@ -264,7 +259,11 @@ def test_a_servers_recovery_snapshot_is_refused(tmp_path):
     refusal makes the server roll back, and ``read_snapshot`` of its weights, sparse optimizer
     state and version)."""
     from hybridrec.parallel.checkpoint_io import encode_skeleton
-    from hybridrec.train.checkpointing.recovery import check_snapshot_dir, read_snapshot, save_snapshot
+    from hybridrec.train.checkpointing.recovery import (
+        check_snapshot_dir,
+        read_snapshot,
+        save_snapshot,
+    )
 
     marker = tmp_path / "marker"
     state = {"weights": {"t0@0": torch.randn(5, 4)}, "sparse_opt": {"lr": 0.1, "step": 3}, "version": 7}
