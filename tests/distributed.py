@@ -70,7 +70,7 @@ def _entry(rank, world, port, fn, args, queue, timeout_s, environ):
         buf = io.BytesIO()  # tensors through a Queue would share memory that dies with the child
         torch.save(fn(topo, *args), buf)
         queue.put((rank, "ok", buf.getvalue()))
-    except BaseException:  # report, never hang the parent
+    except BaseException:  # noqa: BLE001 - any end (SystemExit too) is reported, never hangs the parent
         queue.put((rank, "error", traceback.format_exc()))
     finally:
         if dist.is_initialized():

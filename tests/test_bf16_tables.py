@@ -3,15 +3,15 @@ float32 tables with the same values, updates in float32 stored with stochastic r
 
 import pytest
 import torch
-
 from distributed import run_ranks
+
 from hybridrec.model.embedding import EmbeddingBagCollection, TableConfig, stochastic_round
 from hybridrec.parallel import plan as P
 from hybridrec.parallel.cost_model import memory_by_rank
 from hybridrec.parallel.sharded_embedding import ShardedEmbeddingBagCollection
 from hybridrec.sparse.keyed_jagged import KeyedJagged
-from hybridrec.train.setup.config import ConfigError, build_config
 from hybridrec.train.loop.sparse_optim import build_sparse_optimizer
+from hybridrec.train.setup.config import ConfigError, build_config
 
 BF16 = torch.bfloat16
 

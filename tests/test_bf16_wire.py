@@ -3,14 +3,14 @@ receiver only places them: the same training as with float32 on the wire, half t
 
 import pytest
 import torch
-
 from distributed import run_ranks
+from test_sharded_embedding import DIM, GLOBAL_B, global_batches, make_plan, tables, train
+
 from hybridrec.comm.ledger import CommLedger
 from hybridrec.model.dlrm import DLRM
 from hybridrec.parallel.dense_sync import DDPSync
 from hybridrec.parallel.sharded_embedding import ShardedEmbeddingBagCollection
 from hybridrec.train.loop.sparse_optim import combined_sparse_optimizer
-from test_sharded_embedding import DIM, GLOBAL_B, global_batches, make_plan, tables, train
 
 pytestmark = pytest.mark.distributed
 

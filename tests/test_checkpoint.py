@@ -10,8 +10,8 @@ from hybridrec.comm.compress import DCTCompressor
 from hybridrec.comm.ddp_hooks import CompressedAllReduce
 from hybridrec.model.dlrm import DLRM
 from hybridrec.model.embedding import EmbeddingBagCollection, TableConfig
-from hybridrec.parallel.dense_sync import AllReduceSync
 from hybridrec.parallel.checkpoint_io import MANIFEST
+from hybridrec.parallel.dense_sync import AllReduceSync
 from hybridrec.parallel.topology import Topology
 from hybridrec.train.checkpointing import checkpoint as ckpt
 from hybridrec.train.checkpointing.checkpointer import Checkpointer, Component, TorchRNG

@@ -14,7 +14,13 @@ from distributed import run_ranks
 from hybridrec.model.dlrm import DLRM
 from hybridrec.model.embedding import EmbeddingBagCollection, TableConfig
 from hybridrec.parallel import plan as P
-from hybridrec.parallel.checkpoint import TMP_MARK, CheckpointError, is_complete, load_sharded, save_sharded
+from hybridrec.parallel.checkpoint import (
+    TMP_MARK,
+    CheckpointError,
+    is_complete,
+    load_sharded,
+    save_sharded,
+)
 from hybridrec.parallel.checkpoint_layout import local_weights, own_storage
 from hybridrec.parallel.parallelize import parallelize_dlrm
 from hybridrec.parallel.topology import Topology

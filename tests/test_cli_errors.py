@@ -171,16 +171,15 @@ def test_a_summary_that_cannot_be_written_still_shows_the_results(data, tmp_path
     out = capsys.readouterr()
     assert code == 2
     assert out.err.strip().splitlines()[-1] == f"hybridrec: error: {tmp_path / 'run' / 'summary.json'}: No space left on device"
-    assert re.search(r"^AUC\s+0\.\d{4}", out.out, re.M), out.out  # the table was printed first
+    assert re.search(r"^AUC\s+0\.\d{4}", out.out, re.MULTILINE), out.out  # the table was printed first
     assert not (tmp_path / "run" / "summary.json").exists()
 
 
 def _fill(directory: Path) -> None:
     """Fill the file system of ``directory`` to the last byte."""
-    with open(directory / "filler", "wb", buffering=0) as f:
-        with pytest.raises(OSError) as full:
-            while True:
-                f.write(b"\0" * 4096)
+    with open(directory / "filler", "wb", buffering=0) as f, pytest.raises(OSError) as full:
+        while True:
+            f.write(b"\0" * 4096)
     assert full.value.errno == errno.ENOSPC
 
 

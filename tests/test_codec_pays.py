@@ -3,7 +3,6 @@ against the wire time they save and sends the hop uncompressed when compressing 
 on every rank alike."""
 
 import pytest
-
 from distributed import run_ranks
 
 pytestmark = pytest.mark.distributed

@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-
 from distributed import run_ranks
+
 from hybridrec.comm import native_topk
 from hybridrec.comm.codecs import (
     KEY_COLS,

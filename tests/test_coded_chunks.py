@@ -9,10 +9,11 @@ likewise. On 4 ranks in two hosts of 2: the same with table_row_wise sums on the
 from __future__ import annotations
 
 import pytest
+import test_table_row_wise as trw
 import torch
 from distributed import run_ranks
+from test_codecs import BATCH, CODECS, DIM, ledger_counts, local_kjt, make_plan, tables
 
-import test_table_row_wise as trw
 from hybridrec.comm.codecs import TopKCodec
 from hybridrec.comm.ledger import CommLedger
 from hybridrec.errors import ConfigError
@@ -31,7 +32,6 @@ from hybridrec.parallel.layout import build_layout
 from hybridrec.parallel.sharded_embedding import ShardedEmbeddingBagCollection
 from hybridrec.parallel.topology import Topology
 from hybridrec.train.setup.config import build_config
-from test_codecs import BATCH, CODECS, DIM, ledger_counts, local_kjt, make_plan, tables
 
 # -- one process ---------------------------------------------------------------------------
 

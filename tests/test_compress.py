@@ -8,10 +8,10 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
+from distributed import run_ranks
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from distributed import run_ranks
 from hybridrec.comm import sparse_message as sm
 from hybridrec.comm.compress import (
     CastCompressor,
@@ -22,8 +22,7 @@ from hybridrec.comm.compress import (
     keep_count,
 )
 from hybridrec.comm.ddp_hooks import CompressedAllReduce, PowerSGDHooks
-from hybridrec.comm.ledger import ring_allreduce_bytes
-from hybridrec.comm.ledger import CommLedger
+from hybridrec.comm.ledger import CommLedger, ring_allreduce_bytes
 from hybridrec.comm.sparse_message import SparseGrad
 
 

@@ -3,17 +3,17 @@
 import json
 import os
 import re
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 
 from hybridrec.cli.main import main
 from hybridrec.errors import ConfigError
 from hybridrec.parallel.cost_model import OPTIMIZERS
+from hybridrec.train.loop.optim import LRSchedule
 from hybridrec.train.setup import recipes
 from hybridrec.train.setup.config import PATH_KEYS, SECTIONS, build_config, describe
-from hybridrec.train.loop.optim import LRSchedule
 
 
 def test_defaults_recipe_file_override_precedence(tmp_path):
@@ -50,8 +50,8 @@ def test_bad_config_names_the_key(override, message):
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["model.bottom_mlp=512,0,16"], "model.bottom_mlp: every width must be a positive integer, got 0 "
-                                    "(entry 2 of 512,0,16)"),
+    (["model.bottom_mlp=512,0,16"], ("model.bottom_mlp: every width must be a positive integer, got 0 "
+                                     "(entry 2 of 512,0,16)")),
     (["model.bottom_mlp=-3"], "model.bottom_mlp: every width must be a positive integer, got -3 (entry 1 of -3)"),
     (["model.top_mlp=64,-1,1"], "model.top_mlp: every width must be a positive integer, got -1 (entry 2 of 64,-1,1)"),
     (["model.embedding_dim=0", "model.bottom_mlp=8,0"], "model.embedding_dim must be a positive integer, got 0"),

@@ -236,6 +236,6 @@ def test_preprocess_refuses_a_long_line_in_one_line(tmp_path, capsys):
     path = _gz_with_long_line(tmp_path, [line()])
     assert main(["data", "preprocess", path, "--out", str(tmp_path / "out")]) != 0
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == [f"hybridrec: error: {path}:2: line longer than 1,048,576 bytes, the most a line of a "
-                   "Criteo file may hold (is this the right file and format?)"]
+    assert err == [(f"hybridrec: error: {path}:2: line longer than 1,048,576 bytes, the most a line of a "
+                    "Criteo file may hold (is this the right file and format?)")]
     assert not (tmp_path / "out").exists()

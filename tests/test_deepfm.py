@@ -3,10 +3,10 @@
 import pytest
 import torch
 import torch.nn.functional as F
-
 from distributed import run_ranks
-from hybridrec.comm.ledger import CommLedger
+
 from hybridrec.comm.codecs import make_codec
+from hybridrec.comm.ledger import CommLedger
 from hybridrec.model.deepfm import DeepFM, fm_terms
 from hybridrec.model.embedding import EmbeddingBagCollection, TableConfig
 from hybridrec.parallel import plan as P

@@ -4,8 +4,9 @@ strategies' predicted dense bytes equal the counted ones."""
 
 import pytest
 import torch
-
 from distributed import run_ranks
+from test_sharded_embedding import GLOBAL_B, build, global_batches, local_batch, make_plan
+
 from hybridrec.comm.compress import DCTCompressor, NoCompression
 from hybridrec.comm.ddp_hooks import CompressedAllReduce
 from hybridrec.comm.ledger import CommLedger
@@ -14,7 +15,6 @@ from hybridrec.parallel.parallelize import parallelize_dlrm
 from hybridrec.train.loop.optim import dense_parameters
 from hybridrec.train.loop.sparse_optim import combined_sparse_optimizer
 from hybridrec.train.loop.step import training_step
-from test_sharded_embedding import GLOBAL_B, build, global_batches, local_batch, make_plan
 
 pytestmark = pytest.mark.distributed
 

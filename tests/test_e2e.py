@@ -8,8 +8,8 @@ import time
 
 import pytest
 import torch
-
 from processor import needs_bf16
+
 from hybridrec.cli.main import main
 from hybridrec.train.checkpointing import checkpoint as ckpt
 from hybridrec.train.run import load_run_model

@@ -3,8 +3,8 @@
 import pytest
 import torch
 import torch.distributed as dist
-
 from distributed import run_ranks
+
 from hybridrec.comm.exchange import PairwiseExchange, _slices
 
 

@@ -15,9 +15,14 @@ from hybridrec.errors import ConfigError
 from hybridrec.train.checkpointing import checkpoint as ckpt
 from hybridrec.train.checkpointing import faults
 from hybridrec.train.checkpointing.checkpoint_interval import PROBE_STEPS, young_daly_interval
-from hybridrec.train.setup.config import build_config
-from hybridrec.train.checkpointing.faults import MARKER, FailureInjector, parse_inject_failure, read_marker
+from hybridrec.train.checkpointing.faults import (
+    MARKER,
+    FailureInjector,
+    parse_inject_failure,
+    read_marker,
+)
 from hybridrec.train.run import load_run_model
+from hybridrec.train.setup.config import build_config
 
 SMALL = ["model.embedding_dim=8", "model.bottom_mlp=16,8", "model.top_mlp=16,1",
          "data.batch_size=64", "data.eval_batch_size=1000", "train.progress=false"]

@@ -6,10 +6,6 @@ import math
 
 import pytest
 
-from hybridrec.comm.codecs import make_codec
-from hybridrec.model.embedding import TableConfig
-from hybridrec.parallel import plan as P
-from hybridrec.parallel.cost_model import predict_all_ranks
 from hybridrec.bench.hier_cost import (
     HostCpu,
     Links,
@@ -29,6 +25,10 @@ from hybridrec.bench.hier_cost import (
     sync_round_loads,
     to_owners,
 )
+from hybridrec.comm.codecs import make_codec
+from hybridrec.model.embedding import TableConfig
+from hybridrec.parallel import plan as P
+from hybridrec.parallel.cost_model import predict_all_ranks
 
 
 def two_tables():

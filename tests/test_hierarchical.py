@@ -6,10 +6,18 @@ everywhere; groups that do not fit are refused before any process group is made.
 
 import pytest
 import torch
-
 from distributed import run_ranks
-from hybridrec.comm.ddp_hooks import CompressedAllReduce
+from test_sharded_embedding import (
+    GLOBAL_B,
+    build,
+    full_tables_from_shards,
+    global_batches,
+    local_batch,
+    make_plan,
+)
+
 from hybridrec.comm.compress import DCTCompressor
+from hybridrec.comm.ddp_hooks import CompressedAllReduce
 from hybridrec.comm.ledger import CommLedger
 from hybridrec.parallel.dense_sync import DDPSync
 from hybridrec.parallel.parallelize import parallelize_dlrm
@@ -18,12 +26,11 @@ from hybridrec.sync import ForegroundRunner, make_synchronizer
 from hybridrec.sync.algorithms import GroupMean
 from hybridrec.sync.compressed import CompressedMean
 from hybridrec.sync.grouped import GroupedBackgroundRunner
-from hybridrec.train.setup.rules import hierarchy_problem
-from hybridrec.train.setup.config import Config
 from hybridrec.train.loop.optim import dense_parameters
 from hybridrec.train.loop.sparse_optim import combined_sparse_optimizer
 from hybridrec.train.loop.step import training_step
-from test_sharded_embedding import GLOBAL_B, build, full_tables_from_shards, global_batches, local_batch, make_plan
+from hybridrec.train.setup.config import Config
+from hybridrec.train.setup.rules import hierarchy_problem
 
 pytestmark = pytest.mark.distributed
 

@@ -15,12 +15,12 @@ from hybridrec.cli.main import main
 from hybridrec.errors import ConfigError
 from hybridrec.model.embedding import EmbeddingBagCollection, TableConfig
 from hybridrec.sparse.keyed_jagged import KeyedJagged
-from hybridrec.train.loop import hogwild
 from hybridrec.train.build import build_loaders, build_trainer
-from hybridrec.train.setup.tables import load_dataset
+from hybridrec.train.loop import hogwild
 from hybridrec.train.setup.config import build_config
-from hybridrec.train.setup.rules import workers_problem
 from hybridrec.train.setup.recipes import recipe
+from hybridrec.train.setup.rules import workers_problem
+from hybridrec.train.setup.tables import load_dataset
 
 SMALL = ["model.embedding_dim=8", "model.bottom_mlp=16,8", "model.top_mlp=16,1", "data.batch_size=128",
          "data.eval_batch_size=4000", "train.progress=false", "train.threads=1"]

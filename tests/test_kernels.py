@@ -5,9 +5,9 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
-
 from distributed import run_ranks
 from processor import needs_onednn_bf16
+
 from hybridrec.model import kernels
 from hybridrec.model.dlrm import DLRM
 from hybridrec.model.embedding import EmbeddingBagCollection, TableConfig

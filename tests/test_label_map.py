@@ -63,8 +63,8 @@ def test_numbers_listed_as_classes_match_a_numeric_parquet_column(tmp_path):
 
 @pytest.mark.parametrize("labels, fmt, where, why", [
     ([">50K", "50K"], "csv", "a.csv:3: field y (column 3)",
-     "label '50K' is neither a positive class (label_positive: >50K, >50K.) nor a negative one "
-     "(label_negative: <=50K, <=50K.)"),
+     ("label '50K' is neither a positive class (label_positive: >50K, >50K.) nor a negative one "
+      "(label_negative: <=50K, <=50K.)")),
     ([">50K", ""], "csv", "a.csv:3: field y (column 3)",
      "missing label (label_positive/label_negative need one of their values)"),
     (["<=50K", ">50K", "unknown"], "parquet", "a.parquet: row 3: field y (column 3)",

@@ -9,8 +9,8 @@ import time
 
 import pytest
 import torch
-
 from distributed import free_port, launched_ranks
+
 from hybridrec.cli.launch import PEER_LOST, oom_kill_count
 from hybridrec.cli.main import main
 

@@ -5,11 +5,11 @@ ledger's comparison, step by step; row-wise, table-wise with a codec, DeepFM wit
 table_row_wise in one host and in two (its in-host bytes under ``trw_intra``)."""
 
 import pytest
-import torch
-
 import test_deepfm as fm_case
 import test_sharded_embedding as dlrm_case
+import torch
 from distributed import run_ranks
+
 from hybridrec.comm.codecs import make_codec
 from hybridrec.comm.ledger import CommLedger
 from hybridrec.parallel.cost_model import predict_step_bytes

@@ -242,8 +242,8 @@ def test_a_batch_brings_its_bag_facts_from_the_host():
 
 @pytest.mark.parametrize("name", ["sgd", "adam", "adagrad"])
 def test_dense_optimizers_take_the_fused_kernel_on_the_cpu(name):
-    from hybridrec.train.setup.config import OptimConfig
     from hybridrec.train.loop.optim import FUSED, build_dense_optimizer
+    from hybridrec.train.setup.config import OptimConfig
 
     params = [torch.nn.Parameter(torch.randn(3, 2)), torch.nn.Parameter(torch.randn(2))]
     opt = build_dense_optimizer(params, OptimConfig(dense=name))

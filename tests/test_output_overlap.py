@@ -3,17 +3,17 @@ forward and backward (docs/design.md, "One training step"). That it trains what 
 step by step in test_sharded_embedding and test_bf16_wire, which train through it."""
 
 import pytest
-import torch
-
 import test_deepfm as fm
+import torch
 from distributed import run_ranks
+from test_sharded_embedding import DIM, GLOBAL_B, global_batches, make_plan, tables, train
+
 from hybridrec.comm.codecs import make_codec
 from hybridrec.model.deepfm import DeepFM
 from hybridrec.model.dlrm import DLRM
 from hybridrec.parallel.dense_sync import DDPSync
 from hybridrec.parallel.sharded_embedding import ShardedEmbeddingBagCollection
 from hybridrec.train.loop.sparse_optim import combined_sparse_optimizer
-from test_sharded_embedding import DIM, GLOBAL_B, global_batches, make_plan, tables, train
 
 pytestmark = pytest.mark.distributed
 

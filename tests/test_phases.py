@@ -2,6 +2,7 @@
 runs (the profiling benchmarks split a step by them), nothing otherwise."""
 
 import torch
+from test_kernels import _batch, _tiny_dlrm
 from torch.profiler import profile
 
 from hybridrec.parallel.dense_sync import NoSync
@@ -9,7 +10,6 @@ from hybridrec.phases import phase
 from hybridrec.train.loop.optim import dense_parameters
 from hybridrec.train.loop.sparse_optim import combined_sparse_optimizer
 from hybridrec.train.loop.step import training_step
-from test_kernels import _batch, _tiny_dlrm
 
 PHASES = {"forward", "embeddings", "bottom_mlp", "interaction", "top_mlp", "backward", "grad_sync",
           "dense_update", "sparse_update"}

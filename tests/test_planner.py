@@ -6,8 +6,8 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
-
 from distributed import run_ranks
+
 from hybridrec.cli.main import main
 from hybridrec.comm.ledger import CommLedger
 from hybridrec.model.dlrm import DLRM
@@ -36,8 +36,8 @@ def criteo_like(dim=16):
 
 
 def plan_of(tables, **kw):
-    args = dict(world_size=4, local_world_size=2, batch_size_per_rank=1024,
-                bandwidth_bytes_per_s=1.25e9, optimizer="rowwise_adagrad")
+    args = {"world_size": 4, "local_world_size": 2, "batch_size_per_rank": 1024,
+            "bandwidth_bytes_per_s": 1.25e9, "optimizer": "rowwise_adagrad"}
     return plan_sharding(tables, **{**args, **kw})
 
 
@@ -52,7 +52,7 @@ def test_plan_validates_round_trips_and_is_deterministic():
     assert ShardingPlanJSON(plan) == ShardingPlanJSON(again)
 
 
-def ShardingPlanJSON(plan):  # noqa: N802 - reads like the type it canonicalises
+def ShardingPlanJSON(plan):  # reads like the type it canonicalises
     d = json.loads(plan.to_json())
     return {**d, "tables": dict(sorted(d["tables"].items()))}
 

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from distributed import launched_ranks
 
 from hybridrec.cli.main import main
 from hybridrec.train.run import load_run_model
-from distributed import launched_ranks
 
 SMALL = ["model.bottom_mlp=[32,16]", "model.top_mlp=[32,1]", "data.batch_size=256", "data.prefetch=0",
          "train.progress=false"]
@@ -238,9 +238,9 @@ def test_a_server_counts_only_the_servers_of_its_machine(data):
     """torchrun over machines: each server checks its own machine's servers."""
     from hybridrec.data.schema import DatasetMeta
     from hybridrec.parallel.topology import Topology
-    from hybridrec.train.setup.tables import build_tables
-    from hybridrec.train.setup.config import build_config
     from hybridrec.train.ps_run import ps_plan, server_memory_problem
+    from hybridrec.train.setup.config import build_config
+    from hybridrec.train.setup.tables import build_tables
 
     cfg = build_config(None, [], [f"data.path={data}", "dist.num_ps=2", "dist.ps_sharding=row_wise"])
     plan = ps_plan(cfg, build_tables(DatasetMeta.load(data), cfg), 2)

@@ -9,8 +9,8 @@ import time
 
 import pytest
 import torch
-import torch.distributed.rpc as rpc
 from distributed import free_port, run_ranks
+from torch.distributed import rpc
 
 from hybridrec.model.embedding import TableConfig
 from hybridrec.parallel.topology import Topology

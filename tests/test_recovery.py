@@ -12,11 +12,14 @@ import torch
 from hybridrec.errors import ConfigError
 from hybridrec.model.embedding import EmbeddingBagCollection, TableConfig
 from hybridrec.parallel.sharded_embedding import SHARDS
-from hybridrec.train.checkpointing.checkpoint_interval import partial_recovery_interval, young_daly_interval
-from hybridrec.train.setup.config import build_config
+from hybridrec.train.checkpointing.checkpoint_interval import (
+    partial_recovery_interval,
+    young_daly_interval,
+)
 from hybridrec.train.checkpointing.deltas import OBSOLETE, ShardDeltas, _largest
-from hybridrec.train.run import load_run_model
 from hybridrec.train.loop.sparse_optim import RowWiseAdagrad
+from hybridrec.train.run import load_run_model
+from hybridrec.train.setup.config import build_config
 
 SMALL = ["model.embedding_dim=8", "model.bottom_mlp=16,8", "model.top_mlp=16,1",
          "data.batch_size=64", "data.eval_batch_size=1000", "train.progress=false",

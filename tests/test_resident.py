@@ -10,7 +10,12 @@ import torch
 
 from hybridrec.cli import launch
 from hybridrec.model.embedding import EmbeddingBagCollection, TableConfig
-from hybridrec.train.checkpointing.resident import ResidentShards, files_fit, read_into, shard_tensors
+from hybridrec.train.checkpointing.resident import (
+    ResidentShards,
+    files_fit,
+    read_into,
+    shard_tensors,
+)
 from hybridrec.train.loop.sparse_optim import RowWiseAdagrad
 
 

@@ -9,7 +9,6 @@ import sys
 
 import pytest
 
-
 pytestmark = pytest.mark.distributed
 
 SMALL = ["model.embedding_dim=8", "model.bottom_mlp=16,8", "model.top_mlp=16,1",

@@ -4,11 +4,13 @@ training), BMUF's block momentum against its recursion, a background shadow thre
 drives the replicas together while training runs, its throttle, and the bytes it counts."""
 
 import time
+from itertools import pairwise
 
 import pytest
 import torch
-
 from distributed import run_ranks
+from test_sharded_embedding import GLOBAL_B, build, global_batches, local_batch, make_plan
+
 from hybridrec.comm.ledger import CommLedger, ring_allreduce_bytes
 from hybridrec.parallel.dense_sync import DDPSync, NoSync
 from hybridrec.parallel.parallelize import parallelize_dlrm
@@ -16,7 +18,6 @@ from hybridrec.sync import BackgroundRunner, BlockMomentum, ForegroundRunner, ma
 from hybridrec.train.loop.optim import dense_parameters
 from hybridrec.train.loop.sparse_optim import combined_sparse_optimizer
 from hybridrec.train.loop.step import training_step
-from test_sharded_embedding import GLOBAL_B, build, global_batches, local_batch, make_plan
 
 pytestmark = pytest.mark.distributed
 
@@ -164,7 +165,7 @@ def test_background_rounds_every_k_steps():
     for replica, final, stats, sent, starts, _ in ranks:
         at = [step for _, step, _ in starts]
         assert len(at) == stats["rounds"] <= steps // k + 1
-        assert all(b - a >= k for a, b in zip(at, at[1:])), at
+        assert all(b - a >= k for a, b in pairwise(at)), at
         n = replica.numel()  # rounds, the final average, and one stop flag per round and the last
         assert sent == (len(at) + 1) * ring_allreduce_bytes(4 * n, 2) + (len(at) + 1) * ring_allreduce_bytes(4, 2)
     assert torch.equal(ranks[0][1], ranks[1][1])
@@ -178,6 +179,6 @@ def test_background_duty_rests_after_each_round():
     assert ranks[0][2]["rounds"] == ranks[1][2]["rounds"] >= 1
     for *_, stats, _, starts, elapsed in ranks:
         assert stats["duty"] == duty and len(starts) == stats["rounds"]
-        for (t0, _, took), (t1, _, _) in zip(starts, starts[1:]):
+        for (t0, _, took), (t1, _, _) in pairwise(starts):
             assert t1 - t0 >= took / duty
         assert 0 < stats["busy_fraction"] <= 1

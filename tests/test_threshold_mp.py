@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from distributed import run_ranks
+from test_codecs import BATCH, local_kjt, make_plan, tables
+
 from hybridrec.comm.compress import refresh_due
 from hybridrec.comm.ledger import CommLedger
 from hybridrec.errors import ConfigError
@@ -13,7 +14,6 @@ from hybridrec.parallel.sharded_embedding import ShardedEmbeddingBagCollection
 from hybridrec.parallel.threshold_dist import ThresholdMP, count_dtype
 from hybridrec.train.build import build_threshold_mp
 from hybridrec.train.setup.config import build_config
-from test_codecs import BATCH, local_kjt, make_plan, tables
 
 
 def test_selection_keeps_what_passes_within_the_budget():
