@@ -285,3 +285,41 @@ def test_train_subpackages_import_only_downward():
     bad = [v for _, name, is_package, source in _sources(PACKAGE / "train")
            for v in train_violations(source, name, is_package=is_package)]
     assert bad == [], "\n".join(bad)
+
+
+def private_imports(source: str, module: str, *, is_package: bool = False) -> list[str]:
+    """Every ``from hybridrec.X import _name`` in ``source`` that takes a private name of
+    another module (function-level imports included): a name shared across modules is
+    public in its home, with a docstring."""
+    base = module.split(".") if is_package else module.split(".")[:-1]
+    bad = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.ImportFrom):
+            continue
+        if node.level:
+            pkg = ".".join(base[:len(base) - (node.level - 1)])
+            target = f"{pkg}.{node.module}" if node.module else pkg
+        else:
+            target = node.module or ""
+        if target.split(".")[0] != "hybridrec" or target == module:
+            continue
+        bad += [f"{module}:{node.lineno} imports {target}.{a.name}" for a in node.names
+                if a.name.startswith("_") and not a.name.startswith("__")]
+    return bad
+
+
+@pytest.mark.parametrize("source", ["from hybridrec.data.tabular import _pyarrow\n",
+                                    "def f():\n    from ..data.schema import read_meta, _parse_json\n"])
+def test_private_checker_finds_a_planted_import(source):
+    assert private_imports(source, "hybridrec.serve.inputs")
+
+
+def test_private_checker_passes_public_and_own_names():
+    assert private_imports("from hybridrec.data.tabular import import_pyarrow\n"
+                           "from hybridrec.serve.inputs import _own\n", "hybridrec.serve.inputs") == []
+
+
+def test_no_module_imports_a_private_name_of_another():
+    bad = [v for _, name, is_package, source in _sources()
+           for v in private_imports(source, name, is_package=is_package)]
+    assert bad == [], "\n".join(bad)
