@@ -235,7 +235,7 @@ def test_two_ranks_skip_the_same_bad_checkpoint(data, tmp_path):
         # 400 training rows, 2 ranks x 64: an epoch is 3 steps (checkpoints at 2, 3, 4, 6)
         return subprocess.run([sys.executable, "-m", "hybridrec", *_args(data, run, 0, "dist.nproc=2",
                                                                          f"train.epochs={epochs}")],
-                              capture_output=True, text=True, timeout=170)
+                              capture_output=True, text=True, timeout=170, check=False)
 
     first = train(1)
     assert first.returncode == 0, first.stderr[-2000:]

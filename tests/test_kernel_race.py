@@ -171,7 +171,7 @@ def test_under_avx2_limits_bf16_trains_or_is_refused_in_one_line_and_the_kernel_
     run = tmp_path / "run"
     proc = subprocess.run([sys.executable, "-m", "hybridrec", "train", "--recipe", "demo", f"data.path={dataset}",
                            f"train.run_dir={run}", *TINY, "train.precision=bf16", "model.embedding_dtype=bf16"],
-                          env=env, capture_output=True, text=True, timeout=240)
+                          env=env, capture_output=True, text=True, timeout=240, check=False)
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
     if proc.returncode == 2:
         assert proc.stderr.strip().splitlines()[-1].startswith("hybridrec: error: train.precision=bf16: ")
@@ -180,5 +180,5 @@ def test_under_avx2_limits_bf16_trains_or_is_refused_in_one_line_and_the_kernel_
     tests = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",  # (the two that failed)
                             "tests/test_kernels.py::test_bf16_autocast_computes_in_bf16_and_keeps_fp32_gradients",
                             "tests/test_e2e.py::test_resume_equals_uninterrupted", "-k", "bf16"],
-                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600, check=False)
     assert tests.returncode == 0, tests.stdout[-3000:]

@@ -26,7 +26,7 @@ def dataset(shared_dataset):
 def _train(dataset, run, nproc, *extra):
     cmd = [sys.executable, "-m", "hybridrec", "train", "--recipe", "demo", f"data.path={dataset}",
            f"train.run_dir={run}", f"dist.nproc={nproc}", "dist.sharding=row_wise", *SMALL, *DCT, *extra]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc, json.loads((run / "summary.json").read_text())
 
