@@ -147,8 +147,8 @@ def test_planner_fits_bf16_tables_where_float32_ones_do_not():
 
     big = [TableConfig(name=f"t{i}", num_embeddings=1_000_000, embedding_dim=64, features=[f"f{i}"])
            for i in range(4)]
-    kw = dict(world_size=2, local_world_size=2, batch_size_per_rank=512, memory_per_rank_bytes=300_000_000,
-              bandwidth_bytes_per_s=1.25e8, optimizer="rowwise_adagrad")
+    kw = {"world_size": 2, "local_world_size": 2, "batch_size_per_rank": 512, "memory_per_rank_bytes": 300_000_000,
+          "bandwidth_bytes_per_s": 1.25e8, "optimizer": "rowwise_adagrad"}
     with pytest.raises(ValueError, match="fits on no rank"):  # 4 x 260 MB on 2 ranks of 300 MB
         plan_sharding(big, **kw)
     plan = plan_sharding(big, weight_bytes=2, **kw)  # 4 x 132 MB

@@ -135,10 +135,10 @@ def test_hogwild_threads_stop_at_the_same_evaluation(dataset, tmp_path):
 
 # -- errors -----------------------------------------------------------------------------
 @pytest.mark.parametrize("overrides, message", [
-    (["train.early_stop=-1"], "train.early_stop must be >= 0 (evaluations without an AUC improvement "
-     "before stopping; 0 = off), got -1"),
-    (["train.early_stop=3"], "train.early_stop=3 counts the evaluations of train.eval_every, which is 0 "
-     "(only at the end): set train.eval_every=N"),
+    (["train.early_stop=-1"], ("train.early_stop must be >= 0 (evaluations without an AUC improvement "
+      "before stopping; 0 = off), got -1")),
+    (["train.early_stop=3"], ("train.early_stop=3 counts the evaluations of train.eval_every, which is 0 "
+      "(only at the end): set train.eval_every=N")),
     (["train.early_stop=3", "train.eval_every=5", "train.early_stop_min_delta=-0.1"],
      "train.early_stop_min_delta must be >= 0, got -0.1"),
 ])
@@ -160,9 +160,9 @@ def test_early_stop_without_held_out_rows_is_one_line(dataset, tmp_path, capsys)
     run = tmp_path / "run"
     assert _train(no_eval, run, "train.eval_every=2", "train.early_stop=2") == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == [f"hybridrec: error: train.early_stop=2: the dataset {no_eval} has no held-out rows "
-                   "(its eval split is empty), so there is no AUC to watch; preprocess with a held-out "
-                   "part (--eval-parts), or train.early_stop=0"]
+    assert err == [(f"hybridrec: error: train.early_stop=2: the dataset {no_eval} has no held-out rows "
+                    "(its eval split is empty), so there is no AUC to watch; preprocess with a held-out "
+                    "part (--eval-parts), or train.early_stop=0")]
     assert not run.exists()
 
 

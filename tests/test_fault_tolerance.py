@@ -81,8 +81,8 @@ def test_young_daly_interval_refuses_nonsense():
     (["train.inject_failure=1:5,,0:9"], "entry '': expected RANK:STEP"),
     (["train.inject_failure=1:5,0:0"], "entry '0:0': STEP must be >= 1"),
     (["train.inject_failure=1:5,-1:9"], "entry '-1:9': RANK must be >= 0"),
-    (["train.inject_failure=1:5,0:5"], "steps must increase strictly (one failure at a time), but entry "
-                                       "'0:5' (step 5) follows step 5"),
+    (["train.inject_failure=1:5,0:5"], ("steps must increase strictly (one failure at a time), but entry "
+                                        "'0:5' (step 5) follows step 5")),
     (["train.inject_failure=1:9,0:3"], "entry '0:3' (step 3) follows step 9"),
     (["dist.nproc=2", "train.inject_failure=0:5,2:9"], "rank 2 does not exist: this run has 2 ranks"),
 ])

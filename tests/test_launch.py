@@ -115,8 +115,8 @@ def test_a_rank_that_loses_its_peer_says_so_in_one_line(dataset, tmp_path):
             p.kill()
             p.wait()
     assert ranks[0].returncode == PEER_LOST, err[-3000:]
-    assert err.splitlines() == ["hybridrec: error: lost the connection to another rank: it exited or "
-                                "was killed (its own error, or its launcher's report, says why)"], err[-3000:]
+    assert err.splitlines() == [("hybridrec: error: lost the connection to another rank: it exited or "
+                                 "was killed (its own error, or its launcher's report, says why)")], err[-3000:]
 
 
 def _load_single(dataset, run):
@@ -205,8 +205,8 @@ def test_a_launch_whose_machines_do_not_come_gives_up_naming_them(dataset, tmp_p
     assert status != 0, err[-3000:]
     lines = err.splitlines()
     assert lines[0].startswith("launching 1 rank of machine 0 of 2 "), err[-3000:]
-    assert lines[1:] == [f"hybridrec: error: gave up after dist.join_timeout_s=5 s: machine with dist.node_rank 1 "
-                         f"did not join the launch at 127.0.0.1:{port} (1 of 2 joined)"], err[-3000:]
+    assert lines[1:] == [(f"hybridrec: error: gave up after dist.join_timeout_s=5 s: machine with dist.node_rank 1 "
+                          f"did not join the launch at 127.0.0.1:{port} (1 of 2 joined)")], err[-3000:]
 
 
 def test_a_machine_whose_host_does_not_come_gives_up_naming_it(dataset, tmp_path):
@@ -214,8 +214,8 @@ def test_a_machine_whose_host_does_not_come_gives_up_naming_it(dataset, tmp_path
     status, err = _ended(_machine(dataset, tmp_path / "run", port, 1, 2, 5))
     assert status != 0, err[-3000:]
     assert err.splitlines()[1:] == [
-        "hybridrec: error: gave up after dist.join_timeout_s=5 s: machine 0 (dist.node_rank 0), which hosts the "
-        f"launch's rendezvous at 127.0.0.1:{port}, was not reachable (Connection refused)"], err[-3000:]
+        ("hybridrec: error: gave up after dist.join_timeout_s=5 s: machine 0 (dist.node_rank 0), which hosts the "
+         f"launch's rendezvous at 127.0.0.1:{port}, was not reachable (Connection refused)")], err[-3000:]
 
 
 def test_machines_that_came_name_the_one_that_did_not(dataset, tmp_path):

@@ -101,7 +101,7 @@ def listening(pids: set[int]) -> set[str]:
 
 def _loopback(endpoint: str) -> bool:
     addr = endpoint.rsplit(":", 1)[0]
-    return addr.startswith("127.") or addr in ("::1", "::ffff:127.0.0.1") or addr.startswith("::ffff:127.")
+    return addr.startswith(("127.", "::ffff:127.")) or addr in ("::1", "::ffff:127.0.0.1")
 
 
 def _listeners_while_training(proc, run: Path, timeout_s: float = 150) -> set[str]:
@@ -186,14 +186,14 @@ def test_a_live_two_rank_run_listens_on_loopback_holds_its_directory_and_dies_wi
 # -- the pieces, in one process --------------------------------------------------------------
 def test_the_run_lock_refuses_a_second_holder_and_is_taken_over_from_a_dead_one(tmp_path):
     run = tmp_path / "run"
-    with run_lock.holding(run, "runs/x"):
-        with pytest.raises(ConfigError, match=rf"runs/x is being trained by another process \(pid {os.getpid()}"):
-            run_lock.take(run, "runs/x")
+    with (run_lock.holding(run, "runs/x"),
+          pytest.raises(ConfigError, match=rf"runs/x is being trained by another process \(pid {os.getpid()}")):
+        run_lock.take(run, "runs/x")
     fd = run_lock.take(run, "runs/x")  # released when its holder closed it
     os.close(fd)
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from pathlib import Path; "
-                               "from hybridrec.train.checkpointing import run_lock; run_lock.take(Path(sys.argv[1]), 'x'); "
-                               "print('held', flush=True); time.sleep(60)", str(run)],
+    holder = subprocess.Popen([sys.executable, "-c", ("import sys, time; from pathlib import Path; "
+                                "from hybridrec.train.checkpointing import run_lock; run_lock.take(Path(sys.argv[1]), 'x'); "
+                                "print('held', flush=True); time.sleep(60)"), str(run)],
                               stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "held"

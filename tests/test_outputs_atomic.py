@@ -204,13 +204,13 @@ def test_export_overwrite_replaces_only_an_export(made, tmp_path, capsys):
     shutil.copytree(made["art"], mixed)
     (mixed / "preprocess" / "notes.txt").write_text("mine")
     cases = [
-        (fake, f"{fake}: refusing to overwrite, it is not an export directory (export.json is not an "
-               "export's record (no run_dir, checkpoint, arch, tables, inputs, format, model_bytes, held_out))"),
-        (mixed, f"{mixed}: refusing to overwrite, it is not an export directory "
-                "(preprocess/notes.txt is not a file of an export)"),
+        (fake, (f"{fake}: refusing to overwrite, it is not an export directory (export.json is not an "
+                "export's record (no run_dir, checkpoint, arch, tables, inputs, format, model_bytes, held_out))")),
+        (mixed, (f"{mixed}: refusing to overwrite, it is not an export directory "
+                 "(preprocess/notes.txt is not a file of an export)")),
         (run, f"--out {run}: is the run directory {run}; write the output elsewhere"),
-        (run.parent, f"--out {run.parent}: holds the run directory {run}, which replacing it would "
-                     "delete; write the output elsewhere"),
+        (run.parent, (f"--out {run.parent}: holds the run directory {run}, which replacing it would "
+                      "delete; write the output elsewhere")),
     ]
     before = {d: _files(d) for d in (fake, mixed, run)}
     for out, message in cases:

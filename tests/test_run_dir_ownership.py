@@ -255,7 +255,7 @@ def _saving(args: list[str], run: Path, **kw) -> subprocess.Popen:
     while not (list((run / "checkpoints").glob("step-????????")) and list((run / "checkpoints").glob("*.tmp-*"))):
         if proc.poll() is not None or time.monotonic() > deadline:
             proc.kill()
-            out, err = proc.communicate()
+            _, err = proc.communicate()
             pytest.fail(f"no checkpoint (status {proc.returncode}): {err[-3000:]}")
         time.sleep(0.002)
     return proc

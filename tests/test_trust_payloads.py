@@ -66,7 +66,7 @@ def plant(directory: Path, marker: Path, *, skeleton: str = "extra", key: str = 
     for it to the manifest's ``skeleton`` (what makes a load ask for ``key``), and reseal
     the manifest's checksums when it has them."""
     data = payload_bytes(marker)
-    distcp = sorted(directory.glob("*.distcp"))[0]
+    distcp = min(directory.glob("*.distcp"))
     offset = distcp.stat().st_size
     with open(distcp, "ab") as f:
         f.write(data)
