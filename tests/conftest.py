@@ -80,12 +80,16 @@ def _shared(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def shared_dataset(_shared) -> Callable[..., Path]:
-    """``shared_dataset(days=, rows=)``: the preprocessed directory of ``days`` synthetic days of
-    ``rows`` rows each (the last day held out), made once per shape through the CLI
+    """``shared_dataset(days=, rows=, synth=(), preprocess=())``: the preprocessed directory of
+    ``days`` synthetic days of ``rows`` rows each (the last day held out; ``synth`` and
+    ``preprocess``: more options of those commands), made once per shape through the CLI
     (tests/synth_data.py); its raw days are in ``<it>.parent / "raw"``. Read-only."""
 
-    def get(*, days: int = 2, rows: int = 400) -> Path:
-        return _shared.get(("data", days, rows), lambda where: synth_dataset(where, days=days, rows=rows))
+    def get(*, days: int = 2, rows: int = 400, synth: tuple[str, ...] = (),
+            preprocess: tuple[str, ...] = ()) -> Path:
+        return _shared.get(("data", days, rows, tuple(synth), tuple(preprocess)),
+                           lambda where: synth_dataset(where, days=days, rows=rows, synth=tuple(synth),
+                                                       preprocess=tuple(preprocess)))
 
     return get
 

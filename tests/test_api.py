@@ -38,14 +38,15 @@ def readme_example() -> str:
 
 
 @pytest.fixture(scope="module")
-def readme_run(tmp_path_factory):
+def readme_run(shared_dataset, tmp_path_factory):
     """The README's example run where the README's usage lines put the data
-    (``data/raw``: 7 synthetic days, ``data/pre``: preprocessed, the last day held out)."""
+    (``data/raw``: 7 synthetic days, ``data/pre``: preprocessed, the last day held out;
+    links to a shared dataset, read-only)."""
     root = tmp_path_factory.mktemp("api")
-    assert main(["data", "synth", "--out", str(root / "data/raw"), "--days", "7",
-                 "--rows-per-day", "250"]) == 0
-    days = [str(root / f"data/raw/day_{i}.tsv") for i in range(7)]
-    assert main(["data", "preprocess", *days, "--out", str(root / "data/pre")]) == 0
+    pre = shared_dataset(days=7, rows=250)
+    (root / "data").mkdir()
+    (root / "data/raw").symlink_to(pre.parent / "raw", target_is_directory=True)
+    (root / "data/pre").symlink_to(pre, target_is_directory=True)
     block = readme_example()
     assert len(block.strip().splitlines()) <= 12
     namespace: dict = {}

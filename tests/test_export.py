@@ -31,24 +31,21 @@ SMALL = ["model.embedding_dim=8", "model.bottom_mlp=16,8", "model.top_mlp=16,1",
 TEMPLATE = Path(ex.__file__).with_name("score_template.py")
 
 
-def _criteo_run(root: Path, *, multi_hot: str = "", extra=()) -> tuple[Path, Path]:
-    """A tiny trained run on synthetic Criteo days (the last held out); ``(run, raw dir)``."""
-    synth = ["data", "synth", "--out", str(root / "raw"), "--days", "3", "--rows-per-day", "1500"]
-    pre = ["data", "preprocess", *(str(root / "raw" / f"day_{i}.tsv") for i in range(3)),
-           "--out", str(root / "data")]
-    if multi_hot:
-        synth += ["--multi-hot", "3", "--multi-hot-fields", multi_hot]
-        pre += ["--multi-hot-fields", multi_hot]
-    assert main(synth) == 0 and main(pre) == 0
-    assert main(["train", "--recipe", "demo", f"data.path={root / 'data'}", f"train.run_dir={root / 'run'}",
+def _criteo_run(shared_dataset, root: Path, *, multi_hot: str = "", extra=()) -> tuple[Path, Path]:
+    """A tiny trained run on synthetic Criteo days (the last held out, shared: read-only);
+    ``(run, raw dir)``."""
+    synth = ("--multi-hot", "3", "--multi-hot-fields", multi_hot) if multi_hot else ()
+    data = shared_dataset(days=3, rows=1500, synth=synth,
+                          preprocess=("--multi-hot-fields", multi_hot) if multi_hot else ())
+    assert main(["train", "--recipe", "demo", f"data.path={data}", f"train.run_dir={root / 'run'}",
                  *SMALL, *extra]) == 0
-    return root / "run", root / "raw"
+    return root / "run", data.parent / "raw"
 
 
 @pytest.fixture(scope="module")
-def onehot(tmp_path_factory):
+def onehot(shared_dataset, tmp_path_factory):
     root = tmp_path_factory.mktemp("export")
-    run, raw = _criteo_run(root)
+    run, raw = _criteo_run(shared_dataset, root)
     art = root / "art"
     assert main(["export", str(run), "--out", str(art)]) == 0
     return run, raw, art
@@ -230,8 +227,8 @@ def test_quantize_rows_error_is_half_a_step():
     assert ((back - w).abs() <= step[:, None] / 2 + 1e-6).all()
 
 
-def test_multihot_deepfm(tmp_path):
-    run, raw = _criteo_run(tmp_path, multi_hot="C1,C5", extra=["model.arch=deepfm"])
+def test_multihot_deepfm(shared_dataset, tmp_path):
+    run, raw = _criteo_run(shared_dataset, tmp_path, multi_hot="C1,C5", extra=["model.arch=deepfm"])
     art = tmp_path / "art"
     assert main(["export", str(run), "--out", str(art)]) == 0
     _, meta, model, _, _ = load_run_model(run)

@@ -120,26 +120,24 @@ def _assert_as_preprocessed(part: Path, dense, onehot, mh) -> None:
 
 @pytest.mark.parametrize("options", [["--table-size", "97", "--multi-hot-fields", "C1,C2"],
                                      ["--min-count", "2"]], ids=["modulo-multihot", "vocabulary"])
-def test_criteo_ids_are_those_preprocessing_wrote(tmp_path, options):
-    multi = ["--multi-hot", "2", "--multi-hot-fields", "C1,C2"] if "--table-size" in options else []
-    assert main(["data", "synth", "--out", str(tmp_path / "raw"), "--days", "2",
-                 "--rows-per-day", "300", *multi]) == 0
-    days = sorted(str(p) for p in (tmp_path / "raw").glob("day_*"))
-    assert main(["data", "preprocess", *days, "--out", str(tmp_path / "ds"), *options]) == 0
-    meta = DatasetMeta.load(tmp_path / "ds")
+def test_criteo_ids_are_those_preprocessing_wrote(shared_dataset, options):
+    multi = ("--multi-hot", "2", "--multi-hot-fields", "C1,C2") if "--table-size" in options else ()
+    ds = shared_dataset(days=2, rows=300, synth=multi, preprocess=tuple(options))
+    days = sorted(str(p) for p in (ds.parent / "raw").glob("day_*"))
+    meta = DatasetMeta.load(ds)
     dense, onehot, mh, _ = _ids_of(Path(days[1]), meta)
     if "--min-count" in options:  # keys the training day saw fewer than twice -> 0
         assert 0 < (onehot == 0).mean() < 1
     else:
         assert set(mh) == {"C1", "C2"} and onehot.shape[1] == 24
-    _assert_as_preprocessed(tmp_path / "ds" / "part-00001", dense, onehot, mh)
+    _assert_as_preprocessed(ds / "part-00001", dense, onehot, mh)
     # The same rows in memory (the Python API's path): counts as ints, bags as lists of ids.
     rows = [line.split("\t") for line in Path(days[1]).read_text().splitlines()]
     cols = {name: [(r[j].split(",") if name in mh else r[j]) or None for r in rows]
             for j, name in enumerate(FIELDS) if j}
     cols.update({f"I{j}": [int(v) if v is not None else None for v in cols[f"I{j}"]] for j in range(1, 14)})
     dense, onehot, mh, _ = _ids(table_chunks(cols, meta, ParseReport()), meta)
-    _assert_as_preprocessed(tmp_path / "ds" / "part-00001", dense, onehot, mh)
+    _assert_as_preprocessed(ds / "part-00001", dense, onehot, mh)
 
 
 def _tabular_rows(rng, n: int) -> dict:
