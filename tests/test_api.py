@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import hybridrec
-from hybridrec.cli.main import DEBUG_ENV, main
+from hybridrec.cli.main import DEBUG_ENV
 from hybridrec.data.criteo import CATEGORICAL, DENSE
 from hybridrec.errors import ConfigError, DataError
 
