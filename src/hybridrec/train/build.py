@@ -9,6 +9,7 @@ import platform
 import sys
 import warnings
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -459,64 +460,148 @@ def build_ps_model(cfg: Config, meta: DatasetMeta, topo: Topology, ledger: CommL
 def build_trainer(cfg: Config, *, meta: DatasetMeta | None = None, topo: Topology | None = None,
                   started_at: str | None = None, snapshot_dir: str | None = None,
                   extra_parts: Sequence[Part] = ()) -> Trainer:
-    """The run's trainer; ``started_at``: when this invocation started (the run's start,
-    unless its checkpoint knows an earlier one); ``snapshot_dir``: the local launcher's
-    directory on local memory for partial recovery's snapshots (``hybridrec train
-    --snapshot-dir``; None: ``RUN/recovery/``); ``extra_parts``: more parts of the loop,
-    after the run's own (:func:`hybridrec.train.run.train`)."""
-    if cfg.train.threads:
-        torch.set_num_threads(cfg.train.threads)
-    allocator = configure_allocator(cfg.train.allocator)  # before the model and the loaders allocate
+    """The run's trainer, built in this order (each step a ``build_*`` of one job);
+    ``started_at``: when this invocation started (the run's start, unless its checkpoint
+    knows an earlier one); ``snapshot_dir``: the local launcher's directory on local memory
+    for partial recovery's snapshots (``hybridrec train --snapshot-dir``; None:
+    ``RUN/recovery/``); ``extra_parts``: more parts of the loop, after the run's own
+    (:func:`hybridrec.train.run.train`)."""
+    allocator = prepare_process(cfg)  # before the model and the loaders allocate
     meta = meta or load_dataset(cfg)
     check_run(cfg, run_facts(cfg, meta, topo, building=True))  # every option rule, before anything is built
     topo = topo or build_topology(cfg)
     if not cfg.dist.num_ps:  # (a parameter-server run's trainers hold no table)
         check_memory(cfg, meta, topo)  # before the model is allocated
-    ledger = CommLedger()
-    run_dir = Path(cfg.train.run_dir)
-    # Metrics of steps after the checkpoint it resumes from are trained (and logged) again.
-    latest = ckpt.list_checkpoints(run_dir) if cfg.train.resume else []
-    keep_until = latest[-1][0] if latest else 0
-    if cfg.train.resume and cfg.train.recovery == "partial":  # (kept up to the survivors' step)
-        keep_until = max(keep_until, survivors_step(run_dir) or 0)
+    ledger, run_dir, start = CommLedger(), Path(cfg.train.run_dir), run_start(cfg, topo, snapshot_dir)
     # (Hierarchical training: every rank of every group its own part of the data.)
     train_loader, eval_loader = build_loaders(cfg, meta, rank=topo.job_rank, world_size=topo.job_size,
                                               pin_memory=topo.device.type == "cuda")
     total_steps = planned_steps(cfg, len(train_loader))
     dense_sync = build_dense_sync(cfg, topo, ledger, total_steps=total_steps)
-    servers = None
-    # A checkpoint to resume from overwrites the tables: they start as zeros rather than
-    # drawn (0.3 s per 330 MB of a restart); the trainer draws them if none is restored.
-    # (Synchronizers take the tables' values when built, parameter servers hold their own: drawn.)
+    model, servers = build_run_model(cfg, meta, topo, ledger, dense_sync, run_dir, total_steps=total_steps,
+                                     init_tables=start.init_tables)
+    sync_runner = build_sync_runner(cfg, topo, model, ledger)
+    dense_opt, sparse_opt = build_optimizers(cfg, model, servers)
+    kernels = kernels_record(cfg, model, topo, sparse_opt, dense_sync, allocator)
+    pipeline = TrainPipeline(train_loader, model.sparse, enabled=cfg.dist.pipeline, device=topo.device)
+    scheduler = build_scheduler(cfg, dense_opt, sparse_opt, total_steps)
+    totals, early_stop = build_run_totals(started_at), build_early_stop(cfg)
+    components = checkpoint_components(topo, model, dense_opt, pipeline=pipeline, totals=totals,
+                                       dense_sync=dense_sync, sync_runner=sync_runner, early_stop=early_stop)
+    checkpointer = build_checkpointer(cfg, topo, run_dir, model, dense_opt, sparse_opt, components=components,
+                                      servers=servers, early_stop=early_stop)
+    recovery = (build_recovery(cfg, topo, checkpointer, model, sparse_opt, run_dir, snapshot_dir)
+                if start.recovering else None)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    # train.init_from: another run's weights, only when this run has no checkpoint to resume.
+    init_from.apply(cfg, meta, model=model, dense_opt=dense_opt, sparse_opt=sparse_opt, topo=topo,
+                    run_dir=run_dir, resuming=start.resuming)
+    logger = MetricLogger(run_dir, tensorboard=cfg.train.tensorboard, keep_until=start.keep_until) if topo.lead else None
+    optim = Optimizers(dense_opt, sparse_opt, dense_sync, scheduler,
+                       recovery.updating if recovery is not None else nothing_updating)
+    checkpoints = Checkpoints(checkpointer, cfg.train, total_steps=total_steps, run_dir=run_dir, topo=topo,
+                              logger=logger, recovery=recovery, tables_drawn=start.init_tables)
+    parts = loop_parts(cfg, topo, total_steps=total_steps, run_dir=run_dir, logger=logger, totals=totals,
+                       schedule=scheduler.schedule, eval_loader=eval_loader, early_stop=early_stop,
+                       sync_runner=sync_runner, remote=bool(servers), checkpoints=checkpoints, recovery=recovery)
+    return Trainer(model=model, optim=optim, source=build_step_source(cfg, pipeline, model, servers),
+                   checkpoints=checkpoints, parts=[*parts, *extra_parts], logger=logger, ledger=ledger,
+                   total_steps=total_steps, topo=topo, kernels=kernels)
+
+
+def prepare_process(cfg: Config) -> dict:
+    """This process before anything allocates: ``train.threads``'s thread count and
+    ``train.allocator`` (its record, summary.json's ``kernels.allocator``)."""
+    if cfg.train.threads:
+        torch.set_num_threads(cfg.train.threads)
+    return configure_allocator(cfg.train.allocator)
+
+
+@dataclass(frozen=True)
+class RunStart:
+    """What this invocation starts from, decided from the run directory before anything
+    is built."""
+    resuming: bool  # a checkpoint to resume from
+    keep_until: int  # metrics of later steps are trained (and logged) again
+    recovering: bool  # a failure of a rank (or a server) is recovered: train.recovery
+    init_tables: bool | None  # True drawn, False zeros (a checkpoint overwrites them), None not even zeroed
+
+
+def run_start(cfg: Config, topo: Topology, snapshot_dir: str | None) -> RunStart:
+    """:class:`RunStart`. Metrics of steps after the checkpoint it resumes from are trained
+    (and logged) again; with ``train.recovery=partial`` kept up to the survivors' step. A
+    checkpoint to resume from overwrites the tables: they start as zeros rather than drawn
+    (0.3 s per 330 MB of a restart); the trainer draws them if none is restored
+    (synchronizers take the tables' values when built, parameter servers hold their own:
+    drawn). Recovery: several ranks, or a parameter-server run (its servers can fail under
+    a single trainer too), not groups or Hogwild threads."""
+    run_dir = Path(cfg.train.run_dir)
+    latest = ckpt.list_checkpoints(run_dir) if cfg.train.resume else []
+    keep_until = latest[-1][0] if latest else 0
+    if cfg.train.resume and cfg.train.recovery == "partial":
+        keep_until = max(keep_until, survivors_step(run_dir) or 0)
     init_tables = not latest or cfg.sync.algorithm != "none" or bool(cfg.dist.num_ps)
-    # (a parameter-server run: its servers can fail under a single trainer too)
     recovering = (cfg.train.save_checkpoints and (topo.group_size > 1 or bool(cfg.dist.num_ps))
                   and not (topo.hierarchical or cfg.train.workers > 1))
     if not init_tables and recovering and shards_go_resident(cfg, snapshot_dir) and topo.device.type == "cpu":
         init_tables = None  # (not even zeroed: the trainer moves them into files of local memory first)
+    return RunStart(bool(latest), keep_until, recovering, init_tables)
+
+
+def build_run_model(cfg: Config, meta: DatasetMeta, topo: Topology, ledger: CommLedger, dense_sync: DenseSync,
+                    run_dir: Path, *, total_steps: int, init_tables: bool | None):
+    """The run's model and, for a parameter-server run, its servers' checkpoints (else None):
+    one process's, several ranks' (:func:`build_parallel_model`) or a parameter-server
+    trainer's (:func:`build_ps_model`)."""
     if cfg.dist.num_ps:
-        model, servers = build_ps_model(cfg, meta, topo, ledger, dense_sync, run_dir)
-    elif topo.group_size == 1:
-        model = build_model(cfg, meta, init_tables=init_tables).to(topo.device)
-    else:
-        model = build_parallel_model(cfg, meta, topo, ledger, dense_sync, run_dir, total_steps=total_steps,
-                                     init_tables=init_tables)
-    sync_runner = build_sync_runner(cfg, topo, model, ledger)
+        return build_ps_model(cfg, meta, topo, ledger, dense_sync, run_dir)
+    if topo.group_size == 1:
+        return build_model(cfg, meta, init_tables=init_tables).to(topo.device), None
+    return build_parallel_model(cfg, meta, topo, ledger, dense_sync, run_dir, total_steps=total_steps,
+                                init_tables=init_tables), None
+
+
+def build_optimizers(cfg: Config, model: torch.nn.Module, servers) -> tuple[torch.optim.Optimizer,
+                                                                              CombinedSparseOptimizer]:
+    """The dense optimizer and the sparse one (a parameter-server run: pushes to the servers)."""
     dense_opt = build_dense_optimizer(dense_parameters(model), cfg.optim)
-    sparse_opt = (CombinedSparseOptimizer({"ps": PushOptimizer(model.sparse, name=cfg.optim.sparse,
-                                                                lr=cfg.optim.sparse_lr)})
-                  if servers else build_sparse_optimizers(cfg, model.sparse))
+    if servers:
+        return dense_opt, CombinedSparseOptimizer({"ps": PushOptimizer(model.sparse, name=cfg.optim.sparse,
+                                                                       lr=cfg.optim.sparse_lr)})
+    return dense_opt, build_sparse_optimizers(cfg, model.sparse)
+
+
+def kernels_record(cfg: Config, model: torch.nn.Module, topo: Topology, sparse_opt, dense_sync: DenseSync,
+                   allocator: dict) -> dict:
+    """summary.json's ``kernels``: :func:`tune_kernels` (timed here, before training), the
+    allocator, the helper threads and ``compress.dense_when=pays``'s record."""
     kernels = {**tune_kernels(cfg, model, topo, sparse_opt), "allocator": allocator,
                "helper_threads": threads.status()}
-    if (dense_record := getattr(dense_sync, "compression", None)) is not None:  # (compress.dense_when=pays)
+    if (dense_record := getattr(dense_sync, "compression", None)) is not None:
         kernels["dense_compression"] = dense_record
-    pipeline = TrainPipeline(train_loader, model.sparse, enabled=cfg.dist.pipeline, device=topo.device)
-    schedule = LRSchedule(cfg.optim.warmup_steps, cfg.optim.decay, cfg.optim.decay_start, total_steps)
-    scheduler = LRScheduler(schedule, dense_opt, sparse_opt,
-                            dense_lr=cfg.optim.dense_lr, sparse_lr=cfg.optim.sparse_lr)
+    return kernels
+
+
+def build_scheduler(cfg: Config, dense_opt, sparse_opt, total_steps: int) -> LRScheduler:
+    o = cfg.optim
+    schedule = LRSchedule(o.warmup_steps, o.decay, o.decay_start, total_steps)
+    return LRScheduler(schedule, dense_opt, sparse_opt, dense_lr=o.dense_lr, sparse_lr=o.sparse_lr)
+
+
+def build_run_totals(started_at: str | None) -> RunTotals:
     totals = RunTotals()
     if started_at is not None:
         totals.begin(started_at)
+    return totals
+
+
+def build_early_stop(cfg: Config) -> EarlyStopping | None:
+    return EarlyStopping(cfg.train.early_stop, cfg.train.early_stop_min_delta) if cfg.train.early_stop else None
+
+
+def checkpoint_components(topo: Topology, model: torch.nn.Module, dense_opt, *, pipeline, totals: RunTotals,
+                          dense_sync: DenseSync, sync_runner, early_stop: EarlyStopping | None) -> list[Component]:
+    """Everything a checkpoint holds besides the model and the optimizers."""
     components = [Component("loader", pipeline), Component("run_totals", totals),
                   Component("dense_sync", dense_sync, per_rank=True), Component("rng", TorchRNG(), per_rank=True)]
     if (reducer := getattr(model.sparse, "dp_reducer", None)) is not None:
@@ -526,38 +611,35 @@ def build_trainer(cfg: Config, *, meta: DatasetMeta | None = None, topo: Topolog
         components.append(Component("sync", sync_runner, per_rank=topo.hierarchical))
         if not topo.hierarchical:  # each rank's replica and dense optimizer (group 0 saves alone)
             components.append(Component("sync_replica", RankReplica(sync_runner, dense_opt), per_rank=True))
-    early_stop = (EarlyStopping(cfg.train.early_stop, cfg.train.early_stop_min_delta)
-                  if cfg.train.early_stop else None)
     if early_stop is not None:  # its state (the best step) in every checkpoint
         components.append(Component(EARLY_STOP, early_stop))
-    checkpointer = Checkpointer(run_dir, topo, model=model, dense_opt=dense_opt, sparse_opt=sparse_opt,
-                                components=components, keep=cfg.train.keep_checkpoints, servers=servers,
-                                keep_also=early_stop.kept_steps if early_stop is not None else None,
-                                background=cfg.train.async_checkpoint)
-    # What a failure lost, and with train.recovery=partial the survivors' snapshots (not for
-    # one process, which nobody survives, nor groups or Hogwild threads: rules.recovery_problem;
-    # parameter servers: their side is hybridrec.train.checkpointing.server_recovery).
-    recovery = (Recovery(checkpointer, mode=cfg.train.recovery, global_batch=cfg.data.batch_size * topo.group_size,
-                         deltas=build_shard_deltas(cfg, topo, model, sparse_opt, run_dir), fast_dir=snapshot_dir)
-                if recovering else None)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    # train.init_from: another run's weights, only when this run has no checkpoint to resume.
-    init_from.apply(cfg, meta, model=model, dense_opt=dense_opt, sparse_opt=sparse_opt, topo=topo,
-                    run_dir=run_dir, resuming=bool(latest))
-    logger = (MetricLogger(run_dir, tensorboard=cfg.train.tensorboard, keep_until=keep_until)
-              if topo.lead else None)
-    optim = Optimizers(dense_opt, sparse_opt, dense_sync, scheduler,
-                       recovery.updating if recovery is not None else nothing_updating)
-    source = (ServerSteps(pipeline, model.sparse) if servers else
-              HogwildSteps(pipeline, cfg.train.workers) if cfg.train.workers > 1 else StepSource(pipeline))
-    checkpoints = Checkpoints(checkpointer, cfg.train, total_steps=total_steps, run_dir=run_dir, topo=topo,
-                              logger=logger, recovery=recovery, tables_drawn=init_tables)
-    parts = loop_parts(cfg, topo, total_steps=total_steps, run_dir=run_dir, logger=logger, totals=totals,
-                       schedule=schedule, eval_loader=eval_loader, early_stop=early_stop, sync_runner=sync_runner,
-                       remote=bool(servers), checkpoints=checkpoints, recovery=recovery)
-    parts += extra_parts
-    return Trainer(model=model, optim=optim, source=source, checkpoints=checkpoints, parts=parts, logger=logger,
-                   ledger=ledger, total_steps=total_steps, topo=topo, kernels=kernels)
+    return components
+
+
+def build_checkpointer(cfg: Config, topo: Topology, run_dir: Path, model, dense_opt, sparse_opt, *,
+                       components: list[Component], servers, early_stop: EarlyStopping | None) -> Checkpointer:
+    """The run's checkpointer; with ``train.early_stop``, the best step's checkpoint kept too."""
+    return Checkpointer(run_dir, topo, model=model, dense_opt=dense_opt, sparse_opt=sparse_opt,
+                        components=components, keep=cfg.train.keep_checkpoints, servers=servers,
+                        keep_also=early_stop.kept_steps if early_stop is not None else None,
+                        background=cfg.train.async_checkpoint)
+
+
+def build_recovery(cfg: Config, topo: Topology, checkpointer: Checkpointer, model, sparse_opt, run_dir: Path,
+                   snapshot_dir: str | None) -> Recovery:
+    """What a failure lost, and with ``train.recovery=partial`` the survivors' snapshots (not
+    for one process, which nobody survives, nor groups or Hogwild threads:
+    rules.recovery_problem; parameter servers: their side is
+    :mod:`hybridrec.train.checkpointing.server_recovery`)."""
+    return Recovery(checkpointer, mode=cfg.train.recovery, global_batch=cfg.data.batch_size * topo.group_size,
+                    deltas=build_shard_deltas(cfg, topo, model, sparse_opt, run_dir), fast_dir=snapshot_dir)
+
+
+def build_step_source(cfg: Config, pipeline, model, servers) -> StepSource:
+    """The loop's steps: a parameter-server trainer's, Hogwild's threads', or one thread's."""
+    if servers:
+        return ServerSteps(pipeline, model.sparse)
+    return HogwildSteps(pipeline, cfg.train.workers) if cfg.train.workers > 1 else StepSource(pipeline)
 
 
 def loop_parts(cfg: Config, topo: Topology, *, total_steps: int, run_dir: Path, logger, totals, schedule,
