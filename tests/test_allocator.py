@@ -32,6 +32,7 @@ def probe(mode):
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="the thresholds are glibc's")
 def test_retain_reuses_freed_blocks_instead_of_faulting_new_pages():
     system, retain = probe("system"), probe("retain")

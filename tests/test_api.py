@@ -68,6 +68,7 @@ def raw_columns(path: Path) -> dict:
     return cols
 
 
+@pytest.mark.slow
 def test_the_readme_example_trains_loads_and_predicts(readme_run, capsys):
     root, ns = readme_run
     run, model = ns["run"], ns["model"]

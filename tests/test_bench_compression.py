@@ -222,6 +222,7 @@ def dataset(shared_dataset):
     return shared_dataset(days=2, rows=2000)
 
 
+@pytest.mark.slow
 def test_one_process_sweep_reports_a_failure_continues_and_reuses_finished_runs(
         dataset, tmp_path, capsys):
     out = tmp_path / "sweep"

@@ -23,6 +23,7 @@ def neighbours(x):
     return down, torch.where(down == x, down, up)
 
 
+@pytest.mark.slow
 def test_stochastic_round_picks_a_neighbour_and_is_unbiased():
     g = torch.Generator().manual_seed(0)
     x = torch.randn(1000, generator=g) * torch.logspace(-20, 20, 1000)

@@ -73,6 +73,7 @@ def _same_model(run: Path, straight: dict) -> None:
     assert all(torch.equal(got[k], straight[k]) for k in got), [k for k in got if not torch.equal(got[k], straight[k])]
 
 
+@pytest.mark.slow
 def test_64_flipped_bytes_skip_the_checkpoint_and_the_run_resumes_from_the_previous_one(
         data, two_checkpoints, straight, tmp_path, capsys):
     (tensors,) = ckpt.step_dir(two_checkpoints, 4).glob("*.distcp")

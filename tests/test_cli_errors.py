@@ -223,6 +223,7 @@ def test_metrics_on_a_full_device(tmp_path):
     log.close()
 
 
+@pytest.mark.slow
 def test_training_on_a_disk_that_fills_up(data, tmp_path, capsys):
     # Room for the run's lock, config.json and one page of metrics.jsonl (about 25 records).
     with _Tmpfs(tmp_path / "small", "size=12k") as small:
@@ -408,6 +409,7 @@ def test_debug_flag_and_variable_show_the_traceback(tmp_path, capsys, monkeypatc
     assert main(argv) == 2
 
 
+@pytest.mark.slow
 def test_debug_reaches_a_subprocess(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "hybridrec", "--debug", "data", "inspect",
                            str(tmp_path / "none")], capture_output=True, text=True, check=False)
@@ -672,6 +674,7 @@ def test_a_closed_pipe_ends_quietly(argv):
     assert proc.returncode == BROKEN_PIPE == 141 and proc.stderr == ""
 
 
+@pytest.mark.slow
 def test_a_pipeline_into_head_ends_quietly():
     cmd = (f"{sys.executable} -m hybridrec train --list-keys | head -n 1; "
            f"{sys.executable} -m hybridrec plan --nproc 2 --tables 26x1000x16 | head -c 10")

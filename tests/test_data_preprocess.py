@@ -246,6 +246,7 @@ class _DenseFeatureStats:
         return out
 
 
+@pytest.mark.slow
 def test_sparse_counts_give_the_dense_counts_shards_and_meta(tmp_path, monkeypatch):
     """Tables far larger than the ids seen: the same shards and meta.json as the dense
     counts gave, and counts files that hold only the ids seen."""

@@ -28,6 +28,7 @@ def _train(dataset, run_dir, *extra):
                  *SMALL, *extra])
 
 
+@pytest.mark.slow
 def test_train_writes_run_directory_and_eval_reads_it(dataset, tmp_path, capsys):
     run = tmp_path / "run"
     assert _train(dataset, run, "train.max_steps=30", "train.log_every=10", "train.eval_every=15") == 0
@@ -67,6 +68,7 @@ def _assert_same_run(full, cut):
         assert ea[k] == eb[k], k
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("optim", [["optim.sparse=sgd", "optim.dense=sgd"],
                                    ["optim.sparse=lazy_adam", "optim.dense=adam"], [],
                                    ["model.embedding_dtype=bf16"],  # stochastic rounding, on every CPU
@@ -83,6 +85,7 @@ def test_resume_equals_uninterrupted(dataset, tmp_path, optim):
     _assert_same_run(full, cut)
 
 
+@pytest.mark.slow
 def test_resume_after_a_killed_process(dataset, tmp_path):
     """A process killed (SIGKILL) mid-run resumes from its last checkpoint and ends
     exactly where an uninterrupted run ends, learning-rate decay included. The kill comes
@@ -109,6 +112,7 @@ def test_resume_after_a_killed_process(dataset, tmp_path):
     _assert_same_run(full, cut)
 
 
+@pytest.mark.slow
 def test_demo_command(tmp_path, capsys):
     assert main(["demo", "--out", str(tmp_path / "demo"), "--days", "3", "--rows-per-day", "4000",
                  "train.progress=false"]) == 0
@@ -138,6 +142,7 @@ def test_nccl_without_cuda_is_one_clear_line(dataset, tmp_path, capsys):
     assert not (tmp_path / "run" / "summary.json").exists()
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.device_count() >= 2, reason="with a GPU per rank, dist.backend=nccl trains")
 def test_nccl_with_several_ranks_is_refused_before_any_group(dataset, tmp_path):
     """Several ranks with dist.backend=nccl and no GPU per rank (here: none, or fewer GPUs than

@@ -63,6 +63,7 @@ def test_patience_counts_evaluations_without_an_improvement():
 
 
 # -- a real run -----------------------------------------------------------------------
+@pytest.mark.slow
 def test_a_run_stops_at_the_patience_keeps_the_best_checkpoint_and_eval_loads_it(dataset, tmp_path, capsys):
     run = tmp_path / "run"
     assert _train(dataset, run, "train.eval_every=2", "train.early_stop=2", *NEVER_BETTER,

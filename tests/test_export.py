@@ -152,6 +152,7 @@ def test_exported_program_equals_eager_model(onehot):
     assert all((art / "preprocess" / f["vocab"]).is_file() for f in spec["onehot"])
 
 
+@pytest.mark.slow
 def test_score_py_with_torch_and_numpy_only_matches_library_and_predict(onehot, torch_numpy_only, tmp_path):
     run, raw, art = onehot
     _, meta, model, _, _ = load_run_model(run)
@@ -227,6 +228,7 @@ def test_quantize_rows_error_is_half_a_step():
     assert ((back - w).abs() <= step[:, None] / 2 + 1e-6).all()
 
 
+@pytest.mark.slow
 def test_multihot_deepfm(shared_dataset, tmp_path):
     run, raw = _criteo_run(shared_dataset, tmp_path, multi_hot="C1,C5", extra=["model.arch=deepfm"])
     art = tmp_path / "art"

@@ -170,6 +170,7 @@ def test_launcher_names_an_injected_kill():
 
 
 # -- one process ----------------------------------------------------------------------
+@pytest.mark.slow
 def test_one_process_dies_at_the_step_and_the_same_command_completes(dataset, tmp_path, capsys):
     run = tmp_path / "run"
     argv = _args(dataset, run, "train.max_steps=12", "train.checkpoint_every=4", "train.inject_failure=0:6")

@@ -264,6 +264,7 @@ def _argv(command: str, cwd) -> list[str]:
     return proc.stdout.split("\0")[:-1]
 
 
+@pytest.mark.slow
 def test_readme_new_days_commands_run_in_order(tmp_path, monkeypatch):
     """Each command as the shell expands it, run by the `hybridrec` entry point's main() in
     this process (torch imported once, not six times)."""

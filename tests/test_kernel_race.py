@@ -162,6 +162,7 @@ def test_bf16_precision_without_bf16_kernels_is_one_line_and_nothing_starts(data
 ISA_LIMITS = {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}
 
 
+@pytest.mark.slow
 def test_under_avx2_limits_bf16_trains_or_is_refused_in_one_line_and_the_kernel_tests_pass(dataset, tmp_path):
     """On a processor with AVX-512 these limits make torch behave as on one without (where the
     suite once failed in oneDNN's bf16 linear); on one without, they change nothing. Either way

@@ -279,6 +279,7 @@ def test_train_checker_passes_imports_that_go_down():
     assert train_violations("from hybridrec.train.loop.trainer import Trainer", "hybridrec.train.build") == []
 
 
+@pytest.mark.slow
 def test_train_subpackages_import_only_downward():
     subpackages = {p.parent.name for p in (PACKAGE / "train").glob("*/__init__.py")}
     assert subpackages == set(TRAIN_ORDER) - {""}, ("add new train/ subpackages to TRAIN_ORDER", subpackages)

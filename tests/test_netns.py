@@ -259,6 +259,7 @@ def test_grouped_cluster_is_torn_down_after_an_exception():
     assert ours() == []
 
 
+@pytest.mark.slow
 @needs_netns
 @pytest.mark.timeout(60)
 def test_grouped_cluster_after_ctrl_c_and_sigkill():

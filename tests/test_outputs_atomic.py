@@ -93,6 +93,7 @@ def _one_line(text: str) -> str:
 # ---------------------------------------------------------------- score.py
 
 
+@pytest.mark.slow
 def test_score_py_refuses_its_input_as_its_output(made, tmp_path):
     raw = tmp_path / "in.tsv"
     shutil.copyfile(made["raw"] / "day_2.tsv", raw)
@@ -108,6 +109,7 @@ def test_score_py_refuses_its_input_as_its_output(made, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hard.csv", "in.tsv", "sym.csv"]
 
 
+@pytest.mark.slow
 def test_score_py_a_bad_line_keeps_the_earlier_output(made, tmp_path):
     good, bad, out = tmp_path / "good.tsv", tmp_path / "bad.tsv", tmp_path / "p.csv"
     shutil.copyfile(made["raw"] / "day_2.tsv", good)
@@ -126,6 +128,7 @@ def test_score_py_a_bad_line_keeps_the_earlier_output(made, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.tsv", "good.tsv", "p.csv"]
 
 
+@pytest.mark.slow
 def test_score_py_a_full_disk_keeps_the_earlier_output(made, tmp_path):
     good, out = tmp_path / "good.tsv", tmp_path / "p.csv"
     shutil.copyfile(made["raw"] / "day_2.tsv", good)
@@ -177,6 +180,7 @@ def test_predict_a_bad_line_keeps_the_earlier_output(made, tmp_path, capsys, mon
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.tsv", "good.tsv", "p.parquet"]
 
 
+@pytest.mark.slow
 def test_predict_a_full_disk_keeps_the_earlier_output(made, tmp_path):
     good, out = tmp_path / "good.tsv", tmp_path / "p.csv"
     shutil.copyfile(made["raw"] / "day_2.tsv", good)
@@ -298,6 +302,7 @@ def test_preprocess_overwrite_replaces_only_a_dataset(made, tmp_path, capsys):
 # ---------------------------------------------------------------- synth
 
 
+@pytest.mark.slow
 def test_a_failed_synth_keeps_the_earlier_days(tmp_path):
     out = tmp_path / "raw"
     args = ["data", "synth", "--out", str(out), "--days", "2", "--rows-per-day", "300"]

@@ -90,6 +90,7 @@ def switches(mode):
     return json.loads(out.stdout.strip().splitlines()[-1])["switches"]
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not OPENMP or (os.cpu_count() or 1) < 2, reason="needs GNU OpenMP and 2 CPUs")
 def test_a_helper_threads_team_makes_every_parallel_operator_sleep_and_wake():
     """The mechanism of the module docstring, counted: with a second team alive, the main

@@ -374,6 +374,7 @@ def _score(art: Path, world, out: Path) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=300, check=False)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("what", ["use_pickle", "guard", "expression"])
 def test_the_planted_archive_runs_under_torch_export_load(world, tmp_path, what):
     """What score.py's check stops: torch.export.load (and, for a guard, the first call)
@@ -391,6 +392,7 @@ def test_the_planted_archive_runs_under_torch_export_load(world, tmp_path, what)
     assert marker.exists()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("what, why", [
     ("use_pickle", ("'{fqn}' is pickled (use_pickle), which torch.export.load would unpickle",)),
     ("guard", ("guard \"open(", "is not a comparison of input sizes (it would run as Python)")),
@@ -429,6 +431,7 @@ def test_hybridrec_serve_refuses_the_archive(world, tmp_path, what):
     assert not marker.exists()
 
 
+@pytest.mark.slow
 def test_an_export_as_written_passes_the_check_and_scores(world, tmp_path):
     """The check accepts what ``hybridrec export`` writes (the export itself runs it before
     publishing), and score.py scores with it."""
