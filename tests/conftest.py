@@ -28,10 +28,12 @@ from hybridrec.cli.main import DEBUG_ENV, main
 
 @pytest.fixture(autouse=True)
 def _no_debug_no_ranks(monkeypatch):
-    """No test sees a --debug or a rank environment left by another (``main(["--debug", ...])``
-    sets HYBRIDREC_DEBUG) or by the shell CI runs in: restored after the test."""
+    """No test sees a --debug or a rank environment left by another or by the shell CI runs in.
+    ``setenv`` first so monkeypatch remembers the value before (absent, most often) and
+    restores it after the test: HYBRIDREC_DEBUG that ``main(["--debug", ...])`` sets goes too."""
     for name in (DEBUG_ENV, "RANK", "WORLD_SIZE", "TORCHELASTIC_ERROR_FILE"):
-        monkeypatch.delenv(name, raising=False)
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
 
 
 def _digest(root: Path) -> dict[str, str]:

@@ -14,19 +14,11 @@ import pytest
 import torch
 
 import hybridrec
-from hybridrec.cli.main import DEBUG_ENV
 from hybridrec.data.criteo import CATEGORICAL, DENSE
 from hybridrec.errors import ConfigError, DataError
 
 pa = pytest.importorskip("pyarrow")
 import pyarrow.parquet as pq
-
-
-@pytest.fixture(autouse=True)
-def _no_debug_no_ranks(monkeypatch):
-    for name in (DEBUG_ENV, "RANK", "WORLD_SIZE", "TORCHELASTIC_ERROR_FILE"):
-        monkeypatch.setenv(name, "")
-        monkeypatch.delenv(name)
 
 
 def readme_example() -> str:

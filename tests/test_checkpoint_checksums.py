@@ -27,7 +27,6 @@ from hybridrec.train.run import load_run_model
 # The integrity tests' one-process runs (their fixtures, used here as they are there): two
 # checkpoints (steps 2 and 4) of an unfinished run.
 _args = integrity._args
-_no_debug_no_ranks = integrity._no_debug_no_ranks
 data = integrity.data
 two_checkpoints = integrity.two_checkpoints
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hybridrec.cli.main import DEBUG_ENV, main
+from hybridrec.cli.main import main
 from hybridrec.parallel import checkpoint_io
 from hybridrec.parallel.checkpoint import read_manifest
 from hybridrec.parallel.checkpoint_io import CHECKSUMS, MANIFEST, CheckpointError
@@ -22,13 +22,6 @@ from hybridrec.parallel.topology import Topology
 from hybridrec.train.checkpointing import checkpoint as ckpt
 from hybridrec.train.checkpointing.checkpointer import Checkpointer
 from hybridrec.train.run import load_run_model
-
-
-@pytest.fixture(autouse=True)
-def _no_debug_no_ranks(monkeypatch):
-    for name in (DEBUG_ENV, "RANK", "WORLD_SIZE", "TORCHELASTIC_ERROR_FILE"):
-        monkeypatch.setenv(name, "")
-        monkeypatch.delenv(name)
 
 
 @pytest.fixture(scope="module")

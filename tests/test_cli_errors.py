@@ -23,13 +23,6 @@ from hybridrec.errors import ConfigError, DataError
 ROOT = os.geteuid() == 0
 
 
-@pytest.fixture(autouse=True)
-def _no_debug_no_ranks(monkeypatch):
-    for name in (DEBUG_ENV, "RANK", "WORLD_SIZE", "TORCHELASTIC_ERROR_FILE"):
-        monkeypatch.setenv(name, "")  # remembers the value before, restored after the test,
-        monkeypatch.delenv(name)  # so HYBRIDREC_DEBUG set by `main(["--debug", ...])` goes
-
-
 @pytest.fixture(scope="module")
 def data(shared_dataset):
     return shared_dataset(days=2, rows=400)

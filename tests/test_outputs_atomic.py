@@ -30,13 +30,6 @@ pq = pytest.importorskip("pyarrow.parquet")
 ROWS = 600
 
 
-@pytest.fixture(autouse=True)
-def _no_debug_no_ranks(monkeypatch):
-    for name in (DEBUG_ENV, "RANK", "WORLD_SIZE", "TORCHELASTIC_ERROR_FILE"):
-        monkeypatch.setenv(name, "")
-        monkeypatch.delenv(name)
-
-
 @pytest.fixture(scope="module")
 def made(shared_dataset, trained_run):
     """Three synthetic days (the last held out), a run trained on them and its export

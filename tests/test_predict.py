@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from hybridrec.cli.main import DEBUG_ENV, main
+from hybridrec.cli.main import main
 from hybridrec.data.chunk import ParseReport
 from hybridrec.data.criteo import FIELDS
 from hybridrec.data.loader import ShardedLoader
@@ -25,13 +25,6 @@ from hybridrec.train.run import load_run_model
 
 pa = pytest.importorskip("pyarrow")
 import pyarrow.parquet as pq
-
-
-@pytest.fixture(autouse=True)
-def _no_debug_no_ranks(monkeypatch):
-    for name in (DEBUG_ENV, "RANK", "WORLD_SIZE", "TORCHELASTIC_ERROR_FILE"):
-        monkeypatch.setenv(name, "")
-        monkeypatch.delenv(name)
 
 
 @pytest.fixture(scope="module")

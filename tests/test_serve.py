@@ -112,12 +112,6 @@ def test_loopback_hosts():
 # ---------------------------------------------------------------- a trained run and its rows
 
 
-@pytest.fixture(autouse=True)
-def _no_debug_no_ranks(monkeypatch):
-    for name in (DEBUG_ENV, "RANK", "WORLD_SIZE", "TORCHELASTIC_ERROR_FILE"):
-        monkeypatch.delenv(name, raising=False)
-
-
 @pytest.fixture(scope="module")
 def trained(shared_dataset, trained_run, tmp_path_factory):
     """A tiny Criteo-format run with checkpoints at steps 6 and 12, ``ROWS`` raw rows of its

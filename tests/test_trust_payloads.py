@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
 
 import hybridrec
-from hybridrec.cli.main import DEBUG_ENV, main
+from hybridrec.cli.main import main
 from hybridrec.parallel.checkpoint_io import (
     CHECKSUMS,
     MANIFEST,
@@ -95,13 +95,6 @@ def _error_line(err: str) -> str:
 def _refused(text: str, where: str = ".metadata") -> None:
     assert f"{where}: refused: {KEY!r} is a pickled object (bytes in __0_0.distcp), which is never unpickled" \
         in text, text
-
-
-@pytest.fixture(autouse=True)
-def _no_debug_no_ranks(monkeypatch):
-    for name in (DEBUG_ENV, "RANK", "WORLD_SIZE", "TORCHELASTIC_ERROR_FILE"):
-        monkeypatch.setenv(name, "")
-        monkeypatch.delenv(name)
 
 
 @pytest.fixture(scope="module")
