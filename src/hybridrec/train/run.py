@@ -1,4 +1,7 @@
-"""Run-level entry points used by the CLI: train a config, evaluate a run directory.
+"""Training's entry point (:func:`train`, ``hybridrec train``) and the run-directory checks
+before it. summary.json's entries: :mod:`hybridrec.train.summary`; a trained run loaded
+and evaluated (``hybridrec eval``): :mod:`hybridrec.train.evaluate` (its functions are
+still importable from here).
 
 A run directory belongs to one run. Before anything is written, :func:`inspect_run_dir`
 compares what the directory holds (config.json, the newest checkpoint) with the new
@@ -16,50 +19,42 @@ import contextlib
 import datetime
 import json
 import os
-import subprocess
 import sys
 import time
-import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-import hybridrec
 from hybridrec.data.loader import steps_per_epoch
 from hybridrec.data.schema import DatasetMeta
 from hybridrec.errors import ConfigError, HybridrecError, records_errors
 from hybridrec.files import write_json_atomic
-from hybridrec.metrics.logger import cuda_peak_memory_bytes, peak_memory_bytes
-from hybridrec.parallel.checkpoint import load_sharded, load_state, read_manifest
+from hybridrec.parallel.checkpoint import read_manifest
 from hybridrec.parallel.checkpoint_io import SafeFileSystemReader
 from hybridrec.parallel.checkpoint_layout import table_key
-from hybridrec.parallel.topology import Topology
 from hybridrec.ps import world as ps_world
-from hybridrec.sync.algorithms import CATEGORY as SYNC_CATEGORY
-from hybridrec.train import run_files, terminate
+from hybridrec.train import run_files, run_lock, terminate
 from hybridrec.train.build import (
-    build_loaders,
-    build_model,
     build_topology,
     build_trainer,
     ranks_backend,
     run_facts,
     start_over,
-    versions,
 )
 from hybridrec.train.checkpointing import checkpoint as ckpt
-from hybridrec.train.checkpointing import run_lock
 from hybridrec.train.checkpointing.recovery import elastic_restarts
-from hybridrec.train.loop.early_stop import resolve_checkpoint
-from hybridrec.train.loop.parts import Part, merge_entries
-from hybridrec.train.loop.step import evaluate_model
+
+# (a run's load and evaluation have their own module; still importable from here)
+from hybridrec.train.evaluate import evaluate_run, load_run_config, load_run_model  # noqa: F401
+from hybridrec.train.loop.parts import Part
 from hybridrec.train.ps_run import PS_DIR, run_server
-from hybridrec.train.setup.config import PATH_KEYS, Config, apply_dict, validate
+from hybridrec.train.setup.config import PATH_KEYS, Config
 from hybridrec.train.setup.memory import memory_problem
 from hybridrec.train.setup.rules import RunFacts, check_run, group_size, planned_steps
 from hybridrec.train.setup.tables import load_dataset
+from hybridrec.train.summary import now_iso, run_summary
 
 RUNS_ROOT = "runs"
 """Where the run directories that are not named (``train.run_dir`` empty) go."""
@@ -75,7 +70,7 @@ def train(cfg: Config, *, extra_summary: dict | None = None, hold_run_dir: bool 
     trained again: the returned dict is its summary with ``already_finished``, the line
     that says so (``train.reevaluate=true``: evaluate it again instead).
     ``hold_run_dir``: this process (global rank 0) locks the run directory while it trains
-    (:mod:`~hybridrec.train.checkpointing.run_lock`); false where a launcher holds it for its ranks.
+    (:mod:`~hybridrec.train.run_lock`); false where a launcher holds it for its ranks.
     ``snapshot_dir``: the local launcher's directory on local memory for partial recovery
     (``hybridrec train --snapshot-dir``, :func:`~hybridrec.train.checkpointing.recovery.fast_snapshots`).
     ``extra_parts``: more parts of the training loop (:class:`~hybridrec.train.loop.parts.Part`),
@@ -177,52 +172,6 @@ def _fit(cfg: Config, meta, trainer, shown: str, started_at: str, clock: float, 
             e.summary = summary  # the run's numbers, for the caller to show before the error
             raise
     return summary
-
-
-def run_summary(trainer, result, meta, cfg: Config, *, shown: str, started_at: str, clock: float) -> dict:
-    """What summary.json holds after :meth:`Trainer.fit` (collective: memory per rank): the
-    run's own entries, then every loop part's (``result.parts``, :func:`summary_entries`:
-    evaluation, train loss and throughput, the run's totals, the synchronizer, the
-    parameter servers, early stopping, the checkpoint interval, recovery, ...), a part's
-    dict under a key the run has (``kernels``) merged into it."""
-    topo = trainer.topo
-    run = {
-        "run_dir": shown,
-        "step": result.step,
-        "resumed_from": result.resumed_from,
-        "peak_memory_bytes": peak_memory_bytes(),
-        "peak_memory_bytes_per_rank": _gather_ints(peak_memory_bytes(), topo),
-        "world_size": topo.job_size,
-        # Where the model trained ("cpu", or "cuda:0 NVIDIA H100 80GB HBM3"), and its peak there.
-        "device": device_name(topo.device),
-        "cuda_peak_memory_bytes": cuda_peak_memory_bytes(topo.device),
-        "comm": (comm := trainer.ledger.summary()),  # this rank's (rank 0's in summary.json)
-        # Hierarchical training: groups, and rank 0's bytes per step inside its group and across.
-        "hierarchy": {"groups": topo.num_groups, "group_size": topo.group_size} if topo.hierarchical else None,
-        "bytes_by_level": bytes_by_level(comm, topo),
-        "dataset": {"path": str(meta.path), "train_rows": meta.split_rows("train"),
-                    "eval_rows": meta.split_rows("eval")},
-        "config": cfg.to_dict(),
-        "versions": {**versions(), **code_version()},
-        # Each MLP layer's linear implementation, measured or cached, with its timings.
-        "kernels": dict(trainer.kernels or {}),
-        "command": list(sys.argv),
-        "started_at": started_at,
-        "ended_at": now_iso(),
-        "wall_seconds": time.monotonic() - clock,
-    }
-    return merge_entries(run, result.parts)
-
-
-def device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return f"{device} {torch.cuda.get_device_name(device)}"
-    return str(device)
-
-
-def now_iso() -> str:
-    """The local time now, ISO 8601 with its UTC offset (``2026-11-23T11:06:00+01:00``)."""
-    return datetime.datetime.now().astimezone().isoformat(timespec="seconds")
 
 
 def absolute_paths(cfg: Config) -> Config:
@@ -450,130 +399,3 @@ def _read_json(path: Path) -> dict | None:
     except (OSError, ValueError):
         return None
     return data if isinstance(data, dict) else None
-
-
-def code_version() -> dict:
-    """The git commit of the checkout hybridrec runs from (None when it is not one whose
-    files git tracks, or git is absent), and whether tracked files differ from it."""
-    package = Path(hybridrec.__file__).resolve().parent
-
-    def git(*args: str) -> str | None:
-        try:
-            out = subprocess.run(["git", "-C", str(package), *args], capture_output=True, text=True,
-                                 timeout=10, stdin=subprocess.DEVNULL, check=False)
-        except (OSError, subprocess.SubprocessError):
-            return None
-        return out.stdout.strip() if out.returncode == 0 else None
-
-    if git("ls-files", "--error-unmatch", "__init__.py") is None:  # not a checkout of hybridrec
-        return {"git_commit": None}
-    status = git("status", "--porcelain", "--untracked-files=no")
-    return {"git_commit": git("rev-parse", "HEAD"), "git_dirty": None if status is None else bool(status)}
-
-
-def _gather_ints(value: int, topo) -> list[int]:
-    if topo.job_size == 1:
-        return [value]
-    out = torch.zeros(topo.job_size, dtype=torch.int64, device=topo.comm_device)
-    out[topo.job_rank] = value
-    dist.all_reduce(out, group=topo.run_group)
-    return out.tolist()
-
-
-CROSS_CATEGORIES = (SYNC_CATEGORY,)  # hierarchical training: what crosses between groups
-
-
-def _level(category: str) -> str:
-    if category in CROSS_CATEGORIES:
-        return "cross"
-    return "servers" if category.startswith("ps_") else "intra"
-
-
-def bytes_by_level(comm: dict, topo) -> dict | None:
-    """Hierarchical training: this rank's mean bytes sent and received per step inside its
-    group (``intra``), between groups (``cross``: the synchronizer's rounds) and, with
-    parameter servers, to and from the servers every group shares (``servers``: pulls and
-    pushes), each with its categories; None when flat."""
-    if not topo.hierarchical:
-        return None
-    out = {name: {"sent": 0.0, "received": 0.0, "categories": []} for name in ("intra", "cross", "servers")}
-    for category, mean in comm["per_step"]["mean_by_category"].items():
-        level = out[_level(category)]
-        level["sent"] += mean.get("sent") or 0.0
-        level["received"] += mean.get("received") or 0.0
-        level["categories"].append(category)
-    return out
-
-
-def load_run_config(run_dir: str | Path) -> Config:
-    path = Path(run_dir) / "config.json"
-    if not path.is_file():
-        raise ConfigError(f"{run_dir} is not a run directory (no config.json)")
-    try:
-        data = json.loads(path.read_text())
-    except ValueError as e:
-        raise ConfigError(f"{path}: not valid JSON ({e})") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path}: not a config (a JSON object of sections)")
-    cfg = Config()
-    apply_dict(cfg, data, source=str(path))
-    validate(cfg)
-    return cfg
-
-
-def load_run_model(run_dir: str | Path, *, checkpoint: str | None = None,
-                   data_path: str | None = None):
-    """A run's single-process model with the weights of one of its checkpoints, whatever
-    world size saved it: ``checkpoint`` is ``"best"`` (the best evaluation's, kept by
-    ``train.early_stop``), ``"latest"`` (the newest), a checkpoint directory, or None: the
-    best one when the run recorded one, else the newest. With ``"latest"`` or None, one
-    that fails its checks (truncated, unreadable, another model) is skipped with a warning
-    and the next older one that loads is used (nothing is renamed); when none loads, one
-    error says why each failed. Returns ``(cfg, meta, model, path, extra)`` (``extra``: the checkpoint's global state: step, loader position)."""
-    cfg = load_run_config(run_dir)
-    if data_path:
-        cfg = cfg.replace({"data.path": data_path})
-    meta = load_dataset(cfg)
-    path, _ = resolve_checkpoint(run_dir, checkpoint)
-    if path is None:
-        raise ConfigError(f"{run_dir} has no checkpoint to evaluate")
-    model = build_model(cfg, meta)
-    candidates = [path]
-    if checkpoint in (None, "latest"):  # a named one (best, DIR) is that one or an error
-        candidates += [p for _, p in reversed(ckpt.list_checkpoints(run_dir)) if p != path]
-    path, extra, skipped = ckpt.load_newest(candidates, lambda p: _load_weights(p, model), Topology.single())
-    for bad, why in skipped:  # (left in place: evaluating changes no checkpoint)
-        warnings.warn(f"evaluating: skipped the checkpoint {bad} ({why}); using {path.name}", stacklevel=2)
-    return cfg, meta, model, path, extra
-
-
-def _load_weights(path: Path, model) -> dict:
-    """The weights of the checkpoint ``path`` into ``model`` (one process); its ``extra``."""
-    if not (path / PS_DIR).is_dir():
-        return load_sharded(path, model=model, dense_opt=None, sparse_opts=None, topo=Topology.single())
-    # A parameter-server run: the dense arches here, the tables in the servers' part.
-    extra = load_state(path, model=model, dense_opt=None, sparse_opts=None, topo=Topology.single(),
-                       parts="dense").extra
-    load_state(path / PS_DIR, model=model, dense_opt=None, sparse_opts=None, topo=Topology.single(),
-               parts="tables")
-    return extra
-
-
-def evaluate_run(run_dir: str | Path, *, checkpoint: str | None = None,
-                 data_path: str | None = None, show=None, out: str | Path | None = None) -> dict:
-    """Evaluate one of a run's checkpoints (``checkpoint`` as :func:`load_run_model`: by
-    default the best one when ``train.early_stop`` recorded one, else the newest) on the
-    held-out split; the result goes to ``show`` (when given) before it is written to
-    ``out`` (default RUN/eval.json), so metrics a read-only or full run directory cannot
-    take are still seen."""
-    resolved, which = resolve_checkpoint(run_dir, checkpoint)
-    cfg, meta, model, path, extra = load_run_model(run_dir, checkpoint=checkpoint, data_path=data_path)
-    if path != resolved:  # that one failed its checks; an older one was evaluated
-        which = "fallback"
-    _, eval_loader = build_loaders(cfg, meta)
-    result = {"checkpoint": str(path), "which": which, "step": extra.get("step"), "data": str(meta.path),
-              **evaluate_model(model, eval_loader)}
-    if show is not None:
-        show(result)
-    write_json_atomic(Path(out) if out is not None else Path(run_dir) / "eval.json", result)
-    return result

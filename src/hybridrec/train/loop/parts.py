@@ -23,7 +23,7 @@ components) and acts through one small protocol, :class:`Part`:
 - ``summary()``: this part's entries of summary.json, under their names there; a
   run without the part has its class's ``absent`` entries instead (``{"sync": None}``),
   so summary.json has the same keys whatever the run (:func:`summary_entries` merges
-  them, :func:`hybridrec.train.run.run_summary` writes them). A part that reports a
+  them, :func:`hybridrec.train.summary.run_summary` writes them). A part that reports a
   number is one class: its hooks and its ``summary()``.
 
 The order of the list is the order of every hook (:func:`hybridrec.train.build.build_trainer`
