@@ -242,7 +242,7 @@ def test_one_process_sweep_reports_a_failure_continues_and_reuses_finished_runs(
     assert [r["status"] for r in rows["baseline"]["runs"]] == ["ok", "ok"]
     assert rows["baseline"]["auc"] is not None and rows["baseline"]["auc_std"] is not None
     assert rows["broken"]["runs_failed"] == 2 and rows["broken"]["auc"] is None
-    assert (out / "broken" / "seed0" / "train.log").is_file()
+    assert (out / "broken" / "seed0.log").is_file()
     md = (out / "results.md").read_text()
     assert "| baseline | none | none |" in md and "| broken (2 failed) | none | none |" in md
     assert "Failed runs:" in md and "Partial" not in md

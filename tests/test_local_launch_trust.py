@@ -19,7 +19,7 @@ from test_launch import SMALL  # the launch tests' small model
 from hybridrec.cli.launch import failure_line
 from hybridrec.cli.rendezvous import bound_store
 from hybridrec.errors import ConfigError
-from hybridrec.train.checkpointing import run_lock
+from hybridrec.train import run_lock
 
 pytestmark = pytest.mark.distributed
 
@@ -163,7 +163,9 @@ def _alive(pids: set[int]) -> set[int]:
 
 def test_a_live_two_rank_run_listens_on_loopback_holds_its_directory_and_dies_with_its_launcher(dataset, tmp_path):
     run = tmp_path / "run"
-    first = _start(dataset, run, "dist.nproc=2", "train.epochs=50", "train.eval_every=0")
+    # (far more epochs than the test lasts: the run must still hold its directory when the
+    # second command, minutes later on a loaded machine, asks for it; the test kills it)
+    first = _start(dataset, run, "dist.nproc=2", "train.epochs=100000", "train.eval_every=0")
     try:
         _assert_loopback(_listeners_while_training(first, run))
         second = subprocess.run([sys.executable, "-m", "hybridrec", "train", "--recipe", "demo",
@@ -192,7 +194,7 @@ def test_the_run_lock_refuses_a_second_holder_and_is_taken_over_from_a_dead_one(
     fd = run_lock.take(run, "runs/x")  # released when its holder closed it
     os.close(fd)
     holder = subprocess.Popen([sys.executable, "-c", ("import sys, time; from pathlib import Path; "
-                                "from hybridrec.train.checkpointing import run_lock; run_lock.take(Path(sys.argv[1]), 'x'); "
+                                "from hybridrec.train import run_lock; run_lock.take(Path(sys.argv[1]), 'x'); "
                                 "print('held', flush=True); time.sleep(60)"), str(run)],
                               stdout=subprocess.PIPE, text=True)
     try:

@@ -17,7 +17,7 @@ from distributed import free_port
 
 import hybridrec
 from hybridrec.cli.main import main
-from hybridrec.train.checkpointing.run_lock import LOCK_NAME
+from hybridrec.train.run_lock import LOCK_NAME
 
 SMALL = ["model.embedding_dim=8", "model.bottom_mlp=16,8", "model.top_mlp=16,1",
          "data.batch_size=64", "data.eval_batch_size=1000", "train.progress=false"]
@@ -115,6 +115,7 @@ def test_a_finished_run_named_again_is_left_alone(dataset, finished_run, tmp_pat
     assert new["ended_at"] >= old["ended_at"]
 
 
+@pytest.mark.slow
 def test_default_run_dirs_are_new_and_config_paths_absolute(dataset, tmp_path, monkeypatch, capsys):
     work, elsewhere = tmp_path / "work", tmp_path / "elsewhere"
     work.mkdir(), elsewhere.mkdir()
@@ -134,6 +135,7 @@ def test_default_run_dirs_are_new_and_config_paths_absolute(dataset, tmp_path, m
     assert json.loads((runs[0] / "eval.json").read_text())["count"] == 1000
 
 
+@pytest.mark.slow
 def test_progress_lines_summary_fields_and_file_modes(dataset, tmp_path):
     run = tmp_path / "run"
     argv = [sys.executable, "-m", "hybridrec", *_args(dataset, f"train.run_dir={run}"),

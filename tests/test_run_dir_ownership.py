@@ -19,7 +19,7 @@ import pytest
 
 from hybridrec.cli.main import main
 from hybridrec.train import run_files
-from hybridrec.train.checkpointing.run_lock import LOCK_NAME
+from hybridrec.train.run_lock import LOCK_NAME
 
 SMALL = ["model.embedding_dim=8", "model.bottom_mlp=16,8", "model.top_mlp=16,1",
          "data.batch_size=64", "data.eval_batch_size=1000", "train.progress=false"]
@@ -104,6 +104,7 @@ def test_the_home_directory_is_refused_without_writing_anything(dataset, tmp_pat
     assert _hashes(home) == before  # (no .lock, no marker: an empty home stays empty)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("extra", [[], ["train.resume=false"]])
 def test_someone_elses_directory_is_left_byte_identical(dataset, tmp_path, capsys, extra):
     theirs = _someone_elses(tmp_path / "theirs")
@@ -265,6 +266,7 @@ def _unfinished(run: Path) -> list[str]:
     return [str(p.relative_to(run)) for p in run.rglob("*") if ".tmp-" in p.name]
 
 
+@pytest.mark.slow
 def test_sigterm_says_where_the_run_stands_and_leaves_no_unfinished_save(dataset, tmp_path):
     run = tmp_path / "run"
     args = _args(dataset, run, "train.epochs=1000", "train.checkpoint_every=1", "train.eval_every=0")

@@ -20,7 +20,8 @@ Example: ``parse_grid("embedding", "dct:0.05,0.01")`` gives the settings
 
 Each run is ``python -m hybridrec train`` in a subprocess (so ``dist.nproc > 1`` goes
 through torchrun as usual) into ``OUT/<setting>/seed<k>/``; its output goes to
-``train.log`` there. A finished run (a summary.json whose config equals the one this
+``OUT/<setting>/seed<k>.log`` beside it (not inside: a run directory holds the run's own
+files alone, and a run refuses a directory with other files in it). A finished run (a summary.json whose config equals the one this
 sweep would train) is reused. Results are rewritten atomically after every run
 (``complete: false`` until the last one), see :mod:`hybridrec.bench.compression_report`.
 """
@@ -282,7 +283,8 @@ def train_one(spec: SweepSpec, setting: Setting, seed: int, expected: dict, *,
     ``starting`` is called just before a training process starts (not for a reused run)."""
     rdir = run_dir(spec, setting, seed)
     summary_path = rdir / "summary.json"
-    base = {"seed": seed, "run_dir": str(rdir), "log": str(rdir / "train.log"),
+    log_path = rdir.parent / f"{rdir.name}.log"  # (beside the run: its directory is the run's alone)
+    base = {"seed": seed, "run_dir": str(rdir), "log": str(log_path),
             "compress": expected["compress"]}
     if summary_path.is_file() and not spec.overwrite:
         summary = json.loads(summary_path.read_text())
@@ -294,19 +296,19 @@ def train_one(spec: SweepSpec, setting: Setting, seed: int, expected: dict, *,
                          f"{', '.join(diff[:4])}); pass --overwrite to retrain it"}
     if rdir.exists():  # unfinished or to be overwritten: start it from scratch
         shutil.rmtree(rdir)
-    rdir.mkdir(parents=True)
+    rdir.parent.mkdir(parents=True, exist_ok=True)
     starting()
     cmd = [sys.executable, "-m", "hybridrec", "train", "--recipe", spec.recipe,
            *run_overrides(spec, setting, seed)]
     t0 = time.perf_counter()
-    with open(rdir / "train.log", "w") as log:
+    with open(log_path, "w") as log:
         log.write("$ " + " ".join(cmd) + "\n")
         log.flush()
         rc = subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     seconds = time.perf_counter() - t0
     if rc != 0 or not summary_path.is_file():
         return {**base, "status": "failed", "seconds": seconds, "returncode": rc,
-                "error": _last_error(rdir / "train.log", rc)}
+                "error": _last_error(log_path, rc)}
     return {**base, "status": "ok", "seconds": seconds,
             "summary": json.loads(summary_path.read_text())}
 

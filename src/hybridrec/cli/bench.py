@@ -27,7 +27,7 @@ examples:
       --setting big-only:embedding=dct,embedding_ratio=0.05,embedding_min_rows=10000 \\
       -- data.batch_size=1024 optim.dense_lr=0.05
 
-Each run trains into OUT/<setting>/seed<k>/ (its output in train.log there); a finished
+Each run trains into OUT/<setting>/seed<k>/ (its output in OUT/<setting>/seed<k>.log); a finished
 run with the same config is reused (--overwrite retrains). OUT gets results.json,
 results.md (the table) and pareto.svg (AUC and log loss vs bytes sent per step).
 """

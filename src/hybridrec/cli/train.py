@@ -130,8 +130,8 @@ def _launch(cfg, args) -> int:
 
     # The ranks' fork server imports torch while this process imports it for the checks.
     start_rank_server(servers=cfg.dist.num_ps, nnodes=cfg.dist.nnodes, interface=cfg.dist.interface)
-    from hybridrec.train.checkpointing.run_lock import holding
     from hybridrec.train.run import preflight
+    from hybridrec.train.run_lock import holding
 
     named = bool(cfg.train.run_dir)
     with contextlib.ExitStack() as held:

@@ -10,7 +10,7 @@ A run directory holds one hybridrec run and nothing of anyone else's:
   makes first, is the run's marker, and no other file is added. The root directory, the
   user's home directory and any other non-empty directory are refused in one line before
   anything is written (:func:`check_claim`, called by the run lock's
-  :func:`~hybridrec.train.checkpointing.run_lock.take` before it creates the lock file).
+  :func:`~hybridrec.train.run_lock.take` before it creates the lock file).
 - **No links.** The names a run writes (:data:`FILES`, :data:`DIRS`, the lock), and the
   entries of its checkpoints/, recovery/ and recovery/deltas/, must not be symbolic links: a
   run writes and deletes inside its own directory only, never through a link to somewhere
@@ -49,7 +49,7 @@ from hybridrec.train.checkpointing.faults import MARKER as INJECTED_FILE
 from hybridrec.train.setup.config import SECTIONS
 
 LOCK = ".lock"
-"""The run lock's file (:mod:`hybridrec.train.checkpointing.run_lock`), also the run's marker."""
+"""The run lock's file (:mod:`hybridrec.train.run_lock`), also the run's marker."""
 CONFIG = "config.json"
 CHECKPOINTS = "checkpoints"  # (hybridrec.train.checkpointing.checkpoint.checkpoint_dir)
 RECOVERY = "recovery"  # (hybridrec.train.checkpointing.recovery.RECOVERY_DIR)
