@@ -5,17 +5,14 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import sys
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 
-import hybridrec
 from hybridrec import threads
 from hybridrec.comm.codecs import Codec, TopKCodec, make_codec, tune_topk
 from hybridrec.comm.compress import (
@@ -733,9 +730,3 @@ def start_over(run_dir: Path, snapshot_dir: str | None = None) -> None:
     run_files.check_start_over(run_dir)
     clear_snapshots(run_dir, snapshot_dir)  # (also those on the launcher's local memory)
     run_files.clear(run_dir)
-
-
-def versions() -> dict:
-    return {"hybridrec": hybridrec.__version__, "torch": torch.__version__, "numpy": np.__version__,
-            "python": platform.python_version(), "platform": platform.platform(),
-            "threads": torch.get_num_threads()}

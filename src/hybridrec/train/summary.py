@@ -7,18 +7,19 @@ part's number reaches summary.json without a change here."""
 from __future__ import annotations
 
 import datetime
+import platform
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 import hybridrec
 from hybridrec.metrics.logger import cuda_peak_memory_bytes, peak_memory_bytes
 from hybridrec.sync.algorithms import CATEGORY as SYNC_CATEGORY
-from hybridrec.train.build import versions
 from hybridrec.train.loop.parts import merge_entries
 from hybridrec.train.setup.config import Config
 
@@ -56,6 +57,13 @@ def run_summary(trainer, result, meta, cfg: Config, *, shown: str, started_at: s
         "wall_seconds": time.monotonic() - clock,
     }
     return merge_entries(run, result.parts)
+
+
+def versions() -> dict:
+    """The library versions and the machine the run trained with (summary.json ``versions``)."""
+    return {"hybridrec": hybridrec.__version__, "torch": torch.__version__, "numpy": np.__version__,
+            "python": platform.python_version(), "platform": platform.platform(),
+            "threads": torch.get_num_threads()}
 
 
 def device_name(device: torch.device) -> str:
