@@ -13,6 +13,7 @@ from __future__ import annotations
 import io
 import json
 import pickle
+import re
 import shutil
 import subprocess
 import sys
@@ -276,6 +277,24 @@ def test_a_servers_recovery_snapshot_is_refused(tmp_path):
         read_snapshot(path, meta, ("weights", "sparse_opt", "version"))
     assert str(e.value) == refusal
     assert not marker.exists()
+
+
+def test_a_truncated_recovery_snapshot_is_a_checkpoint_error(tmp_path):
+    """DCP reports a short file as its CheckpointException, a BaseException that the
+    recoveries' ``except Exception`` (roll this rank or server back) would let through:
+    ``read_snapshot`` turns it into a :class:`CheckpointError` naming the snapshot."""
+    from hybridrec.parallel.checkpoint_io import encode_skeleton
+    from hybridrec.train.checkpointing.recovery import read_snapshot, save_snapshot
+
+    state = {"weights": {"t0@0": torch.randn(50, 4)}, "version": 7}
+    tensors: dict[str, torch.Tensor] = {}
+    skeleton = encode_skeleton(state, "s", tensors)
+    path = save_snapshot(tmp_path / "ps-00000", skeleton, tensors, {"server": 0, "step": 4}, sync=False)
+    meta = json.loads((path / MANIFEST).read_text())
+    data = next(path.glob("*.distcp"))
+    data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
+    with pytest.raises(CheckpointError, match=rf"^{re.escape(str(path))}: .*truncated"):
+        read_snapshot(path, meta, ("weights", "version"))
 
 
 @pytest.mark.distributed

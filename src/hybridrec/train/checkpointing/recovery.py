@@ -85,6 +85,7 @@ from typing import ClassVar
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException as DCPException
 
 from hybridrec.errors import os_error_message
 from hybridrec.files import write_json_atomic
@@ -95,6 +96,7 @@ from hybridrec.parallel.checkpoint_io import (
     SafeFileSystemReader,
     agree,
     decode_skeleton,
+    describe,
     encode_skeleton,
     gather,
     is_complete,
@@ -865,8 +867,11 @@ def read_snapshot(path: Path, meta: dict, parts: tuple[str, ...], weights=None, 
         if t is not None and t.is_contiguous() and t.shape == targets[key].shape and t.dtype == targets[key].dtype:
             targets[key] = t
     if targets:
-        with quiet():
-            dcp.load(targets, storage_reader=SafeFileSystemReader(path), no_dist=True)
+        try:
+            with quiet():
+                dcp.load(targets, storage_reader=SafeFileSystemReader(path), no_dist=True)
+        except DCPException as e:  # (a BaseException: the callers that roll back catch Exception)
+            raise CheckpointError(f"{path}: {'; '.join(cause for _, cause in describe(e))}") from None
     return decode_skeleton(skeleton, targets)
 
 
