@@ -28,8 +28,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def prepare(work: Path, rows_per_day: int) -> Path:
-    """The run directory (made once): 3 synthetic days, the last held out, 20 steps."""
+def prepare(work: Path, rows_per_day: int, *overrides: str) -> Path:
+    """The run directory (made once): 3 synthetic days, the last held out, 20 steps
+    (``overrides``: more of the run's KEY=VALUE, e.g. its checkpoint interval)."""
     from hybridrec.cli.main import main
 
     run = work / "run"
@@ -41,7 +42,7 @@ def prepare(work: Path, rows_per_day: int) -> Path:
         assert main(["data", "preprocess", *(str(work / "raw" / f"day_{i}.tsv") for i in range(3)),
                      "--out", str(work / "data"), "--overwrite"]) == 0
     assert main(["train", "--recipe", "demo", f"data.path={work / 'data'}", f"train.run_dir={run}",
-                 "train.max_steps=20", "train.progress=false"]) == 0
+                 "train.max_steps=20", "train.progress=false", *overrides]) == 0
     return run
 
 

@@ -27,7 +27,6 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import re
 import shutil
 import subprocess
@@ -39,18 +38,12 @@ from pathlib import Path
 
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from serve import prepare as prepare_run  # the benchmark's run, made once
+from throughput import machine
+
 ROOT = Path(__file__).resolve().parents[1]
 NAMES = ["label", *(f"I{i}" for i in range(1, 14)), *(f"C{i}" for i in range(1, 27))]
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def prepare(work: Path, rows_per_day: int) -> tuple[Path, list[Path], Path]:
@@ -58,15 +51,7 @@ def prepare(work: Path, rows_per_day: int) -> tuple[Path, list[Path], Path]:
     export of each checkpoint, and the held-out raw file; made once under ``work``."""
     from hybridrec.cli.main import main
 
-    run = work / "run"
-    if not (run / "summary.json").is_file():
-        if not (work / "data" / "meta.json").is_file():
-            assert main(["data", "synth", "--out", str(work / "raw"), "--days", "3", "--rows-per-day",
-                         str(rows_per_day), "--overwrite"]) == 0
-            assert main(["data", "preprocess", *(str(work / "raw" / f"day_{i}.tsv") for i in range(3)),
-                         "--out", str(work / "data"), "--overwrite"]) == 0
-        assert main(["train", "--recipe", "demo", f"data.path={work / 'data'}", f"train.run_dir={run}",
-                     "train.max_steps=20", "train.checkpoint_every=10", "train.progress=false"]) == 0
+    run = prepare_run(work, rows_per_day, "train.checkpoint_every=10")
     exports = []
     for ckpt in sorted((run / "checkpoints").iterdir())[-2:]:
         out = work / f"export-{ckpt.name}"
@@ -227,7 +212,7 @@ def main() -> None:
     import torch
 
     record = {"benchmark": "serve_load", "started": started,
-              "finished": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "cpu": cpu_model(),
+              "finished": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "cpu": machine(),
               "cpus": len(os.sched_getaffinity(0)), "torch": torch.__version__, "seconds_per_case": args.seconds,
               "publish_every_s": args.publish_every, "model": "demo recipe DLRM, fp32 export",
               "refused_or_errors_in_log": (args.work / "serve.log").read_text().count("refused"),
