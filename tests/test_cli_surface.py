@@ -9,7 +9,8 @@ from hybridrec.parallel.cost_model import OPTIMIZERS
 
 EXPECTED = {
     "data synth": {"--out", "--days", "--rows-per-day", "--multi-hot", "--multi-hot-fields", "--scale",
-                   "--max-cardinality", "--zipf", "--ctr", "--gzip", "--seed", "--overwrite"},
+                   "--max-cardinality", "--zipf", "--ctr", "--gzip", "--seed", "--overwrite",
+                   "--stream", "--hours", "--rows-per-hour", "--drift", "--land-every"},
     "data preprocess": {"--out", "--format", "--schema", "--table-size", "--min-count",
                         "--on-bad-line", "--multi-hot-fields", "--eval-parts", "--like", "--grow", "--overwrite"},
     "data inspect": {"--json"},

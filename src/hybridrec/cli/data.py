@@ -32,24 +32,26 @@ def _add_synth(sub) -> None:
             "known logistic teacher (per-id biases, dense effects, a few FM interactions; "
             "Zipf ids, Criteo-like missing values and click rate), and teacher.json with the "
             "teacher's AUC on the last day: the ceiling a model trained on the other days "
-            "can approach."
+            "can approach. With --stream: hour_0000.tsv, hour_0001.tsv, ... landing one by one "
+            "(written to .NAME.tmp, renamed), whose ids are born and die (--drift), and "
+            "stream.json (per hour: click rate, teacher AUC, live and distinct ids)."
         ),
     )
     p.add_argument("--out", required=True, metavar="DIR", help="output directory")
     p.add_argument(
-        "--days", type=int, default=7, metavar="N", help="day files to write (default 7)"
+        "--days", type=int, default=None, metavar="N", help="day files to write (default 7)"
     )
     p.add_argument(
         "--rows-per-day",
         type=int,
-        default=100_000,
+        default=None,
         metavar="N",
         help="rows per day (default 100000)",
     )
     p.add_argument(
         "--multi-hot",
         type=int,
-        default=0,
+        default=None,
         metavar="N",
         help="0: one id per field; N: multi-hot fields hold about N comma-separated ids",
     )
@@ -62,9 +64,10 @@ def _add_synth(sub) -> None:
     p.add_argument(
         "--scale",
         type=float,
-        default=0.01,
+        default=None,
         metavar="X",
-        help="vocabulary sizes = Criteo Kaggle's x SCALE (default 0.01)",
+        help="vocabulary sizes = Criteo Kaggle's x SCALE (default 0.01; with --stream 0.003: "
+        "live ids per feature)",
     )
     p.add_argument(
         "--max-cardinality",
@@ -85,7 +88,21 @@ def _add_synth(sub) -> None:
     )
     p.add_argument("--overwrite", action="store_true",
                    help="replace the day files and teacher.json of a non-empty --out (once every new "
-                   "one is complete; other files are left alone)")
+                   "one is complete; other files are left alone); with --stream: remove the hour "
+                   "files and stream.json of an earlier stream first")
+    s = p.add_argument_group("a drifting stream (--stream)")
+    s.add_argument("--stream", action="store_true",
+                   help="write hour files that land one by one, ids born and dying each hour")
+    s.add_argument("--hours", type=int, default=None, metavar="H",
+                   help="hour files to write (default 24)")
+    s.add_argument("--rows-per-hour", type=int, default=None, metavar="N",
+                   help="rows per hour (default 100000)")
+    s.add_argument("--drift", type=float, default=None, metavar="RATE",
+                   help="fraction of each feature's live ids replaced by new ids every hour "
+                   "(default 0.1)")
+    s.add_argument("--land-every", type=float, default=None, metavar="SECONDS",
+                   help="one hour file lands every SECONDS, timed from the start (default 0: as "
+                   "fast as they are written)")
     p.set_defaults(func=_synth)
 
 
@@ -179,19 +196,35 @@ def _add_inspect(sub) -> None:
     p.set_defaults(func=_inspect)
 
 
+_STREAM_ONLY = ("hours", "rows_per_hour", "drift", "land_every")
+_DAYS_ONLY = ("days", "rows_per_day", "multi_hot", "multi_hot_fields")
+
+
+def _flag(dest: str) -> str:
+    return "--" + dest.replace("_", "-")
+
+
 def _synth(args: argparse.Namespace) -> int:
     from hybridrec.data.synth import generate
 
+    wrong = [_flag(d) for d in (_DAYS_ONLY if args.stream else _STREAM_ONLY)
+             if getattr(args, d) is not None]
+    if wrong:
+        raise ConfigError(f"{', '.join(wrong)}: " + (
+            "for day files; --stream writes hours (--hours, --rows-per-hour)" if args.stream
+            else "for a stream (add --stream)"))
+    if args.stream:
+        return _synth_stream(args)
     fields = None
     if args.multi_hot_fields:
         fields = tuple(f.strip() for f in args.multi_hot_fields.split(",") if f.strip())
     report = generate(
         args.out,
-        days=args.days,
-        rows_per_day=args.rows_per_day,
+        days=7 if args.days is None else args.days,
+        rows_per_day=100_000 if args.rows_per_day is None else args.rows_per_day,
         seed=args.seed,
-        multi_hot=args.multi_hot,
-        scale=args.scale,
+        multi_hot=args.multi_hot or 0,
+        scale=0.01 if args.scale is None else args.scale,
         gzip=args.gzip,
         overwrite=args.overwrite,
         multi_hot_fields=fields,
@@ -209,6 +242,33 @@ def _synth(args: argparse.Namespace) -> int:
     )
     if report["multi_hot_fields"]:
         print("preprocess with: --multi-hot-fields " + ",".join(report["multi_hot_fields"]))
+    return 0
+
+
+def _synth_stream(args: argparse.Namespace) -> int:
+    from hybridrec.data.synth_stream import DEFAULT_SCALE, generate_stream
+
+    given = {"hours": args.hours, "rows_per_hour": args.rows_per_hour, "drift": args.drift,
+             "land_every": args.land_every}
+    r = generate_stream(
+        args.out,
+        seed=args.seed,
+        scale=DEFAULT_SCALE if args.scale is None else args.scale,
+        gzip=args.gzip,
+        overwrite=args.overwrite,
+        max_cardinality=args.max_cardinality,
+        zipf_exponent=args.zipf,
+        target_ctr=args.ctr,
+        **{k: v for k, v in given.items() if v is not None},
+    )
+    hours = r["hours"]
+    aucs = [h["teacher_auc"] for h in hours]
+    print(
+        f"wrote {len(hours)} hour files ({r['rows']:,} rows, {r['rows_per_second']:,} rows/s) to "
+        f"{args.out}: click rate {sum(h['ctr'] * h['rows'] for h in hours) / r['rows']:.4f}, "
+        f"teacher AUC {min(aucs):.4f}-{max(aucs):.4f}, {hours[-1]['live_ids']['total']:,} live ids, "
+        f"{hours[-1]['distinct_ids_so_far']['total']:,} distinct seen (per hour: stream.json)"
+    )
     return 0
 
 

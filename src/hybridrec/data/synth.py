@@ -157,6 +157,7 @@ class Teacher:
         pool = [1 / np.sqrt(cfg.multi_hot) if m else 1.0 for m in self.multihot]
         # Feature strengths spread over ~an order of magnitude, as in real logs.
         strength = cfg.bias_scale * np.exp(rng.uniform(np.log(0.15), 0.0, len(CATEGORICAL)))
+        self.strength = strength  # (an id born later draws its bias with it: synth_stream)
         # Rare ids get smaller effects: a learner sees them too seldom to fit them, and
         # signal it cannot see would only widen the gap between teacher and learner.
         self.tail = [1.0 / np.sqrt(1.0 + np.arange(c) / cfg.tail_rank) for c in self.cards]
@@ -189,7 +190,7 @@ class Teacher:
         k = min(self.cfg.n_interactions, len(all_pairs))
         pairs = [all_pairs[i] for i in sorted(rng.choice(len(all_pairs), k, replace=False))]
         # Var(<u, v>) = dim * s^4 for iid N(0, s^2) entries: pick s for the wanted term std.
-        s = (self.cfg.interaction_scale**2 / self.cfg.latent_dim) ** 0.25
+        s = self.factor_scale = (self.cfg.interaction_scale**2 / self.cfg.latent_dim) ** 0.25
         factors = {
             f: rng.normal(0, s * pool[f], (self.cards[f], self.cfg.latent_dim))
             * self.tail[f][:, None]
