@@ -44,7 +44,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--list-keys", action="store_true", help="print every config key with its default and meaning")
     p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     # Set by the local launcher on its ranks' command line (partial recovery's snapshots on
-    # local memory: hybridrec.train.checkpointing.recovery.fast_snapshots), not by users.
+    # local memory: hybridrec.train.checkpointing.snapshots.fast_snapshots), not by users.
     p.add_argument("--snapshot-dir", help=argparse.SUPPRESS)
     p.set_defaults(func=_train)
 
@@ -90,13 +90,15 @@ def _train(args) -> int:
         return _launch(cfg, args)
     from hybridrec.cli.launch import LAUNCHED_ENV
     from hybridrec.cli.lifeline import end_with
+    from hybridrec.serve.publisher import publisher_parts
     from hybridrec.train.run import train
 
     launched = bool(os.environ.get(LAUNCHED_ENV))
     if "RANK" in os.environ and not launched and "TORCHELASTIC_RUN_ID" in os.environ:
         end_with(os.getppid(), "its torchrun agent")  # (torchrun's ranks are its children)
     try:  # (hybridrec's own launcher holds the run directory for its ranks)
-        summary = train(cfg, hold_run_dir=not launched, snapshot_dir=args.snapshot_dir)
+        summary = train(cfg, hold_run_dir=not launched, snapshot_dir=args.snapshot_dir,
+                        extra_parts=publisher_parts(cfg))
     except OSError as e:
         if getattr(e, "summary", None) is not None:  # trained, but summary.json failed: the numbers
             print(format_results(e.summary))
@@ -169,7 +171,7 @@ def _start_ranks(cfg, args, named: bool, run_dir: str) -> int:
     print(f"launching {what}: hybridrec {' '.join(argv)}", file=sys.stderr, flush=True)
     from hybridrec.train import terminate
     from hybridrec.train.checkpointing.faults import MARKER
-    from hybridrec.train.checkpointing.recovery import fast_snapshots
+    from hybridrec.train.checkpointing.snapshots import fast_snapshots
 
     # partial recovery: the survivors' snapshots on this machine's memory while it runs
     with fast_snapshots(run_dir) if cfg.train.recovery == "partial" else contextlib.nullcontext() as fast:
@@ -226,8 +228,26 @@ def _metric_rows(m: dict) -> list[tuple[str, str]]:
             ("eval rows", f("count", "{:,}"))]
 
 
+def _stream_rows(summary: dict) -> list[tuple[str, str]]:
+    """A stream run's result lines: test-then-train metrics, what the stream held."""
+    prog, stream = summary.get("progressive") or {}, summary.get("stream") or {}
+
+    def f(v, fmt="{:.4f}"):
+        return "n/a" if v is None or (isinstance(v, float) and math.isnan(v)) else fmt.format(v)
+
+    rows = [(f"progressive AUC (last {prog.get('window', 0):,})", f(prog.get("auc"))),
+            ("progressive log loss", f(prog.get("logloss"))),
+            ("stream rows trained", f(stream.get("rows"), "{:,}")),
+            ("stream files", f"{stream.get('files_done', 0):,} done, {stream.get('files_waiting', 0):,} waiting"
+                             + (f" (stopped: {stream['stopped']})" if stream.get("stopped") else ""))]
+    if (tables := summary.get("dynamic_tables")) is not None:
+        rows.append(("dynamic table keys", f"{tables['live']:,} live, {tables['admitted']:,} admitted, "
+                                           f"{tables['evicted']:,} evicted"))
+    return rows
+
+
 def format_results(summary: dict) -> str:
-    rows = _metric_rows(summary["eval"])
+    rows = _metric_rows(summary["eval"]) if summary.get("eval") is not None else _stream_rows(summary)
     if "teacher" in summary:
         rows.insert(1, ("teacher AUC (ceiling)", f"{summary['teacher']['auc']:.4f}"))
     tp = summary["throughput"].get("samples_per_sec_overall", float("nan"))

@@ -153,6 +153,11 @@ class DatasetMeta:
     """On-disk format version."""
     created_by: str = f"hybridrec {__version__}"
     """Writer and version."""
+    vocab: dict[str, Any] | None = field(default=None, compare=False, repr=False)
+    """In memory only (never in meta.json): each feature's vocabulary array where it comes
+    from elsewhere than ``vocab/``: a dynamic table's key of each row (its checkpoint's key
+    map, :func:`hybridrec.train.evaluate.load_run_model`), which the vocabulary encoding reads
+    as ``key -> row``."""
 
     @property
     def feature_names(self) -> list[str]:

@@ -65,7 +65,7 @@ _CAT_MISSING = (
 )  # fmt: skip
 _MAX_DENSE = 10**9 - 1  # 9 digits: a fixed-width formatting column
 _DENSE_WIDTH = 12  # three 4-digit groups: sign + up to 9 digits
-_CHUNK_ROWS = 1 << 15
+CHUNK_ROWS = 1 << 15
 
 
 @dataclass(kw_only=True)
@@ -135,7 +135,7 @@ def _sigmoid(z: np.ndarray) -> np.ndarray:
     return 0.5 * (1.0 + np.tanh(0.5 * z))  # overflow-free logistic
 
 
-def _hex_table(rng: np.random.Generator, n: int) -> tuple[np.ndarray, np.ndarray]:
+def hex_table(rng: np.random.Generator, n: int) -> tuple[np.ndarray, np.ndarray]:
     """``n`` distinct random 32-bit values and their 8 lowercase hex digits as bytes ``[n, 8]``."""
     values = np.zeros(0, np.int64)
     while values.size < n:  # distinct: two vocabulary entries never share a hash
@@ -169,7 +169,7 @@ class Teacher:
         for c in self.cards:
             w = np.arange(1, c + 1, dtype=np.float64) ** -cfg.zipf_exponent
             self.zipf_cdf.append(np.cumsum(w) / w.sum())
-        self.hex_values, self.hex_bytes = zip(*(_hex_table(rng, c) for c in self.cards))
+        self.hex_values, self.hex_bytes = zip(*(hex_table(rng, c) for c in self.cards))
         self.dense_mu = rng.uniform(0.3, 3.0, len(DENSE))
         self.dense_sigma = rng.uniform(0.7, 1.6, len(DENSE))
         self.dense_coef = rng.normal(0, cfg.dense_scale, len(DENSE))
@@ -343,7 +343,7 @@ def format_tsv(teacher: Teacher, rows: dict, labels: np.ndarray) -> bytes:
     return mat[mask].tobytes()
 
 
-def _log_loss(labels: np.ndarray, p: np.ndarray) -> float:
+def teacher_log_loss(labels: np.ndarray, p: np.ndarray) -> float:
     p = np.clip(p, 1e-12, 1 - 1e-12)
     return float(-np.mean(labels * np.log(p) + (1 - labels) * np.log1p(-p)))
 
@@ -384,8 +384,8 @@ def _write_day(teacher: Teacher, path: Path, day: int, keep: bool) -> tuple[int,
     tmp = tmp_path(path)
     # Level 1: gzip is otherwise the bottleneck of generation.
     with naming(path), gzip_mod.open(tmp, "wb", compresslevel=1) if cfg.gzip else open(tmp, "wb") as f:
-        for i, lo in enumerate(range(0, cfg.rows_per_day, _CHUNK_ROWS)):
-            n = min(_CHUNK_ROWS, cfg.rows_per_day - lo)
+        for i, lo in enumerate(range(0, cfg.rows_per_day, CHUNK_ROWS)):
+            n = min(CHUNK_ROWS, cfg.rows_per_day - lo)
             rng = np.random.default_rng([cfg.seed, 1, day, i])
             rows, p, labels = teacher.sample(rng, n)
             f.write(format_tsv(teacher, rows, labels))
@@ -452,8 +452,8 @@ def _write_all(teacher: Teacher, out: Path, files: list[str], start: float) -> d
     seconds = time.perf_counter() - start
     report = {
         "teacher_auc": auc(y, p),
-        "teacher_logloss": _log_loss(y, p),
-        "teacher_ne": float(_log_loss(y, p) / entropy),
+        "teacher_logloss": teacher_log_loss(y, p),
+        "teacher_ne": float(teacher_log_loss(y, p) / entropy),
         "ctr": clicks / rows,
         "ctr_last_day": base,
         "rows": rows,

@@ -45,11 +45,11 @@ import numpy as np
 
 from hybridrec.data.criteo import CATEGORICAL
 from hybridrec.data.synth import (
-    _CHUNK_ROWS,
+    CHUNK_ROWS,
     SynthConfig,
     Teacher,
-    _hex_table,
-    _log_loss,
+    hex_table,
+    teacher_log_loss,
     format_tsv,
 )
 from hybridrec.errors import ConfigError, DataError, HybridrecWarning, naming
@@ -152,7 +152,7 @@ class StreamTeacher(Teacher):
         """``k`` distinct keys of feature ``f`` never given out before (values, hex bytes)."""
         values, digits = np.zeros(0, np.int64), np.zeros((0, 8), np.uint8)
         while values.size < k:
-            v, d = _hex_table(rng, k - values.size + 16)
+            v, d = hex_table(rng, k - values.size + 16)
             used = self.used[f]
             fresh = used[np.minimum(np.searchsorted(used, v), used.size - 1)] != v
             fresh &= ~np.isin(v, values)
@@ -166,9 +166,9 @@ class StreamTeacher(Teacher):
         ``(seed, 5, hour, chunk)``; marks the ids seen (:attr:`seen`; this hour's count per
         feature: :attr:`ids_in_hour`, once every chunk is drawn)."""
         in_hour = [np.zeros(n, bool) for n in self.born]
-        for i, lo in enumerate(range(0, rows_per_hour, _CHUNK_ROWS)):
+        for i, lo in enumerate(range(0, rows_per_hour, CHUNK_ROWS)):
             rng = np.random.default_rng([self.cfg.seed, 5, self.hour, i])
-            rows, p, labels = self.sample(rng, min(_CHUNK_ROWS, rows_per_hour - lo))
+            rows, p, labels = self.sample(rng, min(CHUNK_ROWS, rows_per_hour - lo))
             for f, c in enumerate(rows["cats"]):
                 in_hour[f][c[c >= 0]] = True
             yield rows, p, labels
@@ -280,7 +280,7 @@ def generate_stream(
                 "rows": int(y.size),
                 "ctr": float(y.mean()),
                 "teacher_auc": auc(y, p),
-                "teacher_logloss": _log_loss(y, p),
+                "teacher_logloss": teacher_log_loss(y, p),
                 "intercept": teacher.intercept,
                 "live_ids": _per_feature([live.size for live in teacher.live]),
                 "ids_in_hour": _per_feature(teacher.ids_in_hour),

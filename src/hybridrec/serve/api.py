@@ -153,5 +153,7 @@ def train(config: str | os.PathLike | dict | None = None, /, *, recipe: str | No
     if cfg.dist.nproc > 1 or cfg.dist.num_ps or cfg.dist.nnodes > 1:
         raise ConfigError("hybridrec.train runs one process; several ranks or parameter servers "
                           "(dist.nproc, dist.num_ps, dist.nnodes) need `hybridrec train`")
-    summary = train_run(cfg)  # (its config: absolute paths, the run directory chosen)
+    from hybridrec.serve.publisher import publisher_parts
+
+    summary = train_run(cfg, extra_parts=publisher_parts(cfg))  # (its config: absolute paths, the run directory chosen)
     return Run(Path(summary["config"]["train"]["run_dir"]), summary)

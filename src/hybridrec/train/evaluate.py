@@ -4,13 +4,18 @@ that checkpoint on the held-out split (``hybridrec eval``)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import warnings
 from pathlib import Path
 
+import numpy as np
+
+from hybridrec.data.schema import DatasetMeta
 from hybridrec.errors import ConfigError
 from hybridrec.files import write_json_atomic
 from hybridrec.parallel.checkpoint import load_sharded, load_state
+from hybridrec.parallel.checkpoint_io import CheckpointError
 from hybridrec.parallel.topology import Topology
 from hybridrec.train.build import build_loaders, build_model
 from hybridrec.train.checkpointing import checkpoint as ckpt
@@ -60,7 +65,21 @@ def load_run_model(run_dir: str | Path, *, checkpoint: str | None = None,
     path, extra, skipped = ckpt.load_newest(candidates, lambda p: _load_weights(p, model), Topology.single())
     for bad, why in skipped:  # (left in place: evaluating changes no checkpoint)
         warnings.warn(f"evaluating: skipped the checkpoint {bad} ({why}); using {path.name}", stacklevel=2)
-    return cfg, meta, model, path, extra
+    return cfg, with_key_maps(meta, extra, path), model, path, extra
+
+
+def with_key_maps(meta: DatasetMeta, extra: dict, path: Path) -> DatasetMeta:
+    """A dynamic-table run's dataset as the vocabulary its checkpoint ``path`` maps raw keys
+    with: each table's key by row (row 0 shared: missing and not admitted keys), so
+    ``key -> row`` is the vocabulary encoding's ``vocab[i] -> i + 1``. Other runs' as it is."""
+    if meta.preprocessing.get("categorical") != "dynamic":
+        return meta
+    maps = (extra.get("keymaps") or {}).get("tables")
+    if not maps:
+        raise CheckpointError(f"{path}: a dynamic-table run's checkpoint without its key maps")
+    vocab = {f: np.asarray(maps[f]["row_key"])[1:].astype(np.int64) for f in meta.feature_names}
+    pre = {**meta.preprocessing, "categorical": "vocabulary", "table_size": None, "dynamic": True}
+    return dataclasses.replace(meta, preprocessing=pre, vocab=vocab)
 
 
 def _load_weights(path: Path, model) -> dict:

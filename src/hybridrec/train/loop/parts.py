@@ -53,6 +53,7 @@ from hybridrec.metrics.throughput import RunTotals, Throughput
 from hybridrec.train.checkpointing.faults import FailureInjector
 from hybridrec.train.loop.early_stop import EarlyStopping
 from hybridrec.train.loop.step import evaluate_model
+from hybridrec.train.setup.rules import STREAM_STEPS
 
 
 @dataclass(frozen=True)
@@ -159,18 +160,23 @@ class Progress(Part):
         self.bar = None
         self.lines: ProgressLines | None = None
         self.last_loss: float | None = None  # the last train loss logged
+        self.status = None
 
     def start(self, loop) -> None:
-        self.bar = tqdm(total=self.total_steps, initial=loop.step, unit="step", dynamic_ncols=True,
+        total = self.total_steps if self.total_steps < STREAM_STEPS else None  # (a stream: no end known)
+        self.status = getattr(loop.source, "status", None)  # (a stream's files done and waiting)
+        self.bar = tqdm(total=total, initial=loop.step, unit="step", dynamic_ncols=True,
                         disable=not (self.show and self.tty), desc="train")
         if self.show and not self.tty and self.log_interval_s > 0:
-            self.lines = ProgressLines(self.total_steps, loop.step, self.log_interval_s)
+            self.lines = ProgressLines(total, loop.step, self.log_interval_s, status=self.status)
         self.meter.start()
 
     def after_step(self, loop, done: Done) -> None:
         self.loss.update(done.loss)
         self.meter.step(done.samples)
         self.bar.update(1)
+        if self.status is not None and done.step % 20 == 0 and self.show and self.tty:
+            self.bar.set_postfix_str(self.status(), refresh=False)
         if self.lines is not None:
             self.lines.step(done.step, done.loss, done.samples)
         if self.log_every and done.step % self.log_every == 0:
@@ -422,9 +428,9 @@ class ProgressLines:
     ETA 0:01:23``. Samples/s and loss are over the steps since the previous line; the
     ETA is the remaining steps at this invocation's mean time per step so far."""
 
-    def __init__(self, total: int, first_step: int, interval_s: float, stream=None) -> None:
+    def __init__(self, total: int | None, first_step: int, interval_s: float, stream=None, status=None) -> None:
         self.total, self.first_step, self.interval_s = total, first_step, interval_s
-        self.stream = stream
+        self.stream, self.status = stream, status  # (status: more fields, e.g. a data stream's files)
         self._start = self._last = time.monotonic()
         self._samples = 0
         self._loss = RunningLoss()
@@ -444,11 +450,15 @@ class ProgressLines:
         now = time.monotonic()
         rate = self._samples / (now - self._last) if now > self._last else float("nan")
         loss = self._loss.compute()["loss"]
-        done, left = step - self.first_step, self.total - step
-        eta = (now - self._start) / done * left if done > 0 else float("nan")
-        pct = 100.0 * step / self.total if self.total else 100.0
-        print(f"step {step:,}/{self.total:,} ({pct:.0f}%)  {_num(rate, '{:,.0f}')} samples/s  "
-              f"loss {_num(loss, '{:.4f}')}  ETA {_duration(eta)}",
+        if self.total is None:  # (a stream: no last step, no ETA)
+            where, eta = f"step {step:,}", ""
+        else:
+            done, left = step - self.first_step, self.total - step
+            pct = 100.0 * step / self.total if self.total else 100.0
+            where = f"step {step:,}/{self.total:,} ({pct:.0f}%)"
+            eta = f"  ETA {_duration((now - self._start) / done * left if done > 0 else float('nan'))}"
+        extra = f"  {self.status()}" if self.status is not None else ""
+        print(f"{where}  {_num(rate, '{:,.0f}')} samples/s  loss {_num(loss, '{:.4f}')}{eta}{extra}",
               file=self.stream or sys.stderr, flush=True)
         self._last, self._samples = now, 0
 

@@ -52,10 +52,12 @@ def sparse_grads(sparse) -> dict[str, list]:
 
 def training_step(model: torch.nn.Module, batch: Batch, *, dense_opt: torch.optim.Optimizer,
                   sparse_opt: CombinedSparseOptimizer, dense_sync: DenseSync,
-                  pending=None, updating=None) -> torch.Tensor:
+                  pending=None, updating=None, scores=None) -> torch.Tensor:
     """One training step, in order; returns the detached loss. ``pending``: the batch's
     input_dist already under way (the pipeline's handle), or None. ``updating``: a context
-    around the optimizer updates (partial recovery's: the state is whole outside it)."""
+    around the optimizer updates (partial recovery's: the state is whole outside it).
+    ``scores``: called with the batch's logits and labels before anything is updated
+    (test-then-train metrics)."""
     if not model.training:  # (after an evaluation; evaluate_model restores every module's mode)
         model.train()
     # (Each phase is a torch.profiler range: benchmarks/profile_step.py reads them.)
@@ -63,6 +65,8 @@ def training_step(model: torch.nn.Module, batch: Batch, *, dense_opt: torch.opti
         # input_dist (or its pending handle), lookup, output_dist, the dense arches.
         logits = model(batch) if pending is None else model(batch, sparse_input=pending)
         loss = F.binary_cross_entropy_with_logits(logits, batch.labels)
+    if scores is not None:
+        scores(logits.detach(), batch.labels)
     dense_opt.zero_grad(set_to_none=True)
     with phase("backward"):
         loss.backward()  # dense grads, the lookups' row grads, the output_dist backward

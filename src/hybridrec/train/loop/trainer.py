@@ -80,6 +80,7 @@ class Trainer:
         self.logger, self.ledger, self.total_steps, self.topo = logger, ledger, total_steps, topo
         self.kernels = kernels  # the MLPs' linear implementations and why (summary.json)
         self.step = 0
+        self.scores = None  # a part's hook for each batch's scores before it trains (test-then-train)
 
     @property
     def pipeline(self):
@@ -92,7 +93,7 @@ class Trainer:
         o = self.optim
         o.scheduler.apply(self.step)
         loss = training_step(self.model, batch, dense_opt=o.dense, sparse_opt=o.sparse, dense_sync=o.dense_sync,
-                             pending=pending, updating=o.updating(self.step + 1))
+                             pending=pending, updating=o.updating(self.step + 1), scores=self.scores)
         self.close_step()
         return loss
 
@@ -126,7 +127,7 @@ class Trainer:
 
     def maybe_resume(self) -> int | None:
         """Restore the newest checkpoint that passes its checks; None: nothing to resume."""
-        found = self.checkpoints.restore(self.model)
+        found = self.checkpoints.restore(self)
         if found is None:
             return None
         self.step, where = found

@@ -59,6 +59,19 @@ class DataConfig(ReadOnly):
     """Loader threads making whole batches ahead of the step (with ``data.prefetch`` > 0);
     0 = automatic: one beside a CPU step, this rank's share of the machine's cores beside
     a GPU step (:func:`hybridrec.data.loader.default_workers`)."""
+    stream: str = ""
+    """Train on raw files as they land in this directory instead of a preprocessed dataset
+    (``data.path``): Criteo TSV files (plain or ``.gz``), taken in name order once complete
+    (written under a temporary name, ``.NAME`` or ``NAME.tmp``, then renamed), encoded on the
+    fly for ``model.tables=dynamic`` or ``modulo``. See the guide, "Training on a stream"."""
+    stream_stop: str = "idle:60"
+    """When a stream run ends: ``idle:SECONDS`` (no new file for that long), ``files:N`` (N
+    files trained in all) or ``never``."""
+    stream_poll_s: float = 1.0
+    """Seconds between two looks at ``data.stream`` for a new file while waiting."""
+    on_bad_line: str = "error"
+    """A malformed line of a stream file: ``error`` (stop with one line naming the file and
+    line) or ``skip`` (drop it and count it in summary.json)."""
 
 
 @dataclass(kw_only=True)
@@ -80,6 +93,25 @@ class ModelConfig(ReadOnly):
     lookups' reads; updates computed in fp32 and stored with stochastic rounding, optimizer
     state fp32; not with DeepFM's FM tables, parameter servers or sync.algorithm).
     docs/design.md, "bf16 tables"."""
+    tables: str = "static"
+    """What a table row stands for. ``static``: the dataset's ids (its preprocessing made
+    them); ``dynamic``: every raw key gets a row of its own once admitted (collisionless,
+    with a row budget ``model.table_rows``, least-used rows evicted when it is full);
+    ``modulo``: ``1 + key % table_rows`` (keys share rows, the baseline). The last two
+    read raw keys: a stream (``data.stream``)."""
+    table_rows: str = "100000"
+    """Rows of each dynamic or modulo table besides its shared row 0 (missing and not yet
+    admitted keys): one number for every table, or ``N,C3=M,...`` (a default and
+    per-feature values)."""
+    admit_after: int = 1
+    """A dynamic table's key gets a row once seen this many times (counted in a fixed-size
+    sketch per table); until then it shares row 0."""
+    evict: str = "lru"
+    """Which rows a full dynamic table frees for new keys: ``lru`` (least recently used),
+    ``lfu`` (least often used) or ``ttl`` (unused for ``model.ttl_steps`` steps; none
+    other)."""
+    ttl_steps: int = 0
+    """With ``model.evict=ttl``: steps without a use after which a key's row is freed."""
 
 
 @dataclass(kw_only=True)
@@ -119,6 +151,17 @@ class TrainConfig(ReadOnly):
     """Stop after this many steps (0 = no limit)."""
     eval_every: int = 0
     """Evaluate every N steps (0 = only at the end; an N past the run's last step is refused)."""
+    publish_every: str = ""
+    """Publish the model every ``N`` steps or ``Ns`` seconds (e.g. ``30s``): an export (the
+    format of ``hybridrec export``, with the dynamic tables' key maps) written atomically to
+    ``RUN/published/vK/`` and named by ``RUN/published/LATEST`` (``hybridrec serve`` follows
+    it). Empty: never."""
+    publish_keep: int = 3
+    """How many published versions to keep (the one LATEST names always stays)."""
+    progressive_window: int = 100000
+    """Test-then-train metrics (a stream run): every batch is scored before it is trained on;
+    the AUC and log loss of the last this many samples are logged (``progressive_auc``,
+    ``progressive_logloss``) and reported."""
     early_stop: int = 0
     """Early stopping (patience, as Keras'): stop after this many evaluations in a row
     (every ``train.eval_every`` steps) without an improvement of the held-out AUC; every
@@ -606,7 +649,7 @@ def apply_dict(cfg: Config, data: dict, *, source: str) -> None:
                 raise ConfigError(f"{source}: {e}") from None
 
 
-PATH_KEYS = ("data.path", "dist.plan", "train.run_dir")
+PATH_KEYS = ("data.path", "data.stream", "dist.plan", "train.run_dir")
 """The config keys whose values are file system paths."""
 
 

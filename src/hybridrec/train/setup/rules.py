@@ -20,6 +20,7 @@ option rules: they live with what they measure (:mod:`hybridrec.train.setup.memo
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -348,8 +349,48 @@ def config_rules(cfg: Config) -> list[tuple[bool, str]]:
          ("compress.embedding_when=pays measures the top-k DCT-MP and the casting codecs, not "
           "compress.embedding_select=threshold")),
         *_threshold_checks(cfg),
+        *_stream_checks(cfg),
     ]
     return checks
+
+
+STREAM_STOP = re.compile(r"^(idle:[0-9]+(\.[0-9]+)?|files:[0-9]+|never)$")
+PUBLISH_EVERY = re.compile(r"^[0-9]+(\.[0-9]+)?s$|^[0-9]+$")
+
+
+def _stream_checks(cfg: Config) -> list[tuple[bool, str]]:
+    """A stream (``data.stream``) and the tables that read raw keys (``model.tables``)."""
+    d, m, t = cfg.data, cfg.model, cfg.train
+    stream, raw = bool(d.stream), m.tables in ("dynamic", "modulo")
+    return [
+        (m.tables in ("static", "dynamic", "modulo"), f"model.tables {m.tables!r}: static, dynamic or modulo"),
+        (m.evict in ("lru", "lfu", "ttl"), f"model.evict {m.evict!r}: lru, lfu or ttl"),
+        (m.evict != "ttl" or m.ttl_steps > 0, "model.evict=ttl needs model.ttl_steps > 0"),
+        (m.admit_after >= 1, f"model.admit_after must be >= 1, got {m.admit_after}"),
+        (not (stream and d.path), "data.stream and data.path are both set: train on one of them"),
+        (not stream or raw, "data.stream reads raw keys, which a static table has no ids for: "
+                            "model.tables=dynamic (a row per key) or modulo"),
+        (stream or not raw, f"model.tables={m.tables} reads raw keys: it needs data.stream=DIR "
+                            "(a preprocessed dataset's ids are already table rows)"),
+        (bool(STREAM_STOP.match(d.stream_stop)),
+         f"data.stream_stop {d.stream_stop!r}: idle:SECONDS, files:N or never"),
+        (d.stream_poll_s > 0, f"data.stream_poll_s must be positive, got {d.stream_poll_s}"),
+        (d.on_bad_line in ("error", "skip"), f"data.on_bad_line {d.on_bad_line!r}: error or skip"),
+        (not t.publish_every or bool(PUBLISH_EVERY.match(t.publish_every)),
+         f"train.publish_every {t.publish_every!r}: STEPS or SECONDSs (e.g. 500 or 30s)"),
+        (t.publish_keep >= 1, f"train.publish_keep must be >= 1, got {t.publish_keep}"),
+        (t.progressive_window >= 1, f"train.progressive_window must be >= 1, got {t.progressive_window}"),
+        (not (stream and cfg.dist.num_ps), "data.stream with dist.num_ps: parameter servers do not hold "
+                                           "dynamic tables yet; train the stream on ranks (dist.nproc)"),
+        (not (stream and t.workers > 1), "data.stream with train.workers > 1: Hogwild threads share one loader "
+                                         "position per step; use train.workers=1"),
+        (not (stream and (t.eval_every or t.early_stop)),
+         "data.stream has no held-out split: train.eval_every and train.early_stop are off for a stream "
+         "(its metrics are test-then-train: each batch scored before it trains)"),
+        (not (stream and cfg.dist.group_size), "data.stream with dist.group_size: not with hierarchical groups yet"),
+        (not (stream and cfg.optim.decay != "none" and not t.max_steps),
+         f"optim.decay={cfg.optim.decay} needs a last step: a stream has none unless train.max_steps is set"),
+    ]
 
 
 def _threshold_checks(cfg: Config) -> list[tuple[bool, str]]:
@@ -451,7 +492,7 @@ def _injection(cfg: Config, f: RunFacts) -> str | None:
 
 def _batches(cfg: Config, f: RunFacts) -> str | None:
     """A global batch no larger than the training rows."""
-    if f.meta is None:
+    if f.meta is None or cfg.data.stream:
         return None
     rows = f.meta.split_rows("train")
     if steps_per_epoch(rows, cfg.data.batch_size, f.world) == 0:
@@ -461,15 +502,22 @@ def _batches(cfg: Config, f: RunFacts) -> str | None:
 
 
 def _steps(cfg: Config, f: RunFacts) -> str | None:
-    if f.meta is None:
+    if f.meta is None or cfg.data.stream:
         return None
     per_epoch = steps_per_epoch(f.meta.split_rows("train"), cfg.data.batch_size, f.world)
     return steps_problem(cfg, planned_steps(cfg, per_epoch))
 
 
+STREAM_STEPS = 1 << 62
+"""A stream run's planned steps when ``train.max_steps`` sets none: the stream decides."""
+
+
 def planned_steps(cfg: Config, per_epoch: int) -> int:
     """The steps a run takes: ``train.epochs`` epochs of ``per_epoch`` steps
-    (:func:`~hybridrec.data.loader.steps_per_epoch`), capped by ``train.max_steps``."""
+    (:func:`~hybridrec.data.loader.steps_per_epoch`), capped by ``train.max_steps``; a
+    stream's: ``train.max_steps``, else :data:`STREAM_STEPS` (the stream ends it)."""
+    if cfg.data.stream:
+        return cfg.train.max_steps or STREAM_STEPS
     total = cfg.train.epochs * per_epoch
     return min(total, cfg.train.max_steps) if cfg.train.max_steps else total
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from hybridrec.data.schema import DatasetMeta
+from hybridrec.data.stream import stream_meta
 from hybridrec.errors import ConfigError
 from hybridrec.model.embedding import WEIGHT_DTYPES, TableConfig
 from hybridrec.parallel import plan as plan_lib
@@ -19,6 +20,10 @@ from hybridrec.train.setup.config import Config
 
 
 def load_dataset(cfg: Config) -> DatasetMeta:
+    """The run's dataset: ``data.path``'s, or a stream's (``data.stream``: its schema and
+    tables, no parts: :func:`hybridrec.data.stream.stream_meta`)."""
+    if cfg.data.stream:
+        return stream_meta(cfg.data.stream, cfg.model.tables, cfg.model.table_rows)
     if not cfg.data.path:
         raise ConfigError("data.path is not set: point it at a preprocessed dataset directory")
     return DatasetMeta.load(cfg.data.path)

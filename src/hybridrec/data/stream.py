@@ -1,0 +1,378 @@
+"""Training rows from raw files as they land in a directory (``data.stream=DIR``).
+
+A stream is a step source like :class:`~hybridrec.data.loader.ShardedLoader`, with no
+preprocessing pass: it reads Criteo TSV files (plain or ``.gz``) in *name order* as they
+appear, parses them with the preprocessing reader (:class:`~hybridrec.data.criteo.CriteoReader`)
+and turns each global batch into this rank's :class:`~hybridrec.sparse.keyed_jagged.Batch`.
+
+**When a file counts as landed.** The convention of object-store drops and of Hadoop's
+writers: a producer writes a file under a temporary name and renames it when it is complete.
+Names that begin with ``.``, ``_`` or ``~``, or end in ``.tmp``, ``.part``, ``.partial``,
+``._COPYING_``, ``.crdownload`` or ``.inprogress``, and ``*.json`` files, are never taken;
+any other regular file is a complete file. A file is fingerprinted (size, modification
+time, inode) when it is picked up; one that differs when its end is read, or when a resumed
+run reopens it, is refused in one line (a stream file must not change once it has landed).
+A file whose name sorts before one already picked up arrived out of order: it is skipped
+with a warning and listed in summary.json (``late``).
+
+**Ranks.** Global batch ``t`` is the stream's next ``G = batch_size * world`` rows and rank
+``r`` takes slice ``r`` of it (:func:`~hybridrec.data.loader.rank_slice`), as the dataset
+loader does: the ranks train disjoint rows and N ranks see what one process with batch G
+sees. Rank 0 alone looks at the directory and tells the others which file comes next (a
+broadcast of a few JSON bytes, never pickled); while it waits for a file the ranks meet
+every ``data.stream_poll_s``, so a quiet stream never trips a collective's timeout. Every
+rank parses each file (a simplification: the rows are split, the parsing is not).
+
+**Position.** The state is the list of files picked up, each with its fingerprint, landing
+time and rows trained; every file but the last is trained whole. A checkpoint saves the
+position after the last *trained* batch (the pipeline's rule), so a run killed at any moment
+and started again with the same command trains every row exactly once: it reopens the last
+file and skips the rows already trained (the same bad lines are skipped again). The last
+global batch before the stream stops may be partial; while the stream only waits, rows stay
+buffered until a full batch is there.
+
+**Ends** (``data.stream_stop``): ``idle:S`` once no new file has landed for S seconds (and
+every buffered row trained), ``files:N`` once N files have been picked up and trained in
+all (over every invocation), ``never``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from hybridrec.data.chunk import ParseReport, RowChunk
+from hybridrec.data.criteo import CATEGORICAL, DENSE, CriteoReader
+from hybridrec.data.loader import keyed_ids, rank_slice
+from hybridrec.data.schema import DatasetMeta, FeatureSpec, Schema
+from hybridrec.errors import ConfigError, DataError
+from hybridrec.sparse.keyed_jagged import Batch
+
+TEMP_SUFFIXES = (".tmp", ".part", ".partial", "._COPYING_", ".crdownload", ".inprogress")
+"""Names a producer writes under before the rename that lands a file."""
+
+
+def is_stream_file(name: str) -> bool:
+    """Whether a directory entry named ``name`` is a landed data file (not a temporary or
+    hidden file, not a JSON side file)."""
+    return not (name.startswith((".", "_", "~")) or name.endswith(TEMP_SUFFIXES) or name.endswith(".json"))
+
+
+@dataclass(frozen=True)
+class StreamStop:
+    """``data.stream_stop`` parsed."""
+    kind: str  # idle | files | never
+    value: float = 0.0
+
+    @staticmethod
+    def parse(text: str) -> StreamStop:
+        m = re.fullmatch(r"(idle|files):([0-9]+(?:\.[0-9]+)?)|never", text.strip())
+        if not m:
+            raise ConfigError(f"data.stream_stop {text!r}: idle:SECONDS, files:N or never")
+        return StreamStop("never") if text.strip() == "never" else StreamStop(m.group(1), float(m.group(2)))
+
+
+def stream_schema(num_embeddings: dict[str, int]) -> Schema:
+    """The schema of a Criteo stream: 13 dense columns, 26 one-hot features whose tables have
+    ``num_embeddings[name]`` rows."""
+    return Schema(label="label", dense=list(DENSE),
+                  features=[FeatureSpec(name=n, kind="onehot", num_embeddings=num_embeddings[n])
+                            for n in CATEGORICAL])
+
+
+def stream_meta(directory: str | os.PathLike, tables: str, table_rows: str) -> DatasetMeta:
+    """The :class:`DatasetMeta` a stream run builds its model from: no parts, the Criteo
+    schema with each table's rows (``model.table_rows`` plus the shared row 0), and a
+    ``preprocessing`` entry that says how raw keys become rows (``modulo``: ``key % rows``,
+    the preprocessing's own modulo encoding; ``dynamic``: the run's key maps)."""
+    from hybridrec.data.encode import resolve_table_sizes
+
+    sizes = resolve_table_sizes(table_rows, list(CATEGORICAL))
+    rows = {n: s + 1 for n, s in sizes.items()}
+    pre = {"categorical": "modulo" if tables == "modulo" else "dynamic", "table_size": rows,
+           "dense_transform": "log1p", "format": "criteo", "stream": str(directory)}
+    return DatasetMeta(path=None, schema=stream_schema(rows), parts=[], splits={"train": [], "eval": []},
+                       preprocessing=pre)
+
+
+def _fingerprint(path: Path) -> dict:
+    st = path.stat()
+    return {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "ino": st.st_ino}
+
+
+def agree(obj, group, *, device: torch.device | str = "cpu"):
+    """Rank 0's ``obj`` (JSON-able) on every rank of ``group`` (None: one process): its JSON
+    bytes broadcast as tensors (a length, then the bytes), nothing unpickled."""
+    if group is None:
+        return obj
+    if dist.get_rank(group) == 0:
+        data = json.dumps(obj).encode()
+        size = torch.tensor([len(data)], dtype=torch.int64, device=device)
+    else:
+        data, size = b"", torch.zeros(1, dtype=torch.int64, device=device)
+    dist.broadcast(size, group=group, group_src=0)
+    buf = (torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device) if data
+           else torch.empty(int(size.item()), dtype=torch.uint8, device=device))
+    dist.broadcast(buf, group=group, group_src=0)
+    return json.loads(bytes(buf.cpu().numpy()).decode()) if not data else obj
+
+
+class _Buffer:
+    """Parsed rows not trained yet: ``(file index, chunk, the chunk's first row in its file)``."""
+
+    def __init__(self) -> None:
+        self.items: list[list] = []
+        self.rows = 0
+
+    def add(self, index: int, chunk: RowChunk) -> None:
+        if len(chunk):
+            self.items.append([index, chunk])
+            self.rows += len(chunk)
+
+    def take(self, n: int) -> list[tuple[int, RowChunk]]:
+        out = []
+        while n > 0:
+            index, chunk = self.items[0]
+            if len(chunk) <= n:
+                out.append((index, chunk))
+                self.items.pop(0)
+                n -= len(chunk)
+                self.rows -= len(chunk)
+            else:
+                out.append((index, _rows(chunk, 0, n)))
+                self.items[0][1] = _rows(chunk, n, len(chunk))
+                self.rows -= n
+                n = 0
+        return out
+
+
+def _rows(chunk: RowChunk, lo: int, hi: int) -> RowChunk:
+    if chunk.multihot:
+        raise DataError("a stream of multi-hot features is not supported")
+    return RowChunk(labels=chunk.labels[lo:hi], dense=chunk.dense[lo:hi], onehot=chunk.onehot[lo:hi])
+
+
+def _concat(chunks: list[RowChunk]) -> RowChunk:
+    if len(chunks) == 1:
+        return chunks[0]
+    return RowChunk(labels=np.concatenate([c.labels for c in chunks]),
+                    dense=np.concatenate([c.dense for c in chunks]),
+                    onehot=np.concatenate([c.onehot for c in chunks]))
+
+
+class StreamLoader:
+    """This rank's batches of the stream in ``directory`` (see the module's docstring).
+
+    Args:
+        directory: the directory files land in.
+        schema: the stream's schema (:func:`stream_schema`).
+        encode: raw one-hot keys ``[n, features]`` (int64, -1 missing) -> the ids the
+            batch carries (int64); None: the raw keys themselves (dynamic tables map them).
+        batch_size, rank, world_size: as the dataset loader's.
+        stop: ``data.stream_stop``; poll_s: seconds between two looks while waiting.
+        group: the ranks' process group (None: one process); device: its collectives'.
+        on_bad_line: ``error`` or ``skip``.
+    """
+
+    def __init__(self, directory: str | os.PathLike, *, schema: Schema,
+                 encode: Callable[[np.ndarray], np.ndarray] | None, batch_size: int, rank: int = 0,
+                 world_size: int = 1, stop: str = "idle:60", poll_s: float = 1.0, group=None,
+                 device: torch.device | str = "cpu", on_bad_line: str = "error", show=None) -> None:
+        self.directory = Path(directory)
+        if not self.directory.is_dir():
+            raise DataError(f"data.stream {self.directory}: not a directory")
+        self.schema, self.encode = schema, encode
+        self.batch_size, self.rank, self.world_size = batch_size, rank, world_size
+        self.stop, self.poll_s = StreamStop.parse(stop), poll_s
+        self.group, self.device, self.on_bad_line = group, device, on_bad_line
+        self.reader = CriteoReader(on_bad_line=on_bad_line)
+        self.show = show if show is not None else (lambda msg: print(msg, file=sys.stderr, flush=True))
+        self.files: list[dict] = []  # every file picked up, in order (the state)
+        self.late: list[str] = []
+        self.waiting = 0  # files landed and not picked up yet, at the last look
+        self.rows_trained = 0  # in this invocation
+        self.stopped: str | None = None  # why the stream ended
+        self._chunks: Iterator | None = None
+        self._report: ParseReport | None = None
+        self._reading: int | None = None  # the index of the file being parsed
+        self._read = 0  # its good rows parsed so far
+        self._skip = 0  # its rows a resumed run trained already
+        self._buffer = _Buffer()
+        self._idle_since = time.time()
+
+    def __len__(self) -> int:
+        """Steps per epoch: a stream has no epochs (0; the stream ends the run)."""
+        return 0
+
+    # -- the state ---------------------------------------------------------------
+    def state_dict(self) -> dict:
+        return {"directory": str(self.directory), "files": [dict(f) for f in self.files], "late": list(self.late),
+                "global_batch_size": self.batch_size * self.world_size}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("directory") not in (None, str(self.directory)):
+            raise ConfigError(f"stream state: it trained on {state['directory']}, this run streams "
+                              f"{self.directory}")
+        self.files = [dict(f) for f in state.get("files", [])]
+        self.late = list(state.get("late", []))
+        self._chunks, self._reading, self._buffer = None, None, _Buffer()
+
+    @property
+    def files_done(self) -> int:
+        return sum(1 for f in self.files if f["done"])
+
+    def summary(self) -> dict:
+        rows = sum(int(f["rows"]) for f in self.files)
+        fresh = sorted(f["freshness_s"] for f in self.files if f.get("freshness_s") is not None)
+        return {"directory": str(self.directory), "rows": rows, "files_done": self.files_done,
+                "freshness_median_s": fresh[len(fresh) // 2] if fresh else None,
+                "files_waiting": self.waiting, "stopped": self.stopped, "late": list(self.late),
+                "files": [{k: f.get(k) for k in ("name", "rows", "bad_lines", "done", "landed", "freshness_s",
+                                                 "published_in")}
+                          for f in self.files]}
+
+    # -- batches -----------------------------------------------------------------
+    def __iter__(self) -> Iterator[Batch]:
+        g = self.batch_size * self.world_size
+        while True:
+            while self._buffer.rows < g and self.stopped is None:
+                if self._chunks is None and not self._open_next():
+                    break
+                item = next(self._chunks, None)
+                if item is None:
+                    self._end_of_file()
+                    continue
+                self._add(item[0])
+            if self._buffer.rows == 0:
+                return
+            if self._buffer.rows < g and self.stopped is None:
+                continue
+            yield self._batch(self._buffer.take(min(g, self._buffer.rows)))
+
+    def _add(self, chunk: RowChunk) -> None:
+        n = len(chunk)
+        if self._skip:  # rows a checkpoint says were trained
+            drop = min(self._skip, n)
+            self._skip -= drop
+            chunk = _rows(chunk, drop, n) if drop < n else None
+        self._read += n
+        if chunk is not None:
+            self._buffer.add(self._reading, chunk)
+
+    def _batch(self, pieces: list[tuple[int, RowChunk]]) -> Batch:
+        for index, chunk in pieces:
+            f = self.files[index]
+            f["rows"] += len(chunk)
+            if f.get("total") is not None and f["rows"] >= f["total"]:
+                f["done"] = True
+        whole = _concat([c for _, c in pieces])
+        self.rows_trained += len(whole)
+        lo, hi = rank_slice(len(whole), self.rank, self.world_size)
+        mine = _rows(whole, lo, hi)
+        ids = mine.onehot if self.encode is None else self.encode(mine.onehot)
+        return Batch(dense=torch.from_numpy(np.ascontiguousarray(mine.dense, dtype=np.float32)),
+                     sparse=keyed_ids(self.schema, ids, {}),
+                     labels=torch.from_numpy(mine.labels.astype(np.float32)))
+
+    # -- files ---------------------------------------------------------------------
+    def _open_next(self) -> bool:
+        """Open the next file to parse (a resumed run's unfinished one first); False: the
+        stream ended (``self.stopped`` says why)."""
+        unfinished = [i for i, f in enumerate(self.files) if not f.get("eof_read") and not f["done"]]
+        if unfinished and self._reading is None:
+            return self._open(unfinished[0], resume=True)
+        record = self._next_record()
+        if record is None:
+            return False
+        self.files.append({**record, "rows": 0, "done": False, "total": None, "bad_lines": 0})
+        return self._open(len(self.files) - 1, resume=False)
+
+    def _open(self, index: int, *, resume: bool) -> bool:
+        f = self.files[index]
+        path = self.directory / f["name"]
+        try:
+            now = _fingerprint(path)
+        except FileNotFoundError:
+            raise DataError(f"{path}: gone, but the stream has trained only {f['rows']:,} of its rows "
+                            "(a stream file must stay until it is trained)") from None
+        if any(now[k] != f[k] for k in ("size", "mtime_ns", "ino")):
+            raise DataError(f"{path}: changed after it was picked up (size {f['size']:,} -> {now['size']:,} "
+                            "bytes); a stream file must not change once it has landed")
+        self._reading, self._read, self._skip = index, 0, int(f["rows"]) if resume else 0
+        self._report = ParseReport()
+        self._chunks = self.reader.read(path, self._report)
+        return True
+
+    def _end_of_file(self) -> None:
+        f = self.files[self._reading]
+        path = self.directory / f["name"]
+        try:
+            now = _fingerprint(path)
+        except FileNotFoundError:
+            now = {}
+        if any(now.get(k) != f[k] for k in ("size", "mtime_ns", "ino")):
+            raise DataError(f"{path}: changed while it was read (size {f['size']:,} -> "
+                            f"{now.get('size', 0):,} bytes); a stream file must not change once it has landed")
+        f["total"] = self._read
+        f["bad_lines"] = self._report.bad_lines_skipped
+        f["eof_read"] = True
+        if self._report.bad_lines_skipped:
+            self.show(f"{path}: skipped {self._report.bad_lines_skipped:,} malformed line(s), e.g. "
+                      f"{self._report.bad_line_examples[0]}")
+        if f["rows"] >= f["total"]:
+            f["done"] = True
+        self._chunks, self._reading = None, None
+
+    def _next_record(self) -> dict | None:
+        """The next file to read, as rank 0 sees the directory (every rank gets its record),
+        waiting for one as ``data.stream_stop`` allows; None: the stream ended."""
+        while True:
+            decision = agree(self._look() if self.rank == 0 else None, self.group, device=self.device)
+            self.waiting = int(decision.get("waiting", 0))
+            if decision["what"] == "file":
+                self._idle_since = time.time()
+                return decision["file"]
+            if decision["what"] == "stop":
+                self.stopped = decision["why"]
+                return None
+            time.sleep(self.poll_s)
+
+    def _look(self) -> dict:
+        """Rank 0's decision: the next file, stop, or wait."""
+        if self.stop.kind == "files" and len(self.files) >= self.stop.value:
+            return {"what": "stop", "why": f"files:{int(self.stop.value)}"}
+        last = self.files[-1]["name"] if self.files else None
+        known = {f["name"] for f in self.files} | set(self.late)
+        try:
+            names = sorted(e.name for e in os.scandir(self.directory) if e.is_file() and is_stream_file(e.name))
+        except OSError as e:
+            raise DataError(f"data.stream {self.directory}: cannot list it ({e.strerror})") from None
+        for name in names:
+            if name not in known and last is not None and name < last:
+                warnings.warn(f"{self.directory / name}: landed after {last}, which sorts after it; "
+                              "skipped (a stream is read in name order)", stacklevel=2)
+                self.late.append(name)
+        fresh = [n for n in names if n not in known and (last is None or n > last)]
+        if fresh:
+            path = self.directory / fresh[0]
+            try:
+                st = path.stat()
+            except FileNotFoundError:
+                return {"what": "wait", "waiting": len(fresh) - 1}
+            record = {"name": fresh[0], "size": st.st_size, "mtime_ns": st.st_mtime_ns, "ino": st.st_ino,
+                      "landed": st.st_ctime}  # (a rename sets the ctime: when the file landed)
+            return {"what": "file", "file": record, "waiting": len(fresh) - 1}
+        if self.stop.kind == "idle" and time.time() - self._idle_since >= self.stop.value:
+            return {"what": "stop", "why": f"idle:{self.stop.value:g}"}
+        return {"what": "wait", "waiting": 0}

@@ -1,0 +1,371 @@
+"""A stream run's loop pieces: dynamic tables' key maps, the stream's steps, test-then-train
+metrics.
+
+**Dynamic tables** (``model.tables=dynamic``): the stream's batches carry raw 64-bit keys;
+:class:`DynamicTables` turns them into rows before the batch reaches the model (as
+:class:`MappedLoader`, between the stream and the pipeline, so a prefetched batch is mapped
+too), with one :class:`~hybridrec.sparse.keymap.KeyMap` per table. Each table's rows are split
+into ``SLOTS`` fixed slots and a key lives in the slot its hash names; rank ``r`` owns the
+slots ``s`` with ``s % world == r`` and holds their maps. A step's distinct keys travel to
+their owners (an all-to-all of keys and counts), each owner maps the union of every rank's
+keys of its slots (admitting, evicting), and the rows travel back (a second all-to-all). A
+slot is decided from its own keys only, so one process and N ranks map a global batch alike,
+and a checkpoint of the maps (rows-sized arrays) loads into any world size: the slots are
+only dealt out again. A row given to a new key (``fresh``) starts again: its embedding takes
+the key's own initial values (a hash of the key, so the same on every rank and world size)
+and its optimizer state its initial value, on every rank that holds the row (a shard, a
+replica). Rows a batch uses are never evicted in the next two steps (``protect_steps``), so
+the pipeline's batch taken ahead never takes a row the current step still updates.
+
+**Test-then-train** (:class:`Progressive`): the training step's forward is the batch's score
+before it is trained on; the last ``train.progressive_window`` samples' AUC and log loss are
+logged as ``progressive`` records of metrics.jsonl and reported in summary.json.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from collections import deque
+from typing import ClassVar
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from hybridrec.metrics.classification import auc, log_loss
+from hybridrec.sparse.keyed_jagged import Batch, KeyedJagged
+from hybridrec.sparse.keymap import KeyMap, key_slots
+from hybridrec.train.loop.parts import End, Part, StepSource
+
+SLOTS = 16
+"""Slots per dynamic table: the unit of ownership among ranks (a world size up to 16 owns
+some of every table's keys; more ranks leave some without)."""
+
+_MASK = (1 << 64) - 1
+
+
+def _mix(x: np.ndarray) -> np.ndarray:
+    """splitmix64's finaliser over uint64 (wrapping arithmetic)."""
+    x = x.astype(np.uint64)
+    with np.errstate(over="ignore"):
+        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        return x ^ (x >> np.uint64(31))
+
+
+def key_initial_values(keys: np.ndarray, table: str, dim: int, rows: int, seed: int) -> torch.Tensor:
+    """A fresh row's initial values for each of ``keys``: U(-sqrt(1/rows), sqrt(1/rows)) (the
+    tables' own initialisation) drawn from a hash of (seed, table, key, column), so every rank
+    and world size gives a key the same row values."""
+    a = math.sqrt(1.0 / rows)
+    base = np.uint64((seed * 1_000_003 + zlib.crc32(table.encode())) & _MASK)
+    with np.errstate(over="ignore"):
+        k = _mix(keys.astype(np.int64).view(np.uint64) ^ base)
+        cells = _mix(k[:, None] + np.arange(1, dim + 1, dtype=np.uint64)[None, :] * np.uint64(0x9E3779B97F4A7C15))
+    unit = (cells >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))
+    return torch.from_numpy(((2.0 * unit - 1.0) * a).astype(np.float32))
+
+
+class DynamicTables:
+    """The run's key maps (component ``keymaps``): raw keys of a batch -> rows, fresh rows
+    reset where they are held (see the module's docstring).
+
+    Args:
+        rows: each feature's table rows (the shared row 0 included).
+        model_sparse: the model's embedding collection (local, sharded); sparse_opt: its
+            sparse optimizers (their per-row state is reset with a fresh row).
+        topo: the run's topology (``group``: the ranks that share the tables).
+    """
+
+    def __init__(self, rows: dict[str, int], *, admit_after: int, evict: str, ttl_steps: int, seed: int,
+                 model_sparse, sparse_opt, topo, dims: dict[str, int]) -> None:
+        self.features = list(rows)
+        self.rows, self.dims, self.seed = dict(rows), dict(dims), seed
+        self.maps = {f: KeyMap(rows[f], slots=min(SLOTS, rows[f] - 1), admit_after=admit_after, evict=evict,
+                               ttl_steps=ttl_steps) for f in self.features}
+        self.sparse, self.sparse_opt, self.topo = model_sparse, sparse_opt, topo
+        self.world = topo.group_size if topo is not None else 1
+        self.rank = topo.rank if topo is not None else 0
+        self.group = topo.group if topo is not None and self.world > 1 else None
+        self._own()
+        self.step = 0  # batches mapped
+        self.fresh_rows = 0
+
+    def _own(self) -> None:
+        if self.world > 1:
+            for m in self.maps.values():
+                m.owned(np.arange(self.rank, m.slots, self.world))
+
+    # -- the component -------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """Every table's whole map (on every rank: the ranks' slots merged), and the step."""
+        states = {f: m.state_dict() for f, m in self.maps.items()}
+        if self.group is not None:
+            gathered = [None] * self.world
+            dist.all_gather_object(gathered, states, group=self.group)
+            states = {f: KeyMap.merge_states([g[f] for g in gathered]) for f in self.features}
+        return {"step": self.step, "tables": states}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step = int(state["step"])
+        for f, m in self.maps.items():
+            m.load_state_dict(state["tables"][f])
+        self._own()
+
+    def stats(self) -> dict:
+        per = {f: m.stats() for f, m in self.maps.items()}
+        total = {k: sum(int(s[k]) for s in per.values()) for k in ("live", "admitted", "evicted")}
+        if self.group is not None:  # (each rank counts its own slots)
+            t = torch.tensor([total["live"], total["admitted"], total["evicted"]], dtype=torch.int64)
+            dist.all_reduce(t, group=self.group)
+            total = dict(zip(("live", "admitted", "evicted"), t.tolist(), strict=True))
+        return {**total, "fresh_rows": self.fresh_rows, "tables": per if self.group is None else None}
+
+    # -- a batch ---------------------------------------------------------------------
+    def map_batch(self, batch: Batch) -> Batch:
+        """``batch`` with its raw keys replaced by rows (a collective with several ranks)."""
+        kjt = batch.sparse
+        keys = kjt.values.numpy()
+        per_key = kjt.length_per_key()
+        bounds = np.concatenate([[0], np.cumsum(per_key)]).astype(np.int64)
+        uniques, inverses, counts = [], [], []
+        for i in range(len(self.features)):
+            seg = keys[bounds[i]:bounds[i + 1]]
+            u, inv, c = np.unique(seg, return_inverse=True, return_counts=True)
+            uniques.append(u)
+            inverses.append(inv)
+            counts.append(c.astype(np.int64))
+        if self.group is None:
+            rows, fresh = self._lookup_all(uniques, counts)
+        else:
+            rows, fresh = self._exchange(uniques, counts)
+        out = np.empty_like(keys)
+        for i in range(len(self.features)):
+            out[bounds[i]:bounds[i + 1]] = rows[i][inverses[i]]
+        self._reset(fresh)
+        self.step += 1
+        mapped = KeyedJagged(kjt.keys, torch.from_numpy(out), kjt.lengths, length_per_key=list(per_key),
+                             one_id_per_bag=kjt.one_id_per_bag())
+        return Batch(batch.dense, mapped, batch.labels)
+
+    def _lookup(self, i: int, keys: np.ndarray, counts: np.ndarray):
+        """Table ``i``'s rows of ``keys``, and its fresh ``(rows, their keys)`` (None: none)."""
+        res = self.maps[self.features[i]].lookup(keys, counts, self.step)
+        if not len(res.fresh):
+            return res.rows, None
+        got = np.isin(res.rows, res.fresh) & (res.rows != 0)  # (a fresh row has one key)
+        return res.rows, (res.rows[got], keys[got])
+
+    def _lookup_all(self, uniques, counts):
+        rows, fresh = [], []
+        for i, (u, c) in enumerate(zip(uniques, counts, strict=True)):
+            r, f = self._lookup(i, u, c)
+            rows.append(r)
+            if f is not None:
+                fresh.append((i, *f))
+        return rows, fresh
+
+    def _exchange(self, uniques, counts):
+        """Keys to their slots' owners, rows back; every owner's fresh rows to every rank."""
+        w, nf = self.world, len(self.features)
+        dest = [key_slots(u, self.maps[self.features[i]].slots) % w for i, u in enumerate(uniques)]
+        order = [np.argsort(d, kind="stable") for d in dest]
+        send_counts = np.zeros((w, nf), dtype=np.int64)
+        for i, d in enumerate(dest):
+            send_counts[:, i] = np.bincount(d, minlength=w)
+        # the send buffer: destination-major, then feature; each (key, count)
+        pieces = []
+        starts = [np.concatenate([[0], np.cumsum(send_counts[:, i])]) for i in range(nf)]
+        for r in range(w):
+            for i in range(nf):
+                idx = order[i][starts[i][r]:starts[i][r + 1]]
+                pieces.append(np.stack([uniques[i][idx], counts[i][idx]], axis=1))
+        send = torch.from_numpy(np.concatenate(pieces).reshape(-1, 2)) if pieces else torch.zeros(0, 2, dtype=torch.int64)
+        recv_counts = torch.empty(w * nf, dtype=torch.int64)
+        dist.all_to_all_single(recv_counts, torch.from_numpy(send_counts.reshape(-1).copy()), group=self.group)
+        recv_counts = recv_counts.numpy().reshape(w, nf)
+        out_split, in_split = send_counts.sum(1).tolist(), recv_counts.sum(1).tolist()
+        recv = torch.empty(int(sum(in_split)), 2, dtype=torch.int64)
+        dist.all_to_all_single(recv, send.contiguous(), in_split, out_split, group=self.group)
+        got = recv.numpy()
+        # owner: each feature's received keys, every source's, mapped as one union
+        at = np.concatenate([[0], np.cumsum(recv_counts.reshape(-1))])
+        reply = np.empty(len(got), dtype=np.int64)
+        fresh = []
+        for i in range(nf):
+            idx = np.concatenate([np.arange(at[r * nf + i], at[r * nf + i + 1]) for r in range(w)])
+            if not len(idx):
+                continue
+            u, inv = np.unique(got[idx, 0], return_inverse=True)
+            c = np.bincount(inv, weights=got[idx, 1], minlength=len(u)).astype(np.int64)
+            rows, f = self._lookup(i, u, c)
+            reply[idx] = rows[inv]
+            if f is not None:
+                fresh.append((i, *f))
+        back = torch.empty(int(sum(out_split)), dtype=torch.int64)
+        dist.all_to_all_single(back, torch.from_numpy(reply), out_split, in_split, group=self.group)
+        back = back.numpy()
+        rows = [np.empty(len(u), dtype=np.int64) for u in uniques]
+        pos = 0
+        for r in range(w):
+            for i in range(nf):
+                idx = order[i][starts[i][r]:starts[i][r + 1]]
+                rows[i][idx] = back[pos:pos + len(idx)]
+                pos += len(idx)
+        return rows, self._all_fresh(fresh)
+
+    def _all_fresh(self, fresh):
+        """Every owner's fresh (feature, row, key) triples, on every rank."""
+        mine = (np.concatenate([np.stack([np.full(len(r), i), r, k], axis=1) for i, r, k in fresh])
+                if fresh else np.zeros((0, 3), dtype=np.int64)).astype(np.int64)
+        size = torch.tensor([len(mine)], dtype=torch.int64)
+        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world)]
+        dist.all_gather(sizes, size, group=self.group)
+        most = max(int(s.item()) for s in sizes)
+        if most == 0:
+            return []
+        padded = torch.zeros(most, 3, dtype=torch.int64)
+        padded[: len(mine)] = torch.from_numpy(mine)
+        parts = [torch.empty(most, 3, dtype=torch.int64) for _ in range(self.world)]
+        dist.all_gather(parts, padded, group=self.group)
+        every = np.concatenate([p.numpy()[: int(s.item())] for p, s in zip(parts, sizes, strict=True)])
+        return [(i, every[every[:, 0] == i, 1], every[every[:, 0] == i, 2]) for i in np.unique(every[:, 0])]
+
+    def _reset(self, fresh) -> None:
+        """Fresh rows start again wherever they are held: the key's initial values, the
+        optimizer's initial per-row state."""
+        if not fresh:
+            return
+        by_table = {self.features[int(i)]: (rows, keys) for i, rows, keys in fresh}
+        self.fresh_rows += sum(len(r) for r, _ in by_table.values())
+        optimizers = getattr(self.sparse_opt, "optimizers", {})
+        with torch.no_grad():
+            for name, coll in self.sparse.updated_collections().items():
+                opt = optimizers.get(name)
+                for local in coll.tables:
+                    table = local.partition("@")[0]
+                    if table not in by_table:
+                        continue
+                    rows, keys = by_table[table]
+                    held = self.sparse.shard_of(local)
+                    (r0, r1), (c0, c1) = ((0, self.rows[table]), (0, self.dims[table])) if held is None else \
+                        (held[0].rows, held[0].cols)
+                    sel = (rows >= r0) & (rows < r1)
+                    if not sel.any():
+                        continue
+                    local_rows = torch.from_numpy(rows[sel] - r0)
+                    values = key_initial_values(keys[sel], table, self.dims[table], self.rows[table], self.seed)
+                    g, start, _ = coll.table_slice(local)
+                    weight = coll.group_weight(g)
+                    weight[start + local_rows] = values[:, c0:c1].to(weight.dtype)
+                    if opt is not None:
+                        initial = float(getattr(opt, "initial_accumulator", 0.0))
+                        for key, state in opt.row_state(g).items():
+                            state[start + local_rows] = initial if key == "sum" else 0
+
+
+class MappedLoader:
+    """The stream's batches with their raw keys mapped to rows (:class:`DynamicTables`);
+    the position is the stream's."""
+
+    def __init__(self, stream, tables: DynamicTables) -> None:
+        self.stream, self.tables = stream, tables
+
+    def __iter__(self):
+        for batch in self.stream:
+            yield self.tables.map_batch(batch)
+
+    def state_dict(self) -> dict:
+        return self.stream.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.stream.load_state_dict(state)
+
+
+class StreamSteps(StepSource):
+    """A stream's steps: one pass over the stream (it ends them), one step per batch; the
+    stream's files and rows, and the dynamic tables' counts, in the summary."""
+
+    absent: ClassVar[dict] = {"stream": None, "dynamic_tables": None}
+
+    def __init__(self, pipeline, stream, tables: DynamicTables | None) -> None:
+        super().__init__(pipeline)
+        self.stream, self.tables = stream, tables
+
+    def steps(self, loop):
+        for batch, pending in self.pipeline.batches(loop.total_steps - loop.step):
+            loss = loop.train_step(batch, pending)
+            yield loss, batch.batch_size * loop.topo.job_size
+
+    def status(self) -> str:
+        """The progress line's stream fields: files trained, files waiting (the lag)."""
+        return f"files {self.stream.files_done:,} done, {self.stream.waiting:,} waiting"
+
+    def finish(self, loop, end: End) -> None:
+        super().finish(loop, end)
+        self._stats = self.tables.stats() if self.tables is not None else None  # (a collective: every rank)
+
+    def summary(self) -> dict:
+        return {"stream": self.stream.summary(), "dynamic_tables": getattr(self, "_stats", None)}
+
+
+class Progressive(Part):
+    """Test-then-train metrics over a sliding window (see the module's docstring)."""
+
+    absent: ClassVar[dict] = {"progressive": None}
+
+    def __init__(self, window: int, *, log_every: int, logger, topo) -> None:
+        self.window, self.log_every, self.logger, self.topo = window, log_every, logger, topo
+        per_rank = max(1, window // max(1, topo.job_size if topo is not None else 1))
+        self.probs: deque = deque()
+        self.labels: deque = deque()
+        self.kept, self.per_rank = 0, per_rank
+        self.samples = 0
+        self.last: dict | None = None
+
+    def start(self, loop) -> None:
+        loop.scores = self.add
+
+    def add(self, logits: torch.Tensor, labels: torch.Tensor) -> None:
+        p = torch.sigmoid(logits.detach().float()).cpu().numpy().reshape(-1)
+        y = labels.detach().cpu().numpy().reshape(-1)
+        self.probs.append(p)
+        self.labels.append(y)
+        self.kept += len(p)
+        self.samples += len(p)
+        while self.kept - len(self.probs[0]) >= self.per_rank:
+            self.kept -= len(self.probs.popleft())
+            self.labels.popleft()
+
+    def compute(self) -> dict:
+        p = np.concatenate(self.probs) if self.probs else np.zeros(0, np.float32)
+        y = np.concatenate(self.labels) if self.labels else np.zeros(0, np.float32)
+        if self.topo is not None and self.topo.job_size > 1:
+            parts = [None] * self.topo.job_size
+            dist.all_gather_object(parts, (p, y), group=self.topo.run_group)
+            p = np.concatenate([a for a, _ in parts])
+            y = np.concatenate([b for _, b in parts])
+        both = len(y) and 0 < y.sum() < len(y)
+        return {"progressive_auc": float(auc(y, p)) if both else float("nan"),
+                "progressive_logloss": float(log_loss(y, p)) if len(y) else float("nan"),
+                "progressive_samples": int(len(y))}
+
+    def after_step(self, loop, done) -> None:
+        if self.log_every and done.step % self.log_every == 0:
+            self._log(done.step)
+
+    def finish(self, loop, end: End) -> None:
+        if end.trained:
+            self._log(loop.step)
+
+    def _log(self, step: int) -> None:
+        self.last = self.compute()
+        if self.logger is not None:
+            self.logger.log(step, self.last, split="progressive")
+
+    def summary(self) -> dict:
+        if self.last is None:
+            return {"progressive": None}
+        return {"progressive": {"auc": self.last["progressive_auc"], "logloss": self.last["progressive_logloss"],
+                                "window": self.window, "samples": self.samples}}
