@@ -21,7 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from synth_data import synth_dataset
+from synth_data import synth_dataset, synth_stream
 
 from hybridrec.cli.main import DEBUG_ENV, main
 
@@ -92,6 +92,19 @@ def shared_dataset(_shared) -> Callable[..., Path]:
         return _shared.get(("data", days, rows, tuple(synth), tuple(preprocess)),
                            lambda where: synth_dataset(where, days=days, rows=rows, synth=tuple(synth),
                                                        preprocess=tuple(preprocess)))
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def shared_stream(_shared) -> Callable[..., Path]:
+    """``shared_stream(hours=, rows=, options=())``: a directory of ``hours`` landed hour files
+    of a drifting stream (``data synth --stream``), made once per shape. Read-only: a test
+    that lands files itself copies them into its own directory."""
+
+    def get(*, hours: int = 3, rows: int = 1000, options: tuple[str, ...] = ()) -> Path:
+        return _shared.get(("stream", hours, rows, tuple(options)),
+                           lambda where: synth_stream(where, hours=hours, rows=rows, options=tuple(options)))
 
     return get
 

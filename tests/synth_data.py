@@ -19,3 +19,13 @@ def synth_dataset(root: Path, *, days: int, rows: int, synth: tuple[str, ...] = 
     assert main(["data", "preprocess", *sorted(str(p) for p in (root / "raw").glob("day_*")),
                  "--out", str(root / "data"), *preprocess]) == 0
     return root / "data"
+
+
+def synth_stream(root: Path, *, hours: int, rows: int, options: tuple[str, ...] = ()) -> Path:
+    """``hours`` hour files of a drifting stream of ``rows`` rows each under ``root/stream``
+    (``data synth --stream``; ``options``: more of its flags); returns the directory."""
+    from hybridrec.cli.main import main
+
+    assert main(["data", "synth", "--stream", "--out", str(root / "stream"), "--hours", str(hours),
+                 "--rows-per-hour", str(rows), *options]) == 0
+    return root / "stream"

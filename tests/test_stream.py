@@ -1,0 +1,267 @@
+"""Training on a stream (``data.stream``): the stream loader, dynamic tables' key maps,
+test-then-train metrics, publishing, exactly-once across kills."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from hybridrec.cli.main import main
+from hybridrec.data.chunk import ParseReport
+from hybridrec.data.criteo import CriteoReader
+from hybridrec.data.stream import StreamLoader, is_stream_file, stream_meta
+from hybridrec.errors import ConfigError, DataError
+from hybridrec.model.embedding import EmbeddingBagCollection
+from hybridrec.train.build import build_tables
+from hybridrec.train.loop.sparse_optim import combined_sparse_optimizer
+from hybridrec.train.loop.stream import DynamicTables, key_initial_values
+from hybridrec.train.setup.config import build_config
+
+
+def _lines(path: Path) -> int:
+    return sum(1 for _ in open(path, "rb"))
+
+
+def _copy_hours(src: Path, dst: Path, names: list[str] | None = None) -> Path:
+    dst.mkdir(parents=True, exist_ok=True)
+    for p in sorted(src.glob("hour_*.tsv")):
+        if names is None or p.name in names:
+            shutil.copyfile(p, dst / f".{p.name}.tmp")
+            os.replace(dst / f".{p.name}.tmp", dst / p.name)  # (landed: renamed into place)
+    return dst
+
+
+def _loader(directory: Path, **kw) -> StreamLoader:
+    meta = stream_meta(directory, "dynamic", "1000")
+    args = {"schema": meta.schema, "encode": None, "batch_size": 128, "stop": "idle:0", "poll_s": 0.01,
+            **kw}
+    return StreamLoader(directory, **args)
+
+
+def _label_sums(directory: Path) -> dict[str, float]:
+    out = {}
+    for p in sorted(directory.glob("hour_*.tsv")):
+        out[p.name] = float(sum(c.labels.sum() for c, _ in CriteoReader().read(p, ParseReport())))
+    return out
+
+
+def test_names_that_are_not_landed_files():
+    assert is_stream_file("hour_0001.tsv") and is_stream_file("day_0.gz") and is_stream_file("part-0001")
+    for name in (".hour_0001.tsv.tmp", "hour_0001.tsv.tmp", "x.part", "_SUCCESS", "stream.json",
+                 "f._COPYING_", "~lock"):
+        assert not is_stream_file(name), name
+
+
+def test_every_row_once_in_name_order_and_resume_exact(shared_stream, tmp_path):
+    src = shared_stream(hours=3, rows=1000)
+    d = _copy_hours(src, tmp_path / "s")
+    (d / ".hour_0009.tsv.tmp").write_text("not landed yet\n")  # a producer's file being written
+    loader = _loader(d)
+    batches = list(loader)
+    assert sum(b.batch_size for b in batches) == 3000
+    assert [b.batch_size for b in batches[:-1]] == [128] * (len(batches) - 1)  # (the last one partial)
+    assert [f["name"] for f in loader.files] == ["hour_0000.tsv", "hour_0001.tsv", "hour_0002.tsv"]
+    assert all(f["done"] and f["rows"] == 1000 for f in loader.files)
+    assert loader.stopped == "idle:0"
+    labels = torch.cat([b.labels for b in batches])
+    sums = _label_sums(d)
+    assert float(labels.sum()) == pytest.approx(sum(sums.values()))
+
+    # stop after 9 batches (mid second file), resume a new loader from the state
+    first = _loader(d)
+    it = iter(first)
+    head = [next(it) for _ in range(9)]
+    state = json.loads(json.dumps(first.state_dict()))  # (what a checkpoint keeps: JSON-able)
+    assert [f["rows"] for f in state["files"]] == [1000, 152]
+    second = _loader(d)
+    second.load_state_dict(state)
+    tail = list(second)
+    got = torch.cat([b.labels for b in head + tail])
+    assert torch.equal(got, labels)  # every row once, in the same order
+    assert torch.equal(torch.cat([b.dense for b in head + tail]), torch.cat([b.dense for b in batches]))
+
+
+def test_files_stop_and_late_files(shared_stream, tmp_path):
+    src = shared_stream(hours=3, rows=1000)
+    d = _copy_hours(src, tmp_path / "s", ["hour_0001.tsv", "hour_0002.tsv"])
+    loader = _loader(d, stop="files:1")
+    assert sum(b.batch_size for b in loader) == 1000
+    assert loader.stopped == "files:1" and [f["name"] for f in loader.files] == ["hour_0001.tsv"]
+    _copy_hours(src, d, ["hour_0000.tsv"])  # lands after hour_0001 was taken: out of order
+    later = _loader(d, stop="files:2")
+    later.load_state_dict(loader.state_dict())
+    with pytest.warns(UserWarning, match="hour_0000.tsv: landed after hour_0001.tsv"):
+        assert sum(b.batch_size for b in later) == 1000
+    assert later.late == ["hour_0000.tsv"] and [f["name"] for f in later.files] == ["hour_0001.tsv", "hour_0002.tsv"]
+
+
+def test_a_file_that_changes_after_landing_is_refused(shared_stream, tmp_path):
+    src = shared_stream(hours=3, rows=1000)
+    d = _copy_hours(src, tmp_path / "s", ["hour_0000.tsv"])
+    loader = _loader(d)
+    it = iter(loader)
+    next(it)
+    state = loader.state_dict()
+    with open(d / "hour_0000.tsv", "ab") as f:  # a producer that appends after the rename
+        f.write(b"0\t" + b"\t" * 38 + b"\n")
+    with pytest.raises(DataError, match=r"hour_0000.tsv: changed (while it was read|after it was picked up)"):
+        list(it)
+    again = _loader(d)
+    again.load_state_dict(state)
+    with pytest.raises(DataError, match="hour_0000.tsv: changed after it was picked up"):
+        list(again)
+
+
+def test_bad_lines_error_or_skip(shared_stream, tmp_path):
+    src = shared_stream(hours=3, rows=1000)
+    d = tmp_path / "s"
+    d.mkdir()
+    lines = (src / "hour_0000.tsv").read_bytes().splitlines(keepends=True)
+    lines[5] = b"1\tnot-a-number" + b"\t" * 38 + b"\n"
+    (d / "hour_0000.tsv").write_bytes(b"".join(lines[:300]))
+    with pytest.raises(DataError, match=r"hour_0000.tsv:6:"):
+        list(_loader(d))
+    skip = _loader(d, on_bad_line="skip", show=lambda msg: None)
+    assert sum(b.batch_size for b in skip) == 299
+    assert skip.files[0]["bad_lines"] == 1 and skip.files[0]["rows"] == 299
+
+
+def test_a_stream_option_without_its_tables_is_refused():
+    with pytest.raises(ConfigError, match="model.tables=dynamic"):
+        build_config(overrides=["data.stream=/x"])
+    with pytest.raises(ConfigError, match="needs data.stream"):
+        build_config(overrides=["data.path=/x", "model.tables=dynamic"])
+    with pytest.raises(ConfigError, match="data.stream_stop"):
+        build_config(overrides=["data.stream=/x", "model.tables=modulo", "data.stream_stop=soon"])
+    with pytest.raises(ConfigError, match="no held-out split"):
+        build_config(overrides=["data.stream=/x", "model.tables=modulo", "train.eval_every=10"])
+
+
+def _dynamic(rows: int = 1001):
+    cfg = build_config(overrides=["data.stream=/x", "model.tables=dynamic", f"model.table_rows={rows - 1}"])
+    meta = stream_meta("/x", "dynamic", str(rows - 1))
+    tables = build_tables(meta, cfg)
+    ebc = EmbeddingBagCollection(tables, seed=0)
+    opt = combined_sparse_optimizer("rowwise_adagrad", ebc, lr=0.1)
+    dyn = DynamicTables({t.name: t.num_embeddings for t in tables}, admit_after=1, evict="lru", ttl_steps=0,
+                        seed=0, model_sparse=ebc, sparse_opt=opt, topo=None,
+                        dims={t.name: t.embedding_dim for t in tables})
+    return dyn, ebc, opt
+
+
+def test_dynamic_tables_map_keys_to_their_own_rows_and_reset_fresh_rows(shared_stream, tmp_path):
+    dyn, ebc, opt = _dynamic()
+    batch = next(iter(_loader(shared_stream(hours=3, rows=1000), batch_size=64)))
+    raw = batch.sparse.values.clone()
+    weight = ebc.table_weight("C3")
+    group, start, n = ebc.table_slice("C3")
+    acc = opt.optimizers["tables"].row_state(group)["sum"][start:start + n]  # (C3's rows of its fused group)
+    weight.data.fill_(7.0)
+    acc.fill_(3.0)
+    mapped = dyn.map_batch(batch)
+    ids, keys = mapped.sparse.values.numpy(), raw.numpy()
+    for f in range(26):
+        k, r = keys[f * 64:(f + 1) * 64], ids[f * 64:(f + 1) * 64]
+        pairs = set(zip(k.tolist(), r.tolist(), strict=True))
+        live = {(a, b) for a, b in pairs if a >= 0}
+        assert all(b > 0 for _, b in live)  # (room for every key: each admitted at its first sight)
+        assert len({a for a, _ in live}) == len({b for _, b in live})  # collisionless: a row per key
+        assert all(b == 0 for a, b in pairs if a < 0)  # missing -> the shared row
+    c3 = slice(2 * 64, 3 * 64)
+    rows, k3 = ids[c3], keys[c3]
+    got = weight[torch.from_numpy(rows[rows > 0])]
+    want = key_initial_values(k3[rows > 0], "C3", 16, 1001, 0)
+    assert torch.equal(got, want)  # a fresh row: the key's own initial values
+    assert torch.all(acc[torch.from_numpy(rows[rows > 0])] == 0) and acc[0] == 3.0  # its optimizer state reset
+    again = dyn.map_batch(batch)  # the same keys again: the same rows, nothing fresh
+    assert torch.equal(again.sparse.values, mapped.sparse.values)
+    state = dyn.state_dict()
+    other, _, _ = _dynamic()
+    other.load_state_dict(state)
+    assert torch.equal(other.map_batch(batch).sparse.values, mapped.sparse.values)
+
+
+def _train(args: list[str]) -> dict:
+    assert main(["train", *args]) == 0
+    run = Path(next(a.split("=", 1)[1] for a in args if a.startswith("train.run_dir=")))
+    return json.loads((run / "summary.json").read_text())
+
+
+STREAM_ARGS = ["model.tables=dynamic", "model.table_rows=3000", "data.batch_size=128", "train.progress=false",
+               "data.stream_stop=idle:0", "data.stream_poll_s=0.05", "train.threads=1", "train.log_every=5",
+               "train.progressive_window=2000", "model.bottom_mlp=32,16", "model.top_mlp=32,1"]
+
+
+@pytest.mark.slow
+def test_train_on_a_stream_publish_and_predict(shared_stream, tmp_path):
+    d = shared_stream(hours=3, rows=1000)
+    run = tmp_path / "run"
+    s = _train([f"data.stream={d}", f"train.run_dir={run}", "train.publish_every=10", *STREAM_ARGS])
+    assert [f["rows"] for f in s["stream"]["files"]] == [_lines(p) for p in sorted(d.glob("hour_*.tsv"))]
+    assert s["stream"]["rows"] == 3000 and s["step"] == 24  # ceil(3000 / 128)
+    assert 0.0 < s["progressive"]["auc"] < 1.0 and 0.0 < s["progressive"]["logloss"] < 10.0
+    assert s["progressive"]["samples"] == 3000
+    assert s["dynamic_tables"]["live"] > 0 and s["dynamic_tables"]["evicted"] >= 0
+    records = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert any(r["split"] == "progressive" and r.get("progressive_auc") is not None for r in records)
+    # published every 10 steps and at the end; LATEST names the newest; freshness per file
+    assert (run / "published" / "LATEST").read_text().strip() == "v3"
+    assert s["published"]["versions"] == 3
+    assert all(f["freshness_s"] is not None for f in s["stream"]["files"])
+    info = json.loads((run / "published" / "v3" / "published.json").read_text())
+    assert info["trained_step"] == 24 and [f["rows"] for f in info["files"]] == [1000, 1000, 1000]
+    # predict and the export's score.py map raw keys as training did
+    out = tmp_path / "p.csv"
+    assert main(["predict", str(run), str(d / "hour_0002.tsv"), "--out", str(out)]) == 0
+    p = np.loadtxt(out, skiprows=1)
+    art = run / "published" / "v3"
+    subprocess.run([sys.executable, str(art / "score.py"), str(d / "hour_0002.tsv"), str(tmp_path / "q.csv")],
+                   capture_output=True, text=True, check=True, cwd=art)
+    q = np.loadtxt(tmp_path / "q.csv", skiprows=1)
+    assert p.shape == (1000,) and np.allclose(p, q, atol=1e-5)
+    # the same command again: the stream's files are trained, nothing more to do
+    again = _train([f"data.stream={d}", f"train.run_dir={run}", "train.publish_every=10", *STREAM_ARGS])
+    assert again["stream"]["rows"] == 3000 and again["step"] == 24
+
+
+def _kill_during(cmd: list[str], run: Path, env: dict, after_step: int) -> None:
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.time() + 240
+    try:
+        while time.time() < deadline and proc.poll() is None:
+            ckpts = sorted((run / "checkpoints").glob("step-*")) if (run / "checkpoints").is_dir() else []
+            if ckpts and int(ckpts[-1].name.split("-")[1].split(".")[0]) >= after_step:
+                break
+            time.sleep(0.1)
+        assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
+        os.kill(proc.pid, signal.SIGKILL)
+    finally:
+        proc.wait()
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_killed_and_started_again_trains_every_row_once(shared_stream, tmp_path, nproc):
+    d = shared_stream(hours=3, rows=1000)
+    run = tmp_path / "run"
+    args = [f"data.stream={d}", f"train.run_dir={run}", "train.checkpoint_every=3", f"dist.nproc={nproc}",
+            *STREAM_ARGS]
+    args = [a.replace("data.batch_size=128", f"data.batch_size={128 // nproc}") for a in args]
+    cmd = [sys.executable, "-m", "hybridrec", "train", *args, "data.stream_stop=idle:30"]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    _kill_during(cmd, run, env, after_step=6)
+    s = _train([*args, "data.stream_stop=idle:0"])
+    assert [f["rows"] for f in s["stream"]["files"]] == [1000, 1000, 1000]
+    assert s["stream"]["rows"] == 3000 and s["step"] == 24
+    assert s["run"]["samples"] == 3000 and s["run"]["invocations"] == 2  # (the rows the checkpoints count)
