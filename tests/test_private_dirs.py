@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from hybridrec.train.checkpointing import recovery
+from hybridrec.train.checkpointing import snapshots
 
 
 @pytest.fixture
@@ -20,7 +20,7 @@ def shm(tmp_path, monkeypatch):
     d = tmp_path / "shm"
     d.mkdir()
     d.chmod(0o1777)
-    monkeypatch.setattr(recovery, "SHM", d)
+    monkeypatch.setattr(snapshots, "SHM", d)
     return d
 
 
@@ -31,8 +31,8 @@ def _mode(p: Path) -> int:
 def _launch(run: Path, capsys) -> tuple[Path | None, str | None, list[str]]:
     """What the launcher's context gives: the directory, the ranks' view of it, its warnings."""
     capsys.readouterr()
-    with recovery.fast_snapshots(run) as d:
-        seen = None if d is None else str(recovery.usable_fast_dir(d))
+    with snapshots.fast_snapshots(run) as d:
+        seen = None if d is None else str(snapshots.usable_fast_dir(d))
         if d is not None:
             assert _mode(d) == 0o700 and os.lstat(d).st_uid == os.getuid()
     return d, seen, capsys.readouterr().err.splitlines()
@@ -40,7 +40,7 @@ def _launch(run: Path, capsys) -> tuple[Path | None, str | None, list[str]]:
 
 def _their_dir(shm: Path, run: Path) -> Path:
     """The name the launcher would use for ``run`` (made by the test, as another user would)."""
-    with recovery.fast_snapshots(run) as d:
+    with snapshots.fast_snapshots(run) as d:
         pass
     assert d is not None and not d.exists()  # (gone at the end)
     return d
@@ -113,7 +113,7 @@ def test_its_own_0700_directory_is_taken_again(shm, tmp_path, capsys):
 
 
 def test_no_writable_shm_is_no_warning(tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(recovery, "SHM", tmp_path / "absent")
+    monkeypatch.setattr(snapshots, "SHM", tmp_path / "absent")
     got, _, err = _launch(tmp_path / "run", capsys)
     assert got is None and err == []
 
@@ -122,10 +122,10 @@ def test_the_ranks_ignore_a_directory_handed_to_them_that_is_open_to_others(tmp_
     d = tmp_path / "fast"
     d.mkdir()
     d.chmod(0o777)
-    assert recovery.usable_fast_dir(d) is None  # (their snapshots and shards stay in the run directory)
-    assert recovery.usable_fast_dir(None) is None
+    assert snapshots.usable_fast_dir(d) is None  # (their snapshots and shards stay in the run directory)
+    assert snapshots.usable_fast_dir(None) is None
     d.chmod(0o700)
-    assert recovery.usable_fast_dir(str(d)) == d
+    assert snapshots.usable_fast_dir(str(d)) == d
 
 
 @pytest.mark.skipif(not os.access("/dev/shm", os.W_OK), reason="no writable /dev/shm")

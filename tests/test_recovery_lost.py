@@ -168,7 +168,8 @@ def test_a_fallback_makes_the_rank_recover_fully(tmp_path, capsys):
     run's record then says)."""
     from types import SimpleNamespace
 
-    from hybridrec.train.checkpointing.recovery import Recovery, read_progress
+    from hybridrec.train.checkpointing.recovery import Recovery
+    from hybridrec.train.checkpointing.snapshots import read_progress
 
     ebc = EmbeddingBagCollection([TableConfig(name="t@0", num_embeddings=8, embedding_dim=4)], seed=0)
     deltas = ShardDeltas(ebc, RowWiseAdagrad(ebc, lr=0.1), directory=tmp_path / "d", plan=None, every=2)

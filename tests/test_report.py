@@ -300,7 +300,7 @@ def test_failures_pair_each_recovery_with_the_kill_before_it():
 
 
 def test_the_recovery_file_is_the_one_training_writes():
-    from hybridrec.train.checkpointing.recovery import EVENTS
+    from hybridrec.train.checkpointing.lost_work import EVENTS
 
     assert report.RECOVERY_FILE == EVENTS
 

@@ -185,7 +185,7 @@ def test_tables_left_unset_start_as_zeros_with_or_without_room(tmp_path, monkeyp
     Drawn values are kept either way."""
     from hybridrec.train.checkpointing import resident
 
-    (tmp_path / "shm").mkdir(mode=0o700)  # (the launcher makes it so: recovery.private_dir)
+    (tmp_path / "shm").mkdir(mode=0o700)  # (the launcher makes it so: snapshots.private_dir)
     if not room:
         monkeypatch.setattr(resident, "ROOM", 1e12)
     c, opt = _shards(1)

@@ -312,7 +312,8 @@ def test_the_names_a_run_writes_are_their_owners():
     """run_files names what other modules write; they must agree."""
     from hybridrec.bench.report import REPORT_DIR
     from hybridrec.train.checkpointing.checkpoint import checkpoint_dir
-    from hybridrec.train.checkpointing.recovery import EVENTS, RECOVERY_DIR
+    from hybridrec.train.checkpointing.lost_work import EVENTS
+    from hybridrec.train.checkpointing.snapshots import RECOVERY_DIR
     from hybridrec.train.init_from import RECORD
 
     assert {EVENTS, RECORD} <= set(run_files.FILES)

@@ -253,7 +253,7 @@ def test_a_servers_recovery_snapshot_is_refused(tmp_path):
     refusal makes the server roll back, and ``read_snapshot`` of its weights, sparse optimizer
     state and version)."""
     from hybridrec.parallel.checkpoint_io import encode_skeleton
-    from hybridrec.train.checkpointing.recovery import (
+    from hybridrec.train.checkpointing.snapshots import (
         check_snapshot_dir,
         read_snapshot,
         save_snapshot,
@@ -284,7 +284,7 @@ def test_a_truncated_recovery_snapshot_is_a_checkpoint_error(tmp_path):
     recoveries' ``except Exception`` (roll this rank or server back) would let through:
     ``read_snapshot`` turns it into a :class:`CheckpointError` naming the snapshot."""
     from hybridrec.parallel.checkpoint_io import encode_skeleton
-    from hybridrec.train.checkpointing.recovery import read_snapshot, save_snapshot
+    from hybridrec.train.checkpointing.snapshots import read_snapshot, save_snapshot
 
     state = {"weights": {"t0@0": torch.randn(50, 4)}, "version": 7}
     tensors: dict[str, torch.Tensor] = {}

@@ -44,7 +44,7 @@ from hybridrec.train.checkpointing.faults import injections, read_marker
 REPORT_DIR = "report"
 SUMMARY_FILE, CONFIG_FILE, PLAN_FILE = "summary.json", "config.json", "plan.json"
 RECOVERY_FILE = "recovery.jsonl"
-"""Every recovery of a run (:data:`hybridrec.train.checkpointing.recovery.EVENTS`, named again here: that
+"""Every recovery of a run (:data:`hybridrec.train.checkpointing.lost_work.EVENTS`, named again here: that
 module imports torch's distributed checkpointing, seconds of start-up for a report)."""
 
 _log = logging.getLogger(__name__)

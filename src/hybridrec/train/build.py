@@ -71,15 +71,11 @@ from hybridrec.train import init_from, run_files
 from hybridrec.train.checkpointing import checkpoint as ckpt
 from hybridrec.train.checkpointing.checkpointer import Checkpointer, Component, TorchRNG
 from hybridrec.train.checkpointing.deltas import ShardDeltas, deltas_dir, plan_json
-from hybridrec.train.checkpointing.recovery import (
-    Recovery,
-    clear_snapshots,
-    recovery_dir,
-    shards_go_resident,
-    survivors_step,
-)
+from hybridrec.train.checkpointing.recovery import Recovery
+from hybridrec.train.checkpointing.resident import shards_go_resident
+from hybridrec.train.checkpointing.snapshots import clear_snapshots, recovery_dir, survivors_step
 from hybridrec.train.loop.allocator import configure_allocator
-from hybridrec.train.loop.checkpoint_policy import Checkpoints, RecoveryWatch, nothing_updating
+from hybridrec.train.loop.checkpoint_policy import Checkpoints
 from hybridrec.train.loop.early_stop import COMPONENT as EARLY_STOP
 from hybridrec.train.loop.early_stop import EarlyStopping
 from hybridrec.train.loop.hogwild import HogwildSteps
@@ -101,6 +97,7 @@ from hybridrec.train.loop.parts import (
     ThreadTiming,
 )
 from hybridrec.train.loop.pipeline import TrainPipeline
+from hybridrec.train.loop.recovery_part import RecoveryPart, nothing_updating
 from hybridrec.train.loop.sparse_optim import CombinedSparseOptimizer, combined_sparse_optimizer
 from hybridrec.train.loop.thread_governor import thread_governor
 from hybridrec.train.loop.trainer import Optimizers, Trainer
@@ -494,13 +491,14 @@ def build_trainer(cfg: Config, *, meta: DatasetMeta | None = None, topo: Topolog
     init_from.apply(cfg, meta, model=model, dense_opt=dense_opt, sparse_opt=sparse_opt, topo=topo,
                     run_dir=run_dir, resuming=start.resuming)
     logger = MetricLogger(run_dir, tensorboard=cfg.train.tensorboard, keep_until=start.keep_until) if topo.lead else None
-    optim = Optimizers(dense_opt, sparse_opt, dense_sync, scheduler,
-                       recovery.updating if recovery is not None else nothing_updating)
-    checkpoints = Checkpoints(checkpointer, cfg.train, total_steps=total_steps, run_dir=run_dir, topo=topo,
-                              logger=logger, recovery=recovery, tables_drawn=start.init_tables)
+    optim = Optimizers(dense_opt, sparse_opt, dense_sync, scheduler, nothing_updating)
+    # (recovery's part installs its own updating hook into optim, and hooks into the checkpoints' restore)
+    recovery_part = RecoveryPart(recovery, cfg.train, optim=optim, logger=logger) if recovery is not None else None
+    checkpoints = Checkpoints(checkpointer, cfg.train, total_steps=total_steps, tables_drawn=start.init_tables,
+                              hooks=recovery_part)
     parts = loop_parts(cfg, topo, total_steps=total_steps, run_dir=run_dir, logger=logger, totals=totals,
                        schedule=scheduler.schedule, eval_loader=eval_loader, early_stop=early_stop,
-                       sync_runner=sync_runner, remote=bool(servers), checkpoints=checkpoints, recovery=recovery)
+                       sync_runner=sync_runner, remote=bool(servers), checkpoints=checkpoints, recovery=recovery_part)
     return Trainer(model=model, optim=optim, source=build_step_source(cfg, pipeline, model, servers),
                    checkpoints=checkpoints, parts=[*parts, *extra_parts], logger=logger, ledger=ledger,
                    total_steps=total_steps, topo=topo, kernels=kernels)
@@ -641,7 +639,7 @@ def build_step_source(cfg: Config, pipeline, model, servers) -> StepSource:
 
 def loop_parts(cfg: Config, topo: Topology, *, total_steps: int, run_dir: Path, logger, totals, schedule,
                eval_loader, early_stop, sync_runner, remote: bool, checkpoints: Checkpoints,
-               recovery: Recovery | None) -> list[Part]:
+               recovery: RecoveryPart | None) -> list[Part]:
     """The training loop's parts besides its step source, in the order of their hooks
     (:mod:`hybridrec.train.loop.parts`): failure injection, the thread count, the
     synchronizer, progress, evaluation (and early stopping), checkpoints, recovery."""
@@ -662,7 +660,7 @@ def loop_parts(cfg: Config, topo: Topology, *, total_steps: int, run_dir: Path, 
         parts.append(StopEarly(early_stop, total_steps=total_steps, run_dir=run_dir, saved=t.save_checkpoints))
     parts.append(checkpoints)
     if recovery is not None:
-        parts.append(RecoveryWatch(recovery, checkpoints, logger=logger))
+        parts.append(recovery)
     return parts
 
 

@@ -44,7 +44,7 @@ from hybridrec.train.build import (
     start_over,
 )
 from hybridrec.train.checkpointing import checkpoint as ckpt
-from hybridrec.train.checkpointing.recovery import elastic_restarts
+from hybridrec.train.checkpointing.faults import elastic_restarts
 
 # (a run's load and evaluation have their own module; still importable from here)
 from hybridrec.train.evaluate import evaluate_run, load_run_config, load_run_model  # noqa: F401
@@ -72,7 +72,7 @@ def train(cfg: Config, *, extra_summary: dict | None = None, hold_run_dir: bool 
     ``hold_run_dir``: this process (global rank 0) locks the run directory while it trains
     (:mod:`~hybridrec.train.run_lock`); false where a launcher holds it for its ranks.
     ``snapshot_dir``: the local launcher's directory on local memory for partial recovery
-    (``hybridrec train --snapshot-dir``, :func:`~hybridrec.train.checkpointing.recovery.fast_snapshots`).
+    (``hybridrec train --snapshot-dir``, :func:`~hybridrec.train.checkpointing.snapshots.fast_snapshots`).
     ``extra_parts``: more parts of the training loop (:class:`~hybridrec.train.loop.parts.Part`),
     after the run's own; their ``summary()`` entries go into summary.json."""
     started_at, clock = now_iso(), time.monotonic()

@@ -52,12 +52,12 @@ LOCK = ".lock"
 """The run lock's file (:mod:`hybridrec.train.run_lock`), also the run's marker."""
 CONFIG = "config.json"
 CHECKPOINTS = "checkpoints"  # (hybridrec.train.checkpointing.checkpoint.checkpoint_dir)
-RECOVERY = "recovery"  # (hybridrec.train.checkpointing.recovery.RECOVERY_DIR)
+RECOVERY = "recovery"  # (hybridrec.train.checkpointing.snapshots.RECOVERY_DIR)
 REPORT = "report"  # (hybridrec.bench.report.REPORT_DIR)
 
 FILES = (CONFIG, "summary.json", "eval.json", "plan.json", METRICS_FILE, INJECTED_FILE,
          "recovery.jsonl", CHOICE_FILE, "init_from.json")
-"""The files a run writes at its top level (recovery.jsonl: recovery.EVENTS; init_from.json:
+"""The files a run writes at its top level (recovery.jsonl: lost_work.EVENTS; init_from.json:
 init_from.RECORD; eval.json: ``hybridrec eval``'s default output)."""
 
 DIRS = (CHECKPOINTS, RECOVERY, TENSORBOARD_DIR, REPORT)

@@ -6,7 +6,7 @@ removes the directories of the saves it was writing (a checkpoint's ``step-N.tmp
 or publishing one from then on; a snapshot's or a shard delta's ``.tmp-...-PID``:
 :func:`hybridrec.train.run_files.remove_leftovers`), says in one line where the run stands
 and how to go on (:func:`line`), and exits with 128 + 15, the status the signal gives. It
-acts from a thread (:class:`~hybridrec.train.checkpointing.recovery.SigtermWatch`), so also
+acts from a thread (:class:`~hybridrec.train.checkpointing.sigterm.SigtermWatch`), so also
 while the main thread is inside a save or a collective, where a Python signal handler
 would wait.
 
@@ -15,7 +15,7 @@ Under hybridrec's own launcher the ranks stay quiet (its agent stops them with S
 after any rank's failure too) and the launcher says it once for the run, after its ranks
 ended (without the step, which only the ranks know).
 
-The main thread is stopped first (:func:`~hybridrec.train.checkpointing.recovery.park_main`:
+The main thread is stopped first (:func:`~hybridrec.train.checkpointing.sigterm.park_main`:
 it waits in SIGTERM's handler), so that the save it was writing does not make its
 directory again once removed. Simplification: a background save's writer thread
 (``train.async_checkpoint``) is not stopped, and may make it again before the process
@@ -35,7 +35,7 @@ from pathlib import Path
 from hybridrec.parallel.checkpoint_io import stop_saves
 from hybridrec.train import run_files
 from hybridrec.train.checkpointing import checkpoint as ckpt
-from hybridrec.train.checkpointing.recovery import SigtermWatch, park_main
+from hybridrec.train.checkpointing.sigterm import SigtermWatch, park_main
 
 
 class Terminating:

@@ -126,6 +126,7 @@ class IntervalProbe:
     def __init__(self, *, first_step: int, total_steps: int) -> None:
         self.at = min(first_step + PROBE_STEPS, total_steps)
         self._seconds: list[float] = []
+        self.save_s = 0.0  # the seconds of the newest save meanwhile (the probe step's, once there)
 
     def record(self, step: int, seconds: float) -> None:
         """``seconds``: how long step ``step`` took (the loop's work between steps excluded)."""
@@ -263,6 +264,14 @@ def partial_recovery_interval(*, save_s: float, step_s: float, mtbf_s: float, to
         return out
     return {**out, "steps": yd["steps"], "lost_fraction": 0.0, "fallback": "full", "fallback_reason": because,
             "reason": f"{because}: full recovery instead, {yd['reason']}"}
+
+
+def interval_settings(t, *, world_size: int, total_steps: int) -> dict:
+    """The settings a checkpoint interval is chosen for (``t``: the config's ``train``
+    section): a choice kept for them (:func:`save_choice`) serves a restarted run with the same."""
+    return {"mtbf_hours": t.mtbf_hours, "recovery": t.recovery, "lost_fraction": t.lost_fraction,
+            "shard_delta_every": t.shard_delta_every, "shard_delta_rows": t.shard_delta_rows,
+            "shard_delta_hot": t.shard_delta_hot, "world_size": world_size, "total_steps": total_steps}
 
 
 def save_choice(run_dir: str | Path, choice: dict, inputs: dict) -> None:

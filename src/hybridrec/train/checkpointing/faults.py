@@ -49,6 +49,12 @@ _EXPECTED = ("expected RANK:STEP or a schedule RANK:STEP,RANK:STEP,... with incr
              "server J; empty = off")
 
 
+def elastic_restarts() -> int:
+    """How many times the launcher's agent has started the ranks again after a failure
+    (``dist.max_restarts``)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+
+
 def parse_inject_failure(text: str) -> list[tuple[int | str, int]]:
     """``"RANK:STEP,RANK:STEP,..."`` -> ``[(rank, step), ...]`` (steps strictly
     increasing; RANK an int, or ``"psJ"`` for parameter server J); ``""`` -> ``[]`` (off).

@@ -17,14 +17,15 @@ share of the run), but no step is trained again.
    ``RUN/recovery/rank-R/`` (:meth:`Recovery.write_snapshot`): its embedding shards and
    their sparse optimizer state, the dense arches and their optimizer state, every
    checkpointed component (loader, RNG, ...), the step. A thread waits for SIGTERM on
-   :func:`signal.set_wakeup_fd`'s pipe, so the snapshot is written even while the main
+   :func:`signal.set_wakeup_fd`'s pipe (:mod:`hybridrec.train.checkpointing.sigterm`), so the snapshot is written even while the main
    thread is blocked in a collective; it waits for a step's update to finish first. Then
    ``RUN/recovery/rank-R.json`` says which step it holds and where (written last: a
    snapshot without it is not used). Under the local launcher the snapshot goes to
-   ``/dev/shm`` instead (:func:`fast_snapshots`), and there a rank's shards and their
-   sparse optimizer state live all along in files of that directory
-   (:mod:`hybridrec.train.checkpointing.resident`, :meth:`Recovery.start_resident`): the snapshot takes
-   those files by a rename and writes only the rest. A rank killed outright (SIGKILL, a lost
+   ``/dev/shm`` instead (:func:`~hybridrec.train.checkpointing.snapshots.fast_snapshots`),
+   and there a rank's shards and their sparse optimizer state live all along in files of
+   that directory (:mod:`hybridrec.train.checkpointing.resident`,
+   :meth:`Recovery.start_resident`): the snapshot takes those files by a rename and writes
+   only the rest. A rank killed outright (SIGKILL, a lost
    machine) writes nothing, and its shards' delta being written (incremental saves, below)
    is lost: its newest complete one serves. A stopped rank finishes that delta first.
    The snapshot is written as the state is, without a copy (no update runs meanwhile),
@@ -45,16 +46,9 @@ share of the run), but no step is trained again.
    once loaded (the shards' incremental saves, ``RUN/recovery/deltas/``, stay for the
    next failure).
 
-What a recovery lost is appended to ``RUN/recovery.jsonl`` and summary.json ``recovery``:
-per shard, the steps of updates it lost (``failed_at_step - checkpoint_step`` for the shards
-of a failed rank, 0 for the survivors') and the samples of those steps. With incremental
-saves the rows of a failed rank's shard hold the step of their own newest save: those a
-hot-row delta left out are older than the delta (``ShardDeltas.apply``'s
-``pending_held``), so ``steps_lost`` is the most any row of the shard lost (the
-``samples_lost`` of those steps), ``mean_steps_lost`` the mean over its rows, and
-``held_rows`` (only where rows differ) ``{steps lost: rows}``. With
-``train.recovery=full`` the survivors write only ``rank-R.json`` (the step they reached),
-so the same record says how many steps every shard trains again.
+What a recovery lost is appended to ``RUN/recovery.jsonl`` and summary.json ``recovery``
+(:mod:`hybridrec.train.checkpointing.lost_work`). Where the snapshots and their records go,
+and how they are written and checked: :mod:`hybridrec.train.checkpointing.snapshots`.
 
 A run whose ``checkpoint_every=auto`` choice falls back to full recovery (partial recovery
 cannot keep ``train.lost_fraction`` at a cost below full recovery's:
@@ -74,214 +68,59 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shutil
-import signal
-import stat
 import sys
 import threading
 import time
 from pathlib import Path
-from typing import ClassVar
 
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException as DCPException
 
-from hybridrec.errors import os_error_message
 from hybridrec.files import write_json_atomic
 from hybridrec.parallel.checkpoint_io import (
-    FORMAT,
     MANIFEST,
     CheckpointError,
-    SafeFileSystemReader,
     agree,
-    decode_skeleton,
-    describe,
     encode_skeleton,
     gather,
-    is_complete,
-    quiet,
-    tensor_slots,
-    write_json,
 )
 from hybridrec.parallel.checkpoint_layout import (
     dense_opt_state,
     dense_tensors,
     load_dense_opt,
     local_weights,
-    own_storage,
 )
 from hybridrec.parallel.sharded_embedding import REPLICATED, SHARDS
 from hybridrec.parallel.topology import Topology
 from hybridrec.train.checkpointing.checkpoint import list_checkpoints
 from hybridrec.train.checkpointing.deltas import ShardDeltas, plan_json
+from hybridrec.train.checkpointing.lost_work import (
+    older_rows,
+    record_event,
+    server_shard_loss,
+    shard_losses,
+    steps_lost_by,
+)
 from hybridrec.train.checkpointing.resident import (
     ResidentShards,
     files_fit,
     read_into,
     shard_tensors,
 )
-
-RECOVERY_DIR = "recovery"
-RESIDENT_DIR = "resident"  # (in a snapshot: its shards' files, see hybridrec.train.checkpointing.resident)
-SHM = Path("/dev/shm")
-EVENTS = "recovery.jsonl"
-SNAPSHOT_KIND = "survivor-snapshot"
-BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
-LOCK_WAIT_S = 20.0
-"""How long a SIGTERM'd rank waits for its step's update to finish (the agent's grace
-period before SIGKILL is 30 s)."""
-
-
-def recovery_dir(run_dir: str | Path) -> Path:
-    return Path(run_dir) / RECOVERY_DIR
-
-
-def progress_file(run_dir: Path, rank: int, role: str = "rank") -> Path:
-    """``role``: ``rank`` (a trainer) or ``ps`` (a parameter server: ``rank`` its index)."""
-    return recovery_dir(run_dir) / f"{role}-{rank:05d}.json"
-
-
-def _snapshot_dir(run_dir: Path, rank: int, role: str = "rank") -> Path:
-    return recovery_dir(run_dir) / f"{role}-{rank:05d}"
-
-
-def usable_fast_dir(d: str | Path | None) -> Path | None:
-    """The launcher's directory for snapshots on local memory, handed to every rank on its
-    command line (``hybridrec train --snapshot-dir``; :func:`fast_snapshots`): ``d`` when it
-    is this user's alone, else None (not launched so, or :func:`not_private` finds a
-    problem, which the launcher said once): the snapshots stay in ``RUN/recovery/``."""
-    return Path(d) if d and not_private(Path(d)) is None else None
-
-
-def private_dir(d: Path) -> str | None:
-    """Make ``d``, a directory of a file system every user may write (``/dev/shm``), this
-    user's alone: created with mode 0700, or, when it exists, taken only if
-    :func:`not_private` finds nothing. Returns why it cannot be used (None: it can)."""
-    try:
-        d.mkdir(mode=0o700)  # (the umask can only take bits away)
-    except FileExistsError:
-        pass
-    except OSError as e:
-        return os_error_message(e)
-    return not_private(d)
-
-
-def not_private(d: Path) -> str | None:
-    """Why the directory ``d`` is not this user's alone (None: it is): a symlink or not a
-    directory, another owner, or open to others (a mode other than 0700): another user
-    could rename or replace the run's live files in it. The path itself is examined
-    (``lstat``), not what a link points to."""
-    try:
-        st = os.lstat(d)
-    except OSError as e:
-        return os_error_message(e)
-    if stat.S_ISLNK(st.st_mode):
-        return f"{d}: a symbolic link, not a directory"
-    if not stat.S_ISDIR(st.st_mode):
-        return f"{d}: not a directory"
-    if st.st_uid != os.getuid():
-        return f"{d}: owned by uid {st.st_uid}, not this user (uid {os.getuid()})"
-    if st.st_mode & 0o077:
-        return f"{d}: mode {stat.S_IMODE(st.st_mode):04o}, open to other users (expected 0700)"
-    return None
-
-
-def snapshot_written_at(progress: dict, run_dir: Path, rank: int, role: str = "rank") -> Path:
-    """Where the snapshot ``progress`` speaks of is: where it was written, or in
-    ``RUN/recovery/`` once the launcher moved it there (see :func:`fast_snapshots`)."""
-    where = progress.get("path")
-    if isinstance(where, str) and Path(where).is_dir():
-        return Path(where)
-    return _snapshot_dir(run_dir, rank, role)
-
-
-@contextlib.contextmanager
-def fast_snapshots(run_dir: str | Path):
-    """Around a local launch of partial recovery (every rank on this machine): the
-    survivors write their snapshots to a directory of ``/dev/shm`` (memory: 0.24 s for a
-    rank's 318 MB where ``RUN/recovery/`` on disk took 0.8 s), named for the run and handed
-    to the ranks on their command line (``--snapshot-dir``; it yields the directory, or None). When the launch ends, the snapshots still there (the
-    run failed for good) move into ``RUN/recovery/``, so the same command again still
-    recovers partially, and the directory goes: nothing is left in memory. Without a
-    writable ``/dev/shm`` the snapshots go to ``RUN/recovery/``, and likewise, with one
-    warning line, when the directory is not this user's alone (:func:`private_dir`: made
-    0700; one that exists as a symlink, of another owner or with another mode is not used,
-    nor touched: another user could rename the run's live shard files in it)."""
-    import hashlib
-
-    key = hashlib.sha256(str(Path(run_dir).resolve()).encode()).hexdigest()[:16]
-    d = SHM / f"hybridrec-{key}"
-    if (why := private_dir(d)) is not None:
-        if SHM.is_dir() and os.access(SHM, os.W_OK):  # (else the usual case: no /dev/shm to use)
-            print(f"hybridrec: warning: partial recovery's snapshots go to {recovery_dir(run_dir)}, "
-                  f"not {d} ({why})", file=sys.stderr, flush=True)
-        yield None
-        return
-    try:
-        yield d
-    finally:
-        try:
-            for p in sorted([*d.glob("rank-*"), *d.glob("ps-*")]):  # (trainers' and servers')
-                if p.is_dir() and is_complete(p):
-                    target = recovery_dir(run_dir) / p.name
-                    target.parent.mkdir(parents=True, exist_ok=True)
-                    shutil.rmtree(target, ignore_errors=True)
-                    shutil.move(str(p), str(target))
-        finally:
-            shutil.rmtree(d, ignore_errors=True)
-
-
-def shards_go_resident(cfg, fast_dir: str | Path | None) -> bool:
-    """Whether a run's ranks keep their shards in files of local memory (partial recovery
-    under the local launcher, which gave ``fast_dir``; see :meth:`Recovery.start_resident`)."""
-    return cfg.train.recovery == "partial" and usable_fast_dir(fast_dir) is not None
-
-
-def read_progress(run_dir: str | Path, rank: int, role: str = "rank") -> dict | None:
-    """What rank ``rank`` (``role`` ``ps``: parameter server ``rank``) wrote when the run
-    last stopped under it (None: nothing readable)."""
-    try:
-        data = json.loads(progress_file(Path(run_dir), rank, role).read_text())
-    except (OSError, ValueError):
-        return None
-    return data if isinstance(data, dict) and isinstance(data.get("step"), int) else None
-
-
-def survivors_step(run_dir: str | Path) -> int | None:
-    """The newest step a survivor's snapshot holds (None: none): the metrics of steps up
-    to it stay in metrics.jsonl when the run resumes with partial recovery."""
-    d = recovery_dir(run_dir)
-    steps = []
-    for p in d.glob("rank-*.json") if d.is_dir() else []:
-        with contextlib.suppress(OSError, ValueError):
-            data = json.loads(p.read_text())
-            if isinstance(data, dict) and data.get("snapshot") and isinstance(data.get("step"), int):
-                steps.append(data["step"])
-    return max(steps) if steps else None
-
-
-def elastic_restarts() -> int:
-    """How many times the launcher's agent has started the ranks again (``dist.max_restarts``)."""
-    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
-
-
-def boot_id() -> str | None:
-    """This boot of the machine's kernel (None: not known, e.g. not Linux)."""
-    try:
-        return BOOT_ID.read_text().strip() or None
-    except OSError:
-        return None
-
-
-def read_events(run_dir: str | Path) -> list[dict]:
-    """Every recovery of the run, oldest first (``RUN/recovery.jsonl``)."""
-    out = []
-    with contextlib.suppress(OSError):
-        for line in (Path(run_dir) / EVENTS).read_text().splitlines():
-            with contextlib.suppress(ValueError):
-                out.append(json.loads(line))
-    return out
+from hybridrec.train.checkpointing.sigterm import LOCK_WAIT_S, SigtermWatch
+from hybridrec.train.checkpointing.snapshots import (
+    RESIDENT_DIR,
+    boot_id,
+    check_snapshot_dir,
+    clear_snapshots,
+    progress_file,
+    read_progress,
+    read_snapshot,
+    recovery_dir,
+    save_snapshot,
+    snapshot_root,
+    snapshot_written_at,
+    usable_fast_dir,
+)
 
 
 class Recovery:
@@ -293,8 +132,9 @@ class Recovery:
     def __init__(self, checkpointer, *, mode: str, global_batch: int, deltas: ShardDeltas | None = None,
                  fast_dir: str | Path | None = None) -> None:
         """``deltas``: this rank's incremental saves of its shards (``train.shard_delta_every``);
-        ``fast_dir``: the local launcher's directory on local memory (:func:`fast_snapshots`;
-        None: snapshots go to ``RUN/recovery/``)."""
+        ``fast_dir``: the local launcher's directory on local memory
+        (:func:`~hybridrec.train.checkpointing.snapshots.fast_snapshots`; None: snapshots go to
+        ``RUN/recovery/``)."""
         self.ckpt, self.mode, self.global_batch, self.deltas = checkpointer, mode, global_batch, deltas
         self.fast_dir = usable_fast_dir(fast_dir)
         self.topo: Topology = checkpointer.topo
@@ -639,16 +479,7 @@ class Recovery:
             kept = gather(self.topo, self._adopted and mine is not None)
             event["shards_kept_in_memory"] = [r for r, a in enumerate(kept) if a]
         holds = gather(self.topo, held)
-        # A rank rolled back before to this same checkpoint lost the steps up to that
-        # recovery then; this one loses those since.
-        before: dict[int | str, int] = {}
-        for e in read_events(self.run_dir):
-            if e.get("checkpoint_step") == checkpoint_step and e.get("survivors"):
-                for r in [*e.get("failed_ranks", []), *(f"ps{j}" for j in e.get("failed_servers", []))]:
-                    before[r] = max(before.get(r, 0), int(e["resumed_at_step"]))
-        def lost_since(r: int | str, step: int) -> int:
-            return max(0, failed_at - max(step, before.get(r, step)))
-
+        lost_since = steps_lost_by(self.run_dir, checkpoint_step, failed_at)
         lost = {r: lost_since(r, step) for r, (step, *_) in enumerate(holds)}
         if servers is not None:  # each server: its own snapshot over the checkpoint's shards, or not
             replies = servers.recover(resumed_at, checkpoint_step, use_snapshots=bool(survivors),
@@ -656,12 +487,11 @@ class Recovery:
             event["failed_servers"] = [x["server"] for x in replies if not (x["snapshot"] if survivors else x["wrote"])]
             event["servers"] = [{k: x[k] for k in ("server", "snapshot", "held_step", "version")} for x in replies]
         # rows a hot-row delta left out: {rank: {shard: {steps lost: rows}}}, by the step of their newest save
-        older = {r: {shard: _by_lost(by_step, lambda s, r=r: lost_since(r, s))
-                     for shard, by_step in holds[r][2].items()} for r in failed if holds[r][2]}
+        older = older_rows(holds, failed, lost_since)
         if self.deltas is not None and survivors:
             event["deltas"] = {str(r): {"step": holds[r][0], "pending_rows": holds[r][1]} for r in failed}
-        shards = (self._shards(lost, older) if servers is None else
-                  [self._server_shard(x["server"], s, lost_since(f"ps{x['server']}", x["held_step"]))
+        shards = (shard_losses(self.ckpt.model.sparse, self.global_batch, lost, older) if servers is None else
+                  [server_shard_loss(x["server"], s, lost_since(f"ps{x['server']}", x["held_step"]), self.global_batch)
                    for x in replies for s in x["shards"]])
         event.update(resumed_at_step=resumed_at, shards=shards,
                      dense_steps_lost=max(0, failed_at - resumed_at),
@@ -669,7 +499,7 @@ class Recovery:
         event["restore_seconds"] = max(gather(self.topo, event["restore_seconds"]))
         torch.distributed.barrier(group=self.topo.group)  # every rank read the donor's files
         if self.topo.lead:
-            self._record(event)
+            record_event(self.run_dir, event, self.fast_dir)
         return event
 
     def _usable_snapshot(self, progress: dict) -> tuple[Path, dict | None]:
@@ -754,275 +584,3 @@ class Recovery:
         for x in c.components:
             if not x.per_rank and x.name in state["components"]:
                 x.obj.load_state_dict(state["components"][x.name])
-
-    def _shards(self, lost: dict[int, int], older: dict[int, dict[str, dict[int, int]]] | None = None) -> list[dict]:
-        """Per shard what it lost: ``lost[rank]`` steps for its rows, except the rows of
-        ``older[rank][shard]`` (``{steps lost: rows}``: those a hot-row delta left out, which
-        hold an older save's values)."""
-        ebc = self.ckpt.model.sparse  # (several ranks without parameter servers: sharded)
-        slots = {(x.table, x.index): x.shard for rank_slots in ebc.layout.slots for x in rank_slots}
-        out = []
-        for name in ebc.tables:
-            for i in sorted(i for t, i in slots if t == name):
-                s = slots[(name, i)]
-                n = lost.get(s.rank, 0)
-                rows = _held_rows(n, s.num_rows, (older or {}).get(s.rank, {}).get(f"{name}@{i}", {}))
-                worst = max(rows)
-                out.append({"table": name, "rank": s.rank, "rows": s.num_rows, "cols": s.num_cols,
-                            "row_start": s.rows[0], "col_start": s.cols[0],
-                            "steps_lost": worst, "samples_lost": worst * self.global_batch,
-                            "mean_steps_lost": sum(k * r for k, r in rows.items()) / max(1, s.num_rows),
-                            **({"held_rows": {str(k): r for k, r in sorted(rows.items())}} if len(rows) > 1 else {})})
-        return out
-
-    def _server_shard(self, server: int, shard: dict, steps: int) -> dict:
-        """A parameter server's shard (``shard``: its table, rows and columns) as a record
-        entry: ``steps`` of updates lost."""
-        return {**shard, "server": server, "steps_lost": steps, "samples_lost": steps * self.global_batch,
-                "mean_steps_lost": steps}
-
-    def _record(self, event: dict) -> None:
-        fd = os.open(self.run_dir / EVENTS, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o666)
-        with open(fd, "a") as f:  # (never through a link: the record stays in the run directory)
-            f.write(json.dumps(event) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        clear_snapshots(self.run_dir, self.fast_dir)  # consumed (the incremental saves stay: they serve the next failure)
-        failed = ([f"rank(s) {event['failed_ranks']}"] if event["failed_ranks"] else []) + (
-            [f"parameter server(s) {[f'ps{j}' for j in event['failed_servers']]}"] if event.get("failed_servers") else [])
-        what = (f"partial: the survivors {event['survivors']} kept their state at step {event['resumed_at_step']}, "
-                f"the shards of {' and '.join(failed) or 'no rank'} {self._rolled_back(event)}"
-                if event["survivors"] else
-                f"{event['mode']}: every rank resumed from step {event['resumed_at_step']}; "
-                f"steps {event['resumed_at_step'] + 1}..{event['failed_at_step']} are trained again")
-        print(f"recovered from a failure at step {event['failed_at_step']} ({what})", file=sys.stderr, flush=True)
-
-    @staticmethod
-    def _rolled_back(event: dict) -> str:
-        """Where the failed ranks' shards went back to, in words: the checkpoint, or their
-        newest incremental saves (whose pending rows hold the checkpoint's values)."""
-        base = event["checkpoint_step"] or 0
-        deltas = event.get("deltas") or {}
-        if not deltas:
-            return f"rolled back to step {base} ({event['failed_at_step'] - base} steps of their updates lost)"
-        parts = [f"rank {r} to step {d['step']}" + (f" ({d['pending_rows']:,} rows left out of it to their own "
-                                                    f"newest save, step {base} or later)"
-                                                    if d["pending_rows"] else "")
-                 for r, d in sorted(deltas.items(), key=lambda kv: int(kv[0]))]
-        return f"rolled back to their incremental saves: {', '.join(parts)}"
-
-
-def _by_lost(by_step: dict[str, int], lost_since) -> dict[int, int]:
-    """``{step of the newest save: rows}`` as ``{steps lost: rows}`` (``lost_since(step)``)."""
-    out: dict[int, int] = {}
-    for step, rows in by_step.items():
-        n = lost_since(int(step))
-        out[n] = out.get(n, 0) + int(rows)
-    return out
-
-
-def _held_rows(steps: int, rows: int, older: dict[int, int]) -> dict[int, int]:
-    """A shard's ``rows`` by the steps of updates each lost: ``older`` (``{steps lost:
-    rows}``, rows that hold an older save's values), the others ``steps``."""
-    out = dict(older)
-    rest = rows - sum(older.values())
-    if rest > 0 or not out:
-        out[steps] = out.get(steps, 0) + max(0, rest)
-    return out
-
-
-def clear_snapshots(run_dir: Path, fast_dir: str | Path | None = None) -> None:
-    """Every rank's and parameter server's snapshot and record of the run's stop
-    (``RUN/recovery/rank-*``, ``ps-*``, the launcher's local-memory directory's snapshots,
-    and any left half-written), not the shards' incremental saves (``RUN/recovery/deltas/``)."""
-    d, fast = recovery_dir(run_dir), usable_fast_dir(fast_dir)
-    found = []
-    for where in (d, fast) if fast is not None else (d,):  # (none when the directory is not there)
-        for role in ("rank", "ps"):  # (trainers' and parameter servers')
-            found += [*where.glob(f"{role}-*"), *where.glob(f".tmp-{role}-*")]
-    for p in found:
-        if p.is_dir():
-            shutil.rmtree(p, ignore_errors=True)
-        else:
-            with contextlib.suppress(OSError):
-                p.unlink()
-
-
-def read_snapshot(path: Path, meta: dict, parts: tuple[str, ...], weights=None, sparse_opt=None,
-                  into: dict[str, torch.Tensor] | None = None) -> dict:
-    """The parts of a snapshot's state (``weights``: which of its weights, ``sparse_opt``:
-    whose tensors of the sparse optimizers; None: all). The sparse optimizers' steps and
-    learning rates are read in any case. ``into``: live weights (by name) that the saved
-    ones of the same shape and dtype are read into in place, with no copy in between."""
-    skeleton = {k: meta["state"][k] for k in parts}
-    if weights is not None:
-        skeleton["weights"] = {k: v for k, v in skeleton["weights"].items() if weights(k)}
-    if sparse_opt is not None and "sparse_opt" in skeleton:
-        skeleton["sparse_opt"] = {k: (v if sparse_opt(k) else {**v, "tables": {}})
-                                  for k, v in skeleton["sparse_opt"].items()}
-    targets: dict[str, torch.Tensor] = {}
-    tensor_slots(skeleton, targets)
-    for name, slot in (skeleton.get("weights") or {}).items() if into else ():
-        t, key = into.get(name), slot["__tensor__"]
-        if t is not None and t.is_contiguous() and t.shape == targets[key].shape and t.dtype == targets[key].dtype:
-            targets[key] = t
-    if targets:
-        try:
-            with quiet():
-                dcp.load(targets, storage_reader=SafeFileSystemReader(path), no_dist=True)
-        except DCPException as e:  # (a BaseException: the callers that roll back catch Exception)
-            raise CheckpointError(f"{path}: {'; '.join(cause for _, cause in describe(e))}") from None
-    return decode_skeleton(skeleton, targets)
-
-
-def snapshot_root(fast: Path | None, run_recovery: Path, tensors: dict[str, torch.Tensor]) -> Path:
-    """Where a snapshot of ``tensors`` goes: the launcher's local-memory directory ``fast``
-    when it has room for them (and a quarter more), else ``RUN/recovery/``."""
-    nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
-    if fast is not None:
-        with contextlib.suppress(OSError):
-            if fast.is_dir() and shutil.disk_usage(fast).free > nbytes * 1.25:
-                return fast
-    return run_recovery
-
-
-def save_snapshot(final: Path, skeleton: dict, tensors: dict[str, torch.Tensor], meta: dict, *, sync: bool,
-                  more=None) -> Path:
-    """A snapshot directory ``final``: ``tensors`` (DCP, this process alone; ``sync``: synced
-    to disk) and a manifest of ``meta`` and the state's ``skeleton`` (``more(tmp)``: more
-    manifest entries, e.g. files moved into the directory). Written beside it and renamed:
-    complete, or absent."""
-    tmp = final.parent / f".tmp-{final.name}-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    try:
-        with quiet():
-            dcp.save({k: own_storage(v) for k, v in tensors.items()},
-                     storage_writer=dcp.FileSystemWriter(tmp, sync_files=sync), no_dist=True)
-        extra = more(tmp) if more is not None else {}
-        write_json(tmp / MANIFEST, {"format": FORMAT, "kind": SNAPSHOT_KIND, **meta, "state": skeleton, **extra})
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    shutil.rmtree(final, ignore_errors=True)
-    os.replace(tmp, final)
-    return final
-
-
-def check_snapshot_dir(progress: dict, path: Path) -> dict:
-    """The manifest of the snapshot ``progress`` speaks of, at ``path``, if it can be used
-    on this machine now (written since the machine's kernel booted, or synced; complete; a
-    recovery snapshot, its ``.metadata`` safe to read); else :class:`CheckpointError` saying
-    why, so that the rank or server rolls back rather than the recovery failing."""
-    if progress.get("boot") is not None and progress["boot"] != boot_id():
-        raise CheckpointError(f"{path}: written before the machine restarted, and not synced to disk")
-    if not is_complete(path):
-        raise CheckpointError(f"{path}: not a complete snapshot")
-    meta = json.loads((path / MANIFEST).read_text())
-    if meta.get("format") != FORMAT or meta.get("kind") != SNAPSHOT_KIND:
-        raise CheckpointError(f"{path}: not a recovery snapshot")
-    SafeFileSystemReader(path)  # (reads and checks .metadata: a refusal is raised here)
-    return meta
-
-
-class SigtermWatch:
-    """SIGTERM (the launcher's agent stopping the ranks after one failed) acted on by a
-    thread: :meth:`start` arms it in the main thread; on the signal the thread runs
-    ``on_stop`` and ends the process as the signal would have. The thread reads
-    :func:`signal.set_wakeup_fd`'s pipe, so it acts even while the main thread is blocked
-    inside a collective or an RPC call, where a Python signal handler would not run.
-
-    Watches nest: while one armed inside another holds the pipe, the signal reaches it
-    alone, so it runs the outer ones' ``on_stop`` after its own (innermost first; e.g.
-    partial recovery's snapshot, then :mod:`hybridrec.train.terminate`'s line)."""
-
-    _armed: ClassVar[list[SigtermWatch]] = []  # (the watches armed now, outermost first)
-
-    def __init__(self) -> None:
-        self._watcher: threading.Thread | None = None
-        self._old: tuple | None = None  # (SIGTERM handler, wakeup fd) to put back
-        self._pipe: tuple[int, int] | None = None
-        self._on_stop = None
-
-    def start(self, on_stop) -> None:
-        if threading.current_thread() is not threading.main_thread() or self._old is not None:
-            return  # (signals reach the main thread's process only; its error path records the step)
-        r, w = os.pipe()
-        os.set_blocking(w, False)
-        try:
-            old_fd = signal.set_wakeup_fd(w, warn_on_full_buffer=False)
-            old_handler = signal.signal(signal.SIGTERM, _ignore)  # (the watcher acts on it)
-        except (ValueError, OSError):
-            os.close(r)
-            os.close(w)
-            return
-        self._pipe, self._old, self._on_stop = (r, w), (old_handler, old_fd), on_stop
-        outer = [w._on_stop for w in reversed(SigtermWatch._armed)]
-        SigtermWatch._armed.append(self)
-        self._watcher = threading.Thread(target=self._watch, args=(r, on_stop, outer), name="hybridrec-recovery",
-                                         daemon=True)
-        self._watcher.start()
-
-    def stop(self) -> None:
-        """Put SIGTERM's handling back."""
-        if self._old is None:
-            return
-        handler, fd = self._old
-        with contextlib.suppress(ValueError, OSError):
-            signal.signal(signal.SIGTERM, handler)
-            signal.set_wakeup_fd(fd)
-        self._old = None
-        with contextlib.suppress(ValueError):
-            SigtermWatch._armed.remove(self)
-        r, w = self._pipe
-        os.close(w)  # the watcher's read ends (EOF) ...
-        if self._watcher is not None:
-            self._watcher.join(timeout=5)
-        os.close(r)  # ... before its end of the pipe closes
-
-    @staticmethod
-    def _watch(fd: int, on_stop, outer: list) -> None:
-        while True:
-            try:
-                data = os.read(fd, 64)
-            except OSError:
-                return
-            if not data:
-                return
-            if signal.SIGTERM in data:
-                on_stop()
-                for then in outer:
-                    with contextlib.suppress(Exception):
-                        then()
-                # End as the agent's SIGTERM would have (its status, 128 + 15). Not by
-                # signalling this process again: from this thread SIGTERM's handler cannot be
-                # put back, and the main thread would go on (training to its next
-                # collective, or waiting to be stopped, see cli.launch.rank_main).
-                with contextlib.suppress(OSError, ValueError):
-                    sys.stdout.flush()
-                    sys.stderr.flush()
-                os._exit(128 + signal.SIGTERM)
-
-
-_park = threading.Event()  # set by park_main: the main thread stops in SIGTERM's handler
-_parked = threading.Event()
-
-
-def park_main(timeout_s: float = 2.0) -> bool:
-    """From a :class:`SigtermWatch`'s ``on_stop``: have the main thread wait in SIGTERM's
-    handler until the process ends, so that it makes nothing more (a save's directory)
-    while ``on_stop`` cleans up. Returns whether it got there within ``timeout_s`` (a main
-    thread inside a collective or a long C call does not, and makes nothing meanwhile)."""
-    _park.set()
-    with contextlib.suppress(ValueError, OSError):
-        signal.pthread_kill(threading.main_thread().ident, signal.SIGTERM)
-    return _parked.wait(timeout_s)
-
-
-def _ignore(signum, frame) -> None:
-    """SIGTERM's Python-level handler: nothing; the recovery thread acts on it (the byte
-    :func:`signal.set_wakeup_fd` writes), after the step's update. Once :func:`park_main`
-    asked, the main thread waits here for the process to end."""
-    if _park.is_set():
-        _parked.set()
-        threading.Event().wait()

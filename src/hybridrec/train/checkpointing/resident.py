@@ -4,7 +4,7 @@ Partial recovery keeps a survivor's shards across a restart. Without this module
 survivor, stopped by the launcher, writes its shards and their sparse optimizer state into
 a snapshot on ``/dev/shm`` (0.12-0.2 s for a rank's 333 MB, inside every restart), and its
 restarted process reads them back. Here those tensors live all along in files of the
-launcher's local-memory directory (:func:`~hybridrec.train.checkpointing.recovery.fast_snapshots`), mapped
+launcher's local-memory directory (:func:`~hybridrec.train.checkpointing.snapshots.fast_snapshots`), mapped
 shared into the process (:func:`torch.from_file`): training updates the files' pages
 themselves. A survivor's snapshot takes the files by a rename, writing none of their
 bytes; its restarted process maps the same pages again, reading none.
@@ -28,11 +28,19 @@ from pathlib import Path
 
 import torch
 
+from hybridrec.train.checkpointing.snapshots import usable_fast_dir
+
 ROOM = 1.25
 """The free space a rank's files need in the directory, times their size (every rank of
 the machine makes its own at about the same time: each asks for the machine's share)."""
 
 DIR_PREFIX = "live-rank-"
+
+
+def shards_go_resident(cfg, fast_dir: str | Path | None) -> bool:
+    """Whether a run's ranks keep their shards in files of local memory (partial recovery
+    under the local launcher, which gave ``fast_dir``; see :meth:`Recovery.start_resident`)."""
+    return cfg.train.recovery == "partial" and usable_fast_dir(fast_dir) is not None
 
 
 def shard_tensors(collection, optimizer) -> dict[str, torch.Tensor]:

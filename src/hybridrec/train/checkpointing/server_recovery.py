@@ -50,9 +50,8 @@ from hybridrec.files import write_json_atomic
 from hybridrec.parallel.checkpoint_io import CheckpointError, encode_skeleton
 from hybridrec.ps.server import EmbeddingServer
 from hybridrec.train.checkpointing.deltas import plan_json
-from hybridrec.train.checkpointing.recovery import (
-    LOCK_WAIT_S,
-    SigtermWatch,
+from hybridrec.train.checkpointing.sigterm import LOCK_WAIT_S, SigtermWatch
+from hybridrec.train.checkpointing.snapshots import (
     boot_id,
     check_snapshot_dir,
     progress_file,
