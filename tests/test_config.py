@@ -132,7 +132,8 @@ def test_relative_paths_in_a_file_are_relative_to_the_file(tmp_path, monkeypatch
     # The command line's paths stay relative to the working directory.
     cfg = build_config(files=["../../conf/a.toml"], overrides=["data.path=mine", "train.run_dir=runs/y"])
     assert (cfg.data.path, cfg.train.run_dir) == ("mine", "runs/y")
-    assert set(PATH_KEYS) == {"data.path", "data.stream", "dist.plan", "train.run_dir"}
+    assert set(PATH_KEYS) == {"data.path", "data.stream", "data.stream_schema", "dist.plan",
+                              "train.run_dir"}
 
 
 def _readme_config() -> tuple[str, str]:

@@ -265,3 +265,26 @@ def test_killed_and_started_again_trains_every_row_once(shared_stream, tmp_path,
     assert [f["rows"] for f in s["stream"]["files"]] == [1000, 1000, 1000]
     assert s["stream"]["rows"] == 3000 and s["step"] == 24
     assert s["run"]["samples"] == 3000 and s["run"]["invocations"] == 2  # (the rows the checkpoints count)
+
+
+def test_a_csv_stream_with_a_schema_file(tmp_path):
+    d = tmp_path / "csv"
+    d.mkdir()
+    schema = tmp_path / "schema.json"
+    schema.write_text(json.dumps({"label": "click", "dense": ["age"], "categorical": ["city", "ad"]}))
+    rng = np.random.default_rng(0)
+    for i in range(2):
+        rows = ["click,age,city,ad"] + [f"{rng.integers(0, 2)},{rng.integers(0, 90)},c{rng.integers(0, 50)},"
+                                        f"a{rng.integers(0, 500)}" for _ in range(300)]
+        (d / f"part-{i}.csv").write_text("\n".join(rows) + "\n")
+    meta = stream_meta(d, "dynamic", "1000", schema_file=schema)
+    assert meta.schema.feature_names == ["city", "ad"] and meta.schema.dense == ["age"]
+    loader = StreamLoader(d, schema=meta.schema, encode=None, batch_size=128, stop="idle:0", poll_s=0.01,
+                          schema_file=schema)
+    batches = list(loader)
+    assert sum(b.batch_size for b in batches) == 600 and batches[0].dense.shape == (128, 1)
+    assert [f["rows"] for f in loader.files] == [300, 300]
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"label": "click", "multihot": ["tags"]}))
+    with pytest.raises(DataError, match="multi-hot columns"):
+        stream_meta(d, "dynamic", "1000", schema_file=bad)

@@ -241,8 +241,8 @@ def _stream_rows(summary: dict) -> list[tuple[str, str]]:
             ("stream files", f"{stream.get('files_done', 0):,} done, {stream.get('files_waiting', 0):,} waiting"
                              + (f" (stopped: {stream['stopped']})" if stream.get("stopped") else ""))]
     if (tables := summary.get("dynamic_tables")) is not None:
-        rows.append(("dynamic table keys", f"{tables['live']:,} live, {tables['admitted']:,} admitted, "
-                                           f"{tables['evicted']:,} evicted"))
+        rows.append(("dynamic table keys", (f"{tables['live']:,} live, {tables['admitted']:,} admitted, "
+                                           f"{tables['evicted']:,} evicted")))
     return rows
 
 

@@ -366,10 +366,12 @@ def encode_chunk(
     return onehot, mh
 
 
-def load_encoders(meta: DatasetMeta) -> dict[str, Encoder]:
+def load_encoders(meta: DatasetMeta,
+                  vocab_files: dict[str, Path] | None = None) -> dict[str, Encoder]:
     """The encoders a dataset was written with, from its ``meta.json`` and ``vocab/``
     (the inverse of :func:`_save_vocab`): raw keys of new rows map to the ids training saw;
-    a key the vocabulary lacks maps to 0, as a rare key did."""
+    a key the vocabulary lacks maps to 0, as a rare key did. ``vocab_files``: each
+    feature's vocabulary file elsewhere (an export's copies) instead of ``vocab/``."""
     pre = meta.preprocessing
     names = meta.feature_names
     sizes = pre.get("table_size")
@@ -380,11 +382,14 @@ def load_encoders(meta: DatasetMeta) -> dict[str, Encoder]:
                         f"{pre.get('categorical')!r} is neither modulo nor vocabulary")
     out: dict[str, Encoder] = {}
     for n in names:
-        file = meta.part_dir("vocab") / f"{n}.keys.npy"
+        if meta.vocab is not None:  # (a dynamic table's keys by row, from its checkpoint)
+            out[n] = VocabEncoder(meta.vocab[n], sizes[n] if sizes else None)
+            continue
+        file = vocab_files[n] if vocab_files is not None else meta.part_dir("vocab") / f"{n}.keys.npy"
         try:
             vocab = np.load(file)
         except (OSError, ValueError) as e:
-            raise DataError(f"{file}: cannot read the vocabulary ({e})") from None
+            raise DataError(f"{file}: cannot read the vocabulary of {n} ({e})") from None
         out[n] = VocabEncoder(vocab, sizes[n] if sizes else None)
     return out
 

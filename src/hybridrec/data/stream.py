@@ -2,10 +2,11 @@
 
 A stream is a step source like :class:`~hybridrec.data.loader.ShardedLoader`, with no
 preprocessing pass: it reads Criteo TSV files (plain or ``.gz``) in *name order* as they
-appear, parses them with the preprocessing reader (:class:`~hybridrec.data.criteo.CriteoReader`)
+appear, parses them with the preprocessing readers (:class:`~hybridrec.data.criteo.CriteoReader`;
+with ``data.stream_schema``, CSV's and Parquet's of :mod:`hybridrec.data.tabular`)
 and turns each global batch into this rank's :class:`~hybridrec.sparse.keyed_jagged.Batch`.
 
-**When a file counts as landed.** The convention of object-store drops and of Hadoop's
+(Criteo, or CSV/Parquet with a schema file; one-hot features only.) **When a file counts as landed.** The convention of object-store drops and of Hadoop's
 writers: a producer writes a file under a temporary name and renames it when it is complete.
 Names that begin with ``.``, ``_`` or ``~``, or end in ``.tmp``, ``.part``, ``.partial``,
 ``._COPYING_``, ``.crdownload`` or ``.inprogress``, and ``*.json`` files, are never taken;
@@ -56,6 +57,7 @@ from hybridrec.data.chunk import ParseReport, RowChunk
 from hybridrec.data.criteo import CATEGORICAL, DENSE, CriteoReader
 from hybridrec.data.loader import keyed_ids, rank_slice
 from hybridrec.data.schema import DatasetMeta, FeatureSpec, Schema
+from hybridrec.data.tabular import CsvReader, ParquetReader, TabularSpec
 from hybridrec.errors import ConfigError, DataError
 from hybridrec.sparse.keyed_jagged import Batch
 
@@ -83,27 +85,48 @@ class StreamStop:
         return StreamStop("never") if text.strip() == "never" else StreamStop(m.group(1), float(m.group(2)))
 
 
-def stream_schema(num_embeddings: dict[str, int]) -> Schema:
-    """The schema of a Criteo stream: 13 dense columns, 26 one-hot features whose tables have
-    ``num_embeddings[name]`` rows."""
-    return Schema(label="label", dense=list(DENSE),
-                  features=[FeatureSpec(name=n, kind="onehot", num_embeddings=num_embeddings[n])
-                            for n in CATEGORICAL])
+def stream_schema(num_embeddings: dict[str, int], spec: TabularSpec | None = None) -> Schema:
+    """A stream's schema: Criteo's (13 dense columns, 26 one-hot features), or a CSV/Parquet
+    schema file's (``spec``; one-hot features only); each table has ``num_embeddings[name]``
+    rows."""
+    label, dense, names = ("label", list(DENSE), list(CATEGORICAL)) if spec is None else \
+        (spec.label, list(spec.dense), list(spec.categorical))
+    return Schema(label=label, dense=dense,
+                  features=[FeatureSpec(name=n, kind="onehot", num_embeddings=num_embeddings[n]) for n in names])
 
 
-def stream_meta(directory: str | os.PathLike, tables: str, table_rows: str) -> DatasetMeta:
-    """The :class:`DatasetMeta` a stream run builds its model from: no parts, the Criteo
-    schema with each table's rows (``model.table_rows`` plus the shared row 0), and a
-    ``preprocessing`` entry that says how raw keys become rows (``modulo``: ``key % rows``,
-    the preprocessing's own modulo encoding; ``dynamic``: the run's key maps)."""
+def stream_meta(directory: str | os.PathLike, tables: str, table_rows: str, *,
+                schema_file: str | os.PathLike | None = None) -> DatasetMeta:
+    """The :class:`DatasetMeta` a stream run builds its model from: no parts, the stream's
+    schema (Criteo, or ``schema_file``'s) with each table's rows (``model.table_rows`` plus
+    the shared row 0), and a ``preprocessing`` entry that says how raw keys become rows
+    (``modulo``: ``key % rows``, the preprocessing's own modulo encoding; ``dynamic``: the
+    run's key maps)."""
     from hybridrec.data.encode import resolve_table_sizes
 
-    sizes = resolve_table_sizes(table_rows, list(CATEGORICAL))
+    spec = TabularSpec.load(schema_file) if schema_file else None
+    if spec is not None and spec.multihot:
+        raise DataError(f"{schema_file}: multi-hot columns {spec.multihot} in a stream: not supported yet")
+    names = list(CATEGORICAL) if spec is None else list(spec.categorical)
+    sizes = resolve_table_sizes(table_rows, names)
     rows = {n: s + 1 for n, s in sizes.items()}
     pre = {"categorical": "modulo" if tables == "modulo" else "dynamic", "table_size": rows,
-           "dense_transform": "log1p", "format": "criteo", "stream": str(directory)}
-    return DatasetMeta(path=None, schema=stream_schema(rows), parts=[], splits={"train": [], "eval": []},
+           "dense_transform": "log1p" if spec is None else spec.dense_transform,
+           "format": "criteo" if spec is None else "tabular", "stream": str(directory),
+           **({"schema_file": str(schema_file)} if spec is not None else {})}
+    return DatasetMeta(path=None, schema=stream_schema(rows, spec), parts=[], splits={"train": [], "eval": []},
                        preprocessing=pre)
+
+
+def stream_reader(path: Path, *, schema_file: str | os.PathLike | None, on_bad_line: str):
+    """The reader of one stream file: Criteo's, or with a schema file CSV's or (``.parquet``,
+    ``.pq``) Parquet's."""
+    if not schema_file:
+        return CriteoReader(on_bad_line=on_bad_line)
+    spec = TabularSpec.load(schema_file)
+    if path.suffix in (".parquet", ".pq"):
+        return ParquetReader(spec=spec, on_bad_line=on_bad_line)
+    return CsvReader(spec=spec, on_bad_line=on_bad_line)
 
 
 def _fingerprint(path: Path) -> dict:
@@ -183,12 +206,14 @@ class StreamLoader:
         stop: ``data.stream_stop``; poll_s: seconds between two looks while waiting.
         group: the ranks' process group (None: one process); device: its collectives'.
         on_bad_line: ``error`` or ``skip``.
+        schema_file: a CSV/Parquet stream's schema file (None: Criteo TSV).
     """
 
     def __init__(self, directory: str | os.PathLike, *, schema: Schema,
                  encode: Callable[[np.ndarray], np.ndarray] | None, batch_size: int, rank: int = 0,
                  world_size: int = 1, stop: str = "idle:60", poll_s: float = 1.0, group=None,
-                 device: torch.device | str = "cpu", on_bad_line: str = "error", show=None) -> None:
+                 device: torch.device | str = "cpu", on_bad_line: str = "error", show=None,
+                 schema_file: str | os.PathLike | None = None) -> None:
         self.directory = Path(directory)
         if not self.directory.is_dir():
             raise DataError(f"data.stream {self.directory}: not a directory")
@@ -196,7 +221,7 @@ class StreamLoader:
         self.batch_size, self.rank, self.world_size = batch_size, rank, world_size
         self.stop, self.poll_s = StreamStop.parse(stop), poll_s
         self.group, self.device, self.on_bad_line = group, device, on_bad_line
-        self.reader = CriteoReader(on_bad_line=on_bad_line)
+        self.schema_file = schema_file
         self.show = show if show is not None else (lambda msg: print(msg, file=sys.stderr, flush=True))
         self.files: list[dict] = []  # every file picked up, in order (the state)
         self.late: list[str] = []
@@ -311,7 +336,8 @@ class StreamLoader:
                             "bytes); a stream file must not change once it has landed")
         self._reading, self._read, self._skip = index, 0, int(f["rows"]) if resume else 0
         self._report = ParseReport()
-        self._chunks = self.reader.read(path, self._report)
+        reader = stream_reader(path, schema_file=self.schema_file, on_bad_line=self.on_bad_line)
+        self._chunks = reader.read(path, self._report)
         return True
 
     def _end_of_file(self) -> None:

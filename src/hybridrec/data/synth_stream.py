@@ -48,9 +48,9 @@ from hybridrec.data.synth import (
     CHUNK_ROWS,
     SynthConfig,
     Teacher,
+    format_tsv,
     hex_table,
     teacher_log_loss,
-    format_tsv,
 )
 from hybridrec.errors import ConfigError, DataError, HybridrecWarning, naming
 from hybridrec.files import fsync_dir, write_json_atomic

@@ -289,7 +289,10 @@ def preprocessing_spec(meta) -> tuple[dict, dict[str, Path]]:
     for f in meta.schema.features:
         entry = {"name": f.name, "num_embeddings": f.num_embeddings,
                  "encoding": pre["categorical"], "modulo": sizes.get(f.name), "vocab": None}
-        if vocab:
+        if vocab and meta.vocab is not None:  # (a dynamic table's keys by row: written, not copied)
+            files[f.name] = meta.vocab[f.name]
+            entry["vocab"] = f"vocab/{f.name}.npy"
+        elif vocab:
             files[f.name] = meta.path / "vocab" / f"{f.name}.keys.npy"
             if not files[f.name].is_file():
                 raise DataError(f"{files[f.name]}: the vocabulary file of feature {f.name} is missing")
@@ -320,7 +323,10 @@ def write_spec(out: Path, spec: dict, vocab_files: dict[str, Path]) -> None:
     d = out / "preprocess"
     (d / "vocab").mkdir(parents=True, exist_ok=True)
     for name, src in vocab_files.items():
-        shutil.copyfile(src, d / "vocab" / f"{name}.npy")
+        if isinstance(src, np.ndarray):  # (a dynamic table's keys by row)
+            np.save(d / "vocab" / f"{name}.npy", src.astype(np.int64))
+        else:
+            shutil.copyfile(src, d / "vocab" / f"{name}.npy")
     (d / "spec.json").write_text(json.dumps(spec, indent=2) + "\n")
 
 

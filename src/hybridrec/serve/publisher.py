@@ -19,7 +19,6 @@ costs the run the export's seconds (recorded in the summary).
 
 from __future__ import annotations
 
-import statistics
 import time
 from pathlib import Path
 from typing import ClassVar

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from hybridrec import threads
@@ -25,8 +26,10 @@ from hybridrec.comm.compress import (
 )
 from hybridrec.comm.ddp_hooks import CompressedAllReduce, HookFactory, PowerSGDHooks
 from hybridrec.comm.ledger import CommLedger
+from hybridrec.data.encode import ModuloEncoder
 from hybridrec.data.loader import ShardedLoader
 from hybridrec.data.schema import DatasetMeta
+from hybridrec.data.stream import StreamLoader
 from hybridrec.files import write_text_atomic
 from hybridrec.metrics.logger import MetricLogger
 from hybridrec.metrics.throughput import RunTotals
@@ -99,6 +102,7 @@ from hybridrec.train.loop.parts import (
 from hybridrec.train.loop.pipeline import TrainPipeline
 from hybridrec.train.loop.recovery_part import RecoveryPart, nothing_updating
 from hybridrec.train.loop.sparse_optim import CombinedSparseOptimizer, combined_sparse_optimizer
+from hybridrec.train.loop.stream import DynamicTables, MappedLoader, Progressive, StreamSteps
 from hybridrec.train.loop.thread_governor import thread_governor
 from hybridrec.train.loop.trainer import Optimizers, Trainer
 from hybridrec.train.ps_run import ServerCheckpoints, ps_plan
@@ -190,10 +194,24 @@ def build_threshold_mp(cfg: Config, plan: ShardingPlan, total_steps: int) -> Thr
 
 
 def build_loaders(cfg: Config, meta: DatasetMeta, *, rank: int = 0, world_size: int = 1,
-                  pin_memory: bool = False):
+                  pin_memory: bool = False, topo: Topology | None = None):
     """The training and evaluation loaders of this rank (``pin_memory``: for a GPU, batches
-    pinned by the loaders' prefetch threads)."""
+    pinned by the loaders' prefetch threads); a stream's: its loader and no evaluation
+    (``topo``: the ranks that agree on its files)."""
     d = cfg.data
+    if d.stream:
+        encode = None
+        if cfg.model.tables == "modulo":
+            sizes = meta.preprocessing["table_size"]
+            encoders = [ModuloEncoder(sizes[f.name]) for f in meta.schema.onehot]
+
+            def encode(keys):  # (the preprocessing's modulo encoding, column by column)
+                return np.stack([e(keys[:, j]) for j, e in enumerate(encoders)], axis=1)
+        group = topo.run_group if topo is not None and topo.job_size > 1 else None
+        return StreamLoader(d.stream, schema=meta.schema, encode=encode, batch_size=d.batch_size, rank=rank,
+                            world_size=world_size, stop=d.stream_stop, poll_s=d.stream_poll_s, group=group,
+                            device=topo.comm_device if group is not None else "cpu",
+                            on_bad_line=d.on_bad_line, schema_file=d.stream_schema or None), None
     train = ShardedLoader(meta, split="train", batch_size=d.batch_size, rank=rank,
                           world_size=world_size, shuffle=d.shuffle, shuffle_window=d.shuffle_window,
                           seed=cfg.train.seed, drop_last=True, prefetch=d.prefetch, pin_memory=pin_memory,
@@ -469,7 +487,7 @@ def build_trainer(cfg: Config, *, meta: DatasetMeta | None = None, topo: Topolog
     ledger, run_dir, start = CommLedger(), Path(cfg.train.run_dir), run_start(cfg, topo, snapshot_dir)
     # (Hierarchical training: every rank of every group its own part of the data.)
     train_loader, eval_loader = build_loaders(cfg, meta, rank=topo.job_rank, world_size=topo.job_size,
-                                              pin_memory=topo.device.type == "cuda")
+                                              pin_memory=topo.device.type == "cuda", topo=topo)
     total_steps = planned_steps(cfg, len(train_loader))
     dense_sync = build_dense_sync(cfg, topo, ledger, total_steps=total_steps)
     model, servers = build_run_model(cfg, meta, topo, ledger, dense_sync, run_dir, total_steps=total_steps,
@@ -477,11 +495,12 @@ def build_trainer(cfg: Config, *, meta: DatasetMeta | None = None, topo: Topolog
     sync_runner = build_sync_runner(cfg, topo, model, ledger)
     dense_opt, sparse_opt = build_optimizers(cfg, model, servers)
     kernels = kernels_record(cfg, model, topo, sparse_opt, dense_sync, allocator)
-    pipeline = TrainPipeline(train_loader, model.sparse, enabled=cfg.dist.pipeline, device=topo.device)
+    pipeline, keymaps = build_pipeline(cfg, meta, train_loader, model, sparse_opt, topo)
     scheduler = build_scheduler(cfg, dense_opt, sparse_opt, total_steps)
     totals, early_stop = build_run_totals(started_at), build_early_stop(cfg)
     components = checkpoint_components(topo, model, dense_opt, pipeline=pipeline, totals=totals,
-                                       dense_sync=dense_sync, sync_runner=sync_runner, early_stop=early_stop)
+                                       dense_sync=dense_sync, sync_runner=sync_runner, early_stop=early_stop,
+                                       keymaps=keymaps)
     checkpointer = build_checkpointer(cfg, topo, run_dir, model, dense_opt, sparse_opt, components=components,
                                       servers=servers, early_stop=early_stop)
     recovery = (build_recovery(cfg, topo, checkpointer, model, sparse_opt, run_dir, snapshot_dir)
@@ -499,7 +518,7 @@ def build_trainer(cfg: Config, *, meta: DatasetMeta | None = None, topo: Topolog
     parts = loop_parts(cfg, topo, total_steps=total_steps, run_dir=run_dir, logger=logger, totals=totals,
                        schedule=scheduler.schedule, eval_loader=eval_loader, early_stop=early_stop,
                        sync_runner=sync_runner, remote=bool(servers), checkpoints=checkpoints, recovery=recovery_part)
-    return Trainer(model=model, optim=optim, source=build_step_source(cfg, pipeline, model, servers),
+    return Trainer(model=model, optim=optim, source=build_step_source(cfg, pipeline, model, servers, keymaps),
                    checkpoints=checkpoints, parts=[*parts, *extra_parts], logger=logger, ledger=ledger,
                    total_steps=total_steps, topo=topo, kernels=kernels)
 
@@ -595,10 +614,13 @@ def build_early_stop(cfg: Config) -> EarlyStopping | None:
 
 
 def checkpoint_components(topo: Topology, model: torch.nn.Module, dense_opt, *, pipeline, totals: RunTotals,
-                          dense_sync: DenseSync, sync_runner, early_stop: EarlyStopping | None) -> list[Component]:
+                          dense_sync: DenseSync, sync_runner, early_stop: EarlyStopping | None,
+                          keymaps: DynamicTables | None = None) -> list[Component]:
     """Everything a checkpoint holds besides the model and the optimizers."""
     components = [Component("loader", pipeline), Component("run_totals", totals),
                   Component("dense_sync", dense_sync, per_rank=True), Component("rng", TorchRNG(), per_rank=True)]
+    if keymaps is not None:  # (the dynamic tables' maps: every rank's slots, merged)
+        components.append(Component("keymaps", keymaps))
     if (reducer := getattr(model.sparse, "dp_reducer", None)) is not None:
         components.append(Component("replicated_compressor", reducer, per_rank=True))
     if sync_runner is not None:
@@ -630,8 +652,25 @@ def build_recovery(cfg: Config, topo: Topology, checkpointer: Checkpointer, mode
                     deltas=build_shard_deltas(cfg, topo, model, sparse_opt, run_dir), fast_dir=snapshot_dir)
 
 
-def build_step_source(cfg: Config, pipeline, model, servers) -> StepSource:
-    """The loop's steps: a parameter-server trainer's, Hogwild's threads', or one thread's."""
+def build_pipeline(cfg: Config, meta: DatasetMeta, loader, model, sparse_opt, topo: Topology):
+    """The pipeline over the training batches and, for dynamic tables, their key maps (the
+    stream's raw keys mapped to rows before the pipeline takes a batch)."""
+    keymaps = None
+    if cfg.model.tables == "dynamic":
+        m, tables = cfg.model, build_tables(meta, cfg)
+        keymaps = DynamicTables({t.name: t.num_embeddings for t in tables}, admit_after=m.admit_after,
+                                evict=m.evict, ttl_steps=m.ttl_steps, seed=cfg.train.seed, model_sparse=model.sparse,
+                                sparse_opt=sparse_opt, topo=topo, dims={t.name: t.embedding_dim for t in tables})
+        loader = MappedLoader(loader, keymaps)
+    return TrainPipeline(loader, model.sparse, enabled=cfg.dist.pipeline, device=topo.device), keymaps
+
+
+def build_step_source(cfg: Config, pipeline, model, servers, keymaps: DynamicTables | None = None) -> StepSource:
+    """The loop's steps: a stream's, a parameter-server trainer's, Hogwild's threads', or one
+    thread's."""
+    if cfg.data.stream:
+        stream = pipeline.loader.stream if isinstance(pipeline.loader, MappedLoader) else pipeline.loader
+        return StreamSteps(pipeline, stream, keymaps)
     if servers:
         return ServerSteps(pipeline, model.sparse)
     return HogwildSteps(pipeline, cfg.train.workers) if cfg.train.workers > 1 else StepSource(pipeline)
@@ -653,9 +692,12 @@ def loop_parts(cfg: Config, topo: Topology, *, total_steps: int, run_dir: Path, 
     parts.append(Progress(total_steps=total_steps, log_every=t.log_every, show=t.progress and topo.lead,
                           tty=sys.stderr.isatty(), log_interval_s=t.log_interval_s, logger=logger, totals=totals,
                           lr_factor=schedule.factor))
-    parts.append(Evaluation(eval_loader, eval_every=t.eval_every, total_steps=total_steps, early_stop=early_stop,
-                            save_best=t.save_checkpoints, changes_after_stop=sync_runner is not None or remote,
-                            logger=logger))
+    if eval_loader is not None:  # (a stream has none: its metrics are test-then-train)
+        parts.append(Evaluation(eval_loader, eval_every=t.eval_every, total_steps=total_steps,
+                                early_stop=early_stop, save_best=t.save_checkpoints,
+                                changes_after_stop=sync_runner is not None or remote, logger=logger))
+    else:
+        parts.append(Progressive(t.progressive_window, log_every=t.log_every, logger=logger, topo=topo))
     if early_stop is not None:
         parts.append(StopEarly(early_stop, total_steps=total_steps, run_dir=run_dir, saved=t.save_checkpoints))
     parts.append(checkpoints)

@@ -250,7 +250,8 @@ def _world_and_rank() -> tuple[int, int]:
 # -- is the run directory this run's? ----------------------------------------------------
 COMPARED_KEYS = ("model.arch", "model.embedding_dim", "model.bottom_mlp", "model.top_mlp",
                  "model.interaction", "model.pooling", "optim.dense", "optim.sparse",
-                 "train.seed", "data.shuffle", "data.shuffle_window")
+                 "train.seed", "data.shuffle", "data.shuffle_window", "data.stream", "model.tables",
+                 "model.evict")
 """Config keys a run cannot change and still resume its checkpoints (with the tables,
 the global batch and the training rows, compared separately): the model's shapes, the
 optimizers' state, the order of the rows."""

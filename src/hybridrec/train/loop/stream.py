@@ -349,7 +349,7 @@ class Progressive(Part):
         both = len(y) and 0 < y.sum() < len(y)
         return {"progressive_auc": float(auc(y, p)) if both else float("nan"),
                 "progressive_logloss": float(log_loss(y, p)) if len(y) else float("nan"),
-                "progressive_samples": int(len(y))}
+                "progressive_samples": len(y)}
 
     def after_step(self, loop, done) -> None:
         if self.log_every and done.step % self.log_every == 0:

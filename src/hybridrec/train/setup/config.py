@@ -64,6 +64,9 @@ class DataConfig(ReadOnly):
     (``data.path``): Criteo TSV files (plain or ``.gz``), taken in name order once complete
     (written under a temporary name, ``.NAME`` or ``NAME.tmp``, then renamed), encoded on the
     fly for ``model.tables=dynamic`` or ``modulo``. See the guide, "Training on a stream"."""
+    stream_schema: str = ""
+    """A CSV or Parquet stream's schema file (the one ``data preprocess --schema`` takes: label,
+    dense and categorical columns); empty: the stream is Criteo TSV."""
     stream_stop: str = "idle:60"
     """When a stream run ends: ``idle:SECONDS`` (no new file for that long), ``files:N`` (N
     files trained in all) or ``never``."""
@@ -649,7 +652,7 @@ def apply_dict(cfg: Config, data: dict, *, source: str) -> None:
                 raise ConfigError(f"{source}: {e}") from None
 
 
-PATH_KEYS = ("data.path", "data.stream", "dist.plan", "train.run_dir")
+PATH_KEYS = ("data.path", "data.stream", "data.stream_schema", "dist.plan", "train.run_dir")
 """The config keys whose values are file system paths."""
 
 

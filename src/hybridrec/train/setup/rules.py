@@ -368,10 +368,10 @@ def _stream_checks(cfg: Config) -> list[tuple[bool, str]]:
         (m.evict != "ttl" or m.ttl_steps > 0, "model.evict=ttl needs model.ttl_steps > 0"),
         (m.admit_after >= 1, f"model.admit_after must be >= 1, got {m.admit_after}"),
         (not (stream and d.path), "data.stream and data.path are both set: train on one of them"),
-        (not stream or raw, "data.stream reads raw keys, which a static table has no ids for: "
-                            "model.tables=dynamic (a row per key) or modulo"),
-        (stream or not raw, f"model.tables={m.tables} reads raw keys: it needs data.stream=DIR "
-                            "(a preprocessed dataset's ids are already table rows)"),
+        (not stream or raw, ("data.stream reads raw keys, which a static table has no ids for: "
+                            "model.tables=dynamic (a row per key) or modulo")),
+        (stream or not raw, (f"model.tables={m.tables} reads raw keys: it needs data.stream=DIR "
+                            "(a preprocessed dataset's ids are already table rows)")),
         (bool(STREAM_STOP.match(d.stream_stop)),
          f"data.stream_stop {d.stream_stop!r}: idle:SECONDS, files:N or never"),
         (d.stream_poll_s > 0, f"data.stream_poll_s must be positive, got {d.stream_poll_s}"),
@@ -380,14 +380,17 @@ def _stream_checks(cfg: Config) -> list[tuple[bool, str]]:
          f"train.publish_every {t.publish_every!r}: STEPS or SECONDSs (e.g. 500 or 30s)"),
         (t.publish_keep >= 1, f"train.publish_keep must be >= 1, got {t.publish_keep}"),
         (t.progressive_window >= 1, f"train.progressive_window must be >= 1, got {t.progressive_window}"),
-        (not (stream and cfg.dist.num_ps), "data.stream with dist.num_ps: parameter servers do not hold "
-                                           "dynamic tables yet; train the stream on ranks (dist.nproc)"),
-        (not (stream and t.workers > 1), "data.stream with train.workers > 1: Hogwild threads share one loader "
-                                         "position per step; use train.workers=1"),
+        (not (stream and cfg.dist.num_ps), ("data.stream with dist.num_ps: parameter servers do not hold "
+                                           "dynamic tables yet; train the stream on ranks (dist.nproc)")),
+        (not (stream and t.workers > 1), ("data.stream with train.workers > 1: Hogwild threads share one loader "
+                                         "position per step; use train.workers=1")),
         (not (stream and (t.eval_every or t.early_stop)),
-         "data.stream has no held-out split: train.eval_every and train.early_stop are off for a stream "
-         "(its metrics are test-then-train: each batch scored before it trains)"),
+         ("data.stream has no held-out split: train.eval_every and train.early_stop are off for a stream "
+         "(its metrics are test-then-train: each batch scored before it trains)")),
         (not (stream and cfg.dist.group_size), "data.stream with dist.group_size: not with hierarchical groups yet"),
+        (not (stream and t.recovery == "partial"),
+         ("data.stream with train.recovery=partial: not yet (the stream's position and key maps are restored "
+         "from the last checkpoint); use train.recovery=full")),
         (not (stream and cfg.optim.decay != "none" and not t.max_steps),
          f"optim.decay={cfg.optim.decay} needs a last step: a stream has none unless train.max_steps is set"),
     ]

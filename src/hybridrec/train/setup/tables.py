@@ -23,7 +23,8 @@ def load_dataset(cfg: Config) -> DatasetMeta:
     """The run's dataset: ``data.path``'s, or a stream's (``data.stream``: its schema and
     tables, no parts: :func:`hybridrec.data.stream.stream_meta`)."""
     if cfg.data.stream:
-        return stream_meta(cfg.data.stream, cfg.model.tables, cfg.model.table_rows)
+        return stream_meta(cfg.data.stream, cfg.model.tables, cfg.model.table_rows,
+                           schema_file=cfg.data.stream_schema or None)
     if not cfg.data.path:
         raise ConfigError("data.path is not set: point it at a preprocessed dataset directory")
     return DatasetMeta.load(cfg.data.path)
