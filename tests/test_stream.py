@@ -288,3 +288,38 @@ def test_a_csv_stream_with_a_schema_file(tmp_path):
     bad.write_text(json.dumps({"label": "click", "multihot": ["tags"]}))
     with pytest.raises(DataError, match="multi-hot columns"):
         stream_meta(d, "dynamic", "1000", schema_file=bad)
+
+
+def _row_keys(run: Path) -> dict[str, np.ndarray]:
+    from hybridrec.train.evaluate import load_run_model
+
+    extra = load_run_model(run, checkpoint="latest")[4]
+    return {f: np.asarray(t["row_key"]) for f, t in extra["keymaps"]["tables"].items()}
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_two_ranks_map_keys_as_one_process_and_maps_reshard(shared_stream, tmp_path):
+    """The slots make the maps a function of the global batches: 2 ranks (batch 64 each) end
+    with one process's (batch 128) maps, and a run that changes world size between files
+    (1 process, then 2 ranks) too, with every row trained once."""
+    d = shared_stream(hours=3, rows=1000)
+    small = ["model.table_rows=300", "model.admit_after=2"]  # (keys evicted and admitted on the way)
+    args1 = [a.replace("data.batch_size=128", "data.batch_size=200") for a in STREAM_ARGS]  # (5 per file)
+    args2 = [a.replace("data.batch_size=128", "data.batch_size=100") for a in STREAM_ARGS]
+    one = tmp_path / "one"
+    s1 = _train([f"data.stream={d}", f"train.run_dir={one}", *args1, *small])
+    assert s1["dynamic_tables"]["evicted"] > 0
+    two = tmp_path / "two"
+    s2 = _train([f"data.stream={d}", f"train.run_dir={two}", "dist.nproc=2", *args2, *small])
+    assert s2["dynamic_tables"]["evicted"] == s1["dynamic_tables"]["evicted"]
+    a, b = _row_keys(one), _row_keys(two)
+    assert all(np.array_equal(a[f], b[f]) for f in a)
+    # resharded: one file on one process, then the rest on 2 ranks (the same global batch)
+    mixed = tmp_path / "mixed"
+    first = _train([f"data.stream={d}", f"train.run_dir={mixed}", *args1, *small, "data.stream_stop=files:1"])
+    assert [f["rows"] for f in first["stream"]["files"]] == [1000]
+    rest = _train([f"data.stream={d}", f"train.run_dir={mixed}", "dist.nproc=2", *args2, *small])
+    assert [f["rows"] for f in rest["stream"]["files"]] == [1000, 1000, 1000]
+    c = _row_keys(mixed)
+    assert all(np.array_equal(a[f], c[f]) for f in a)

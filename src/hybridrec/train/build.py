@@ -518,7 +518,7 @@ def build_trainer(cfg: Config, *, meta: DatasetMeta | None = None, topo: Topolog
     parts = loop_parts(cfg, topo, total_steps=total_steps, run_dir=run_dir, logger=logger, totals=totals,
                        schedule=scheduler.schedule, eval_loader=eval_loader, early_stop=early_stop,
                        sync_runner=sync_runner, remote=bool(servers), checkpoints=checkpoints, recovery=recovery_part)
-    return Trainer(model=model, optim=optim, source=build_step_source(cfg, pipeline, model, servers, keymaps),
+    return Trainer(model=model, optim=optim, source=build_step_source(cfg, pipeline, model, servers, keymaps, logger),
                    checkpoints=checkpoints, parts=[*parts, *extra_parts], logger=logger, ledger=ledger,
                    total_steps=total_steps, topo=topo, kernels=kernels)
 
@@ -665,12 +665,13 @@ def build_pipeline(cfg: Config, meta: DatasetMeta, loader, model, sparse_opt, to
     return TrainPipeline(loader, model.sparse, enabled=cfg.dist.pipeline, device=topo.device), keymaps
 
 
-def build_step_source(cfg: Config, pipeline, model, servers, keymaps: DynamicTables | None = None) -> StepSource:
+def build_step_source(cfg: Config, pipeline, model, servers, keymaps: DynamicTables | None = None,
+                      logger: MetricLogger | None = None) -> StepSource:
     """The loop's steps: a stream's, a parameter-server trainer's, Hogwild's threads', or one
     thread's."""
     if cfg.data.stream:
         stream = pipeline.loader.stream if isinstance(pipeline.loader, MappedLoader) else pipeline.loader
-        return StreamSteps(pipeline, stream, keymaps)
+        return StreamSteps(pipeline, stream, keymaps, log_every=cfg.train.log_every, logger=logger)
     if servers:
         return ServerSteps(pipeline, model.sparse)
     return HogwildSteps(pipeline, cfg.train.workers) if cfg.train.workers > 1 else StepSource(pipeline)

@@ -289,14 +289,27 @@ class StreamSteps(StepSource):
 
     absent: ClassVar[dict] = {"stream": None, "dynamic_tables": None}
 
-    def __init__(self, pipeline, stream, tables: DynamicTables | None) -> None:
+    def __init__(self, pipeline, stream, tables: DynamicTables | None, *, log_every: int = 0, logger=None) -> None:
         super().__init__(pipeline)
-        self.stream, self.tables = stream, tables
+        self.stream, self.tables, self.log_every, self.logger = stream, tables, log_every, logger
 
     def steps(self, loop):
         for batch, pending in self.pipeline.batches(loop.total_steps - loop.step):
             loss = loop.train_step(batch, pending)
             yield loss, batch.batch_size * loop.topo.job_size
+
+    def after_step(self, loop, done) -> None:
+        """Every ``train.log_every`` steps: the stream's rows and files and the dynamic tables'
+        live, admitted and evicted keys (all tables), a ``stream`` record of metrics.jsonl."""
+        if not self.log_every or done.step % self.log_every:
+            return
+        record = {"rows": sum(int(f["rows"]) for f in self.stream.files), "files_done": self.stream.files_done,
+                  "files_waiting": self.stream.waiting}
+        if self.tables is not None:  # (a collective with several ranks: every rank logs alike)
+            stats = self.tables.stats()
+            record.update({f"keys_{k}": stats[k] for k in ("live", "admitted", "evicted")})
+        if self.logger is not None:
+            self.logger.log(done.step, record, split="stream")
 
     def status(self) -> str:
         """The progress line's stream fields: files trained, files waiting (the lag)."""
