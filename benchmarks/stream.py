@@ -123,9 +123,12 @@ def quality(a) -> None:
                "never_rows": sum(every.values()), "distinct_ids": last["distinct_ids_so_far"]["total"]}
         for name, overrides in configs.items():
             run_dir = a.out / f"run-{seed}-{name}"
-            s = train(run_dir, trained, f"train.seed={seed}", *overrides, *a.overrides)
             pred = a.out / f"pred-{seed}-{name}.csv"
-            run([*HYBRIDREC, "predict", str(run_dir), str(test), "--out", str(pred)])
+            if a.reuse and pred.is_file() and (run_dir / "summary.json").is_file():  # (an earlier invocation's)
+                s = json.loads((run_dir / "summary.json").read_text())
+            else:
+                s = train(run_dir, trained, f"train.seed={seed}", *overrides, *a.overrides)
+                run([*HYBRIDREC, "predict", str(run_dir), str(test), "--out", str(pred)])
             p = np.loadtxt(pred, skiprows=1)
             row[name] = {"auc": auc(y, p), "progressive_auc": s["progressive"]["auc"],
                          "samples_per_sec": s["throughput"].get("samples_per_sec_overall"),
@@ -264,6 +267,7 @@ def main() -> None:
     p.add_argument("--kills", type=int, default=2, help="kill: kills per trial before the run is let end")
     p.add_argument("--min-s", type=float, default=8.0)
     p.add_argument("--max-s", type=float, default=25.0)
+    p.add_argument("--reuse", action="store_true", help="quality: keep runs an earlier invocation finished")
     p.add_argument("overrides", nargs="*", help="more KEY=VALUE for every training run")
     a = p.parse_intermixed_args()
     a.out = (a.out or ROOT / "benchmarks" / "out" / f"stream-{a.what}").resolve()

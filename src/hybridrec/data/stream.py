@@ -257,15 +257,13 @@ class StreamLoader:
     def files_done(self) -> int:
         return sum(1 for f in self.files if f["done"])
 
-    def summary(self) -> dict:
-        rows = sum(int(f["rows"]) for f in self.files)
-        fresh = sorted(f["freshness_s"] for f in self.files if f.get("freshness_s") is not None)
-        return {"directory": str(self.directory), "rows": rows, "files_done": self.files_done,
-                "freshness_median_s": fresh[len(fresh) // 2] if fresh else None,
-                "files_waiting": self.waiting, "stopped": self.stopped, "late": list(self.late),
-                "files": [{k: f.get(k) for k in ("name", "rows", "bad_lines", "done", "landed", "freshness_s",
-                                                 "published_in")}
-                          for f in self.files]}
+    def summary(self, files: list[dict] | None = None) -> dict:
+        """summary.json's ``stream``: of ``files`` (a position's; None: the files as read)."""
+        files = self.files if files is None else files
+        return {"directory": str(self.directory), "rows": sum(int(f["rows"]) for f in files),
+                "files_done": sum(1 for f in files if f["done"]), "files_waiting": self.waiting,
+                "stopped": self.stopped, "late": list(self.late),
+                "files": [{k: f.get(k) for k in ("name", "rows", "bad_lines", "done", "landed")} for f in files]}
 
     # -- batches -----------------------------------------------------------------
     def __iter__(self) -> Iterator[Batch]:

@@ -78,10 +78,10 @@ class Publisher(Part):
             return
         loop.checkpoints.checkpointer.wait()  # (train.async_checkpoint: the files written)
         run_dir = loop.checkpoints.checkpointer.run_dir
-        stream = getattr(loop.source, "stream", None)
+        feed = getattr(loop.source, "stream", None)  # (a stream's: the files as the trained batches left them)
         info = {"trained_step": loop.step}
-        if stream is not None:
-            info["files"] = [{"name": f["name"], "rows": f["rows"], "done": f["done"]} for f in stream.files]
+        if feed is not None:
+            info["files"] = [{"name": f["name"], "rows": f["rows"], "done": f["done"]} for f in feed.files]
         start = time.perf_counter()
         path = Path(run_dir) / "checkpoints" / f"step-{loop.step:08d}"
         name = publish(run_dir, checkpoint_export(run_dir, str(path) if path.is_dir() else "latest", eval_rows=0),
@@ -89,11 +89,11 @@ class Publisher(Part):
         now = time.time()
         self.export_s += time.perf_counter() - start
         self.versions.append({"version": name, "step": loop.step, "at": now})
-        if stream is not None:  # the files this version is the first to train whole
-            for f in stream.files:
-                if f["done"] and f.get("freshness_s") is None and f.get("landed") is not None:
-                    f["freshness_s"] = round(now - float(f["landed"]), 3)
-                    f["published_in"] = name
+        if feed is not None:  # the files this version is the first to train whole
+            for f in feed.files:
+                if f["done"] and f["name"] not in feed.freshness and f.get("landed") is not None:
+                    feed.freshness[f["name"]] = {"freshness_s": round(now - float(f["landed"]), 3),
+                                                 "published_in": name}
 
     def finish(self, loop, end: End) -> None:
         pass

@@ -102,7 +102,7 @@ from hybridrec.train.loop.parts import (
 from hybridrec.train.loop.pipeline import TrainPipeline
 from hybridrec.train.loop.recovery_part import RecoveryPart, nothing_updating
 from hybridrec.train.loop.sparse_optim import CombinedSparseOptimizer, combined_sparse_optimizer
-from hybridrec.train.loop.stream import DynamicTables, MappedLoader, Progressive, StreamSteps
+from hybridrec.train.loop.stream import DynamicTables, Progressive, StreamFeed, StreamSteps
 from hybridrec.train.loop.thread_governor import thread_governor
 from hybridrec.train.loop.trainer import Optimizers, Trainer
 from hybridrec.train.ps_run import ServerCheckpoints, ps_plan
@@ -207,10 +207,11 @@ def build_loaders(cfg: Config, meta: DatasetMeta, *, rank: int = 0, world_size: 
 
             def encode(keys):  # (the preprocessing's modulo encoding, column by column)
                 return np.stack([e(keys[:, j]) for j, e in enumerate(encoders)], axis=1)
-        group = topo.run_group if topo is not None and topo.job_size > 1 else None
+        # (a group of its own: the stream's thread agrees on files beside the step's collectives)
+        group = topo.parallel_groups(1)[0] if topo is not None and topo.job_size > 1 else None
         return StreamLoader(d.stream, schema=meta.schema, encode=encode, batch_size=d.batch_size, rank=rank,
                             world_size=world_size, stop=d.stream_stop, poll_s=d.stream_poll_s, group=group,
-                            device=topo.comm_device if group is not None else "cpu",
+                            device="cpu",
                             on_bad_line=d.on_bad_line, schema_file=d.stream_schema or None), None
     train = ShardedLoader(meta, split="train", batch_size=d.batch_size, rank=rank,
                           world_size=world_size, shuffle=d.shuffle, shuffle_window=d.shuffle_window,
@@ -661,7 +662,8 @@ def build_pipeline(cfg: Config, meta: DatasetMeta, loader, model, sparse_opt, to
         keymaps = DynamicTables({t.name: t.num_embeddings for t in tables}, admit_after=m.admit_after,
                                 evict=m.evict, ttl_steps=m.ttl_steps, seed=cfg.train.seed, model_sparse=model.sparse,
                                 sparse_opt=sparse_opt, topo=topo, dims={t.name: t.embedding_dim for t in tables})
-        loader = MappedLoader(loader, keymaps)
+    if cfg.data.stream:  # (read and parsed ahead on a thread; one process maps its keys there too)
+        loader = StreamFeed(loader, keymaps, map_ahead=topo.job_size == 1)
     return TrainPipeline(loader, model.sparse, enabled=cfg.dist.pipeline, device=topo.device), keymaps
 
 
@@ -670,8 +672,7 @@ def build_step_source(cfg: Config, pipeline, model, servers, keymaps: DynamicTab
     """The loop's steps: a stream's, a parameter-server trainer's, Hogwild's threads', or one
     thread's."""
     if cfg.data.stream:
-        stream = pipeline.loader.stream if isinstance(pipeline.loader, MappedLoader) else pipeline.loader
-        return StreamSteps(pipeline, stream, keymaps, log_every=cfg.train.log_every, logger=logger)
+        return StreamSteps(pipeline, pipeline.loader, keymaps, log_every=cfg.train.log_every, logger=logger)
     if servers:
         return ServerSteps(pipeline, model.sparse)
     return HogwildSteps(pipeline, cfg.train.workers) if cfg.train.workers > 1 else StepSource(pipeline)

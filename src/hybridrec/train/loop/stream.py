@@ -14,8 +14,8 @@ and a checkpoint of the maps (rows-sized arrays) loads into any world size: the 
 only dealt out again. A row given to a new key (``fresh``) starts again: its embedding takes
 the key's own initial values (a hash of the key, so the same on every rank and world size)
 and its optimizer state its initial value, on every rank that holds the row (a shard, a
-replica). Rows a batch uses are never evicted in the next two steps (``protect_steps``), so
-the pipeline's batch taken ahead never takes a row the current step still updates.
+replica). Rows a batch uses are never evicted while it may still be ahead of the step or in it
+(:data:`PROTECT_STEPS`), so a batch mapped ahead never takes a row a step still updates.
 
 **Test-then-train** (:class:`Progressive`): the training step's forward is the batch's score
 before it is trained on; the last ``train.progressive_window`` samples' AUC and log loss are
@@ -24,7 +24,11 @@ logged as ``progressive`` records of metrics.jsonl and reported in summary.json.
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import math
+import queue
+import threading
 import zlib
 from collections import deque
 from typing import ClassVar
@@ -36,11 +40,16 @@ import torch.distributed as dist
 from hybridrec.metrics.classification import auc, log_loss
 from hybridrec.sparse.keyed_jagged import Batch, KeyedJagged
 from hybridrec.sparse.keymap import KeyMap, key_slots
+from hybridrec.threads import single_threaded
 from hybridrec.train.loop.parts import End, Part, StepSource
 
 SLOTS = 16
 """Slots per dynamic table: the unit of ownership among ranks (a world size up to 16 owns
 some of every table's keys; more ranks leave some without)."""
+
+PROTECT_STEPS = 5
+"""Rows used by the last this many mapped batches are never evicted: the batch training, the
+one the pipeline took ahead, and those the feed's thread made ahead (:class:`StreamFeed`, 2)."""
 
 _MASK = (1 << 64) - 1
 
@@ -83,7 +92,7 @@ class DynamicTables:
         self.features = list(rows)
         self.rows, self.dims, self.seed = dict(rows), dict(dims), seed
         self.maps = {f: KeyMap(rows[f], slots=min(SLOTS, rows[f] - 1), admit_after=admit_after, evict=evict,
-                               ttl_steps=ttl_steps) for f in self.features}
+                               ttl_steps=ttl_steps, protect_steps=PROTECT_STEPS) for f in self.features}
         self.sparse, self.sparse_opt, self.topo = model_sparse, sparse_opt, topo
         self.world = topo.group_size if topo is not None else 1
         self.rank = topo.rank if topo is not None else 0
@@ -91,6 +100,7 @@ class DynamicTables:
         self._own()
         self.step = 0  # batches mapped
         self.fresh_rows = 0
+        self.lock = threading.RLock()  # (a feed's thread maps while the loop saves or reads counts)
 
     def _own(self) -> None:
         if self.world > 1:
@@ -100,21 +110,25 @@ class DynamicTables:
     # -- the component -------------------------------------------------------------
     def state_dict(self) -> dict:
         """Every table's whole map (on every rank: the ranks' slots merged), and the step."""
-        states = {f: m.state_dict() for f, m in self.maps.items()}
+        with self.lock:
+            states = {f: m.state_dict() for f, m in self.maps.items()}
+            step = self.step
         if self.group is not None:
             gathered = [None] * self.world
             dist.all_gather_object(gathered, states, group=self.group)
             states = {f: KeyMap.merge_states([g[f] for g in gathered]) for f in self.features}
-        return {"step": self.step, "tables": states}
+        return {"step": step, "tables": states}
 
     def load_state_dict(self, state: dict) -> None:
-        self.step = int(state["step"])
-        for f, m in self.maps.items():
-            m.load_state_dict(state["tables"][f])
-        self._own()
+        with self.lock:
+            self.step = int(state["step"])
+            for f, m in self.maps.items():
+                m.load_state_dict(state["tables"][f])
+            self._own()
 
     def stats(self) -> dict:
-        per = {f: m.stats() for f, m in self.maps.items()}
+        with self.lock:
+            per = {f: m.stats() for f, m in self.maps.items()}
         total = {k: sum(int(s[k]) for s in per.values()) for k in ("live", "admitted", "evicted")}
         if self.group is not None:  # (each rank counts its own slots)
             t = torch.tensor([total["live"], total["admitted"], total["evicted"]], dtype=torch.int64)
@@ -265,22 +279,92 @@ class DynamicTables:
                             state[start + local_rows] = initial if key == "sum" else 0
 
 
-class MappedLoader:
-    """The stream's batches with their raw keys mapped to rows (:class:`DynamicTables`);
-    the position is the stream's."""
+_END = object()
 
-    def __init__(self, stream, tables: DynamicTables) -> None:
-        self.stream, self.tables = stream, tables
 
-    def __iter__(self):
-        for batch in self.stream:
-            yield self.tables.map_batch(batch)
+class StreamFeed:
+    """The stream's batches, read, parsed and (one process) mapped ahead on a thread while the
+    step trains: the loop's loader (:class:`~hybridrec.train.loop.pipeline.TrainPipeline`
+    takes it).
+
+    A thread runs the stream (:class:`~hybridrec.data.stream.StreamLoader`: its collectives on
+    a group of their own) and, with one process, the dynamic tables' mapping, ``ahead``
+    batches in front; each batch comes with the stream's position after it, and
+    :meth:`state_dict` is the position after the last batch *taken*, so a checkpoint never
+    skips a row the thread read ahead. With several ranks the keys are mapped as each batch
+    is taken, on the loop's thread: the key exchange is a collective of the step's group, in
+    step order. ``freshness``: each file's seconds from landing to its first publication
+    (:mod:`hybridrec.serve.publisher`), kept with the position."""
+
+    def __init__(self, stream, tables: DynamicTables | None, *, map_ahead: bool, ahead: int = 2) -> None:
+        self.stream, self.tables, self.map_ahead, self.ahead = stream, tables, map_ahead, ahead
+        self._state: dict | None = None
+        self.freshness: dict[str, dict] = {}
+
+    def __len__(self) -> int:
+        return 0
 
     def state_dict(self) -> dict:
-        return self.stream.state_dict()
+        state = self._state if self._state is not None else self.stream.state_dict()
+        return {**state, "freshness": dict(self.freshness)}
 
     def load_state_dict(self, state: dict) -> None:
         self.stream.load_state_dict(state)
+        self.freshness = dict(state.get("freshness") or {})
+        self._state = None
+
+    @property
+    def files(self) -> list[dict]:
+        """The files as the last batch taken left them (rows trained, done)."""
+        return (self._state if self._state is not None else self.stream.state_dict())["files"]
+
+    def summary(self) -> dict:
+        out = self.stream.summary(self.files)
+        for f in out["files"]:
+            f.update(self.freshness.get(f["name"], {}))
+        fresh = sorted(v["freshness_s"] for v in self.freshness.values())
+        out["freshness_median_s"] = fresh[len(fresh) // 2] if fresh else None
+        return out
+
+    def __iter__(self):
+        items: queue.Queue = queue.Queue(maxsize=self.ahead)
+        stop = threading.Event()
+        worker = threading.Thread(target=self._produce, args=(items, stop), name="hybridrec-stream", daemon=True)
+        worker.start()
+        try:
+            while True:
+                item = items.get()
+                if item is _END:
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                batch, state = item
+                if self.tables is not None and not self.map_ahead:
+                    batch = self.tables.map_batch(batch)
+                self._state = state
+                yield batch
+        finally:
+            stop.set()
+
+    def _produce(self, items: queue.Queue, stop: threading.Event) -> None:
+        single_threaded()  # (the step has the cores; hybridrec.threads)
+        try:
+            for batch in self.stream:
+                state = copy.deepcopy(self.stream.state_dict())
+                if self.tables is not None and self.map_ahead:
+                    with self.tables.lock:
+                        batch = self.tables.map_batch(batch)
+                while not stop.is_set():
+                    try:
+                        items.put((batch, state), timeout=0.2)
+                        break
+                    except queue.Full:
+                        continue
+                if stop.is_set():
+                    return
+            items.put(_END)
+        except BaseException as e:  # noqa: BLE001 (handed to the loop: it raises it where it takes the next batch)
+            items.put(e)
 
 
 class StreamSteps(StepSource):
@@ -303,8 +387,9 @@ class StreamSteps(StepSource):
         live, admitted and evicted keys (all tables), a ``stream`` record of metrics.jsonl."""
         if not self.log_every or done.step % self.log_every:
             return
-        record = {"rows": sum(int(f["rows"]) for f in self.stream.files), "files_done": self.stream.files_done,
-                  "files_waiting": self.stream.waiting}
+        files = self.stream.files
+        record = {"rows": sum(int(f["rows"]) for f in files), "files_done": sum(1 for f in files if f["done"]),
+                  "files_waiting": self.stream.stream.waiting}
         if self.tables is not None:  # (a collective with several ranks: every rank logs alike)
             stats = self.tables.stats()
             record.update({f"keys_{k}": stats[k] for k in ("live", "admitted", "evicted")})
@@ -313,7 +398,11 @@ class StreamSteps(StepSource):
 
     def status(self) -> str:
         """The progress line's stream fields: files trained, files waiting (the lag)."""
-        return f"files {self.stream.files_done:,} done, {self.stream.waiting:,} waiting"
+        return f"files {sum(1 for f in self.stream.files if f['done']):,} done, {self.stream.stream.waiting:,} waiting"
+
+    def saving(self, loop):
+        """A checkpoint holds the maps and the tables of one moment: the feed's thread waits."""
+        return self.tables.lock if self.tables is not None else contextlib.nullcontext()
 
     def finish(self, loop, end: End) -> None:
         super().finish(loop, end)
