@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import math
 import queue
 import threading
 import zlib
@@ -63,17 +62,24 @@ def _mix(x: np.ndarray) -> np.ndarray:
         return x ^ (x >> np.uint64(31))
 
 
-def key_initial_values(keys: np.ndarray, table: str, dim: int, rows: int, seed: int) -> torch.Tensor:
+def key_initial_values(keys: np.ndarray, table: str | np.ndarray, dim: int, rows: int | np.ndarray,
+                       seed: int) -> torch.Tensor:
     """A fresh row's initial values for each of ``keys``: U(-sqrt(1/rows), sqrt(1/rows)) (the
     tables' own initialisation) drawn from a hash of (seed, table, key, column), so every rank
-    and world size gives a key the same row values."""
-    a = math.sqrt(1.0 / rows)
-    base = np.uint64((seed * 1_000_003 + zlib.crc32(table.encode())) & _MASK)
+    and world size gives a key the same row values. ``table`` and ``rows``: one table's, or
+    one per key (a name's :func:`table_salt` and rows) to draw several tables' keys at once."""
+    a = np.sqrt(1.0 / np.asarray(rows, dtype=np.float64))
+    salt = table_salt(table, seed) if isinstance(table, str) else np.asarray(table, dtype=np.uint64)
     with np.errstate(over="ignore"):
-        k = _mix(keys.astype(np.int64).view(np.uint64) ^ base)
+        k = _mix(keys.astype(np.int64).view(np.uint64) ^ salt)
         cells = _mix(k[:, None] + np.arange(1, dim + 1, dtype=np.uint64)[None, :] * np.uint64(0x9E3779B97F4A7C15))
     unit = (cells >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))
-    return torch.from_numpy(((2.0 * unit - 1.0) * a).astype(np.float32))
+    scale = a[:, None] if a.ndim else a
+    return torch.from_numpy(((2.0 * unit - 1.0) * scale).astype(np.float32))
+
+
+def table_salt(table: str, seed: int) -> np.uint64:
+    return np.uint64((seed * 1_000_003 + zlib.crc32(table.encode())) & _MASK)
 
 
 class DynamicTables:
@@ -257,6 +263,8 @@ class DynamicTables:
         with torch.no_grad():
             for name, coll in self.sparse.updated_collections().items():
                 opt = optimizers.get(name)
+                # every table of a fused group at once: its rows there, the keys' values
+                at: dict[int, list] = {}
                 for local in coll.tables:
                     table = local.partition("@")[0]
                     if table not in by_table:
@@ -266,17 +274,32 @@ class DynamicTables:
                     (r0, r1), (c0, c1) = ((0, self.rows[table]), (0, self.dims[table])) if held is None else \
                         (held[0].rows, held[0].cols)
                     sel = (rows >= r0) & (rows < r1)
-                    if not sel.any():
-                        continue
-                    local_rows = torch.from_numpy(rows[sel] - r0)
-                    values = key_initial_values(keys[sel], table, self.dims[table], self.rows[table], self.seed)
-                    g, start, _ = coll.table_slice(local)
-                    weight = coll.group_weight(g)
-                    weight[start + local_rows] = values[:, c0:c1].to(weight.dtype)
-                    if opt is not None:
-                        initial = float(getattr(opt, "initial_accumulator", 0.0))
-                        for key, state in opt.row_state(g).items():
-                            state[start + local_rows] = initial if key == "sum" else 0
+                    if sel.any():
+                        g, start, _ = coll.table_slice(local)
+                        at.setdefault(g, []).append((rows[sel] - r0 + start, keys[sel], table, (c0, c1)))
+                for g, pieces in at.items():
+                    self._reset_group(coll, opt, g, pieces)
+
+    def _reset_group(self, coll, opt, g: int, pieces: list) -> None:
+        """One fused group's fresh rows: ``pieces`` of (rows in the group, keys, table, columns)."""
+        index = torch.from_numpy(np.concatenate([p[0] for p in pieces]))
+        cols = {p[3] for p in pieces}
+        dims = {self.dims[p[2]] for p in pieces}
+        if len(cols) == 1 and len(dims) == 1:  # (the usual: one width, whole rows)
+            keys = np.concatenate([p[1] for p in pieces])
+            salt = np.concatenate([np.full(len(p[1]), table_salt(p[2], self.seed), dtype=np.uint64) for p in pieces])
+            rows = np.concatenate([np.full(len(p[1]), self.rows[p[2]], dtype=np.int64) for p in pieces])
+            (c0, c1), = cols
+            values = key_initial_values(keys, salt, dims.pop(), rows, self.seed)[:, c0:c1]
+        else:
+            values = torch.cat([key_initial_values(k, t, self.dims[t], self.rows[t], self.seed)[:, c0:c1]
+                                for _, k, t, (c0, c1) in pieces])
+        weight = coll.group_weight(g)
+        weight[index] = values.to(weight.dtype)
+        if opt is not None:
+            initial = float(getattr(opt, "initial_accumulator", 0.0))
+            for key, state in opt.row_state(g).items():
+                state[index] = initial if key == "sum" else 0
 
 
 _END = object()
