@@ -139,8 +139,11 @@ def read_metrics(path: Path) -> tuple[list[dict], list[dict], list[str]]:
         notes.append(f"{path.name}: the run went back to an earlier step {len(rewinds)} time(s) "
                      f"(resumed or restarted, at step(s) {', '.join(map(str, rewinds[:5]))}"
                      f"{', ...' if len(rewinds) > 5 else ''}); the latest records are shown")
-    return ([r for r in records if r["split"] == "train"],
-            [r for r in records if r["split"] == "eval"], notes)
+    evals = [r for r in records if r["split"] == "eval"]
+    if not evals:  # a stream's test-then-train metrics stand where a held-out split's would
+        evals = [{"step": r["step"], "auc": r.get("progressive_auc"), "log_loss": r.get("progressive_logloss"),
+                  "progressive": True} for r in records if r["split"] == "progressive"]
+    return [r for r in records if r["split"] == "train"], evals, notes
 
 
 def _read_json(path: Path) -> dict:
@@ -582,10 +585,12 @@ def charts(runs: list[Run]) -> dict[str, str]:
     """name -> SVG document for every chart of these runs (see :data:`CAPTIONS`)."""
     several = len(runs) > 1
     four = "{:.4f}".format
+    # (stream runs: each batch scored before it trained, over a sliding window)
+    held = "Test-then-train" if all(r.evals and r.evals[0].get("progressive") for r in runs) else "Held-out"
     out = {
         "loss": _line(runs, "train", "loss", "Train loss", "BCE loss"),
-        "auc": _line(runs, "eval", "auc", "Held-out AUC", "AUC", last_format=four),
-        "log_loss": _line(runs, "eval", "log_loss", "Held-out log loss", "log loss",
+        "auc": _line(runs, "eval", "auc", f"{held} AUC", "AUC", last_format=four),
+        "log_loss": _line(runs, "eval", "log_loss", f"{held} log loss", "log loss",
                           last_format=four),
         "throughput": _line(runs, "train", "samples_per_sec", "Throughput", "samples/s",
                             y_format="{:,.0f}".format),

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import math
 import queue
 import threading
 import zlib
@@ -419,9 +420,17 @@ class StreamSteps(StepSource):
         if self.logger is not None:
             self.logger.log(done.step, record, split="stream")
 
+    def start(self, loop) -> None:
+        self._progressive = next((p for p in loop.parts if isinstance(p, Progressive)), None)
+
     def status(self) -> str:
-        """The progress line's stream fields: files trained, files waiting (the lag)."""
-        return f"files {sum(1 for f in self.stream.files if f['done']):,} done, {self.stream.stream.waiting:,} waiting"
+        """The progress line's stream fields: the last test-then-train AUC, files trained,
+        files waiting (the lag)."""
+        last = getattr(getattr(self, "_progressive", None), "last", None) or {}
+        auc = last.get("progressive_auc")
+        shown = f"AUC {auc:.4f}  " if isinstance(auc, float) and math.isfinite(auc) else ""
+        return (f"{shown}files {sum(1 for f in self.stream.files if f['done']):,} done, "
+                f"{self.stream.stream.waiting:,} waiting")
 
     def saving(self, loop):
         """A checkpoint holds the maps and the tables of one moment: the feed's thread waits."""
