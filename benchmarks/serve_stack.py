@@ -5,9 +5,9 @@
     .venv/bin/python benchmarks/serve_stack.py [--work DIR] [--seconds 8] [--rounds 2]
 
 Serves one export (benchmarks/serve_load.py's run, made under --work) with a minimal
-server of each stack doing the same work per request: parse the JSON rows, encode them
-with the export's own preprocessing (:meth:`hybridrec.serve.versions.ModelVersion.encode`)
-and score them in batches (a 2 ms window; Starlette through a small asyncio queue, LitServe
+server of each stack doing the same work per request: parse the JSON rows, read them with
+the export's own preprocessing (:meth:`hybridrec.serve.versions.ModelVersion.read`), and
+make their ids and score them in batches (:meth:`~hybridrec.serve.versions.ModelVersion.score_rows`) (a 2 ms window; Starlette through a small asyncio queue, LitServe
 through its own ``max_batch_size``/``batch_timeout``). Each server runs as its own process,
 the stacks take turns for ``--rounds`` rounds, and each case is serve_load.py's closed loop
 of N httpx clients. Prints one JSON line per case.
@@ -38,7 +38,7 @@ def _version(export: str):
 
 def _encode(version, body: dict):
     rows = body["rows"]
-    return version.encode({c: [r[c] for r in rows] for c in version.columns}, len(rows))
+    return version.read({c: [r[c] for r in rows] for c in version.columns}, len(rows))
 
 
 def run_starlette(export: str, port: int) -> None:
@@ -48,8 +48,6 @@ def run_starlette(export: str, port: int) -> None:
     from starlette.concurrency import run_in_threadpool
     from starlette.responses import JSONResponse
     from starlette.routing import Route
-
-    from hybridrec.serve.versions import concat
 
     version = _version(export)
     queue: asyncio.Queue = asyncio.Queue()
@@ -64,7 +62,7 @@ def run_starlette(export: str, port: int) -> None:
                     items.append(await asyncio.wait_for(queue.get(), left))
                 except (asyncio.TimeoutError, TimeoutError):
                     break
-            probs = await run_in_threadpool(version.score, concat([i.args for i, _ in items]))
+            probs = await run_in_threadpool(version.score_rows, [i for i, _ in items])
             at = 0
             for inputs, future in items:
                 future.set_result(probs[at:at + inputs.rows])
@@ -108,9 +106,7 @@ if ls is not None:
             return inputs
 
         def predict(self, batch):
-            from hybridrec.serve.versions import concat
-
-            probs = self.version.score(concat([i.args for i in batch]))
+            probs = self.version.score_rows(batch)
             out, at = [], 0
             for inputs in batch:
                 out.append(probs[at:at + inputs.rows].tolist())
@@ -170,7 +166,7 @@ def main() -> None:
                 else:
                     raise SystemExit(f"the {stack} server did not answer in 5 minutes")
                 for clients, rows in ((1, 1), (16, 1), (64, 1), (16, 256)):
-                    result = asyncio.run(load(url, bodies[rows], clients, args.seconds))
+                    result = asyncio.run(load(url, bodies[rows], clients, args.seconds, "httpx"))
                     print(json.dumps({"round": r, "stack": stack, **result}), flush=True)
             finally:
                 os.killpg(proc.pid, signal.SIGTERM)

@@ -270,6 +270,16 @@ def test_bad_requests_get_a_4xx_and_one_line_and_the_server_stays_healthy(traine
     nested[0]["I2"] = {"value": 1}
     uneven = _columns(rows[:4])
     uneven["I3"] = uneven["I3"][:3]
+    misspelt = [dict(r) for r in rows[:3]]
+    misspelt[2]["C7x"] = misspelt[2].pop("C7")
+    not_hex = [dict(r) for r in rows[:3]]
+    not_hex[1]["C9"] = "zz12"
+    float_id = [dict(r) for r in rows[:3]]
+    float_id[0]["C2"] = 12.5
+    two_ids = [dict(r) for r in rows[:4]]
+    two_ids[3]["C26"] = ["68fd1e64", "80e26c9b"]
+    long_int = [dict(r) for r in rows[:2]]
+    long_int[1]["I13"] = 10**19
     padded = json.dumps({"rows": rows[:2]}) + " " * (300 * 1024)
     cases = [  # (body, status, words the message names)
         (b'{"rows": [', 400, ["malformed JSON"]),
@@ -280,6 +290,11 @@ def test_bad_requests_get_a_4xx_and_one_line_and_the_server_stays_healthy(traine
         (json.dumps({"columns": uneven}), 400, ["I3", "3 values"]),
         (json.dumps({"rows": tab}), 400, ["row 1", "C3", "tab"]),
         (json.dumps({"rows": nested}), 400, ["row 0", "I2", "object"]),
+        (json.dumps({"rows": misspelt}), 400, ["rows[2]", "no column C7", "given C7x"]),
+        (json.dumps({"rows": not_hex}), 400, ["row 1: field C9 (column 23)", "not a hexadecimal id", "'zz12'"]),
+        (json.dumps({"rows": float_id}), 400, ["row 0: field C2", "not a hexadecimal id", "'12.5'"]),
+        (json.dumps({"rows": two_ids}), 400, ["row 3: field C26", "2 values where the field takes one"]),
+        (json.dumps({"rows": long_int}), 400, ["row 1: field I13", "more than 18 digits"]),
         (json.dumps({"rows": rows + rows[:1]}), 413, [f"{ROWS + 1} rows", "--max-rows"]),
         (padded, 413, ["bytes", "--max-body-mb"]),
     ]

@@ -39,8 +39,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="size of one request's body; more gets 413 [16]")
     p.add_argument("--poll-s", type=float, default=0.5, metavar="S",
                    help="how often RUN/published/LATEST is read for a new version [0.5]")
-    p.add_argument("--threads", type=int, default=0, metavar="N",
-                   help="torch threads of the model (0: every CPU this process may use) [0]")
+    p.add_argument("--threads", type=int, default=1, metavar="N",
+                   help="torch threads of the model thread (0: every CPU this process may use) [1]: "
+                        "one leaves the other cores to the event loop that reads requests")
     p.set_defaults(func=_serve)
 
 
@@ -50,5 +51,5 @@ def _serve(args: argparse.Namespace) -> int:
     limits = Limits(max_batch_rows=args.max_batch_rows, max_wait_s=args.max_wait_ms / 1000,
                     max_rows=args.max_rows, max_body_bytes=int(args.max_body_mb * 2**20),
                     poll_s=args.poll_s)
-    serve(args.path, host=args.host, port=args.port, limits=limits, threads=args.threads or None)
+    serve(args.path, host=args.host, port=args.port, limits=limits, threads=args.threads)
     return 0

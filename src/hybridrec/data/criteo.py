@@ -71,6 +71,9 @@ class CriteoReader:
     max_line_bytes: int = MAX_LINE_BYTES
     """The longest line taken (:data:`~hybridrec.data.chunk.MAX_LINE_BYTES`): a longer one
     is a DataError naming the file and line, found with at most this plus one block read."""
+    labelled: bool = True
+    """False: lines without the label (39 fields, like Criteo's own ``test.txt``), each read
+    with a ``0`` label put in front (so the column numbers of messages count it)."""
 
     def __post_init__(self) -> None:
         check_on_bad_line(self.on_bad_line)
@@ -99,7 +102,7 @@ class CriteoReader:
                 if long is not None:  # (the lines before it first: their errors come first)
                     data, tail = data[:long], None
                 if data:
-                    chunk, n_lines = self._parse_block(data, line, f.path, report)
+                    chunk, n_lines = self.parse_block(data, line, f.path, report)
                     line += n_lines
                     report.lines_read += n_lines
                     if len(chunk):
@@ -109,9 +112,14 @@ class CriteoReader:
             if line == 0:
                 raise DataError(f"{f.path}: empty file (no lines)")
 
-    def _parse_block(
+    def parse_block(
         self, data: bytes, first_line: int, path: os.PathLike, report: ParseReport
     ) -> tuple[RowChunk, int]:
+        """``(chunk, lines)`` of ``data``, whole lines each ending in a newline, the first of
+        them line ``first_line + 1`` of ``path`` (for messages): what :meth:`read` does with
+        each block of a file, for text already in memory."""
+        if not self.labelled:
+            data = b"0\t" + data[:-1].replace(b"\n", b"\n0\t") + b"\n"
         if b"\r" in data:  # tolerate CRLF files
             data = data.replace(b"\r\n", b"\n")
         # Zero padding: field windows of up to 19 bytes never run past the end (0 is no delimiter).
@@ -336,6 +344,29 @@ def _parse_hex_lists(buf, starts, lengths):
     bad |= tok_end == tok_start  # "a,,b" or a trailing comma
     bad_field = np.bincount(tok_field[bad], minlength=m) > 0
     return keys, per_field.astype(np.int64), bad_field
+
+
+def parse_values(kind: str, data: bytes, lengths: np.ndarray):
+    """Many values of one kind of field, parsed as a line's fields are (the same passes, the
+    same rules): ``data`` the values' bytes one after another, ``lengths`` each one's count
+    of bytes (int64). For rows that are not text (``hybridrec serve``'s JSON values).
+
+    - ``"dense"``: ``(int64 values, bad)``; empty -> 0.
+    - ``"onehot"``: ``(int64 keys, bad)``; empty -> :data:`~hybridrec.data.chunk.MISSING`.
+    - ``"multihot"``: ``(keys [nnz] value by value, ids per value, bad)``; empty -> no ids.
+
+    Why a bad value is bad: :meth:`CriteoReader.reason` with its field's column.
+    """
+    lengths = np.asarray(lengths, dtype=np.int64)
+    buf = np.frombuffer(data + bytes(_PAD), dtype=np.uint8)  # (the windows never run past it)
+    starts = np.cumsum(lengths) - lengths
+    if kind == "dense":
+        return _parse_decimal(buf, starts, lengths)
+    if kind == "onehot":
+        return _parse_hex(buf, starts, lengths)
+    if kind == "multihot":
+        return _parse_hex_lists(buf, starts, lengths)
+    raise ValueError(f"parse_values: kind {kind!r} is not dense, onehot or multihot")
 
 
 def read_criteo(

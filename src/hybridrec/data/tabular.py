@@ -65,7 +65,8 @@ from hybridrec.errors import DataError
 
 _TRUE = ("1", "1.0", "true", "True", "TRUE")
 _FALSE = ("0", "0.0", "false", "False", "FALSE")
-_KEY_MASK = np.int64(0x7FFF_FFFF_FFFF_FFFF)  # keys are non-negative; -1 means missing
+KEY_MASK = np.int64(0x7FFF_FFFF_FFFF_FFFF)
+"""What an integer id keeps as its key (63 bits: keys are non-negative; -1 means missing)."""
 
 
 @dataclass(kw_only=True)
@@ -319,6 +320,23 @@ def _csv_label(col: np.ndarray, spec: TabularSpec) -> LabelColumn:
 # ---------------------------------------------------------------- CSV
 
 
+def csv_column(kind: str, cells: np.ndarray,
+               list_delimiter: str = "|") -> tuple[Any, np.ndarray, Callable[[int], str]]:
+    """One column's cells (a ``str`` array, a file's text as :class:`CsvReader` holds it)
+    converted as the reader converts them: ``(values, bad, reason)``, ``reason(row)`` saying
+    why a bad one is bad. ``kind`` ``"dense"``: float64 values (empty, NaN -> 0; bad: not a
+    finite number); ``"categorical"``: int64 keys (the text hashed; empty -> missing; never
+    bad); ``"multihot"``: ``(keys, ids per row)`` of ``list_delimiter``-separated texts
+    (empty -> no ids; bad: an empty id)."""
+    if kind == "dense":
+        return (*_csv_dense(cells), lambda r: f"not a finite number: {show(cells[r])}")
+    if kind == "categorical":
+        return _csv_keys(cells), np.zeros(cells.size, bool), lambda r: show(cells[r])
+    if kind == "multihot":
+        return (*_csv_lists(cells, list_delimiter), lambda r: f"empty id in list {show(cells[r])}")
+    raise ValueError(f"csv_column: kind {kind!r} is not dense, categorical or multihot")
+
+
 def _csv_dense(col: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     present = col != ""
     out = np.zeros(col.size, np.float64)
@@ -366,13 +384,18 @@ class CsvReader:
     def __post_init__(self) -> None:
         check_on_bad_line(self.on_bad_line)
 
-    def read(self, path: str | os.PathLike, report: ParseReport) -> Iterator[tuple[RowChunk, int]]:
+    def read(self, path: str | os.PathLike, report: ParseReport, *,
+             rows: Callable[[Any], Any] | None = None) -> Iterator[tuple[RowChunk, int]]:
+        """Yield ``(chunk, on-disk bytes consumed)``. ``rows``: given the file's
+        ``csv.reader``, the rows to read instead (header first; with its ``line_num``), e.g.
+        a view that edits cells or records them as they are read."""
         with open_input(path) as f:
             text = io.TextIOWrapper(f.stream, encoding="utf-8", newline="")
             lines = capped_lines(text, f.path, self.max_line_bytes, "a CSV file")
             reader = csv.reader(lines, delimiter=self.spec.csv_delimiter)
             try:
-                yield from self._read_rows(reader, f.path, report, lambda: f.position)
+                yield from self.read_rows(rows(reader) if rows else reader, f.path, report,
+                                          lambda: f.position)
             except (EOFError, OSError, zlib.error) as e:
                 raise DataError(f"{f.path}: truncated or corrupt input ({e})") from None
             except UnicodeDecodeError:
@@ -380,7 +403,10 @@ class CsvReader:
             except csv.Error as e:
                 raise DataError(f"{f.path}:{reader.line_num}: {e}") from None
 
-    def _read_rows(self, reader, path: Path, report: ParseReport, position):
+    def read_rows(self, reader, path: Path, report: ParseReport, position: Callable[[], int]):
+        """Yield ``(chunk, position())`` of the rows of ``reader`` (a ``csv.reader``, or rows
+        with its ``line_num``: the header first, then the rows; blank ones skipped), e.g. CSV
+        text in memory; ``path`` names them in messages."""
         header = next(reader, None)
         if header is None:
             raise DataError(f"{path}: empty file (no header line)")
@@ -418,18 +444,11 @@ class CsvReader:
         cols = _Columns(len(rows), len(spec.columns))
         arr = [np.array(by_col[index[c]], dtype=str) for c in spec.columns]
 
-        def text(a: np.ndarray) -> Callable[[int], str]:
-            return lambda r: show(a[r])
-
         cols.add(*_csv_label(arr[0], spec))
-        for a in arr[1 : 1 + len(spec.dense)]:
-            cols.add(*_csv_dense(a), lambda r, a=a: f"not a finite number: {show(a[r])}")
-        for a in arr[1 + len(spec.dense) : 1 + len(spec.dense) + len(spec.categorical)]:
-            cols.add(_csv_keys(a), np.zeros(a.size, bool), text(a))
-        for a in arr[1 + len(spec.dense) + len(spec.categorical) :]:
-            cols.add(
-                *_csv_lists(a, spec.list_delimiter), lambda r, a=a: f"empty id in list {show(a[r])}"
-            )
+        nd, nc = len(spec.dense), len(spec.categorical)
+        for k, a in enumerate(arr[1:]):
+            kind = "dense" if k < nd else "categorical" if k < nd + nc else "multihot"
+            cols.add(*csv_column(kind, a, spec.list_delimiter))
         col_no = [index[c] + 1 for c in spec.columns]
         return _finish(spec, cols, lambda r: f"{path}:{lines[r]}", col_no, self.on_bad_line, report)
 
@@ -470,7 +489,7 @@ def _pa_keys(arr, name: str, path: Path) -> np.ndarray:
     if pa.types.is_dictionary(t):
         arr, t = arr.cast(t.value_type), t.value_type
     if pa.types.is_integer(t):
-        keys = pc.fill_null(arr.cast(pa.int64()), 0).to_numpy(zero_copy_only=False) & _KEY_MASK
+        keys = pc.fill_null(arr.cast(pa.int64()), 0).to_numpy(zero_copy_only=False) & KEY_MASK
     elif pa.types.is_string(t) or pa.types.is_large_string(t):
         enc = arr.dictionary_encode()
         keys = (
@@ -585,7 +604,7 @@ class ParquetReader:
         done = 0
         try:
             for batch in pf.iter_batches(batch_size=self.batch_rows, columns=self.spec.columns):
-                chunk = self._convert(batch, done, index, path, report)
+                chunk = self.convert(batch, done, index, path, report)
                 done += batch.num_rows
                 yield chunk, size * done // total
         except (pa.ArrowException, OSError) as e:
@@ -593,7 +612,10 @@ class ParquetReader:
         if done == 0:
             raise DataError(f"{path}: empty file (no rows)")
 
-    def _convert(self, batch, first_row: int, index, path: Path, report: ParseReport) -> RowChunk:
+    def convert(self, batch, first_row: int, index: dict[str, int], path: Path,
+                report: ParseReport) -> RowChunk:
+        """One record batch (its first row row ``first_row + 1`` of ``path``; ``index``: each
+        column's position, for messages) as a chunk, e.g. a batch made in memory."""
         spec = self.spec
         n = batch.num_rows
         report.lines_read += n

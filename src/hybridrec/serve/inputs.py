@@ -92,8 +92,7 @@ def read_file(path: Path, meta: DatasetMeta, *, on_bad_line: str, report: ParseR
     if fmt == "criteo":
         yield from _criteo_file(path, meta, on_bad_line, report, keep)
     elif fmt == "csv":
-        reader = _CsvInput(spec=predict_spec(meta), on_bad_line=on_bad_line, keep=tuple(keep))
-        yield from _aligned(reader.read(path, report), keep, path)
+        yield from _aligned(_csv_file(path, meta, on_bad_line, report, keep), keep, path)
     else:
         yield from _aligned(_parquet_file(path, meta, on_bad_line, report, keep), keep, path)
 
@@ -111,17 +110,6 @@ def _aligned(chunks: Iterator[Chunk], keep: Sequence[str], path) -> Iterator[Chu
 # ---------------------------------------------------------------- Criteo
 
 
-class _CriteoInput(CriteoReader):
-    """:class:`CriteoReader` that also reads lines without the label (39 fields)."""
-
-    labelled: bool = True
-
-    def _parse_block(self, data, first_line, path, report):
-        if not self.labelled:  # (data is whole lines, each ending with a newline)
-            data = b"0\t" + data[:-1].replace(b"\n", b"\n0\t") + b"\n"
-        return super()._parse_block(data, first_line, path, report)
-
-
 def _labelled(path: Path) -> bool:
     """Whether the Criteo file's first line has the label (40 fields, not 39)."""
     with open_input(path) as f:
@@ -129,12 +117,12 @@ def _labelled(path: Path) -> bool:
     return head.split(b"\n", 1)[0].count(b"\t") != len(FIELDS) - 2
 
 
-def _criteo_reader(meta: DatasetMeta, on_bad_line: str, keep: Sequence[str]) -> _CriteoInput:
+def _criteo_reader(meta: DatasetMeta, on_bad_line: str, keep: Sequence[str]) -> CriteoReader:
     other = [c for c in keep if c != "label"]
     if other:
         raise ConfigError(f"--keep-columns {','.join(other)}: from Criteo inputs only the label "
                           "can be kept (the other fields are the model's inputs)")
-    return _CriteoInput(multihot=tuple(f.name for f in meta.schema.multihot), on_bad_line=on_bad_line,
+    return CriteoReader(multihot=tuple(f.name for f in meta.schema.multihot), on_bad_line=on_bad_line,
                         chunk_bytes=CRITEO_CHUNK_BYTES)
 
 
@@ -203,20 +191,18 @@ class _CsvRows:
             yield row
 
 
-class _CsvInput(CsvReader):
-    """:class:`CsvReader` through :class:`_CsvRows`, yielding :data:`Chunk` s."""
+def _csv_file(path: Path, meta, on_bad_line, report, keep) -> Iterator[Chunk]:
+    """The file's rows through :class:`_CsvRows` and :class:`CsvReader`."""
+    reader = CsvReader(spec=predict_spec(meta), on_bad_line=on_bad_line)
+    views: list[_CsvRows] = []
 
-    keep: tuple[str, ...] = ()
+    def rows(csv_reader) -> _CsvRows:
+        views.append(_CsvRows(csv_reader, reader.spec.label, keep, path))
+        return views[0]
 
-    def __init__(self, *, spec: TabularSpec, on_bad_line: str, keep: tuple[str, ...] = ()) -> None:
-        super().__init__(spec=spec, on_bad_line=on_bad_line)
-        self.keep = keep
-
-    def _read_rows(self, reader, path, report, position):
-        rows = _CsvRows(reader, self.spec.label, self.keep, path)
-        for chunk, pos in super()._read_rows(rows, path, report, position):
-            kept, n = rows.take()
-            yield chunk, kept, n, pos
+    for chunk, pos in reader.read(path, report, rows=rows):
+        kept, n = views[0].take()
+        yield chunk, kept, n, pos
 
 
 # ---------------------------------------------------------------- Parquet
@@ -250,7 +236,7 @@ def _arrow_chunks(batches, spec: TabularSpec, on_bad_line: str, report: ParseRep
         kept = {c: batch.column(names.index(c)) for c in keep}
         batch = _zero_label(batch, spec.label)
         index = {n: i for i, n in enumerate(batch.schema.names)}
-        chunk = reader._convert(batch, done, index, path, report)
+        chunk = reader.convert(batch, done, index, path, report)
         done += batch.num_rows
         yield chunk, kept, batch.num_rows, position(done)
 
@@ -322,13 +308,15 @@ def _arrow_table(data: Any):
                     f"arrays, got {type(data).__name__}")
 
 
-def _text(value: Any, hex_id: bool = False, sep: str = ",") -> str:
+def value_text(value: Any, hex_id: bool = False, sep: str = ",") -> str:
     """A value as its raw file would hold it: missing (None, NaN) empty, a whole float as an
-    integer, a Criteo id given as an integer in 8 hex digits, a list (a bag) ``sep``-joined."""
+    integer, a Criteo id given as an integer in 8 hex digits, a list (a bag) ``sep``-joined
+    (a list inside it ``,``-joined). What the text of in-memory rows is made of here, and what
+    :mod:`hybridrec.serve.json_rows` falls back on (and shows in messages)."""
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return ""
     if isinstance(value, (list, tuple, np.ndarray)):
-        return sep.join(_text(v, hex_id) for v in value)
+        return sep.join(value_text(v, hex_id) for v in value)
     if isinstance(value, bytes):
         return value.decode("utf-8", "replace")
     if isinstance(value, bool):
@@ -355,9 +343,9 @@ def _criteo_memory(columns, n, meta, report) -> Iterator[Chunk]:
     cats = set(CATEGORICAL)
     for lo in range(0, n, BLOCK_ROWS):
         hi = min(n, lo + BLOCK_ROWS)
-        cells = [[_text(v, name in cats) for v in columns[name][lo:hi]] for name in names]
+        cells = [[value_text(v, name in cats) for v in columns[name][lo:hi]] for name in names]
         data = "".join("\t".join(row) + "\n" for row in zip(*cells)).encode()
-        chunk, _ = reader._parse_block(data, lo, Path("input"), report)
+        chunk, _ = reader.parse_block(data, lo, Path("input"), report)
         yield chunk, {}, hi - lo, 0
 
 
@@ -368,9 +356,9 @@ def _csv_memory(columns, n, meta, report) -> Iterator[Chunk]:
     text = io.StringIO()
     out = csv.writer(text)
     out.writerow(names)
-    out.writerows(zip(*[[_text(v, sep=spec.list_delimiter) for v in columns[name]] for name in names]))
+    out.writerows(zip(*[[value_text(v, sep=spec.list_delimiter) for v in columns[name]] for name in names]))
     text.seek(0)
-    reader = _CsvInput(spec=spec, on_bad_line="error")
-    for chunk, kept, rows_in, _ in reader._read_rows(csv.reader(text), Path("input"), report,
-                                                    lambda: 0):
-        yield chunk, kept, rows_in, 0
+    rows = _CsvRows(csv.reader(text), spec.label, (), Path("input"))
+    for chunk, _ in CsvReader(spec=spec, on_bad_line="error").read_rows(rows, Path("input"), report,
+                                                                        lambda: 0):
+        yield chunk, *rows.take(), 0

@@ -16,23 +16,28 @@ Endpoints (JSON unless said):
   rows scored, request latency, batch sizes, errors by kind, the served version, swaps
   and refused versions.
 
-**Batching.** Concurrent requests are scored together: each request's rows are parsed
-and encoded on its own worker thread (Starlette's thread pool), then queued; one batcher
-task takes what is queued, up to ``max_batch_rows`` rows, waiting at most
-``max_wait_s`` for more after the first while other requests are being read or encoded
-(none: no wait), and runs one forward on a single model thread
-whose torch operations use every core the process may run on (``threads``). While a
-forward runs the next batch gathers, so under load batches grow by themselves. A request
-is never split; one larger than ``max_batch_rows`` is a batch of its own. Starlette has no
-batching of its own, so this is a small asyncio queue (:class:`Batcher`).
+**Batching.** Concurrent requests are scored together. Each request's JSON is read into
+checked rows (:meth:`ModelVersion.read`: the values straight to the dataset reader's raw
+keys and dense values, :mod:`hybridrec.serve.json_rows`) on the event loop itself when its
+body is small (``inline_bytes``, 64 KiB: a 1-row request takes about 0.1 ms there, and
+handing it to a thread cost more: the hand-off, then the GIL shared by many threads) and on
+a worker thread (Starlette's thread pool) when it is larger; then it is queued. One batcher
+task takes what is queued, up to ``max_batch_rows`` rows, waiting at most ``max_wait_s``
+for more after the first while other requests are being read (none: no wait), and on a
+single model thread makes the batch's ids (once for all its requests) and runs one forward,
+with ``threads`` torch threads (default 1: the other core is the event loop's, which reads
+requests meanwhile). While a forward runs the next batch gathers, so under load batches
+grow by themselves. A request is never split; one larger than ``max_batch_rows`` is a batch
+of its own. Starlette has no batching of its own, so this is a small asyncio queue
+(:class:`Batcher`). ``hybridrec_serve_stage_seconds`` (``/metrics``) times the stages.
 
-**Versions and hot swap.** A request is encoded by the version serving when it arrives
-(its vocabularies) and is scored by that same version: a batch holds one version's
+**Versions and hot swap.** A request is read by the version serving when it arrives and
+is scored, its ids made with its vocabularies, by that same version: a batch holds one version's
 requests only (:class:`Batcher` keeps others for the next batch), and each response names
 the version that scored it. For a run directory the server polls ``RUN/published/LATEST``
 (:mod:`hybridrec.serve.published`) every ``poll_s``; a new name is loaded on a thread
 beside the serving version, checked (it loads, scores made-up inputs, and takes the same
-raw columns) and then swapped in with one assignment; requests already encoded by the old
+raw columns) and then swapped in with one assignment; requests already read by the old
 version finish on it. A version that fails is refused with one log line and the old one
 keeps serving; the same name is not retried (the next publication is).
 
@@ -67,6 +72,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import json
+import operator
 import os
 import sys
 import time
@@ -78,7 +84,7 @@ import numpy as np
 
 from hybridrec.errors import ConfigError, DataError, HybridrecError
 from hybridrec.serve import published
-from hybridrec.serve.versions import Inputs, ModelVersion, concat, load_version
+from hybridrec.serve.versions import ModelVersion, Rows, load_version
 
 
 @dataclass
@@ -93,6 +99,9 @@ class Limits:
     """Rows of one request."""
     max_body_bytes: int = 16 << 20
     """Bytes of one request's body."""
+    inline_bytes: int = 64 << 10
+    """Bodies up to this size (about 90 Criteo rows) are read on the event loop itself,
+    larger ones on a worker thread (see the module docstring)."""
     poll_s: float = 0.5
     """How often ``RUN/published/LATEST`` is read."""
 
@@ -175,6 +184,12 @@ class Metrics:
                                  registry=r)
         self.batch_rows = Histogram("hybridrec_serve_batch_rows", "rows per forward",
                                     buckets=(1, 4, 16, 64, 256, 1024, 4096, 16384), registry=r)
+        self.stages = Histogram("hybridrec_serve_stage_seconds",
+                                "POST /v1/predict's stages, seconds: receive (the body), wait (for a "
+                                "thread to read it on, large bodies), read (JSON to checked rows), "
+                                "score (queued, batched, scored); model: one batch's ids and forward",
+                                ["stage"], buckets=(.0001, .00025, .0005, .001, .0025, .005, .01, .025,
+                                                    .05, .1, .25, .5, 1, 2.5), registry=r)
         self.errors = Counter("hybridrec_serve_errors", "refused or failed predict requests", ["kind"],
                               registry=r)
         self.version = Gauge("hybridrec_serve_model_version", "1 for the version being served",
@@ -204,12 +219,12 @@ class Batcher:
         self.limits, self.metrics = limits, metrics
         self.queue: asyncio.Queue = asyncio.Queue()
         self.waiting: deque = deque()  # taken from the queue, left for a later batch
-        self.coming = 0  # requests being read and encoded (they will be queued soon)
+        self.coming = 0  # requests being received and read (they will be queued soon)
         self.model_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="hybridrec-model")
 
-    async def score(self, inputs: Inputs) -> np.ndarray:
+    async def score(self, rows: Rows) -> np.ndarray:
         future = asyncio.get_running_loop().create_future()
-        await self.queue.put((inputs, future))
+        await self.queue.put((rows, future))
         return await future
 
     async def run(self) -> None:
@@ -218,8 +233,10 @@ class Batcher:
             batch = await self._gather(loop)
             try:
                 self.metrics.batch_rows.observe(sum(i.rows for i, _ in batch))
-                probs = await loop.run_in_executor(self.model_thread, _forward, batch[0][0].version,
-                                                   [i.args for i, _ in batch])
+                start = time.perf_counter()
+                probs = await loop.run_in_executor(self.model_thread, batch[0][0].version.score_rows,
+                                                   [r for r, _ in batch])
+                self.metrics.stages.labels(stage="model").observe(time.perf_counter() - start)
             except Exception as e:  # noqa: BLE001 (the requests of this batch fail; the server goes on)
                 for _, future in batch:
                     if not future.done():
@@ -270,15 +287,14 @@ class Batcher:
         self.model_thread.shutdown(wait=False, cancel_futures=True)
 
 
-def _forward(version: ModelVersion, parts: list) -> np.ndarray:
-    return version.score(concat(parts))
-
-
 # ---------------------------------------------------------------- requests
 
 
-def parse_request(body: bytes, columns: list[str], max_rows: int) -> tuple[dict[str, list], int]:
-    """A predict body as ``({column: values}, rows)``; :class:`BadRequest` says what is wrong."""
+def parse_request(body: bytes, columns: list[str], max_rows: int,
+                  label: str = "label") -> tuple[dict[str, list], int]:
+    """A predict body as ``({column: values}, rows)``; :class:`BadRequest` says what is wrong
+    (a missing column named with the names given that the model does not take, ``label``
+    aside: a misspelt one shows)."""
     try:
         data = json.loads(body)
     except UnicodeDecodeError:
@@ -289,8 +305,8 @@ def parse_request(body: bytes, columns: list[str], max_rows: int) -> tuple[dict[
         raise BadRequest(400, 'the body must be a JSON object with "rows" (a list of objects, one per '
                          'row) or "columns" (an object of equally long lists)')
     if "rows" in data:
-        return _rows(data["rows"], columns, max_rows)
-    return _columns(data["columns"], columns, max_rows)
+        return _rows(data["rows"], columns, max_rows, label)
+    return _columns(data["columns"], columns, max_rows, label)
 
 
 def _too_many(n: int, max_rows: int) -> None:
@@ -299,26 +315,37 @@ def _too_many(n: int, max_rows: int) -> None:
                          "too_many_rows")
 
 
-def _rows(rows, columns: list[str], max_rows: int) -> tuple[dict[str, list], int]:
+def _rows(rows, columns: list[str], max_rows: int, label: str) -> tuple[dict[str, list], int]:
     if not isinstance(rows, list):
         raise BadRequest(400, f'"rows" must be a list of objects, got {_kind(rows)}')
     _too_many(len(rows), max_rows)
-    for i, row in enumerate(rows):
-        if not isinstance(row, dict):
-            raise BadRequest(400, f"rows[{i}]: expected an object of column values, got {_kind(row)}")
-        missing = [c for c in columns if c not in row]
-        if missing:
-            raise BadRequest(400, f"rows[{i}]: no column {_names(missing)} ({_expected(columns)})",
-                             "missing_column")
-    return {c: [row[c] for row in rows] for c in columns}, len(rows)
+    if not rows:
+        return {c: [] for c in columns}, 0
+    try:  # (every row's values at C speed; a row that is no object, or lacks a column, raises)
+        values = list(map(operator.itemgetter(*columns), rows)) if all(type(r) is dict for r in rows) else None
+    except KeyError:
+        values = None
+    if values is None:
+        for i, row in enumerate(rows):
+            if not isinstance(row, dict):
+                raise BadRequest(400, f"rows[{i}]: expected an object of column values, got {_kind(row)}")
+            missing = [c for c in columns if c not in row]
+            if missing:
+                raise BadRequest(400, f"rows[{i}]: no column {_names(missing)} ({_expected(columns)})"
+                                 f"{_unknown(row, columns, label)}", "missing_column")
+        values = [tuple(row[c] for c in columns) for row in rows]  # (dict subclasses: not from JSON)
+    if len(columns) == 1:
+        return {columns[0]: values}, len(rows)
+    return dict(zip(columns, map(list, zip(*values)))), len(rows)
 
 
-def _columns(cols, columns: list[str], max_rows: int) -> tuple[dict[str, list], int]:
+def _columns(cols, columns: list[str], max_rows: int, label: str) -> tuple[dict[str, list], int]:
     if not isinstance(cols, dict):
         raise BadRequest(400, f'"columns" must be an object of lists, got {_kind(cols)}')
     missing = [c for c in columns if c not in cols]
     if missing:
-        raise BadRequest(400, f"columns: no column {_names(missing)} ({_expected(columns)})", "missing_column")
+        raise BadRequest(400, f"columns: no column {_names(missing)} ({_expected(columns)})"
+                         f"{_unknown(cols, columns, label)}", "missing_column")
     for c in columns:
         if not isinstance(cols[c], list):
             raise BadRequest(400, f"columns.{c}: expected a list of values, got {_kind(cols[c])}")
@@ -341,10 +368,18 @@ def check_values(columns: dict[str, list], fmt: str) -> None:
             i = next(i for i, v in enumerate(values) if isinstance(v, dict))
             raise BadRequest(400, f"row {i}: column {name}: an object is not a value")
         if fmt == "criteo" and str in types:
-            text = "".join(v for v in values if type(v) is str)
+            text = "".join(values) if len(types) == 1 else "".join(v for v in values if type(v) is str)
             if "\t" in text or "\n" in text or "\r" in text:
                 i = next(i for i, v in enumerate(values) if isinstance(v, str) and set(v) & set("\t\n\r"))
                 raise BadRequest(400, f"row {i}: column {name}: a tab or line break inside a value")
+
+
+def _unknown(given: dict, columns: list[str], label: str) -> str:
+    """What a request names that the model does not take (extra columns are ignored, but
+    beside a missing one they are likely its misspelling)."""
+    known = {*columns, label}
+    unknown = [str(k) for k in given if k not in known]
+    return f"; given {_names(unknown)}, which the model does not take" if unknown else ""
 
 
 def _kind(value) -> str:
@@ -423,14 +458,23 @@ class Server:
 
         start = time.perf_counter()
         version = self.current
+        stage = self.metrics.stages
         try:
             self.batcher.coming += 1
             try:
                 body = await read_body(request, self.limits.max_body_bytes)
-                inputs = await run_in_threadpool(self._inputs, version, body)
+                received = time.perf_counter()
+                if len(body) <= self.limits.inline_bytes:
+                    rows, began, read = self._rows(version, body)
+                else:
+                    rows, began, read = await run_in_threadpool(self._rows, version, body)
             finally:
                 self.batcher.coming -= 1
-            probs = await self.batcher.score(inputs) if inputs.rows else np.zeros(0, np.float32)
+            stage.labels(stage="receive").observe(received - start)
+            stage.labels(stage="wait").observe(began - received)
+            stage.labels(stage="read").observe(read - began)
+            probs = await self.batcher.score(rows) if rows.rows else np.zeros(0, np.float32)
+            stage.labels(stage="score").observe(time.perf_counter() - read)
         except BadRequest as e:
             return self._error(e.status, e.message, e.kind)
         except DataError as e:  # a value the run's parser refuses
@@ -439,15 +483,17 @@ class Server:
             text = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
             log(f"predict failed: {text}")
             return self._error(500, f"internal error: {text}", "internal")
-        self.metrics.rows.inc(inputs.rows)
+        self.metrics.rows.inc(rows.rows)
         self.metrics.latency.observe(time.perf_counter() - start)
         self.metrics.requests.labels(endpoint="predict", status="200").inc()
         return JSONResponse({"version": version.name, "probabilities": probs.tolist()})
 
-    def _inputs(self, version: ModelVersion, body: bytes) -> Inputs:
-        columns, n = parse_request(body, version.columns, self.limits.max_rows)
+    def _rows(self, version: ModelVersion, body: bytes) -> tuple[Rows, float, float]:
+        """The request's rows as ``version`` reads them, and when reading began and ended."""
+        began = time.perf_counter()
+        columns, n = parse_request(body, version.columns, self.limits.max_rows, version.meta.schema.label)
         check_values(columns, version.format)
-        return version.encode(columns, n)
+        return version.read(columns, n), began, time.perf_counter()
 
     def _error(self, status: int, message: str, kind: str):
         from starlette.responses import JSONResponse
@@ -518,7 +564,7 @@ class Server:
             self.metrics.refused.inc()
             log(f"refused version {name}: {type(e).__name__}: {e}; still serving {old.name}")
             return False
-        self.current = new  # (one assignment: the next request is encoded by the new version)
+        self.current = new  # (one assignment: the next request is read by the new version)
         self.refused = None
         self.metrics.swaps.inc()
         self.metrics.serving(new.name, old.name)
@@ -560,9 +606,11 @@ def listen(host: str, port: int):
 
 
 def set_threads(threads: int | None) -> int:
-    """torch's threads: ``threads``, default every CPU this process may run on."""
+    """torch's threads: ``threads`` (0: every CPU this process may run on), default 1."""
     import torch
 
+    if threads is None:
+        threads = 1
     if not threads:
         threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     torch.set_num_threads(max(1, threads))

@@ -2,19 +2,21 @@
 
 An export directory (:mod:`hybridrec.serve.export`) holds the program (``model.pt2``) and
 the preprocessing as plain files (``preprocess/spec.json``, ``preprocess/vocab/``). Raw
-rows reach the program through the library's own input path, not a second copy of it:
+rows reach the program by the library's own rules, not a second copy of them:
 the spec is read back as the :class:`~hybridrec.data.schema.DatasetMeta` it was written
-from (schema, raw format, categorical encoding, dense transform), the vocabularies as the
-same :class:`~hybridrec.data.encode.VocabEncoder` / ``ModuloEncoder``, and a request's
-columns go through :func:`hybridrec.serve.inputs.table_chunks` (the readers' parsing,
-hashing and messages), :func:`~hybridrec.data.preprocess.encode_chunk`,
+from (schema, raw format, categorical encoding, dense transform), the vocabularies by
+:func:`~hybridrec.data.preprocess.load_encoders` (given the export's copies), and a request's
+columns go through :func:`hybridrec.serve.json_rows.json_chunk` (the values straight to the
+chunk the dataset's reader makes of the same rows, with its parsing rules, hashing and
+reasons), :func:`~hybridrec.data.preprocess.encode_chunk`,
 :func:`~hybridrec.data.loader.keyed_ids` and :func:`~hybridrec.serve.export.batch_inputs`,
 as ``hybridrec predict`` and ``hybridrec export`` do. So a row's probability here is
 ``hybridrec predict``'s (the exported program is the eager model on plain kernels: equal
 within float32 rounding).
 
-A version encodes its requests with its own vocabularies, so the inputs it made are
-scored by it alone (:class:`Inputs` names its version); two versions may have different
+A version reads its requests (:class:`Rows` names the version) and makes their ids with its
+own vocabularies when it scores them, a batch of requests at a time, so rows it read are
+scored by it alone; two versions may have different
 vocabularies but must take the same raw columns (:meth:`ModelVersion.same_columns`).
 """
 
@@ -23,7 +25,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,25 +33,25 @@ from typing import Any
 import numpy as np
 import torch
 
-from hybridrec.data.chunk import ParseReport
+from hybridrec.data.chunk import RowChunk
 from hybridrec.data.criteo import CATEGORICAL, FIELDS
-from hybridrec.data.encode import ModuloEncoder, VocabEncoder
 from hybridrec.data.loader import keyed_ids
-from hybridrec.data.preprocess import encode_chunk
+from hybridrec.data.preprocess import encode_chunk, load_encoders
 from hybridrec.data.schema import DatasetMeta, FeatureSpec, PartInfo, Schema
 from hybridrec.errors import DataError
 from hybridrec.serve import published
 from hybridrec.serve.export import SPEC_VERSION, batch_inputs, example_inputs
-from hybridrec.serve.inputs import table_chunks
+from hybridrec.serve.json_rows import json_chunk
 from hybridrec.sparse.keyed_jagged import Batch
 
 
 @dataclass
-class Inputs:
-    """A request's rows as the program's inputs, made by (and only for) ``version``."""
+class Rows:
+    """A request's rows, read and checked by (and only for) ``version``: their raw keys and
+    transformed dense values (:meth:`ModelVersion.read`), ids not yet made."""
 
     version: ModelVersion
-    args: tuple[torch.Tensor, ...]
+    chunk: RowChunk
     rows: int
 
 
@@ -67,28 +68,30 @@ class ModelVersion:
 
     # ---------------------------------------------------------------- rows -> inputs
 
-    def encode(self, columns: dict[str, list], rows: int) -> Inputs:
+    def read(self, columns: dict[str, list], rows: int) -> Rows:
         """``{column: values}`` (``rows`` values each, the raw columns of :attr:`columns`;
-        None for a missing value) as the program's inputs. A malformed value raises a
-        :class:`DataError` naming its row (0-based) and column."""
-        if rows == 0:
-            return Inputs(self, (), 0)
-        try:
-            parts = [self._inputs(chunk) for chunk, *_ in table_chunks(columns, self.meta, ParseReport())]
-        except DataError as e:
-            raise DataError(_row_message(str(e), self.format)) from None
-        return Inputs(self, concat(parts), rows)
+        None for a missing value) read as the dataset's reader reads them. A malformed value
+        raises a :class:`DataError` naming its row (0-based) and field."""
+        return Rows(self, json_chunk(columns, rows, self.meta), rows)
 
-    def _inputs(self, chunk) -> tuple[torch.Tensor, ...]:
+    def inputs(self, chunks: list[RowChunk]) -> tuple[torch.Tensor, ...]:
+        """The program's inputs of several requests' rows, one after another: their ids made
+        once for all (:func:`~hybridrec.data.preprocess.encode_chunk`, with this version's
+        encoders)."""
+        chunk = concat_chunks(chunks)
         schema = self.meta.schema
         onehot, mh = encode_chunk(chunk, schema, self.encoders)
         batch = Batch(dense=torch.from_numpy(np.ascontiguousarray(chunk.dense)),
                       sparse=keyed_ids(schema, onehot, mh), labels=torch.zeros(len(chunk)))
         return batch_inputs(batch, self.meta)
 
+    def score_rows(self, parts: list[Rows]) -> np.ndarray:
+        """float32 probabilities of requests this version read, in order (one forward)."""
+        return self.score(self.inputs([p.chunk for p in parts]))
+
     @torch.no_grad()
     def score(self, args: tuple[torch.Tensor, ...]) -> np.ndarray:
-        """float32 probabilities of inputs this version made (one forward)."""
+        """float32 probabilities of the program's inputs (one forward)."""
         return self.program(*args).float().reshape(-1).numpy()
 
     # ---------------------------------------------------------------- what it is
@@ -128,12 +131,16 @@ def _multihot(version: ModelVersion) -> list[str]:
     return [f.name for f in version.meta.schema.multihot]
 
 
-def concat(parts: list[tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, ...]:
-    """Inputs of several requests (one version's) as one batch: rows one after another
-    (and multi-hot ids, sample-major, too)."""
-    if len(parts) == 1:
-        return parts[0]
-    return tuple(torch.cat(t) for t in zip(*parts))
+def concat_chunks(chunks: list[RowChunk]) -> RowChunk:
+    """Chunks of one schema as one: rows one after another (and multi-hot keys too)."""
+    if len(chunks) == 1:
+        return chunks[0]
+    return RowChunk(labels=np.concatenate([c.labels for c in chunks]),
+                    dense=np.concatenate([c.dense for c in chunks]),
+                    onehot=np.concatenate([c.onehot for c in chunks]),
+                    multihot={name: (np.concatenate([c.multihot[name][0] for c in chunks]),
+                                     np.concatenate([c.multihot[name][1] for c in chunks]))
+                              for name in chunks[0].multihot})
 
 
 def raw_columns(meta: DatasetMeta, fmt: str) -> list[str]:
@@ -142,22 +149,6 @@ def raw_columns(meta: DatasetMeta, fmt: str) -> list[str]:
         return list(FIELDS[1:])
     s = meta.schema
     return [*s.dense, *(f.name for f in s.onehot), *(f.name for f in s.multihot)]
-
-
-_LINE = re.compile(r"^input:(\d+):\s*")
-_ROW = re.compile(r"^input: row (\d+):\s*")
-
-
-def _row_message(text: str, fmt: str) -> str:
-    """A reader's message about the in-memory rows, with the row's index in the request
-    (the readers count lines from 1, and CSV's header is line 1)."""
-    m = _LINE.match(text)
-    if m:
-        return f"row {int(m.group(1)) - (2 if fmt == 'csv' else 1)}: {text[m.end():]}"
-    m = _ROW.match(text)
-    if m:
-        return f"row {int(m.group(1)) - 1}: {text[m.end():]}"
-    return re.sub(r"^input:\s*", "", text)
 
 
 # ---------------------------------------------------------------- loading
@@ -174,7 +165,8 @@ def load_version(path: str | Path, name: str | None = None) -> ModelVersion:
         raise DataError(f"{path / 'preprocess' / 'spec.json'}: spec_version {spec.get('spec_version')!r}, "
                         f"this hybridrec serves {SPEC_VERSION}")
     meta = meta_from_spec(spec, path / "preprocess")
-    encoders = _encoders(spec, path / "preprocess")
+    encoders = load_encoders(meta, {e["name"]: path / "preprocess" / str(e.get("vocab"))
+                                   for e in [*spec["onehot"], *spec["multihot"]]})
     _check_archive(path / "model.pt2")
     try:
         with _quiet("torch.export"):  # (it logs a traceback before raising; the error is the line)
@@ -239,7 +231,8 @@ def meta_from_spec(spec: dict, where: Path) -> DatasetMeta:
         dense_transform = spec["dense_transform"]
     except (KeyError, TypeError) as e:
         raise DataError(f"{where / 'spec.json'}: malformed ({type(e).__name__}: {e})") from None
-    if len(encodings) != 1 or fmt not in ("criteo", "csv", "parquet"):
+    if (len(encodings) != 1 or not encodings <= {"modulo", "vocabulary"}
+            or fmt not in ("criteo", "csv", "parquet")):
         raise DataError(f"{where / 'spec.json'}: format {fmt!r} and encodings {sorted(encodings)} "
                         "are not those of a hybridrec dataset")
     source = {"parquet": "export.parquet", "csv": "export.csv"}.get(fmt, "export.tsv")
@@ -247,24 +240,6 @@ def meta_from_spec(spec: dict, where: Path) -> DatasetMeta:
                        splits={}, preprocessing={"categorical": encodings.pop(), "format": fmt,
                                                  "table_size": modulo or None,
                                                  "dense_transform": dense_transform})
-
-
-def _encoders(spec: dict, where: Path) -> dict:
-    """The encoders of :func:`hybridrec.data.preprocess.load_encoders`, from the export's
-    copy of the vocabularies (``preprocess/vocab/<feature>.npy``)."""
-    out = {}
-    for entry in [*spec["onehot"], *spec["multihot"]]:
-        name, modulo = entry["name"], entry.get("modulo")
-        if entry["encoding"] == "modulo":
-            out[name] = ModuloEncoder(modulo)
-            continue
-        file = where / str(entry.get("vocab"))
-        try:
-            vocab = np.load(file)
-        except (OSError, ValueError) as e:
-            raise DataError(f"{file}: cannot read the vocabulary of {name} ({e})") from None
-        out[name] = VocabEncoder(vocab, modulo)
-    return out
 
 
 def _smoke(version: ModelVersion, path: Path) -> None:
