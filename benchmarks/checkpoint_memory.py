@@ -106,7 +106,7 @@ def worker(args) -> None:
     from hybridrec.parallel import checkpoint_layout as L
     from hybridrec.train.build import build_trainer
     from hybridrec.train.setup import recipes
-    from hybridrec.train.setup.config import build_config
+    from hybridrec.train.setup.configure import build_config
     from hybridrec.train.setup.tables import load_dataset
 
     mode = args.worker

@@ -138,7 +138,7 @@ def build_hybridrec(spec: dict, rows: int, batch: int, precision: str, device: t
     from hybridrec.train.loop.optim import build_dense_optimizer, dense_parameters
     from hybridrec.train.loop.step import training_step
     from hybridrec.train.setup import recipes
-    from hybridrec.train.setup.config import build_config
+    from hybridrec.train.setup.configure import build_config
 
     cfg = build_config(recipes.recipe("bench"), overrides=[
         f"model.embedding_dim={spec['dim']}", "model.bottom_mlp=" + ",".join(map(str, spec["bottom"])),

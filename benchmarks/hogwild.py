@@ -101,7 +101,7 @@ def interleaved(args, data: Path, recipe: str, variants: list[tuple[int, int]]) 
     from hybridrec.train.build import build_trainer
     from hybridrec.train.loop.hogwild import HogwildSteps
     from hybridrec.train.loop.parts import StepSource
-    from hybridrec.train.setup.config import build_config
+    from hybridrec.train.setup.configure import build_config
     from hybridrec.train.setup.recipes import recipe as named
 
     default_threads = torch.get_num_threads()

@@ -64,7 +64,7 @@ def worker(args) -> dict | None:
 
     from hybridrec.train.build import build_trainer
     from hybridrec.train.setup import recipes
-    from hybridrec.train.setup.config import build_config
+    from hybridrec.train.setup.configure import build_config
 
     precision = args.precision[0]
     cfg = build_config(recipes.recipe("bench"), overrides=[

@@ -128,7 +128,7 @@ def worker_hybridrec(args) -> dict:
 
     from hybridrec.train.build import build_trainer
     from hybridrec.train.setup import recipes
-    from hybridrec.train.setup.config import build_config
+    from hybridrec.train.setup.configure import build_config
 
     cfg = build_config(recipes.recipe("bench"), overrides=[
         f"data.path={args.data}", f"data.batch_size={args.batch_size}",

@@ -11,7 +11,8 @@ from hybridrec.parallel.cost_model import memory_by_rank
 from hybridrec.parallel.sharded_embedding import ShardedEmbeddingBagCollection
 from hybridrec.sparse.keyed_jagged import KeyedJagged
 from hybridrec.train.loop.sparse_optim import build_sparse_optimizer
-from hybridrec.train.setup.config import ConfigError, build_config
+from hybridrec.train.setup.config import ConfigError
+from hybridrec.train.setup.configure import build_config
 
 BF16 = torch.bfloat16
 

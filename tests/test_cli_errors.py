@@ -624,7 +624,7 @@ def _a_collective_without_its_peer(topo):
     import torch
     import torch.distributed as dist
 
-    from hybridrec.cli.launch import peer_failure
+    from hybridrec.cli.outcome import peer_failure
 
     if topo.rank == 1:
         time.sleep(2)
@@ -641,7 +641,7 @@ def _a_collective_without_its_peer(topo):
 def test_a_collective_that_times_out_is_told_apart_from_other_errors():
     from distributed import run_ranks
 
-    from hybridrec.cli.launch import peer_failure
+    from hybridrec.cli.outcome import peer_failure
 
     (why, message), _ = run_ranks(_a_collective_without_its_peer, 2, timeout_s=1.0)
     assert why is not None and why.startswith("Timed out waiting 1000ms"), message

@@ -20,7 +20,7 @@ def dataset(shared_dataset):
 def _build(topo, data, run_dir, codec_ms):
     import hybridrec.parallel.codec_pays as pays
     from hybridrec.train.build import build_trainer
-    from hybridrec.train.setup.config import build_config
+    from hybridrec.train.setup.configure import build_config
     from hybridrec.train.setup.recipes import recipe
 
     if codec_ms is not None:  # a codec this slow (or this fast) on rank 1 only: the slowest rank decides
@@ -58,7 +58,7 @@ def test_the_slowest_ranks_codec_decides_and_the_hop_follows(dataset, tmp_path, 
 
 def test_pays_is_refused_with_the_threshold_variant():
     from hybridrec.errors import ConfigError
-    from hybridrec.train.setup.config import build_config
+    from hybridrec.train.setup.configure import build_config
 
     with pytest.raises(ConfigError, match="compress.embedding_when=pays measures the top-k"):
         build_config(overrides=["compress.embedding=dct", "compress.embedding_select=threshold",
@@ -133,7 +133,7 @@ def _build_dense(topo, data, run_dir, sync, slow):
     from hybridrec.comm.compress import NoCompression
     from hybridrec.parallel.dense_sync import CATEGORY
     from hybridrec.train.build import build_trainer
-    from hybridrec.train.setup.config import build_config
+    from hybridrec.train.setup.configure import build_config
     from hybridrec.train.setup.recipes import recipe
 
     # On rank 1 only (the slowest rank decides): a compressor of a second a step, or an
@@ -177,7 +177,7 @@ def test_the_dense_hop_is_measured_and_the_plain_all_reduce_built_when_it_does_n
 
 def test_dense_when_pays_is_refused_where_it_does_not_measure():
     from hybridrec.errors import ConfigError
-    from hybridrec.train.setup.config import build_config
+    from hybridrec.train.setup.configure import build_config
 
     for wrong in (["compress.dense=fp16"], ["compress.dense=dct", "compress.dense_cap=0"],
                   ["compress.dense=topk", "compress.dense_ratio=1"]):

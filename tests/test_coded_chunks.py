@@ -31,7 +31,7 @@ from hybridrec.parallel.coded_dist import (
 from hybridrec.parallel.layout import build_layout
 from hybridrec.parallel.sharded_embedding import ShardedEmbeddingBagCollection
 from hybridrec.parallel.topology import Topology
-from hybridrec.train.setup.config import build_config
+from hybridrec.train.setup.configure import build_config
 
 # -- one process ---------------------------------------------------------------------------
 

@@ -357,7 +357,7 @@ def dataset(shared_dataset):
 
 def _train_settings(topo, data, run_root):
     from hybridrec.train.build import build_trainer
-    from hybridrec.train.setup.config import build_config
+    from hybridrec.train.setup.configure import build_config
     from hybridrec.train.setup.recipes import recipe
 
     out = {}

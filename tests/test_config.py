@@ -13,7 +13,8 @@ from hybridrec.errors import ConfigError
 from hybridrec.parallel.cost_model import OPTIMIZERS
 from hybridrec.train.loop.optim import LRSchedule
 from hybridrec.train.setup import recipes
-from hybridrec.train.setup.config import PATH_KEYS, SECTIONS, build_config, describe
+from hybridrec.train.setup.config import PATH_KEYS, SECTIONS, describe
+from hybridrec.train.setup.configure import build_config
 
 
 def test_defaults_recipe_file_override_precedence(tmp_path):

@@ -279,7 +279,8 @@ def test_ddp_hooks_sum_the_ranks_bounded_messages_without_a_size_exchange(hooked
 def test_the_config_sets_the_cap():
     from hybridrec.errors import ConfigError
     from hybridrec.train.build import build_dense_compressor
-    from hybridrec.train.setup.config import CompressConfig, build_config
+    from hybridrec.train.setup.config import CompressConfig
+    from hybridrec.train.setup.configure import build_config
 
     assert build_dense_compressor(CompressConfig(dense="dct", dense_ratio=0.01)).cap == 1.25
     assert build_dense_compressor(CompressConfig(dense="dct", dense_ratio=0.01, dense_cap=2.0)).cap == 2.0

@@ -62,7 +62,7 @@ def test_unknown_backend_is_refused():
 
 
 def test_pairwise_exchange_is_refused_on_a_gpu_only():
-    from hybridrec.train.setup.config import build_config
+    from hybridrec.train.setup.configure import build_config
     from hybridrec.train.setup.rules import RUN_RULES, RunFacts, check_run
 
     pairwise, collective = (build_config(overrides=[f"dist.exchange={e}", "train.run_dir=r"])

@@ -22,7 +22,7 @@ from hybridrec.train.checkpointing.faults import (
     read_marker,
 )
 from hybridrec.train.run import load_run_model
-from hybridrec.train.setup.config import build_config
+from hybridrec.train.setup.configure import build_config
 
 SMALL = ["model.embedding_dim=8", "model.bottom_mlp=16,8", "model.top_mlp=16,1",
          "data.batch_size=64", "data.eval_batch_size=1000", "train.progress=false"]

@@ -21,7 +21,7 @@ from hybridrec.cli.main import main
 from hybridrec.train.build import build_trainer
 from hybridrec.train.run import load_run_model
 from hybridrec.train.setup import recipes
-from hybridrec.train.setup.config import build_config
+from hybridrec.train.setup.configure import build_config
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]

@@ -17,7 +17,7 @@ from hybridrec.model.embedding import EmbeddingBagCollection, TableConfig
 from hybridrec.sparse.keyed_jagged import KeyedJagged
 from hybridrec.train.build import build_loaders, build_trainer
 from hybridrec.train.loop import hogwild
-from hybridrec.train.setup.config import build_config
+from hybridrec.train.setup.configure import build_config
 from hybridrec.train.setup.recipes import recipe
 from hybridrec.train.setup.rules import workers_problem
 from hybridrec.train.setup.tables import load_dataset

@@ -61,7 +61,7 @@ def world(shared_dataset, tmp_path_factory):
 
 
 def _config(data, run, *extra):
-    from hybridrec.train.setup.config import build_config
+    from hybridrec.train.setup.configure import build_config
     from hybridrec.train.setup.recipes import demo
 
     return build_config(demo(), overrides=[f"data.path={data}", f"train.run_dir={run}", *SMALL, *extra])

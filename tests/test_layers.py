@@ -1,5 +1,8 @@
 """The layer order of docs/design.md, checked on the source: a module imports only its own
-layer and the layers below it, and model/ never imports torch.distributed.
+layer and the layers below it, no two modules import each other (directly or round a cycle),
+and model/ never imports torch.distributed. Besides, facts with one home stay there: the
+launcher's rank variables (hybridrec/launch_env.py), rank 0's broadcast of a Python value
+(hybridrec/broadcast.py) and the synchronizers' names (hybridrec/sync/algorithms.py).
 
 Every import counts, including those inside functions (lazy imports are how the CLI stays
 light, not a way around the order) and those under ``if TYPE_CHECKING``.
@@ -15,18 +18,19 @@ import pytest
 import hybridrec
 
 LAYERS = ("cli", "bench", "serve", "train", "sync", "ps", "parallel", "comm", "model", "data", "sparse", "metrics")
-"""Top to bottom. ``errors.py``, ``threads.py``, ``phases.py``, ``files.py`` and ``__init__.py`` at the package root are
-below every layer (all may import them, they import no layer); ``__main__.py`` is above
-every layer."""
+"""Top to bottom. ``errors.py``, ``threads.py``, ``phases.py``, ``files.py``, ``launch_env.py``,
+``broadcast.py`` and ``__init__.py`` at the package root are below every layer (all may
+import them, they import no layer); ``__main__.py`` is above every layer."""
 
 PACKAGE = Path(hybridrec.__file__).parent
-ROOT_SHARED = ("hybridrec", "hybridrec.errors", "hybridrec.threads", "hybridrec.phases", "hybridrec.files")
+ROOT_SHARED = ("hybridrec", "hybridrec.errors", "hybridrec.threads", "hybridrec.phases", "hybridrec.files",
+               "hybridrec.launch_env", "hybridrec.broadcast")
 ENTRY = "hybridrec.__main__"
-CALLED = {("hybridrec.train", "hybridrec.serve.api"), ("hybridrec", "hybridrec.train")}
-"""Imports made when the Python API is first *used*, not when a module is imported: the root
-package's lazy ``hybridrec.train`` / ``hybridrec.load`` attributes, and ``hybridrec.train(...)``,
-the train package called, whose ``__call__`` hands over to ``hybridrec.serve.api.train``
-(hybridrec/__init__.py, hybridrec/train/__init__.py)."""
+CALLED = {("hybridrec", "hybridrec.serve.api"), ("hybridrec", "hybridrec.train")}
+"""The root package's imports of the Python API (hybridrec/__init__.py, which may import any
+layer): the train package, which it makes callable (it imports nothing itself), and, when
+the API is first *used*, ``hybridrec.serve.api`` (``hybridrec.train(...)``, and the lazy
+``hybridrec.load``)."""
 
 
 def module_name(path: Path) -> tuple[str, bool]:
@@ -211,7 +215,8 @@ def test_every_subpackage_has_a_place_in_the_order():
     assert packages == set(LAYERS), ("add new packages to LAYERS and docs/design.md",
                                      packages ^ set(LAYERS))
     root = {p.stem for p in PACKAGE.glob("*.py")}
-    assert root == {"__init__", "__main__", "errors", "threads", "phases", "files"}, root
+    assert root == {"__init__", "__main__", "errors", "threads", "phases", "files", "launch_env",
+                    "broadcast"}, root
 
 
 def test_no_module_imports_a_layer_above_its_own():
@@ -324,3 +329,243 @@ def test_no_module_imports_a_private_name_of_another():
     bad = [v for _, name, is_package, source in _sources()
            for v in private_imports(source, name, is_package=is_package)]
     assert bad == [], "\n".join(bad)
+
+
+# ---------------------------------------------------------------- no import cycles
+
+
+def _module_level(tree: ast.AST):
+    """The nodes of ``tree`` outside function bodies (what runs when the module is imported)."""
+    todo = [tree]
+    while todo:
+        node = todo.pop()
+        yield node
+        todo += [c for c in ast.iter_child_nodes(node)
+                 if not isinstance(c, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda)]
+
+
+def import_graph(modules: dict[str, tuple[bool, str]]) -> dict[str, set[str]]:
+    """``{module: the modules it imports}`` over ``modules`` (``{name: (is_package, source)}``),
+    function-level imports included: ``from X import a`` is ``X.a`` where that is a module,
+    else ``X``; an import reaches the nearest module of ``modules`` named by it, and the
+    packages above that one (their ``__init__`` runs first) unless the importer is inside them
+    already; ``from hybridrec import load`` reaches the module the root package imports it
+    from. The root package's own imports inside functions (the Python API, imported on first
+    use) are not edges: its module level is."""
+    lazy = {f"hybridrec.{n}": m for n, m in getattr(hybridrec, "_LAZY", {}).items()}
+
+    def nearest(target: str) -> str:
+        target = lazy.get(target, target)
+        while target and target not in modules:
+            target = target.rpartition(".")[0]
+        return target
+
+    graph = {}
+    for name, (is_package, source) in modules.items():
+        base = name.split(".") if is_package else name.split(".")[:-1]
+        tree = ast.parse(source)
+        targets = []
+        for node in (_module_level(tree) if name == "hybridrec" else ast.walk(tree)):
+            if isinstance(node, ast.Import):
+                targets += [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:
+                    pkg = ".".join(base[:len(base) - (node.level - 1)])
+                    mod = f"{pkg}.{node.module}" if node.module else pkg
+                else:
+                    mod = node.module or ""
+                targets += [f"{mod}.{a.name}" if f"{mod}.{a.name}" in modules or f"{mod}.{a.name}" in lazy
+                            else mod for a in node.names]
+            elif (isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant)
+                  and isinstance(node.args[0].value, str)
+                  and getattr(node.func, "attr", getattr(node.func, "id", None))
+                  in ("import_module", "__import__")):
+                targets.append(node.args[0].value)
+        edges = set()
+        for target in filter(None, map(nearest, targets)):
+            parts = target.split(".")
+            edges.add(target)
+            edges |= {".".join(parts[:k]) for k in range(1, len(parts))
+                      if not (name + ".").startswith(".".join(parts[:k]) + ".")}
+        edges.discard(name)
+        graph[name] = {e for e in edges if e in modules}
+    return graph
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Every set of modules that import each other round a cycle (the graph's strongly
+    connected components of more than one module), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles = []
+    for start in sorted(graph):
+        if start in index:
+            continue
+        work = [(start, iter(sorted(graph[start])))]
+        index[start] = low[start] = len(index)
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            v, children = work[-1]
+            w = next(children, None)
+            if w is not None:
+                if w not in index:
+                    index[w] = low[w] = len(index)
+                    stack.append(w)
+                    on_stack.add(w)
+                    work.append((w, iter(sorted(graph[w]))))
+                elif w in on_stack:
+                    low[v] = min(low[v], index[w])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[v])
+            if low[v] == index[v]:
+                component = []
+                while True:
+                    w = stack.pop()
+                    on_stack.discard(w)
+                    component.append(w)
+                    if w == v:
+                        break
+                if len(component) > 1:
+                    cycles.append(sorted(component))
+    return cycles
+
+
+def _planted(**sources: str) -> dict[str, tuple[bool, str]]:
+    """Planted modules: ``a__b="..."`` is module ``a.b``; a name ending in ``__init`` a package."""
+    out = {}
+    for key, source in sources.items():
+        name = key.replace("__", ".")
+        out[name.removesuffix(".init")] = (name.endswith(".init"), source)
+    return out
+
+
+def test_cycle_checker_finds_a_planted_cycle_through_function_level_imports():
+    graph = import_graph(_planted(
+        hybridrec__cli__main="from hybridrec.cli.launch import PEER_LOST\n",
+        hybridrec__cli__launch="def rank_main():\n    from hybridrec.cli.train import run\n",
+        hybridrec__cli__train="def f():\n    from hybridrec.cli import main\n",
+        hybridrec__cli__init=""))
+    assert import_cycles(graph) == [["hybridrec.cli.launch", "hybridrec.cli.main", "hybridrec.cli.train"]]
+
+
+def test_cycle_checker_counts_a_package_init_that_imports_upward():
+    # train/__init__ handing its call to serve.api, which imports train.run: importing
+    # hybridrec.train.run runs train/__init__ first.
+    graph = import_graph(_planted(
+        hybridrec__init="",
+        hybridrec__train__init="def __call__(*a):\n    from hybridrec.serve.api import train\n",
+        hybridrec__train__run="x = 1\n",
+        hybridrec__serve__init="",
+        hybridrec__serve__api="from hybridrec.train.run import x\n"))
+    assert import_cycles(graph) == [["hybridrec.serve.api", "hybridrec.train"]]
+    # A package that imports its own modules is no cycle (they are inside it).
+    assert import_cycles(import_graph(_planted(
+        hybridrec__init="", hybridrec__sync__init="from hybridrec.sync.algorithms import A\n",
+        hybridrec__sync__algorithms="import torch\n"))) == []
+
+
+def test_cycle_checker_takes_the_root_packages_lazy_api_as_used_not_imported():
+    planted = _planted(
+        hybridrec__init="from hybridrec import train\n\ndef __getattr__(n):\n"
+                        "    from hybridrec.serve.api import load\n",
+        hybridrec__train__init="", hybridrec__train__run="from hybridrec import __version__\n",
+        hybridrec__serve__init="", hybridrec__serve__api="import hybridrec.train.run\n")
+    assert import_cycles(import_graph(planted)) == []
+    planted["hybridrec"] = (True, "from hybridrec.serve import api\n")  # at import: a cycle
+    assert import_cycles(import_graph(planted)) == [["hybridrec", "hybridrec.serve.api",
+                                                     "hybridrec.train.run"]]
+
+
+def test_no_import_cycles():
+    graph = import_graph({name: (is_package, source) for _, name, is_package, source in _sources()})
+    assert len(graph) > 100 and "hybridrec.cli.main" in graph["hybridrec.__main__"]
+    assert import_cycles(graph) == []
+
+
+def test_the_train_package_imports_nothing_above_train():
+    """``hybridrec.train(...)`` is the root package's business (hybridrec/__init__.py)."""
+    source = (PACKAGE / "train" / "__init__.py").read_text()
+    outside = [t for _, t in imported_modules(source, "hybridrec.train", is_package=True)
+               if t.startswith("hybridrec.") and not t.startswith("hybridrec.train")
+               and t not in ROOT_SHARED]
+    assert outside == []
+    assert callable(hybridrec.train) and hybridrec.train.__name__ == "hybridrec.train"
+
+
+# ---------------------------------------------------------------- one home per fact
+
+LAUNCH_VARIABLES = ("WORLD_SIZE", "RANK", "LOCAL_WORLD_SIZE", "LOCAL_RANK")
+
+
+def launch_variable_reads(source: str) -> list[int]:
+    """Lines of ``source`` that name a launcher's rank variable other than to set it
+    (``os.environ["RANK"] = ...``, or a key of an environment made for a child)."""
+    tree = ast.parse(source)
+    written = {id(n.slice) for n in ast.walk(tree)
+               if isinstance(n, ast.Subscript) and isinstance(n.ctx, ast.Store)}
+    written |= {id(k) for n in ast.walk(tree) if isinstance(n, ast.Dict) for k in n.keys if k is not None}
+    return [n.lineno for n in ast.walk(tree) if isinstance(n, ast.Constant)
+            and n.value in LAUNCH_VARIABLES and id(n) not in written]
+
+
+@pytest.mark.parametrize("source", ['import os\nw = int(os.environ.get("WORLD_SIZE", "1"))\n',
+                                    'import os\nlaunched = "RANK" in os.environ\n',
+                                    'import os\nr = os.getenv("LOCAL_RANK")\n',
+                                    'import os\nn = os.environ["LOCAL_WORLD_SIZE"]\n'])
+def test_launch_variable_checker_finds_a_planted_read(source):
+    assert len(launch_variable_reads(source)) == 1
+
+
+def test_launch_variable_checker_passes_the_helper_and_writes():
+    assert launch_variable_reads('from hybridrec import launch_env\nw = launch_env.world_size()\n'
+                                 'import os\nos.environ["RANK"] = "0"\nenv = {"WORLD_SIZE": "2"}\n') == []
+
+
+def test_the_rank_variables_are_read_in_launch_env_alone():
+    found = [f"{path.relative_to(PACKAGE.parent)}:{line}" for path, name, _, source in _sources()
+             if name != "hybridrec.launch_env" for line in launch_variable_reads(source)]
+    assert found == [], "read them through hybridrec.launch_env:\n" + "\n".join(found)
+    assert launch_variable_reads((PACKAGE / "launch_env.py").read_text())  # (the checker sees its home)
+
+
+def object_broadcasts(source: str) -> list[int]:
+    """Lines of ``source`` that use torch's pickled object broadcast."""
+    return [n.lineno for n in ast.walk(ast.parse(source))
+            if getattr(n, "attr", getattr(n, "id", None)) in ("broadcast_object_list", "broadcast_object")]
+
+
+def test_object_broadcast_checker_finds_a_planted_use():
+    assert object_broadcasts("import torch.distributed as dist\nbox = [1]\n"
+                             "dist.broadcast_object_list(box, group_src=0)\n") == [3]
+    assert object_broadcasts("from hybridrec.broadcast import rank0_value\nrank0_value(1, None)\n") == []
+
+
+def test_rank0s_values_travel_through_one_helper():
+    """Rank 0's Python value reaches the other ranks through hybridrec.broadcast.rank0_value
+    (JSON, nothing unpickled), never a hand-written broadcast_object_list."""
+    found = [f"{path.relative_to(PACKAGE.parent)}:{line}" for path, _, _, source in _sources()
+             for line in object_broadcasts(source)]
+    assert found == [], "use hybridrec.broadcast.rank0_value:\n" + "\n".join(found)
+    homes = [name for _, name, _, source in _sources() if "def rank0_value(" in source]
+    assert homes == ["hybridrec.broadcast"]
+
+
+def synchronizer_names(source: str, names) -> list[int]:
+    """Lines of ``source`` that spell one of the synchronizers' ``names`` as a string."""
+    return [n.lineno for n in ast.walk(ast.parse(source))
+            if isinstance(n, ast.Constant) and isinstance(n.value, str) and n.value in names]
+
+
+def test_the_synchronizer_names_are_listed_in_one_place():
+    from hybridrec.sync.algorithms import ALGORITHMS
+
+    assert ALGORITHMS == ("ma", "easgd", "bmuf")
+    assert synchronizer_names('if s.algorithm in ("none", "ma", "easgd"):\n    pass\n', ALGORITHMS) == [1, 1]
+    found = [f"{path.relative_to(PACKAGE.parent)}:{line}" for path, name, _, source in _sources()
+             if name != "hybridrec.sync.algorithms" for line in synchronizer_names(source, ALGORITHMS)]
+    assert found == [], "read hybridrec.sync.algorithms.ALGORITHMS:\n" + "\n".join(found)

@@ -299,7 +299,7 @@ def test_two_machines_rendezvous_and_train_on_the_named_interface_alone(dataset,
 
 
 def test_several_machines_need_a_master_an_interface_and_a_named_run(tmp_path):
-    from hybridrec.train.setup.config import build_config
+    from hybridrec.train.setup.configure import build_config
 
     for extra, says in [(["dist.nnodes=2", f"train.run_dir={tmp_path / 'r'}", "dist.interface=lo"], "dist.master"),
                         (["dist.nnodes=2", f"train.run_dir={tmp_path / 'r'}", "dist.master=127.0.0.1:1234"],

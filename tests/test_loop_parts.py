@@ -9,7 +9,7 @@ import pytest
 from hybridrec.train.build import build_trainer
 from hybridrec.train.loop import hogwild
 from hybridrec.train.loop.parts import Part
-from hybridrec.train.setup.config import build_config
+from hybridrec.train.setup.configure import build_config
 from hybridrec.train.setup.recipes import recipe
 
 SMALL = ["model.embedding_dim=8", "model.bottom_mlp=16,8", "model.top_mlp=16,1", "data.batch_size=128",

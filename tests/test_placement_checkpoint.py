@@ -211,7 +211,7 @@ def test_auto_placed_cli_run_resumes_to_the_same_checkpoint(shared_dataset, tmp_
 
 def test_init_from_into_column_blocks_is_refused_before_anything_is_built():
     from hybridrec.errors import ConfigError
-    from hybridrec.train.setup.config import build_config
+    from hybridrec.train.setup.configure import build_config
     from hybridrec.train.setup.rules import RunFacts, check_run
 
     base = ["train.run_dir=r", "dist.partition_dense=top_mlp"]

@@ -239,7 +239,7 @@ def test_a_server_counts_only_the_servers_of_its_machine(data):
     from hybridrec.data.schema import DatasetMeta
     from hybridrec.parallel.topology import Topology
     from hybridrec.train.ps_run import ps_plan, server_memory_problem
-    from hybridrec.train.setup.config import build_config
+    from hybridrec.train.setup.configure import build_config, replace
     from hybridrec.train.setup.tables import build_tables
 
     cfg = build_config(None, [], [f"data.path={data}", "dist.num_ps=2", "dist.ps_sharding=row_wise"])
@@ -250,9 +250,9 @@ def test_a_server_counts_only_the_servers_of_its_machine(data):
         text = server_memory_problem(cfg, plan, topo)
         return text.split(" need ")[1].split(" (")[0], text.split(" on this machine")[0]
 
-    cfg = cfg.replace({"train.memory_limit_gb": 1e-6})
+    cfg = replace(cfg, {"train.memory_limit_gb": 1e-6})
     (alone, who1), (both, who2) = need(1, 1), need(0, 2)
     assert who1.endswith("the 1 parameter server(s)") and who2.endswith("the 2 parameter server(s)")
     assert float(both.split()[0]) > 1.9 * float(alone.split()[0])  # two halves of every table
-    cfg = cfg.replace({"train.memory_limit_gb": 100.0})
+    cfg = replace(cfg, {"train.memory_limit_gb": 100.0})
     assert server_memory_problem(cfg, plan, Topology(0, 2, 0, 2, torch.device("cpu"), "none", None, None)) is None

@@ -13,7 +13,7 @@ import torch
 from hybridrec.errors import ConfigError
 from hybridrec.train.checkpointing.faults import FailureInjector, parse_inject_failure
 from hybridrec.train.run import load_run_model
-from hybridrec.train.setup.config import build_config
+from hybridrec.train.setup.configure import build_config
 
 SMALL = ["model.embedding_dim=8", "model.bottom_mlp=16,8", "model.top_mlp=16,1", "data.batch_size=64",
          "data.eval_batch_size=1000", "train.progress=false", "optim.sparse=rowwise_adagrad", "dist.timeout_s=30",

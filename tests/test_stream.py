@@ -25,7 +25,7 @@ from hybridrec.model.embedding import EmbeddingBagCollection
 from hybridrec.train.build import build_tables
 from hybridrec.train.loop.sparse_optim import combined_sparse_optimizer
 from hybridrec.train.loop.stream import DynamicTables, key_initial_values
-from hybridrec.train.setup.config import build_config
+from hybridrec.train.setup.configure import build_config
 
 
 def _lines(path: Path) -> int:

@@ -13,7 +13,7 @@ from hybridrec.errors import ConfigError
 from hybridrec.parallel.sharded_embedding import ShardedEmbeddingBagCollection
 from hybridrec.parallel.threshold_dist import ThresholdMP, count_dtype
 from hybridrec.train.build import build_threshold_mp
-from hybridrec.train.setup.config import build_config
+from hybridrec.train.setup.configure import build_config
 
 
 def test_selection_keeps_what_passes_within_the_budget():

@@ -249,7 +249,7 @@ def expected_configs(spec: SweepSpec) -> dict[tuple[str, int], dict]:
     """The resolved config of every run, before anything starts: a bad key or value in
     any setting is an error that names the setting, not a failure an hour in."""
     from hybridrec.train.setup import recipes
-    from hybridrec.train.setup.config import build_config
+    from hybridrec.train.setup.configure import build_config
 
     if spec.nproc < 1:
         raise ConfigError("--nproc must be >= 1")

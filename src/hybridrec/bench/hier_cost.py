@@ -62,9 +62,9 @@ from hybridrec.model.embedding import TableConfig
 from hybridrec.parallel.cost_model import COUNT_BYTES, VALUE_BYTES
 from hybridrec.parallel.layout import build_layout, id_dtype
 from hybridrec.parallel.plan import ShardingPlan
+from hybridrec.sync.algorithms import ALGORITHMS, ModelAveraging
 
 MODES = ("background", "foreground")
-ALGORITHMS = ("ma", "easgd", "bmuf")
 SYNC_COMPRESS = ("none", "fp16", "bf16", "dct")
 
 
@@ -110,7 +110,7 @@ class Links:
 class SyncSpec:
     """The cross-group synchronizer (``sync.*``)."""
 
-    algorithm: str = "ma"
+    algorithm: str = ModelAveraging.name
     mode: str = "background"
     every: int = 1
     """Foreground: steps between rounds; background: at least this many."""

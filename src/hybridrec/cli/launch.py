@@ -36,7 +36,6 @@ import logging
 import math
 import multiprocessing
 import os
-import re
 import signal
 import sys
 import tempfile
@@ -45,26 +44,12 @@ import uuid
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
+from hybridrec import launch_env
 from hybridrec.cli.lifeline import die_with_parent, end_with
-
-LAUNCHED_ENV = "HYBRIDREC_LAUNCHED"
-"""Set in the ranks' environment: the launcher reports how the run ended, so a rank that
-only lost its peers, or was interrupted, stays quiet."""
-
-PEER_LOST = 3
-"""The exit status of a rank that stopped because another rank went away."""
+from hybridrec.cli.outcome import BROKEN_PIPE, INTERRUPTED, LAUNCHED_ENV, PEER_LOST, debug_enabled
 
 PEER_LOST_WAIT_S = 10.0
 """How long a rank that lost its peer waits for the agent to stop it (see :func:`rank_main`)."""
-
-BROKEN_PIPE = 128 + 13  # as cli.main: output cut short by a closed pipe
-INTERRUPTED = 130
-
-_PEER_GONE = ("Connection reset by peer", "Connection closed by peer", "Broken pipe",
-              "Socket closed", "Connection refused")
-_TIMED_OUT = re.compile(r"Timed out waiting \d+ ?ms[^.\n]*|timed out after [^.\n]*|Socket Timeout",
-                        re.IGNORECASE)
-_COMM_MARKS = ("gloo", "c10d", "ProcessGroup", "TCPStore", "nccl", "NCCL")
 
 PRELOAD = ("hybridrec.cli.lifeline", "torch", "torch.distributed.checkpoint", "torch.nn.parallel", "torch._dynamo",
            "numpy.random", "hybridrec.cli.launch", "hybridrec.cli.main", "hybridrec.cli.train", "hybridrec.train.run")
@@ -75,14 +60,20 @@ _BASE_ENV = dict(os.environ)
 """The environment this module was imported with: in a forked rank, the fork server's."""
 
 
-def run_local_ranks(nproc: int, argv: Sequence[str], *, servers: int = 0, port: int = 0,
-                    max_restarts: int = 0, injection_marker: str | None = None, nnodes: int = 1,
-                    node_rank: int = 0, master: str = "", interface: str = "", join_timeout_s: float = 600.0,
+def run_local_ranks(nproc: int, argv: Sequence[str], *, entry: Callable[[list[str]], int],
+                    servers: int = 0, port: int = 0, max_restarts: int = 0,
+                    injection_marker: str | None = None, nnodes: int = 1, node_rank: int = 0,
+                    master: str = "", interface: str = "", join_timeout_s: float = 600.0,
                     terminated: Callable[[], str] | None = None) -> int:
     """Run ``python -m hybridrec ARGV`` as ``nproc`` local ranks (a standalone c10d
     rendezvous, as ``torchrun --standalone --nproc-per-node=NPROC``); returns the exit
     status: 0, or the failing rank's (1 when it was killed by a signal) after printing
     one line that names it. The agent stops every rank when one fails.
+
+    ``entry``: what each rank runs with ``ARGV`` and exits with, the command line's own
+    :func:`hybridrec.cli.main.main`, handed down by the command that launches (the parsed
+    arguments' ``entry``): the command line sits above its launcher, so this module does
+    not import it.
 
     ``servers``: the last ranks are parameter servers (named so in that line; the RPC
     agent's own C++ warnings about closed connections stay quiet without --debug).
@@ -104,8 +95,6 @@ def run_local_ranks(nproc: int, argv: Sequence[str], *, servers: int = 0, port: 
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
 
-    from hybridrec.cli.main import debug_enabled
-
     with tempfile.TemporaryDirectory(prefix="hybridrec-ranks-") as logs:  # (mode 0700)
         args = torchrun.parse_args([f"--nproc-per-node={nproc}", f"--log-dir={logs}", f"--nnodes={nnodes}",
                                     f"--max-restarts={max_restarts}", "-m", "hybridrec", *argv])
@@ -117,7 +106,7 @@ def run_local_ranks(nproc: int, argv: Sequence[str], *, servers: int = 0, port: 
             config.start_method = "forkserver"
             multiprocessing.get_context("forkserver").set_forkserver_preload(list(PRELOAD))
             try:
-                elastic_launch(config=config, entrypoint=rank_main)(list(argv), dict(os.environ), os.getpid())
+                elastic_launch(config=config, entrypoint=rank_main)(entry, list(argv), dict(os.environ), os.getpid())
             except ChildFailedError as e:
                 if debug_enabled():
                     print(e, file=sys.stderr)
@@ -160,7 +149,6 @@ def start_rank_server(*, servers: int = 0, nnodes: int = 1, interface: str = "")
 def _ranks_env(servers: int, interface: str | None) -> dict[str, str]:
     """What a launch adds to its ranks' environment (and its fork server's, whose imports
     read some of it: ``OMP_NUM_THREADS``, ``TORCH_CPP_LOG_LEVEL``)."""
-    from hybridrec.cli.main import debug_enabled
     from hybridrec.cli.rendezvous import interface_env
 
     env = {LAUNCHED_ENV: "1", **interface_env(interface)}
@@ -205,16 +193,15 @@ def _rendezvous_args(args, logs: str, port: int, nnodes: int, node_rank: int, ma
     return interface
 
 
-def rank_main(argv: list[str], environ: dict[str, str], launcher: int | None = None) -> None:
-    """One rank of :func:`run_local_ranks`: ``python -m hybridrec ARGV`` in a process forked
-    from the preloaded server. Its environment is the launcher's (``environ``, as a new
+def rank_main(entry: Callable[[list[str]], int], argv: list[str], environ: dict[str, str],
+              launcher: int | None = None) -> None:
+    """One rank of :func:`run_local_ranks`: ``python -m hybridrec ARGV`` (``entry(argv)``, the
+    command line's main) in a process forked from the preloaded server. Its environment is the launcher's (``environ``, as a new
     interpreter would inherit it; the server's is the first launch's) with the variables
     the agent set for this rank on top; output is unbuffered, as ``python -u``. The
     process is named ``hybridrec-rRANK`` (what ``top`` and ``ps -o comm`` show). It ends
     the moment the launcher (pid ``launcher``) does, however that died (see
     :func:`end_with`)."""
-    from hybridrec.cli.main import main
-
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # (the fork server ignores it: see hybridrec.cli.lifeline)
     die_with_parent()  # (the fork server, which dies with the launcher: see hybridrec.cli.lifeline)
     if launcher is not None:
@@ -230,8 +217,8 @@ def rank_main(argv: list[str], environ: dict[str, str], launcher: int | None = N
     # (named semaphores a killed rank would leave to the launcher's resource tracker)
     multiprocessing.set_start_method(None, force=True)
     with contextlib.suppress(OSError):  # Linux; at most 15 characters
-        Path("/proc/self/comm").write_text(f"hybridrec-r{os.environ.get('RANK', '')}"[:15])
-    status = main(argv)
+        Path("/proc/self/comm").write_text(f"hybridrec-r{launch_env.rank()}"[:15])
+    status = entry(argv)
     if status == PEER_LOST:
         # The agent reports the first failed rank it finds, one only, for ranks that are
         # functions: this one lost its peer, so the peer, dead or exiting with its own
@@ -386,32 +373,6 @@ def unprinted_errors(failures: dict) -> list[str]:
         if not (Path(f.error_file).parent.parent / f"hybridrec-error-{digest}").exists():
             out.append(rec[0])
     return out
-
-
-def peer_failure(e: BaseException) -> str | None:
-    """For an error of a rank's collective (or a store operation) whose cause is another
-    rank: ``"lost"`` when the peer's connection closed (it exited or was killed), the
-    timeout's text when the peer stopped taking part, else None (any other error)."""
-    seen: set[int] = set()
-    x: BaseException | None = e
-    while x is not None and id(x) not in seen:
-        seen.add(id(x))
-        if isinstance(x, RuntimeError) and not isinstance(x, NotImplementedError):
-            msg = str(x)
-            if _is_distributed_error(x) or any(m in msg for m in _COMM_MARKS):
-                timed_out = _TIMED_OUT.search(msg)
-                if timed_out:
-                    return timed_out.group(0).strip()
-                if any(p in msg for p in _PEER_GONE):
-                    return "lost"
-        x = x.__cause__ or x.__context__
-    return None
-
-
-def _is_distributed_error(e: BaseException) -> bool:
-    dist = sys.modules.get("torch.distributed")
-    cls = getattr(dist, "DistError", None) if dist is not None else None
-    return cls is not None and isinstance(e, cls)
 
 
 def _say(line: str) -> None:

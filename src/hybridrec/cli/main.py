@@ -22,12 +22,17 @@ import sys
 import warnings
 from pathlib import Path
 
-from hybridrec import __version__
-from hybridrec.cli.launch import LAUNCHED_ENV, PEER_LOST, peer_failure
+from hybridrec import __version__, launch_env
+from hybridrec.cli.outcome import (
+    BROKEN_PIPE,
+    DEBUG_ENV,
+    INTERRUPTED,
+    LAUNCHED_ENV,
+    PEER_LOST,
+    debug_enabled,
+    peer_failure,
+)
 from hybridrec.errors import USER_ERROR, HybridrecError, HybridrecWarning, PeerGone, error_line
-
-DEBUG_ENV = "HYBRIDREC_DEBUG"
-BROKEN_PIPE = 128 + 13  # the shell's status for a command killed by SIGPIPE (cli.launch too)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -47,6 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"hybridrec {__version__}")
     p.add_argument("--debug", action="store_true",
                    help=f"show the full traceback of an error (also: {DEBUG_ENV}=1)")
+    # What the ranks a command launches run (hybridrec.cli.launch.rank_main): this same entry.
+    p.set_defaults(entry=main)
     sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
     data_cmd.register(sub)
     train_cmd.register(sub)
@@ -77,7 +84,7 @@ def _main(argv: list[str] | None) -> int:
     except KeyboardInterrupt:
         if not os.environ.get(LAUNCHED_ENV):  # a rank of `hybridrec train`: its launcher says it
             print("interrupted", file=sys.stderr)
-        return 130
+        return INTERRUPTED
     except BrokenPipeError:
         _silence_stdout()
         return BROKEN_PIPE
@@ -101,10 +108,6 @@ def _main(argv: list[str] | None) -> int:
         if why is None:
             raise
         return _peer_failed(why)
-
-
-def debug_enabled() -> bool:
-    return os.environ.get(DEBUG_ENV, "").strip().lower() not in ("", "0", "false", "no", "off")
 
 
 def _one_line_warnings(show):
@@ -140,8 +143,7 @@ def _first_to_say(line: str, same_on_every_rank: bool) -> bool:
     rank to claim the message in that directory prints it, so a message every rank raises
     shows once per machine and a message of one rank still shows. Other launchers: rank 0
     prints errors that every rank raises alike, every rank prints its other errors."""
-    world = os.environ.get("WORLD_SIZE", "1")
-    if not world.isdigit() or int(world) <= 1:
+    if launch_env.world_size() <= 1:
         return True
     error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if error_file:
@@ -154,12 +156,11 @@ def _first_to_say(line: str, same_on_every_rank: bool) -> bool:
         except OSError:
             return True  # cannot tell: better twice than never
         return True
-    return os.environ.get("RANK", "0") == "0" or not same_on_every_rank
+    return launch_env.rank() == 0 or not same_on_every_rank
 
 
 def _several_ranks() -> bool:
-    world = os.environ.get("WORLD_SIZE", "1")
-    return world.isdigit() and int(world) > 1
+    return launch_env.world_size() > 1
 
 
 def _peer_failed(why: str) -> int:

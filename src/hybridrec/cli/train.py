@@ -10,9 +10,10 @@ import os
 import sys
 from pathlib import Path
 
+from hybridrec import launch_env
 from hybridrec.errors import os_error_message
 from hybridrec.train.setup import recipes
-from hybridrec.train.setup.config import PATH_KEYS, SECTIONS, build_config, describe
+from hybridrec.train.setup.config import PATH_KEYS, SECTIONS, describe
 
 _TRAIN_EPILOG = f"""\
 examples:
@@ -79,6 +80,9 @@ def _train(args) -> int:
     if args.list_keys:
         print(describe())
         return 0
+    # (the config's rules import torch: not while the parser is built)
+    from hybridrec.train.setup.configure import build_config
+
     cfg = build_config(recipes.recipe(args.recipe) if args.recipe else None, args.config, args.overrides)
     if args.print_config:
         import json
@@ -86,15 +90,15 @@ def _train(args) -> int:
         print(json.dumps(cfg.to_dict(), indent=2))
         return 0
     if (cfg.dist.nproc + cfg.dist.num_ps > 1 or cfg.dist.max_restarts or cfg.dist.nnodes > 1) \
-            and "RANK" not in os.environ:
+            and not launch_env.started_as_rank():
         return _launch(cfg, args)
-    from hybridrec.cli.launch import LAUNCHED_ENV
     from hybridrec.cli.lifeline import end_with
+    from hybridrec.cli.outcome import LAUNCHED_ENV
     from hybridrec.serve.publisher import publisher_parts
     from hybridrec.train.run import train
 
     launched = bool(os.environ.get(LAUNCHED_ENV))
-    if "RANK" in os.environ and not launched and "TORCHELASTIC_RUN_ID" in os.environ:
+    if launch_env.started_as_rank() and not launched and "TORCHELASTIC_RUN_ID" in os.environ:
         end_with(os.getppid(), "its torchrun agent")  # (torchrun's ranks are its children)
     try:  # (hybridrec's own launcher holds the run directory for its ranks)
         summary = train(cfg, hold_run_dir=not launched, snapshot_dir=args.snapshot_dir,
@@ -103,7 +107,7 @@ def _train(args) -> int:
         if getattr(e, "summary", None) is not None:  # trained, but summary.json failed: the numbers
             print(format_results(e.summary))
         raise
-    if int(os.environ.get("RANK", "0")) == 0:
+    if launch_env.rank() == 0:
         if "already_finished" in summary:
             print(summary["already_finished"])
         else:
@@ -177,7 +181,8 @@ def _start_ranks(cfg, args, named: bool, run_dir: str) -> int:
     with fast_snapshots(run_dir) if cfg.train.recovery == "partial" else contextlib.nullcontext() as fast:
         if fast is not None:  # (the ranks' command line: the same on a restart)
             argv[1:1] = ["--snapshot-dir", str(fast)]
-        return run_local_ranks(nproc, argv, servers=servers, port=cfg.dist.port, max_restarts=cfg.dist.max_restarts,
+        return run_local_ranks(nproc, argv, entry=args.entry, servers=servers, port=cfg.dist.port,
+                               max_restarts=cfg.dist.max_restarts,
                                injection_marker=os.path.join(cfg.train.run_dir, MARKER), nnodes=cfg.dist.nnodes,
                                node_rank=cfg.dist.node_rank, master=cfg.dist.master, interface=cfg.dist.interface,
                                join_timeout_s=cfg.dist.join_timeout_s,

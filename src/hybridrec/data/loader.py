@@ -50,6 +50,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from hybridrec import launch_env
 from hybridrec.data.id_ranges import check_part_ids
 from hybridrec.data.schema import DatasetMeta, Schema
 from hybridrec.errors import ConfigError, DataError
@@ -171,7 +172,7 @@ def default_workers(pin_memory: bool) -> int:
     (``LOCAL_WORLD_SIZE`` ranks share them), less one for the thread that runs the step."""
     if not pin_memory:
         return 1
-    local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
+    local = max(1, launch_env.local_world_size(1))
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     return max(1, cores // local - 1)
 

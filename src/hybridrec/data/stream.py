@@ -39,7 +39,6 @@ all (over every invocation), ``never``.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import sys
@@ -51,8 +50,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
+from hybridrec.broadcast import rank0_value
 from hybridrec.data.chunk import ParseReport, RowChunk
 from hybridrec.data.criteo import CATEGORICAL, DENSE, CriteoReader
 from hybridrec.data.loader import keyed_ids, rank_slice
@@ -132,23 +131,6 @@ def stream_reader(path: Path, *, schema_file: str | os.PathLike | None, on_bad_l
 def _fingerprint(path: Path) -> dict:
     st = path.stat()
     return {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "ino": st.st_ino}
-
-
-def agree(obj, group, *, device: torch.device | str = "cpu"):
-    """Rank 0's ``obj`` (JSON-able) on every rank of ``group`` (None: one process): its JSON
-    bytes broadcast as tensors (a length, then the bytes), nothing unpickled."""
-    if group is None:
-        return obj
-    if dist.get_rank(group) == 0:
-        data = json.dumps(obj).encode()
-        size = torch.tensor([len(data)], dtype=torch.int64, device=device)
-    else:
-        data, size = b"", torch.zeros(1, dtype=torch.int64, device=device)
-    dist.broadcast(size, group=group, group_src=0)
-    buf = (torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device) if data
-           else torch.empty(int(size.item()), dtype=torch.uint8, device=device))
-    dist.broadcast(buf, group=group, group_src=0)
-    return json.loads(bytes(buf.cpu().numpy()).decode()) if not data else obj
 
 
 class _Buffer:
@@ -362,7 +344,7 @@ class StreamLoader:
         """The next file to read, as rank 0 sees the directory (every rank gets its record),
         waiting for one as ``data.stream_stop`` allows; None: the stream ended."""
         while True:
-            decision = agree(self._look() if self.rank == 0 else None, self.group, device=self.device)
+            decision = rank0_value(self._look() if self.rank == 0 else None, self.group, device=self.device)
             self.waiting = int(decision.get("waiting", 0))
             if decision["what"] == "file":
                 self._idle_since = time.time()

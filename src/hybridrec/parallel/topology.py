@@ -23,12 +23,12 @@ Worked example, W = 4, M = 2::
 from __future__ import annotations
 
 import datetime
-import os
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
+from hybridrec import launch_env
 from hybridrec.comm.exchange import PairwiseExchange
 from hybridrec.parallel.devices import choose_backend
 
@@ -134,9 +134,8 @@ class Topology:
         CPU without. ``timeout_s`` bounds every collective, so a dead peer ends in an error
         instead of a hang. ``group_size``: ranks per group of hierarchical training (None: one group).
         """
-        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        per_machine = ranks_per_machine or int(os.environ.get("LOCAL_WORLD_SIZE", world_size or
-                                                              os.environ.get("WORLD_SIZE", "1")))
+        local_rank = launch_env.local_rank()
+        per_machine = ranks_per_machine or launch_env.local_world_size(world_size or None)
         gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
         choice = choose_backend(backend or "auto", per_machine, gpus)
         backend, device = choice.backend, torch.device(choice.device(local_rank))
@@ -147,7 +146,7 @@ class Topology:
                                     store=store, rank=-1 if rank is None else rank,
                                     world_size=-1 if world_size is None else world_size)
         rank, world = dist.get_rank(), dist.get_world_size()
-        lws = local_world_size or int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        lws = local_world_size or launch_env.local_world_size(world)
         m = group_size or world
         if problem := group_problem(world, m, lws):
             raise ValueError(problem)

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 from torch.distributed import rpc
 
+from hybridrec import launch_env
 from hybridrec.errors import ConfigError
 from hybridrec.parallel.topology import Topology
 
@@ -54,12 +55,11 @@ def server_name(j: int) -> str:
 
 def roles(num_ps: int) -> Roles:
     """This process's role; torchrun's WORLD_SIZE counts trainers and servers."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    world = launch_env.world_size()
     if world <= num_ps:
         raise ConfigError(f"dist.num_ps={num_ps} servers leave no trainer in {world} process(es): "
                           f"start them with hybridrec train dist.nproc=N dist.num_ps={num_ps}")
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    return Roles(int(os.environ.get("RANK", "0")), world - num_ps, num_ps, local == world)
+    return Roles(launch_env.rank(), world - num_ps, num_ps, launch_env.local_world_size(world) == world)
 
 
 def init_world(r: Roles, *, timeout_s: float, backend: str | None = None,

@@ -124,7 +124,8 @@ def build_config(config: str | os.PathLike | dict | None = None, *, recipe: str 
     or a dict of sections as such a file holds, relative paths relative to the working
     directory), then ``SECTION__KEY=value`` overrides; validated."""
     from hybridrec.train.setup import recipes
-    from hybridrec.train.setup.config import Config, apply_dict, load_file, set_value, validate
+    from hybridrec.train.setup.config import Config, apply_dict, load_file, set_value
+    from hybridrec.train.setup.configure import validate
 
     cfg = Config()
     if recipe:

@@ -134,6 +134,7 @@ def as_mean(group_or_mean) -> Mean:
 
 class ModelAveraging:
     name = "ma"
+    state_copies = 0
 
     def init(self, replica: torch.Tensor) -> None:
         pass
@@ -153,6 +154,7 @@ EASGD_BETA = 0.9  # the centre's moving rate N alpha by default: the paper's exp
 
 class ElasticAveraging:
     name = "easgd"
+    state_copies = 1  # the centre
 
     def __init__(self, alpha: float | None = None, *, beta: float = EASGD_BETA, pull: str = "updated") -> None:
         """``alpha`` None: ``beta / N`` (N: the sync group's size, known at the first round).
@@ -203,6 +205,7 @@ class ElasticAveraging:
 
 class BlockMomentum:
     name = "bmuf"
+    state_copies = 2  # the global model and the block momentum
 
     def __init__(self, block_momentum: float | None = None, block_lr: float = 1.0, *, nesterov: bool = True) -> None:
         """``block_momentum`` None: ``1 - 1/N`` (N: the sync group's size, at the first round)."""
@@ -239,6 +242,22 @@ class BlockMomentum:
         self.global_model, self.delta = state["global_model"], state["delta"]
 
 
+SYNCHRONIZERS = {s.name: s for s in (ModelAveraging, ElasticAveraging, BlockMomentum)}
+"""Every synchronizer class by its ``sync.algorithm`` name; each says its ``state_copies``, the
+replica-sized tensors of state it keeps between rounds (the memory estimate,
+:func:`hybridrec.train.setup.memory.sync_copies`, counts them)."""
+
+ALGORITHMS = tuple(SYNCHRONIZERS)
+"""The synchronizers' names (``sync.algorithm`` takes them, or ``none``): the one list, read by
+the config's rules, the memory estimate and the step's cost model (:mod:`hybridrec.bench.hier_cost`)."""
+
+
+def either(names) -> str:
+    """``a, b or c``: how a message lists the names it takes."""
+    names = list(names)
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} or {names[-1]}"
+
+
 def _check_name(sync, state: dict) -> None:
     if state.get("name") != sync.name:
         raise ValueError(f"synchronizer state is for {state.get('name')!r}, not {sync.name!r}")
@@ -249,13 +268,13 @@ def make_synchronizer(algorithm: str, *, alpha: float | str | None = None,
                       nesterov: bool = True) -> Synchronizer:
     """``alpha`` / ``block_momentum`` None or ``"auto"`` (the config's default): from the
     number of ranks, as the papers advise (module docstring)."""
-    if algorithm == "ma":
+    if algorithm == ModelAveraging.name:
         return ModelAveraging()
-    if algorithm == "easgd":
+    if algorithm == ElasticAveraging.name:
         return ElasticAveraging(_given(alpha))
-    if algorithm == "bmuf":
+    if algorithm == BlockMomentum.name:
         return BlockMomentum(_given(block_momentum), block_lr, nesterov=nesterov)
-    raise ValueError(f"unknown synchronizer {algorithm!r}: ma, easgd or bmuf")
+    raise ValueError(f"unknown synchronizer {algorithm!r}: {either(ALGORITHMS)}")
 
 
 def _given(value: float | str | None) -> float | None:

@@ -4,7 +4,6 @@ so the classes themselves only store what they are given."""
 from __future__ import annotations
 
 import json
-import os
 import sys
 import warnings
 from collections.abc import Sequence
@@ -14,7 +13,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from hybridrec import threads
+from hybridrec import launch_env, threads
+from hybridrec.broadcast import rank0_value
 from hybridrec.comm.codecs import Codec, TopKCodec, make_codec, tune_topk
 from hybridrec.comm.compress import (
     CastCompressor,
@@ -226,10 +226,10 @@ def build_loaders(cfg: Config, meta: DatasetMeta, *, rank: int = 0, world_size: 
 def build_topology(cfg: Config) -> Topology:
     """A process group when launched by torchrun with several ranks, else one process;
     with ``dist.group_size`` below the world, this rank's group (hierarchical training)."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    world = launch_env.world_size()
     if world <= 1:
         return Topology.single(single_device(cfg))
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    local = launch_env.local_world_size(world)
     topo = Topology.init(backend=ranks_backend(cfg), timeout_s=cfg.dist.timeout_s,
                          group_size=group_size(cfg, world, local))
     topo.exchange = cfg.dist.exchange
@@ -244,8 +244,8 @@ def run_facts(cfg: Config, meta: DatasetMeta | None, topo: Topology | None, *, b
     if topo is not None:
         return RunFacts(world=topo.job_size, local_world=topo.local_world_size,
                         device=topo.device.type, gpus=gpus, meta=meta, building=building)
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    world = launch_env.world_size()
+    local = launch_env.local_world_size(world)
     device = (single_device(cfg).type if world <= 1 else
               "cuda" if choose_backend(cfg.dist.backend, local, gpus).gpus else "cpu")
     return RunFacts(world=world, local_world=local, device=device, gpus=gpus, meta=meta, building=building)
@@ -264,10 +264,10 @@ def ranks_backend(cfg: Config) -> str:
     process group is made (``nccl`` without a GPU per rank: ConfigError); rank 0 says once
     when the ranks share GPUs over gloo. :meth:`Topology.init` makes the same choice
     (:func:`~hybridrec.parallel.devices.choose_backend`) and places the rank."""
-    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+    ranks = launch_env.local_world_size()
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     choice = choose_backend(cfg.dist.backend, ranks, gpus)
-    if (note := choice.note(ranks)) and os.environ.get("RANK", "0") == "0":
+    if (note := choice.note(ranks)) and launch_env.rank() == 0:
         print(note, file=sys.stderr, flush=True)
     return cfg.dist.backend
 
@@ -730,12 +730,7 @@ def tune_kernels(cfg: Config, model: torch.nn.Module, topo: Topology,
     device = next(p.device for p in dense_parameters(model)).type
     dtype = "bfloat16" if cfg.train.precision == "bf16" else "float32"
 
-    def rank0s(picks: dict) -> dict:
-        box = [picks]
-        torch.distributed.broadcast_object_list(box, group=topo.run_group, group_src=0)
-        return box[0]
-
-    agree = rank0s if topo.job_size > 1 else None
+    agree = (lambda picks: rank0_value(picks, topo.run_group, device=topo.comm_device)) if topo.job_size > 1 else None
     choices = tune_mlps(model, cfg.data.batch_size, mode=cfg.train.kernels, device=device, dtype=dtype,
                         agree=agree)
     dots = tune_interactions(model, cfg.data.batch_size, mode=cfg.train.kernels, device=device, dtype=dtype,

@@ -10,7 +10,7 @@ from hybridrec.data.preprocess import preprocess_criteo
 from hybridrec.data.synth import generate
 from hybridrec.train.run import train
 from hybridrec.train.setup import recipes
-from hybridrec.train.setup.config import build_config
+from hybridrec.train.setup.configure import build_config
 
 
 def _synthesize(raw: Path, *, days: int, rows_per_day: int, seed: int) -> dict:

@@ -22,7 +22,8 @@ from hybridrec.train.checkpointing import checkpoint as ckpt
 from hybridrec.train.loop.early_stop import resolve_checkpoint
 from hybridrec.train.loop.step import evaluate_model
 from hybridrec.train.ps_run import PS_DIR
-from hybridrec.train.setup.config import Config, apply_dict, validate
+from hybridrec.train.setup.config import Config, apply_dict
+from hybridrec.train.setup.configure import replace, validate
 from hybridrec.train.setup.tables import load_dataset
 
 
@@ -53,7 +54,7 @@ def load_run_model(run_dir: str | Path, *, checkpoint: str | None = None,
     error says why each failed. Returns ``(cfg, meta, model, path, extra)`` (``extra``: the checkpoint's global state: step, loader position)."""
     cfg = load_run_config(run_dir)
     if data_path:
-        cfg = cfg.replace({"data.path": data_path})
+        cfg = replace(cfg, {"data.path": data_path})
     meta = load_dataset(cfg)
     path, _ = resolve_checkpoint(run_dir, checkpoint)
     if path is None:

@@ -25,8 +25,9 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
+from hybridrec import launch_env
+from hybridrec.broadcast import rank0_value
 from hybridrec.data.loader import steps_per_epoch
 from hybridrec.data.schema import DatasetMeta
 from hybridrec.errors import ConfigError, HybridrecError, records_errors
@@ -51,6 +52,7 @@ from hybridrec.train.evaluate import evaluate_run, load_run_config, load_run_mod
 from hybridrec.train.loop.parts import Part
 from hybridrec.train.ps_run import PS_DIR, run_server
 from hybridrec.train.setup.config import PATH_KEYS, Config
+from hybridrec.train.setup.configure import replace
 from hybridrec.train.setup.memory import memory_problem
 from hybridrec.train.setup.rules import RunFacts, check_run, group_size, planned_steps
 from hybridrec.train.setup.tables import load_dataset
@@ -111,7 +113,7 @@ def _train(cfg: Config, meta, topo, shown: str, started_at: str, clock: float, e
     world, rank = (topo.group_size, topo.rank) if topo is not None else _world_and_rank()
     restarts = elastic_restarts()
     if restarts and not cfg.train.resume:  # (false started this launch over; its restarts resume it)
-        cfg = cfg.replace({"train.resume": True})
+        cfg = replace(cfg, {"train.resume": True})
     if restarts and rank == 0:  # dist.max_restarts: the agent started the ranks again
         print(f"restarted the ranks after a failure ({restarts} of dist.max_restarts="
               f"{os.environ.get('TORCHELASTIC_MAX_RESTARTS', '?')}); resuming {cfg.train.run_dir or 'the run'}",
@@ -120,13 +122,12 @@ def _train(cfg: Config, meta, topo, shown: str, started_at: str, clock: float, e
     if not cfg.train.run_dir:
         if world > 1:  # launched by torchrun without a run directory: rank 0's choice
             topo = topo or build_topology(cfg)
-            box = [str(new_run_dir()) if topo.lead else None]  # (hierarchical: every group's too)
-            dist.broadcast_object_list(box, group=topo.run_group, group_src=0)
-            shown = box[0]
+            shown = rank0_value(str(new_run_dir()) if topo.lead else None,  # (hierarchical: every group's too)
+                                topo.run_group, device=topo.comm_device)
         else:
             shown = str(new_run_dir())
         created = os.path.abspath(shown)
-        cfg = cfg.replace({"train.run_dir": created})
+        cfg = replace(cfg, {"train.run_dir": created})
         if rank == 0:
             _announce(shown)
     run_dir = Path(cfg.train.run_dir)
@@ -177,7 +178,7 @@ def _fit(cfg: Config, meta, trainer, shown: str, started_at: str, clock: float, 
 def absolute_paths(cfg: Config) -> Config:
     """``cfg`` with ``data.path``, ``dist.plan`` and ``train.run_dir`` (where set) as absolute
     paths, so that config.json and summary.json mean the same from any working directory."""
-    return cfg.replace({k: os.path.abspath(v) for k in PATH_KEYS if (v := _value(cfg, k))})
+    return replace(cfg, {k: os.path.abspath(v) for k in PATH_KEYS if (v := _value(cfg, k))})
 
 
 def _value(cfg: Config, key: str):
@@ -232,7 +233,7 @@ def preflight(cfg: Config, *, world_size: int) -> tuple[dict | None, str, Config
         raise ConfigError(problem)
     if not cfg.train.run_dir:
         shown = str(new_run_dir())
-        cfg = cfg.replace({"train.run_dir": os.path.abspath(shown)})
+        cfg = replace(cfg, {"train.run_dir": os.path.abspath(shown)})
         _announce(shown)
     return None, shown, cfg
 
@@ -243,8 +244,8 @@ def _announce(shown: str) -> None:
 
 def _world_and_rank() -> tuple[int, int]:
     """This process's world size and rank from torchrun's environment (1, 0 without)."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    return world, int(os.environ.get("RANK", "0")) if world > 1 else 0
+    world = launch_env.world_size()
+    return world, launch_env.rank() if world > 1 else 0
 
 
 # -- is the run directory this run's? ----------------------------------------------------

@@ -75,6 +75,7 @@ from pathlib import Path
 
 import torch
 
+from hybridrec import launch_env
 from hybridrec.files import write_json_atomic
 from hybridrec.parallel.checkpoint_io import (
     MANIFEST,
@@ -177,7 +178,7 @@ class Recovery:
             if found is not None:
                 resident.adopt(*found)
                 self._adopted = True
-            elif resident.room(int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)):
+            elif resident.room(launch_env.local_world_size(1)):
                 resident.create(copy=bool(drawn))
             else:
                 self._note(f"{fast} has no room for its shards' {resident.nbytes():,} bytes: a failure's "

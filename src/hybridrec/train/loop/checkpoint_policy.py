@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from hybridrec.broadcast import rank0_value
 from hybridrec.train.checkpointing.checkpoint_interval import (
     IntervalProbe,
     interval_settings,
@@ -232,9 +233,7 @@ class Checkpoints(Part):
             return False
         choice = restarted_choice(self.run_dir, self._settings()) if self.topo.lead else None
         if self.topo.job_size > 1:
-            box = [choice]
-            dist.broadcast_object_list(box, group=self.topo.run_group, group_src=0)
-            choice = box[0]
+            choice = rank0_value(choice, self.topo.run_group, device=self.topo.comm_device)
         if choice is None:
             return False
         choice = {**choice, "reason": f"{choice['reason']} (chosen before the restart)"}

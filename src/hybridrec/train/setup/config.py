@@ -10,7 +10,6 @@ command line (``data.path=...``) or in a recipe is relative to the working direc
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import difflib
 import json
@@ -26,13 +25,14 @@ from hybridrec.errors import ConfigError
 
 
 class ReadOnly:
-    """A config (or one of its sections) that :func:`validate` made read-only: the options
-    checked are the options the run uses. A changed copy is :meth:`Config.replace`'s."""
+    """A config (or one of its sections) that :func:`~hybridrec.train.setup.configure.validate`
+    made read-only: the options checked are the options the run uses. A changed copy is
+    :func:`~hybridrec.train.setup.configure.replace`'s."""
 
     def __setattr__(self, name: str, value) -> None:
         if self.__dict__.get("_read_only"):
             raise AttributeError(f"the config is read-only once validated (setting {name!r}): "
-                                 "use cfg.replace({\"SECTION.KEY\": value})")
+                                 "use replace(cfg, {\"SECTION.KEY\": value}) (hybridrec.train.setup.configure)")
         object.__setattr__(self, name, value)
 
     def _seal(self, read_only: bool) -> None:
@@ -538,14 +538,6 @@ class Config(ReadOnly):
         self._seal(read_only)
         return self
 
-    def replace(self, changes: dict) -> Config:
-        """A validated, read-only copy with ``changes`` (``{"SECTION.KEY": value}``) applied."""
-        cfg = copy.deepcopy(self).seal(False)
-        for key, value in changes.items():
-            set_value(cfg, key, value)
-        validate(cfg)
-        return cfg
-
 
 SECTIONS = {"data": DataConfig, "model": ModelConfig, "optim": OptimConfig, "train": TrainConfig,
             "dist": DistConfig, "compress": CompressConfig, "sync": SyncConfig}
@@ -691,28 +683,6 @@ def parse_overrides(items: list[str]) -> list[tuple[str, str]]:
     return out
 
 
-def build_config(base: dict | None = None, files: list[str] = (), overrides: list[str] = ()) -> Config:
-    """Defaults, then ``base`` (a recipe), then each file, then ``key=value`` overrides."""
-    cfg = Config()
-    if base:
-        apply_dict(cfg, base, source="recipe")
-    for f in files:
-        apply_dict(cfg, load_file(f), source=str(f))
-    for k, v in parse_overrides(list(overrides)):
-        set_value(cfg, k, v)
-    validate(cfg)
-    return cfg
-
-
-def validate(cfg: Config) -> None:
-    """The rules of the config alone (:func:`hybridrec.train.setup.rules.check_config`): the first
-    one broken is a ConfigError with its one line. A valid config is read-only from then on."""
-    from hybridrec.train.setup.rules import check_config
-
-    check_config(cfg)
-    cfg.seal()
-
-
 def describe() -> str:
     """Every key with its type, default and docstring (for --help)."""
     lines = []
@@ -747,8 +717,6 @@ __all__ = [
     "ModelConfig",
     "OptimConfig",
     "TrainConfig",
-    "build_config",
     "describe",
     "set_value",
-    "validate",
 ]

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from hybridrec import launch_env
 from hybridrec.data.schema import DatasetMeta
 from hybridrec.errors import ConfigError
 from hybridrec.model.embedding import WEIGHT_DTYPES
@@ -18,6 +19,7 @@ from hybridrec.model.interaction import make_interaction
 from hybridrec.parallel.checkpoint_io import gather
 from hybridrec.parallel.cost_model import memory_by_rank
 from hybridrec.parallel.topology import Topology
+from hybridrec.sync.algorithms import SYNCHRONIZERS
 from hybridrec.train.setup.config import Config
 from hybridrec.train.setup.tables import build_plan, build_tables, uniform_plan
 
@@ -89,13 +91,14 @@ def sync_copies(cfg: Config) -> int:
     round's result; EASGD's centre; BMUF's global model and block momentum;
     ``sync.compress``'s anchor and residual."""
     s = cfg.sync
-    return 3 + {"easgd": 1, "bmuf": 2}.get(s.algorithm, 0) + (2 if s.compress != "none" else 0)
+    held = SYNCHRONIZERS[s.algorithm].state_copies if s.algorithm in SYNCHRONIZERS else 0
+    return 3 + held + (2 if s.compress != "none" else 0)
 
 
 def check_memory(cfg: Config, meta: DatasetMeta, topo: Topology) -> None:
     """Refuse a plan that cannot fit before anything is allocated. Collective with several
     ranks: every rank raises the same error when any machine is short."""
-    machine = int(os.environ.get("LOCAL_WORLD_SIZE", topo.local_world_size))
+    machine = launch_env.local_world_size(topo.local_world_size)
     problem = memory_problem(cfg, meta, world_size=topo.group_size,
                              local_world_size=topo.local_world_size,
                              host=topo.rank // topo.local_world_size,

@@ -5,7 +5,7 @@ A rule is a condition and the one line that says what is wrong when it does not 
 anything that depends on it is built:
 
 - :func:`config_rules`: the config alone (values, and options that exclude each other),
-  checked whenever a config is made or read (:func:`hybridrec.train.setup.config.validate`);
+  checked whenever a config is made or read (:func:`hybridrec.train.setup.configure.validate`);
 - :data:`RUN_RULES`: the config against what only the run knows (:class:`RunFacts`: its
   ranks, this machine's GPUs, the dataset), checked by the launcher before it starts
   ranks (:func:`hybridrec.train.run.preflight`) and by every rank before it builds
@@ -27,6 +27,7 @@ from pathlib import Path
 
 from hybridrec.data.loader import steps_per_epoch
 from hybridrec.errors import ConfigError
+from hybridrec.sync.algorithms import ALGORITHMS, either
 from hybridrec.train.setup.config import Config, TrainConfig
 
 
@@ -194,7 +195,7 @@ def recovery_problem(cfg: Config) -> str | None:
 def _sync_checks(cfg: Config) -> list[tuple[bool, str]]:
     s = cfg.sync
     return [
-        (s.algorithm in ("none", "ma", "easgd", "bmuf"), f"sync.algorithm {s.algorithm!r}: none, ma, easgd or bmuf"),
+        (s.algorithm in ("none", *ALGORITHMS), f"sync.algorithm {s.algorithm!r}: {either(('none', *ALGORITHMS))}"),
         (s.mode in ("background", "foreground"), f"sync.mode {s.mode!r}: background or foreground"),
         (s.every >= 1, "sync.every must be >= 1"),
         (s.interval_s >= 0, f"sync.interval_s must be >= 0, got {s.interval_s}"),
@@ -449,7 +450,7 @@ def hierarchy_problem(cfg: Config, world: int, local_world: int) -> str | None:
         return None
     what = f"dist.group_size={m} makes {world // m} groups of the {world} ranks"
     if cfg.sync.algorithm == "none":
-        return f"{what}, but nothing keeps them together: set sync.algorithm (ma, easgd or bmuf)"
+        return f"{what}, but nothing keeps them together: set sync.algorithm ({either(ALGORITHMS)})"
     if cfg.train.workers > 1:
         return f"{what}; train.workers > 1 runs on one rank only"
     return None
