@@ -5,28 +5,33 @@ version published every 5 s; then a burst of malformed requests, and `hybridrec 
 the same rows.
 
     .venv/bin/python benchmarks/serve_load.py [--work DIR] [--seconds 15] [--clients 1,16,64]
-        [--rows 1,256] [--publish-every 5] [--publishing no,yes] [--serve-args "--threads 1"]
-        [--malformed 1000] [--predict-rows 131072] [--out FILE]
+        [--rows 1,256] [--publish-every 5] [--publishing no,yes] [--serve-args "--threads 2"]
+        [--client raw|httpx] [--malformed 1000] [--predict-rows 131072] [--out FILE]
 
 Makes (or reuses, under --work) a synthetic Criteo dataset and a run of the default model
 (``--recipe demo``, 20 steps, checkpoints at steps 10 and 20), exports both checkpoints
 once, publishes the first as ``RUN/published/v1`` (:mod:`hybridrec.serve.published`) and
 starts ``hybridrec serve RUN --port 0`` (and ``--serve-args``) as its own process. Each case
-is a closed loop: N asyncio clients (httpx, one connection each) post requests back to back
-for --seconds, rows of the held-out day as ``{"rows": [...]}``; a request that is not
-answered 200 is an error (``error_kinds`` counts them by status or exception). With
+is a closed loop: N asyncio clients, one keep-alive connection each, post requests back to
+back for --seconds, rows of the held-out day as ``{"rows": [...]}``; a request that is not
+answered 200 is an error (``error_kinds`` counts them by status or exception). The clients
+are :class:`RawClient` s (HTTP/1.1 written and read by hand: 0.05-0.1 ms of CPU a request)
+unless ``--client httpx`` (about 2 ms a request on a 2-core Zen 4, more than the server's
+own work, on the cores the server is measured on: the runs of 2026-12-06 12:24 used it). With
 publishing on, a thread publishes a new version every --publish-every seconds (alternating
 the two exports, copied: the server's load and swap are measured, not the export) and keeps
 the newest 3. Client, server and publisher share this machine's cores. Beside each case:
 the load average (``/proc/loadavg``'s three numbers) before and after it, and the server's
 own mean time per request in each stage during it (``hybridrec_serve_stage_seconds`` from
-``/metrics``: read the body, wait for a thread, encode, score; and the model call, per batch).
+``/metrics``: receive the body, wait for a thread (large bodies), read the rows, score; and
+per batch, the model thread's ids and forward), and the CPU time per request of the server
+process and of the clients.
 
 Then ``--malformed`` bad requests of eight kinds (malformed JSON, a misspelt column, a word
 as an integer, an object as a value, a non-hex id, two ids in a one-hot field, an integer
 of 19 digits, a float as an id), 16 clients at a time: each must be answered 4xx, and the
-server must still answer ``/healthz`` and a good request with the probabilities it gave
-before the burst.
+server must still answer ``/healthz`` and a good request with the version and probabilities
+it gave before the burst.
 
 Last, ``hybridrec predict RUN FILE`` (its default threads) on the rows of the 256-row
 requests, repeated to ``--predict-rows`` rows: its rows/s as it reports them (reading,
@@ -294,7 +299,8 @@ async def malformed(url: str, bodies: list[tuple[str, bytes]], good: bytes, coun
     by_kind: dict[str, Counter] = {k: Counter() for k, _ in bodies}
     async with httpx.AsyncClient(base_url=url, timeout=60, headers={"content-type": "application/json"},
                                  limits=httpx.Limits(max_connections=clients)) as client:
-        before = (await client.post("/v1/predict", content=good)).json()["probabilities"]
+        await asyncio.sleep(1.5)  # (a version the last case published is swapped in by now)
+        before = (await client.post("/v1/predict", content=good)).json()
         queue = list(range(count))
         start = time.perf_counter()
 
@@ -314,10 +320,11 @@ async def malformed(url: str, bodies: list[tuple[str, bytes]], good: bytes, coun
         health = await client.get("/healthz")
         after = await client.post("/v1/predict", content=good)
     four = sum(n for s, n in statuses.items() if s.startswith("4"))
+    same = after.status_code == 200 and after.json() == before
     return {"requests": count, "answered_4xx": four, "statuses": dict(statuses),
             "by_kind": {k: dict(v) for k, v in by_kind.items()}, "seconds": round(seconds, 2),
             "healthz_after": health.status_code, "good_after": after.status_code,
-            "same_probabilities_after": after.status_code == 200 and after.json()["probabilities"] == before}
+            "same_answer_after": same, "version": before["version"]}
 
 
 def predict_rate(run: Path, raw: Path, rows: int, distinct: int, work: Path) -> dict:
@@ -430,7 +437,7 @@ def main() -> None:
         print(f"| {every} | {r['clients']} | "
               f"{r['rows_per_request']} | {r['requests_per_s']:,} | {r['rows_per_s']:,.0f} | {r['p50_ms']} | "
               f"{r['p99_ms']} | {r['errors']} | {r['swaps']} | {lb[0]}, {la[0]} |")
-    print("\nserver time per request, ms (forward: per batch):")
+    print("\nserver time per request, ms (model: per batch):")
     print("| publishing | clients | rows/request | " + " | ".join(STAGES) + " |")
     print("|---|---:|---:|" + "---:|" * len(STAGES))
     for r in results:
@@ -440,7 +447,7 @@ def main() -> None:
     if bad:
         print(f"\nmalformed: {bad['answered_4xx']} of {bad['requests']} answered 4xx ({bad['statuses']}); "
               f"afterwards /healthz {bad['healthz_after']}, a good request {bad['good_after']} "
-              f"(same probabilities: {bad['same_probabilities_after']})")
+              f"(the same version and probabilities as before: {bad['same_answer_after']})")
     if predicted:
         rate = predicted["rows_per_s"]
         served = [r["rows_per_s"] for r in results if r["rows_per_request"] == 256 and not r["publishing"]]
@@ -450,7 +457,7 @@ def main() -> None:
     print(f"\nwrote {out}")
 
 
-STAGES = ("read", "wait", "encode", "score", "forward")
+STAGES = ("receive", "wait", "read", "score", "model")
 
 
 if __name__ == "__main__":
