@@ -17,7 +17,8 @@ writes ``RESULT.json`` under ``--out`` with the processor, date and arguments.
   ``stream.json``), modulo tables of the same rows, and dynamic tables that never evict (a
   row for every id born by then). Tables get at least 32 rows (the three alike).
 - memory: peak RSS (summary.json) of dynamic tables at one fixed budget on a stream and on a
-  stream with 3x the distinct ids (``--scale`` x 3).
+  stream of ``--factor`` x its scale (choose it so that the second holds 3x the distinct ids:
+  ``distinct_ratio``).
 - speed: samples/s of the stream with dynamic tables against the same rows preprocessed into
   shards with static tables (vocabulary encoding, the default), one process and N ranks;
   runs alternate so that drift of the machine hits both.
@@ -118,6 +119,7 @@ def quality(a) -> None:
         configs = {"dynamic": ["model.tables=dynamic", f"model.table_rows={rows_string(live)}"],
                    "modulo": ["model.tables=modulo", f"model.table_rows={rows_string(live)}"],
                    "dynamic_never_evicts": ["model.tables=dynamic", f"model.table_rows={rows_string(every)}"]}
+        configs = {k: v for k, v in configs.items() if not a.only or k in a.only}
         y = labels_of(test)
         row = {"seed": seed, "live_ids": last["live_ids"]["total"], "budget_rows": sum(live.values()),
                "never_rows": sum(every.values()), "distinct_ids": last["distinct_ids_so_far"]["total"]}
@@ -134,8 +136,10 @@ def quality(a) -> None:
                          "samples_per_sec": s["throughput"].get("samples_per_sec_overall"),
                          "evicted": (s.get("dynamic_tables") or {}).get("evicted")}
             print(seed, name, row[name], flush=True)
-        row["dynamic_minus_modulo"] = row["dynamic"]["auc"] - row["modulo"]["auc"]
-        row["never_minus_dynamic"] = row["dynamic_never_evicts"]["auc"] - row["dynamic"]["auc"]
+        if {"dynamic", "modulo"} <= set(row):
+            row["dynamic_minus_modulo"] = row["dynamic"]["auc"] - row["modulo"]["auc"]
+        if {"dynamic", "dynamic_never_evicts"} <= set(row):
+            row["never_minus_dynamic"] = row["dynamic_never_evicts"]["auc"] - row["dynamic"]["auc"]
         results.append(row)
     save(a.out, "quality", {"hours": a.hours, "rows_per_hour": a.rows_per_hour, "budget": a.budget,
                             "results": results})
@@ -144,7 +148,7 @@ def quality(a) -> None:
 # ------------------------------------------------------------------ memory
 def memory(a) -> None:
     out = {}
-    for name, scale in (("base", a.scale), ("3x_ids", 3 * a.scale)):
+    for name, scale in (("base", a.scale), ("more_ids", a.factor * a.scale)):
         stream = synth(a.out / f"stream-{name}", a.hours, a.rows_per_hour, 0, scale=scale)
         meta = json.loads((stream / "stream.json").read_text())
         s = train(a.out / f"run-{name}", stream, "model.tables=dynamic", f"model.table_rows={a.table_rows}",
@@ -153,7 +157,8 @@ def memory(a) -> None:
                      "peak_memory_bytes": s["peak_memory_bytes"], "evicted": s["dynamic_tables"]["evicted"],
                      "live": s["dynamic_tables"]["live"]}
         print(name, out[name], flush=True)
-    out["rss_growth"] = out["3x_ids"]["peak_memory_bytes"] / out["base"]["peak_memory_bytes"] - 1
+    out["distinct_ratio"] = out["more_ids"]["distinct_ids"] / out["base"]["distinct_ids"]
+    out["rss_growth"] = out["more_ids"]["peak_memory_bytes"] / out["base"]["peak_memory_bytes"] - 1
     save(a.out, "memory", {"table_rows": a.table_rows, **out})
 
 
@@ -257,6 +262,7 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--budget", type=float, default=1.25, help="quality: dynamic rows per live id")
     p.add_argument("--scale", type=float, default=0.003, help="memory: the base stream's scale")
+    p.add_argument("--factor", type=float, default=3.0, help="memory: the second stream's scale / the first's")
     p.add_argument("--table-rows", default="20000")
     p.add_argument("--batch-size", type=int, default=512)
     p.add_argument("--nproc", type=lambda s: [int(x) for x in s.split(",")], default=[1])
@@ -267,6 +273,8 @@ def main() -> None:
     p.add_argument("--kills", type=int, default=2, help="kill: kills per trial before the run is let end")
     p.add_argument("--min-s", type=float, default=8.0)
     p.add_argument("--max-s", type=float, default=25.0)
+    p.add_argument("--only", type=lambda s: s.split(","), default=[],
+                   help="quality: only these of dynamic, modulo, dynamic_never_evicts")
     p.add_argument("--reuse", action="store_true", help="quality: keep runs an earlier invocation finished")
     p.add_argument("overrides", nargs="*", help="more KEY=VALUE for every training run")
     a = p.parse_intermixed_args()
