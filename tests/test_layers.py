@@ -569,3 +569,16 @@ def test_the_synchronizer_names_are_listed_in_one_place():
     found = [f"{path.relative_to(PACKAGE.parent)}:{line}" for path, name, _, source in _sources()
              if name != "hybridrec.sync.algorithms" for line in synchronizer_names(source, ALGORITHMS)]
     assert found == [], "read hybridrec.sync.algorithms.ALGORITHMS:\n" + "\n".join(found)
+
+
+def test_build_trainer_stays_short():
+    """The run's assembly reads in one screen: ``build_trainer`` at most 50 lines (each part
+    built by a ``build_*`` of its own)."""
+    import ast
+    from pathlib import Path
+
+    import hybridrec.train.build as build
+
+    tree = ast.parse(Path(build.__file__).read_text())
+    (fn,) = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "build_trainer"]
+    assert fn.end_lineno - fn.lineno + 1 <= 50

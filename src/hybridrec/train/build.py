@@ -196,7 +196,8 @@ def build_threshold_mp(cfg: Config, plan: ShardingPlan, total_steps: int) -> Thr
 def build_loaders(cfg: Config, meta: DatasetMeta, *, rank: int = 0, world_size: int = 1,
                   pin_memory: bool = False, topo: Topology | None = None):
     """The training and evaluation loaders of this rank (``pin_memory``: for a GPU, batches
-    pinned by the loaders' prefetch threads); a stream's: its loader and no evaluation
+    pinned by the loaders' prefetch threads; hierarchical training: every rank of every group
+    its own part of the data); a stream's: its loader and no evaluation
     (``topo``: the ranks that agree on its files)."""
     d = cfg.data
     if d.stream:
@@ -486,7 +487,6 @@ def build_trainer(cfg: Config, *, meta: DatasetMeta | None = None, topo: Topolog
     if not cfg.dist.num_ps:  # (a parameter-server run's trainers hold no table)
         check_memory(cfg, meta, topo)  # before the model is allocated
     ledger, run_dir, start = CommLedger(), Path(cfg.train.run_dir), run_start(cfg, topo, snapshot_dir)
-    # (Hierarchical training: every rank of every group its own part of the data.)
     train_loader, eval_loader = build_loaders(cfg, meta, rank=topo.job_rank, world_size=topo.job_size,
                                               pin_memory=topo.device.type == "cuda", topo=topo)
     total_steps = planned_steps(cfg, len(train_loader))
@@ -511,8 +511,7 @@ def build_trainer(cfg: Config, *, meta: DatasetMeta | None = None, topo: Topolog
     init_from.apply(cfg, meta, model=model, dense_opt=dense_opt, sparse_opt=sparse_opt, topo=topo,
                     run_dir=run_dir, resuming=start.resuming)
     logger = MetricLogger(run_dir, tensorboard=cfg.train.tensorboard, keep_until=start.keep_until) if topo.lead else None
-    optim = Optimizers(dense_opt, sparse_opt, dense_sync, scheduler, nothing_updating)
-    # (recovery's part installs its own updating hook into optim, and hooks into the checkpoints' restore)
+    optim = Optimizers(dense_opt, sparse_opt, dense_sync, scheduler, nothing_updating)  # (recovery's part: its own)
     recovery_part = RecoveryPart(recovery, cfg.train, optim=optim, logger=logger) if recovery is not None else None
     checkpoints = Checkpoints(checkpointer, cfg.train, total_steps=total_steps, tables_drawn=start.init_tables,
                               hooks=recovery_part)
