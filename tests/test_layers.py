@@ -577,7 +577,7 @@ def test_build_trainer_stays_short():
     import ast
     from pathlib import Path
 
-    import hybridrec.train.build as build
+    from hybridrec.train import build
 
     tree = ast.parse(Path(build.__file__).read_text())
     (fn,) = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "build_trainer"]
