@@ -117,12 +117,11 @@ def stream_meta(directory: str | os.PathLike, tables: str, table_rows: str, *,
                        preprocessing=pre)
 
 
-def stream_reader(path: Path, *, schema_file: str | os.PathLike | None, on_bad_line: str):
-    """The reader of one stream file: Criteo's, or with a schema file CSV's or (``.parquet``,
-    ``.pq``) Parquet's."""
-    if not schema_file:
+def stream_reader(path: Path, *, spec: TabularSpec | None, on_bad_line: str):
+    """The reader of one stream file: Criteo's, or with a schema file's ``spec`` CSV's or
+    (``.parquet``, ``.pq``) Parquet's."""
+    if spec is None:
         return CriteoReader(on_bad_line=on_bad_line)
-    spec = TabularSpec.load(schema_file)
     if path.suffix in (".parquet", ".pq"):
         return ParquetReader(spec=spec, on_bad_line=on_bad_line)
     return CsvReader(spec=spec, on_bad_line=on_bad_line)
@@ -203,12 +202,11 @@ class StreamLoader:
         self.batch_size, self.rank, self.world_size = batch_size, rank, world_size
         self.stop, self.poll_s = StreamStop.parse(stop), poll_s
         self.group, self.device, self.on_bad_line = group, device, on_bad_line
-        self.schema_file = schema_file
+        self.spec = TabularSpec.load(schema_file) if schema_file else None  # (read once, not per file)
         self.show = show if show is not None else (lambda msg: print(msg, file=sys.stderr, flush=True))
         self.files: list[dict] = []  # every file picked up, in order (the state)
         self.late: list[str] = []
         self.waiting = 0  # files landed and not picked up yet, at the last look
-        self.rows_trained = 0  # in this invocation
         self.stopped: str | None = None  # why the stream ended
         self._chunks: Iterator | None = None
         self._report: ParseReport | None = None
@@ -234,10 +232,6 @@ class StreamLoader:
         self.files = [dict(f) for f in state.get("files", [])]
         self.late = list(state.get("late", []))
         self._chunks, self._reading, self._buffer = None, None, _Buffer()
-
-    @property
-    def files_done(self) -> int:
-        return sum(1 for f in self.files if f["done"])
 
     def summary(self, files: list[dict] | None = None) -> dict:
         """summary.json's ``stream``: of ``files`` (a position's; None: the files as read)."""
@@ -282,7 +276,6 @@ class StreamLoader:
             if f.get("total") is not None and f["rows"] >= f["total"]:
                 f["done"] = True
         whole = _concat([c for _, c in pieces])
-        self.rows_trained += len(whole)
         lo, hi = rank_slice(len(whole), self.rank, self.world_size)
         mine = _rows(whole, lo, hi)
         ids = mine.onehot if self.encode is None else self.encode(mine.onehot)
@@ -316,7 +309,7 @@ class StreamLoader:
                             "bytes); a stream file must not change once it has landed")
         self._reading, self._read, self._skip = index, 0, int(f["rows"]) if resume else 0
         self._report = ParseReport()
-        reader = stream_reader(path, schema_file=self.schema_file, on_bad_line=self.on_bad_line)
+        reader = stream_reader(path, spec=self.spec, on_bad_line=self.on_bad_line)
         self._chunks = reader.read(path, self._report)
         return True
 

@@ -20,14 +20,14 @@ costs the run the export's seconds (recorded in the summary).
 from __future__ import annotations
 
 import time
-from pathlib import Path
 from typing import ClassVar
 
 import torch
 import torch.distributed as dist
 
 from hybridrec.serve.published import checkpoint_export, publish
-from hybridrec.train.loop.parts import End, Part
+from hybridrec.train.checkpointing.checkpoint import step_dir
+from hybridrec.train.loop.parts import Part
 
 
 def parse_every(text: str) -> tuple[int, float]:
@@ -83,7 +83,7 @@ class Publisher(Part):
         if feed is not None:
             info["files"] = [{"name": f["name"], "rows": f["rows"], "done": f["done"]} for f in feed.files]
         start = time.perf_counter()
-        path = Path(run_dir) / "checkpoints" / f"step-{loop.step:08d}"
+        path = step_dir(run_dir, loop.step)
         name = publish(run_dir, checkpoint_export(run_dir, str(path) if path.is_dir() else "latest", eval_rows=0),
                        info=info, keep=self.keep)
         now = time.time()
@@ -94,9 +94,6 @@ class Publisher(Part):
                 if f["done"] and f["name"] not in feed.freshness and f.get("landed") is not None:
                     feed.freshness[f["name"]] = {"freshness_s": round(now - float(f["landed"]), 3),
                                                  "published_in": name}
-
-    def finish(self, loop, end: End) -> None:
-        pass
 
     def summary(self) -> dict:
         out = {"versions": len(self.versions), "last": self.versions[-1]["version"] if self.versions else None,

@@ -342,6 +342,10 @@ class StreamFeed:
         """The files as the last batch taken left them (rows trained, done)."""
         return (self._state if self._state is not None else self.stream.state_dict())["files"]
 
+    @property
+    def files_done(self) -> int:
+        return sum(1 for f in self.files if f["done"])
+
     def summary(self) -> dict:
         out = self.stream.summary(self.files)
         for f in out["files"]:
@@ -412,7 +416,7 @@ class StreamSteps(StepSource):
         if not self.log_every or done.step % self.log_every:
             return
         files = self.stream.files
-        record = {"rows": sum(int(f["rows"]) for f in files), "files_done": sum(1 for f in files if f["done"]),
+        record = {"rows": sum(int(f["rows"]) for f in files), "files_done": self.stream.files_done,
                   "files_waiting": self.stream.stream.waiting}
         if self.tables is not None:  # (a collective with several ranks: every rank logs alike)
             stats = self.tables.stats()
@@ -429,7 +433,7 @@ class StreamSteps(StepSource):
         last = getattr(getattr(self, "_progressive", None), "last", None) or {}
         auc = last.get("progressive_auc")
         shown = f"AUC {auc:.4f}  " if isinstance(auc, float) and math.isfinite(auc) else ""
-        return (f"{shown}files {sum(1 for f in self.stream.files if f['done']):,} done, "
+        return (f"{shown}files {self.stream.files_done:,} done, "
                 f"{self.stream.stream.waiting:,} waiting")
 
     def saving(self, loop):
