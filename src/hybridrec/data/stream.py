@@ -220,6 +220,11 @@ class StreamLoader:
         """Steps per epoch: a stream has no epochs (0; the stream ends the run)."""
         return 0
 
+    def ready(self) -> int:
+        """Whole batches parsed and waiting: the next this many come without reading a file
+        (the same on every rank: every rank parses the same blocks)."""
+        return self._buffer.rows // (self.batch_size * self.world_size)
+
     # -- the state ---------------------------------------------------------------
     def state_dict(self) -> dict:
         return {"directory": str(self.directory), "files": [dict(f) for f in self.files], "late": list(self.late),

@@ -164,6 +164,8 @@ class MapResult:
     """keys evicted in this call"""
     admitted: int
     """keys admitted in this call"""
+    fresh_keys: np.ndarray | None = None
+    """int64 [m]: the key each of ``fresh`` was given (in ``fresh``'s order)."""
 
 
 _STATE_KEYS = ("config", "owned", "step", "row_key", "row_last", "row_uses", "sketch",
@@ -387,7 +389,7 @@ class KeyMap:
         self._step = step
         n = len(keys)
         if n == 0:
-            return MapResult(np.zeros(0, np.int64), np.zeros(0, np.int64), 0, 0)
+            return MapResult(np.zeros(0, np.int64), np.zeros(0, np.int64), 0, 0, np.zeros(0, np.int64))
         counts = counts.astype(np.int64, copy=False)
         vidx = None if keys.min() >= 0 else np.flatnonzero(keys >= 0)
         k = keys if vidx is None else keys[vidx]
@@ -432,7 +434,7 @@ class KeyMap:
         else:
             rows = np.zeros(n, dtype=np.int64)
             rows[vidx] = r
-        return MapResult(rows, fresh, evicted, admitted)
+        return MapResult(rows, fresh, evicted, admitted, self._key[fresh])
 
     def _sketch_count(self, k: np.ndarray, c: np.ndarray, mixed: np.ndarray,
                       slot: np.ndarray) -> np.ndarray:

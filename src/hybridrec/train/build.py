@@ -661,8 +661,8 @@ def build_pipeline(cfg: Config, meta: DatasetMeta, loader, model, sparse_opt, to
         keymaps = DynamicTables({t.name: t.num_embeddings for t in tables}, admit_after=m.admit_after,
                                 evict=m.evict, ttl_steps=m.ttl_steps, seed=cfg.train.seed, model_sparse=model.sparse,
                                 sparse_opt=sparse_opt, topo=topo, dims={t.name: t.embedding_dim for t in tables})
-    if cfg.data.stream:  # (read and parsed ahead on a thread; one process maps its keys there too)
-        loader = StreamFeed(loader, keymaps, map_ahead=topo.job_size == 1)
+    if cfg.data.stream:  # (read, parsed and key-mapped ahead on a thread)
+        loader = StreamFeed(loader, keymaps)
     return TrainPipeline(loader, model.sparse, enabled=cfg.dist.pipeline, device=topo.device), keymaps
 
 

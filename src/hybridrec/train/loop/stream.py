@@ -47,9 +47,15 @@ SLOTS = 16
 """Slots per dynamic table: the unit of ownership among ranks (a world size up to 16 owns
 some of every table's keys; more ranks leave some without)."""
 
-PROTECT_STEPS = 5
+MAP_CHUNK = 4
+"""Batches the stream feed's thread maps as one (at most: those parsed already, so it never
+waits for a file to fill a chunk): a lookup's fixed cost (~60 small array operations per table,
+and with several ranks 5 collectives) paid once for them all."""
+
+PROTECT_STEPS = 4 + MAP_CHUNK
 """Rows used by the last this many mapped batches are never evicted: the batch training, the
-one the pipeline took ahead, and those the feed's thread made ahead (:class:`StreamFeed`, 2)."""
+one the pipeline took ahead, those the feed's queue holds (:class:`StreamFeed`, 2), and the
+chunk being mapped (its uses are marked at its last batch's step)."""
 
 _MASK = (1 << 64) - 1
 
@@ -104,6 +110,7 @@ class DynamicTables:
         self.world = topo.group_size if topo is not None else 1
         self.rank = topo.rank if topo is not None else 0
         self.group = topo.group if topo is not None and self.world > 1 else None
+        self.exchange_group = None  # (a stream feed's thread maps: its group; :class:`StreamFeed`)
         self._own()
         self.step = 0  # batches mapped
         self.fresh_rows = 0
@@ -146,48 +153,64 @@ class DynamicTables:
     # -- a batch ---------------------------------------------------------------------
     def map_batch(self, batch: Batch) -> Batch:
         """``batch`` with its raw keys replaced by rows (a collective with several ranks)."""
-        kjt = batch.sparse
-        keys = kjt.values.numpy()
-        per_key = kjt.length_per_key()
-        bounds = np.concatenate([[0], np.cumsum(per_key)]).astype(np.int64)
+        return self.map_batches([batch])[0]
+
+    def map_batches(self, batches: list[Batch]) -> list[Batch]:
+        """``batches`` (the next ones, in order) with their raw keys replaced by rows, mapped
+        as one: each table's distinct keys of them all looked up once, their uses marked at
+        the last one's step (a collective with several ranks)."""
+        nf = len(self.features)
+        values = [b.sparse.values.numpy() for b in batches]
+        per_key = [b.sparse.length_per_key() for b in batches]
+        bounds = [np.concatenate([[0], np.cumsum(p)]).astype(np.int64) for p in per_key]
         uniques, inverses, counts = [], [], []
-        for i in range(len(self.features)):
-            seg = keys[bounds[i]:bounds[i + 1]]
+        for i in range(nf):
+            seg = (values[0][bounds[0][i]:bounds[0][i + 1]] if len(batches) == 1 else
+                   np.concatenate([v[b[i]:b[i + 1]] for v, b in zip(values, bounds, strict=True)]))
             u, inv, c = np.unique(seg, return_inverse=True, return_counts=True)
             uniques.append(u)
             inverses.append(inv)
             counts.append(c.astype(np.int64))
-        if self.group is None:
-            rows, fresh = self._lookup_all(uniques, counts)
+        step = self.step + len(batches) - 1
+        if self._exchange_group() is None:
+            rows, fresh = self._lookup_all(uniques, counts, step)
         else:
-            rows, fresh = self._exchange(uniques, counts)
-        out = np.empty_like(keys)
-        for i in range(len(self.features)):
-            out[bounds[i]:bounds[i + 1]] = rows[i][inverses[i]]
+            rows, fresh = self._exchange(uniques, counts, step)
+        outs = [np.empty_like(v) for v in values]
+        for i in range(nf):
+            mapped, at = rows[i][inverses[i]], 0
+            for out, b in zip(outs, bounds, strict=True):
+                n = int(b[i + 1] - b[i])
+                out[b[i]:b[i + 1]] = mapped[at:at + n]
+                at += n
         self._reset(fresh)
-        self.step += 1
-        mapped = KeyedJagged(kjt.keys, torch.from_numpy(out), kjt.lengths, length_per_key=list(per_key),
-                             one_id_per_bag=kjt.one_id_per_bag())
-        return Batch(batch.dense, mapped, batch.labels)
+        self.step += len(batches)
+        return [Batch(batch.dense, KeyedJagged(batch.sparse.keys, torch.from_numpy(out), batch.sparse.lengths,
+                                               length_per_key=list(p), one_id_per_bag=batch.sparse.one_id_per_bag()),
+                      batch.labels)
+                for batch, out, p in zip(batches, outs, per_key, strict=True)]
 
-    def _lookup(self, i: int, keys: np.ndarray, counts: np.ndarray):
+    def _exchange_group(self):
+        """The group the keys travel on: the stream feed's own (its thread maps), else the step's."""
+        return self.exchange_group if self.exchange_group is not None else self.group
+
+    def _lookup(self, i: int, keys: np.ndarray, counts: np.ndarray, step: int):
         """Table ``i``'s rows of ``keys``, and its fresh ``(rows, their keys)`` (None: none)."""
-        res = self.maps[self.features[i]].lookup(keys, counts, self.step)
+        res = self.maps[self.features[i]].lookup(keys, counts, step)
         if not len(res.fresh):
             return res.rows, None
-        got = np.isin(res.rows, res.fresh) & (res.rows != 0)  # (a fresh row has one key)
-        return res.rows, (res.rows[got], keys[got])
+        return res.rows, (res.fresh, res.fresh_keys)
 
-    def _lookup_all(self, uniques, counts):
+    def _lookup_all(self, uniques, counts, step: int):
         rows, fresh = [], []
         for i, (u, c) in enumerate(zip(uniques, counts, strict=True)):
-            r, f = self._lookup(i, u, c)
+            r, f = self._lookup(i, u, c, step)
             rows.append(r)
             if f is not None:
                 fresh.append((i, *f))
         return rows, fresh
 
-    def _exchange(self, uniques, counts):
+    def _exchange(self, uniques, counts, step: int):
         """Keys to their slots' owners, rows back; every owner's fresh rows to every rank."""
         w, nf = self.world, len(self.features)
         dest = [key_slots(u, self.maps[self.features[i]].slots) % w for i, u in enumerate(uniques)]
@@ -204,11 +227,12 @@ class DynamicTables:
                 pieces.append(np.stack([uniques[i][idx], counts[i][idx]], axis=1))
         send = torch.from_numpy(np.concatenate(pieces).reshape(-1, 2)) if pieces else torch.zeros(0, 2, dtype=torch.int64)
         recv_counts = torch.empty(w * nf, dtype=torch.int64)
-        dist.all_to_all_single(recv_counts, torch.from_numpy(send_counts.reshape(-1).copy()), group=self.group)
+        group = self._exchange_group()
+        dist.all_to_all_single(recv_counts, torch.from_numpy(send_counts.reshape(-1).copy()), group=group)
         recv_counts = recv_counts.numpy().reshape(w, nf)
         out_split, in_split = send_counts.sum(1).tolist(), recv_counts.sum(1).tolist()
         recv = torch.empty(int(sum(in_split)), 2, dtype=torch.int64)
-        dist.all_to_all_single(recv, send.contiguous(), in_split, out_split, group=self.group)
+        dist.all_to_all_single(recv, send.contiguous(), in_split, out_split, group=group)
         got = recv.numpy()
         # owner: each feature's received keys, every source's, mapped as one union
         at = np.concatenate([[0], np.cumsum(recv_counts.reshape(-1))])
@@ -220,12 +244,12 @@ class DynamicTables:
                 continue
             u, inv = np.unique(got[idx, 0], return_inverse=True)
             c = np.bincount(inv, weights=got[idx, 1], minlength=len(u)).astype(np.int64)
-            rows, f = self._lookup(i, u, c)
+            rows, f = self._lookup(i, u, c, step)
             reply[idx] = rows[inv]
             if f is not None:
                 fresh.append((i, *f))
         back = torch.empty(int(sum(out_split)), dtype=torch.int64)
-        dist.all_to_all_single(back, torch.from_numpy(reply), out_split, in_split, group=self.group)
+        dist.all_to_all_single(back, torch.from_numpy(reply), out_split, in_split, group=group)
         back = back.numpy()
         rows = [np.empty(len(u), dtype=np.int64) for u in uniques]
         pos = 0
@@ -234,22 +258,22 @@ class DynamicTables:
                 idx = order[i][starts[i][r]:starts[i][r + 1]]
                 rows[i][idx] = back[pos:pos + len(idx)]
                 pos += len(idx)
-        return rows, self._all_fresh(fresh)
+        return rows, self._all_fresh(fresh, group)
 
-    def _all_fresh(self, fresh):
+    def _all_fresh(self, fresh, group):
         """Every owner's fresh (feature, row, key) triples, on every rank."""
         mine = (np.concatenate([np.stack([np.full(len(r), i), r, k], axis=1) for i, r, k in fresh])
                 if fresh else np.zeros((0, 3), dtype=np.int64)).astype(np.int64)
         size = torch.tensor([len(mine)], dtype=torch.int64)
         sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world)]
-        dist.all_gather(sizes, size, group=self.group)
+        dist.all_gather(sizes, size, group=group)
         most = max(int(s.item()) for s in sizes)
         if most == 0:
             return []
         padded = torch.zeros(most, 3, dtype=torch.int64)
         padded[: len(mine)] = torch.from_numpy(mine)
         parts = [torch.empty(most, 3, dtype=torch.int64) for _ in range(self.world)]
-        dist.all_gather(parts, padded, group=self.group)
+        dist.all_gather(parts, padded, group=group)
         every = np.concatenate([p.numpy()[: int(s.item())] for p, s in zip(parts, sizes, strict=True)])
         return [(i, every[every[:, 0] == i, 1], every[every[:, 0] == i, 2]) for i in np.unique(every[:, 0])]
 
@@ -307,21 +331,24 @@ _END = object()
 
 
 class StreamFeed:
-    """The stream's batches, read, parsed and (one process) mapped ahead on a thread while the
-    step trains: the loop's loader (:class:`~hybridrec.train.loop.pipeline.TrainPipeline`
-    takes it).
+    """The stream's batches, read, parsed and mapped ahead on a thread while the step trains:
+    the loop's loader (:class:`~hybridrec.train.loop.pipeline.TrainPipeline` takes it).
 
     A thread runs the stream (:class:`~hybridrec.data.stream.StreamLoader`: its collectives on
-    a group of their own) and, with one process, the dynamic tables' mapping, ``ahead``
-    batches in front; each batch comes with the stream's position after it, and
-    :meth:`state_dict` is the position after the last batch *taken*, so a checkpoint never
-    skips a row the thread read ahead. With several ranks the keys are mapped as each batch
-    is taken, on the loop's thread: the key exchange is a collective of the step's group, in
-    step order. ``freshness``: each file's seconds from landing to its first publication
+    a group of their own) and the dynamic tables' mapping, ``ahead`` batches in front; each
+    batch comes with the stream's position after it, and :meth:`state_dict` is the position
+    after the last batch *taken*, so a checkpoint never skips a row the thread read ahead.
+    The thread maps up to :data:`MAP_CHUNK` batches as one, those the stream has parsed
+    already; with several ranks their key exchange travels on the stream's group (every
+    rank's thread maps the same chunks in the same order: they parse the same blocks), and
+    the map's lock is never held by the loop's thread across a collective.
+    ``freshness``: each file's seconds from landing to its first publication
     (:mod:`hybridrec.serve.publisher`), kept with the position."""
 
-    def __init__(self, stream, tables: DynamicTables | None, *, map_ahead: bool, ahead: int = 2) -> None:
-        self.stream, self.tables, self.map_ahead, self.ahead = stream, tables, map_ahead, ahead
+    def __init__(self, stream, tables: DynamicTables | None, *, ahead: int = 2) -> None:
+        self.stream, self.tables, self.ahead = stream, tables, ahead
+        if tables is not None:
+            tables.exchange_group = getattr(stream, "group", None)
         self._state: dict | None = None
         self.freshness: dict[str, dict] = {}
 
@@ -367,8 +394,6 @@ class StreamFeed:
                 if isinstance(item, BaseException):
                     raise item
                 batch, state = item
-                if self.tables is not None and not self.map_ahead:
-                    batch = self.tables.map_batch(batch)
                 self._state = state
                 yield batch
         finally:
@@ -377,19 +402,24 @@ class StreamFeed:
     def _produce(self, items: queue.Queue, stop: threading.Event) -> None:
         single_threaded()  # (the step has the cores; hybridrec.threads)
         try:
-            for batch in self.stream:
-                state = copy.deepcopy(self.stream.state_dict())
-                if self.tables is not None and self.map_ahead:
+            batches = iter(self.stream)
+            for batch in batches:
+                chunk = [(batch, copy.deepcopy(self.stream.state_dict()))]
+                if self.tables is not None:
+                    while len(chunk) < MAP_CHUNK and self.stream.ready():  # (parsed: no waiting)
+                        chunk.append((next(batches), copy.deepcopy(self.stream.state_dict())))
                     with self.tables.lock:
-                        batch = self.tables.map_batch(batch)
-                while not stop.is_set():
-                    try:
-                        items.put((batch, state), timeout=0.2)
-                        break
-                    except queue.Full:
-                        continue
-                if stop.is_set():
-                    return
+                        mapped = self.tables.map_batches([b for b, _ in chunk])
+                    chunk = [(b, state) for b, (_, state) in zip(mapped, chunk, strict=True)]
+                for item in chunk:
+                    while not stop.is_set():
+                        try:
+                            items.put(item, timeout=0.2)
+                            break
+                        except queue.Full:
+                            continue
+                    if stop.is_set():
+                        return
             items.put(_END)
         except BaseException as e:  # noqa: BLE001 (handed to the loop: it raises it where it takes the next batch)
             items.put(e)
