@@ -11,9 +11,10 @@ its ``meta.json`` (``preprocessing``) and ``vocab/``:
   does not hold maps to id 0, as a rare key did when DATASET was made (``ids_unseen`` in
   the new dataset's ``preprocessing`` gives, per feature, the share of the new training
   values that did).
-- dense values: DATASET's ``dense_transform`` (``log1p`` or ``none``). Both are fixed
-  functions of the value: preprocessing keeps no dense statistics (means, scales) that a
-  new day would have to reuse.
+- dense values: DATASET's ``dense_transform``, per column, a ``standardize`` column's mean
+  and std included (:mod:`hybridrec.data.dense`): the new days are not measured again, so
+  the model sees their values as it saw DATASET's. A schema file's choices must allow
+  DATASET's (``auto`` allows any).
 
 ``--grow`` (vocabulary tables only) appends rows instead for the keys of the new training
 parts seen at least DATASET's ``min_count`` times there that DATASET's vocabulary lacks:
@@ -39,6 +40,7 @@ from typing import Any
 
 import numpy as np
 
+from hybridrec.data import dense as dense_transforms
 from hybridrec.data.chunk import check_on_bad_line
 from hybridrec.data.criteo import CATEGORICAL, DENSE, CriteoReader
 from hybridrec.data.encode import VocabEncoder
@@ -125,7 +127,7 @@ class Like:
 
 
 def check_same_columns(like: DatasetMeta, label: str, dense: Sequence[str],
-                       features: Sequence[tuple[str, str]], transform: str, what: str) -> None:
+                       features: Sequence[tuple[str, str]], what: str) -> None:
     """The new inputs' columns must be ``like``'s, in its order (the model's inputs)."""
     s, where = like.schema, like.path
     mine = [(f.name, f.kind) for f in s.features]
@@ -133,9 +135,19 @@ def check_same_columns(like: DatasetMeta, label: str, dense: Sequence[str],
         raise ConfigError(f"{what}: its columns are not those of {where} (label {label!r}, "
                           f"{len(dense)} dense, {len(features)} categorical here; label {s.label!r}, "
                           f"{len(s.dense)} dense, {len(mine)} categorical there, in the same order and kinds)")
-    theirs = like.preprocessing.get("dense_transform")
-    if transform != theirs:
-        raise ConfigError(f"{what}: dense_transform {transform!r}, but {where} was made with {theirs!r}")
+
+
+def like_dense(like: DatasetMeta, spec: Any, what: str) -> list[dense_transforms.Column]:
+    """``like``'s dense transforms, numbers included, for the new inputs (a schema's
+    ``spec``: its choices must allow them; ``auto`` allows any); None for Criteo inputs
+    (``log1p``, and ``like`` must have been made so)."""
+    theirs_meta = like.preprocessing.get("dense_transform")
+    theirs = dense_transforms.from_meta(theirs_meta, like.schema.dense, f"{like.path}/meta.json")
+    plan = dense_transforms.parse("log1p", like.schema.dense, what) if spec is None else spec.dense_plan
+    if not dense_transforms.agrees(plan, theirs):
+        mine = "log1p" if spec is None else spec.dense_transform
+        raise ConfigError(f"{what}: dense_transform {mine!r}, but {like.path} was made with {theirs_meta!r}")
+    return theirs
 
 
 def preprocess_like(
@@ -171,7 +183,8 @@ def preprocess_like(
         multi = tuple(f.name for f in s.multihot)
         reader: Any = CriteoReader(multihot=multi, on_bad_line=on_bad_line)
         features = [(f.name, f.kind) for f in s.features]
-        check_same_columns(ref.meta, "label", DENSE, features, "log1p", "Criteo inputs")
+        check_same_columns(ref.meta, "label", DENSE, features, "Criteo inputs")
+        like_dense(ref.meta, None, "Criteo inputs")
         transform = "log1p"
     elif fmt in ("csv", "parquet"):
         if not schema_path:
@@ -179,9 +192,10 @@ def preprocess_like(
         spec = TabularSpec.load(schema_path)
         reader = (CsvReader if fmt == "csv" else ParquetReader)(spec=spec, on_bad_line=on_bad_line)
         features = [(n, "onehot") for n in spec.categorical] + [(n, "multihot") for n in spec.multihot]
-        check_same_columns(ref.meta, spec.label, spec.dense, features, spec.dense_transform,
-                           str(schema_path))
-        transform, label_map = spec.dense_transform, spec.label_map
+        check_same_columns(ref.meta, spec.label, spec.dense, features, str(schema_path))
+        spec.dense_columns = like_dense(ref.meta, spec, str(schema_path))
+        transform = dense_transforms.to_meta(spec.dense_columns, spec.dense)
+        label_map = spec.label_map
     else:
         raise ConfigError(f"format {fmt!r}: expected criteo, csv or parquet")
     job = PreprocessJob(inputs=check_inputs(list(inputs)), out=Path(out), reader=reader, label=s.label,

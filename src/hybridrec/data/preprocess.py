@@ -11,12 +11,15 @@ is written); ``--overwrite`` replaces only a hybridrec dataset: a ``meta.json`` 
 writes it and the files of one (:func:`dataset_in_the_way`), nothing else.
 
 With a vocabulary (``min_count``) there are two passes over the training inputs:
-count keys first, then write. Statistics (for the sharding planner) are over the
-train split.
+count keys first, then write; a CSV/Parquet schema whose dense transform is left to the
+values (``auto``, ``standardize``: :mod:`hybridrec.data.dense`) adds one over the training
+inputs before writing. Statistics (for the sharding planner, and the dense columns') are over
+the train split.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import re
@@ -31,6 +34,7 @@ from typing import Any
 
 import numpy as np
 
+from hybridrec.data import dense as dense_transforms
 from hybridrec.data.chunk import ParseReport, RowChunk, check_on_bad_line
 from hybridrec.data.criteo import CATEGORICAL, DENSE, CriteoReader
 from hybridrec.data.encode import KeyCounter, ModuloEncoder, VocabEncoder, resolve_table_sizes
@@ -184,7 +188,9 @@ class PreprocessJob:
     features: list[tuple[str, str]]
     table_size: Any
     min_count: int | None
-    dense_transform: str
+    dense_transform: Any
+    """meta.json's ``dense_transform`` (a CSV/Parquet reader's: from its spec, the choices
+    left to the values made by :meth:`_dense_columns`)."""
     eval_parts: Any
     overwrite: bool
     progress: bool | None
@@ -241,6 +247,7 @@ class PreprocessJob:
             raise DataError(f"{self.out}: refusing to overwrite, it is not a hybridrec dataset ({problem})")
 
     def _build(self, tmp: Path, start: float) -> DatasetMeta:
+        self._dense_columns()
         encoders, mode = self._encoders()
         specs = [
             FeatureSpec(name=n, kind=k, num_embeddings=encoders[n].num_embeddings)
@@ -315,6 +322,26 @@ class PreprocessJob:
         return {
             n: VocabEncoder.from_counts(*counted[n], min_count, reducers[n].modulo) for n in names
         }
+
+    def _dense_columns(self) -> None:
+        """A CSV/Parquet reader's dense transforms, before the writing pass: the schema's,
+        or (``auto``, ``standardize`` without numbers) chosen from the train inputs' values
+        in a pass of their own."""
+        spec = getattr(self.reader, "spec", None)
+        if spec is None:
+            return
+        if spec.dense_columns is None:
+            stats = dense_transforms.Stats(len(self.dense))
+            train = [self.inputs[i] for i in self.train_idx]
+            raw = copy.copy(self.reader)
+            raw.spec = copy.copy(spec)
+            raw.spec.raw_dense = True
+            with byte_progress(train, "dense", self.progress) as bar:
+                for path in train:
+                    for chunk, _ in tracked_chunks(raw.read(path, ParseReport()), bar):
+                        stats.add(chunk.dense)
+            spec.dense_columns = stats.resolve(spec.dense_plan)
+        self.dense_transform = dense_transforms.to_meta(spec.dense_columns, self.dense)
 
     def count_keys(self, reducers: dict[str, VocabEncoder]) -> dict[str, tuple[np.ndarray, np.ndarray]]:
         """``{feature: (sorted unique keys, counts)}`` over the train inputs, each key reduced

@@ -6,7 +6,10 @@ appear, parses them with the preprocessing readers (:class:`~hybridrec.data.crit
 with ``data.stream_schema``, CSV's and Parquet's of :mod:`hybridrec.data.tabular`)
 and turns each global batch into this rank's :class:`~hybridrec.sparse.keyed_jagged.Batch`.
 
-(Criteo, or CSV/Parquet with a schema file; one-hot features only.) **When a file counts as landed.** The convention of object-store drops and of Hadoop's
+(Criteo, or CSV/Parquet with a schema file; one-hot features only.) Dense values: Criteo's
+``log1p``; a schema file's ``dense_transform``, except that with no preprocessing pass to
+measure the columns ``auto`` is ``log1p`` and ``standardize`` needs its mean and std in the
+schema file (:func:`stream_dense`). **When a file counts as landed.** The convention of object-store drops and of Hadoop's
 writers: a producer writes a file under a temporary name and renames it when it is complete.
 Names that begin with ``.``, ``_`` or ``~``, or end in ``.tmp``, ``.part``, ``.partial``,
 ``._COPYING_``, ``.crdownload`` or ``.inprogress``, and ``*.json`` files, are never taken;
@@ -52,6 +55,7 @@ import numpy as np
 import torch
 
 from hybridrec.broadcast import rank0_value
+from hybridrec.data import dense as dense_transforms
 from hybridrec.data.chunk import ParseReport, RowChunk
 from hybridrec.data.criteo import CATEGORICAL, DENSE, CriteoReader
 from hybridrec.data.loader import keyed_ids, rank_slice
@@ -110,11 +114,20 @@ def stream_meta(directory: str | os.PathLike, tables: str, table_rows: str, *,
     sizes = resolve_table_sizes(table_rows, names)
     rows = {n: s + 1 for n, s in sizes.items()}
     pre = {"categorical": "modulo" if tables == "modulo" else "dynamic", "table_size": rows,
-           "dense_transform": "log1p" if spec is None else spec.dense_transform,
+           "dense_transform": "log1p" if spec is None else
+           dense_transforms.to_meta(stream_dense(spec), spec.dense),
            "format": "criteo" if spec is None else "tabular", "stream": str(directory),
            **({"schema_file": str(schema_file)} if spec is not None else {})}
     return DatasetMeta(path=None, schema=stream_schema(rows, spec), parts=[], splits={"train": [], "eval": []},
                        preprocessing=pre)
+
+
+def stream_dense(spec: TabularSpec) -> list[dense_transforms.Column]:
+    """A CSV/Parquet stream's dense transforms, set on ``spec``: a stream has no
+    preprocessing pass to measure its columns, so ``auto`` is ``log1p`` and ``standardize``
+    takes its mean and std from the schema file (:func:`hybridrec.data.dense.without_stats`)."""
+    spec.dense_columns = dense_transforms.without_stats(spec.dense_plan, spec.dense, spec.source)
+    return spec.dense_columns
 
 
 def stream_reader(path: Path, *, spec: TabularSpec | None, on_bad_line: str):
@@ -203,6 +216,8 @@ class StreamLoader:
         self.stop, self.poll_s = StreamStop.parse(stop), poll_s
         self.group, self.device, self.on_bad_line = group, device, on_bad_line
         self.spec = TabularSpec.load(schema_file) if schema_file else None  # (read once, not per file)
+        if self.spec is not None:
+            stream_dense(self.spec)
         self.show = show if show is not None else (lambda msg: print(msg, file=sys.stderr, flush=True))
         self.files: list[dict] = []  # every file picked up, in order (the state)
         self.late: list[str] = []

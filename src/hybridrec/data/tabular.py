@@ -7,12 +7,13 @@ Schema file (all keys but ``label`` optional)::
       "label_positive": [">50K"],          the label's values that are 1 ...
       "label_negative": ["<=50K"],         ... and those that are 0 (both lists, disjoint)
       "label_threshold": 4,                or: a number >= 4 is 1, below is 0 (e.g. ratings)
-      "dense": ["price", "age"],           numbers; empty/null/NaN = missing -> 0
+      "dense": ["price", "age"],           numbers; empty/null/NaN = missing (0 after the transform)
       "categorical": ["city", "device"],   one id per row; empty/null = missing -> id 0
       "multihot": ["tags"],                a list of ids per row
       "table_size": 100000,                or {"city": 1000, "*": 100000}; ids = key % size
       "min_count": null,                   or K: vocabulary of keys seen >= K times in train
-      "dense_transform": "log1p",          or "none"
+      "dense_transform": "auto",           or log1p, standardize, none, or per column:
+                                           {"age": "standardize", "*": "auto"} (data/dense.py)
       "list_delimiter": "|",               CSV only: separator inside a multi-hot cell
       "csv_delimiter": ","                 CSV only: the field separator
     }
@@ -49,8 +50,8 @@ from typing import Any
 
 import numpy as np
 
+from hybridrec.data import dense as dense_transforms
 from hybridrec.data.chunk import (
-    DENSE_TRANSFORMS,
     MAX_LINE_BYTES,
     MISSING,
     ParseReport,
@@ -58,7 +59,6 @@ from hybridrec.data.chunk import (
     capped_lines,
     check_on_bad_line,
     show,
-    transform_dense,
 )
 from hybridrec.data.inputs import open_input
 from hybridrec.errors import DataError
@@ -92,8 +92,10 @@ class TabularSpec:
     """int, ``{feature: size, "*": default}``, or None (then min_count decides)."""
     min_count: int | None = None
     """Vocabulary threshold; None: modulo the table size only."""
-    dense_transform: str = "log1p"
-    """``log1p`` (negative -> 0, then log(x+1)) or ``none``."""
+    dense_transform: Any = "auto"
+    """Per column ``auto`` (counts ``log1p``, others ``standardize``), ``log1p``, ``standardize``
+    or ``none``: one for every column or ``{column: choice, "*": default}``
+    (:mod:`hybridrec.data.dense`)."""
     list_delimiter: str = "|"
     """CSV: separator of the ids inside a multi-hot cell."""
     csv_delimiter: str = ","
@@ -102,11 +104,13 @@ class TabularSpec:
     """Where the spec came from (for error messages)."""
 
     def __post_init__(self) -> None:
-        if self.dense_transform not in DENSE_TRANSFORMS:
-            raise DataError(
-                f"{self.source}: dense_transform {self.dense_transform!r} is not one of "
-                f"{DENSE_TRANSFORMS}"
-            )
+        self.dense_plan = dense_transforms.parse(self.dense_transform, self.dense, self.source)
+        self.dense_columns: list[dense_transforms.Column] | None = dense_transforms.resolved(self.dense_plan)
+        """The transforms the readers apply; None: choices left to the values, which
+        preprocessing makes in a pass of its own and sets here (a reader without them reads
+        as a stream does: :meth:`reader_columns`)."""
+        self.raw_dense = False
+        """Readers yield the raw values, NaN missing (preprocessing's statistics pass)."""
         if len(self.list_delimiter) != 1 or len(self.csv_delimiter) != 1:
             raise DataError(f"{self.source}: list_delimiter and csv_delimiter must be 1 character")
         self._check_label_map()
@@ -133,6 +137,16 @@ class TabularSpec:
         if both:
             raise DataError(f"{src}: {', '.join(map(repr, both))} is in both label_positive and "
                             "label_negative")
+
+    def reader_columns(self) -> list[dense_transforms.Column] | None:
+        """What the readers apply: :attr:`dense_columns`, or with none chosen yet the
+        choices made without statistics (``auto`` is ``log1p``; ``standardize`` needs its
+        numbers), or None for the raw values (:attr:`raw_dense`)."""
+        if self.raw_dense:
+            return None
+        if self.dense_columns is None:
+            return dense_transforms.without_stats(self.dense_plan, self.dense, self.source)
+        return self.dense_columns
 
     @property
     def label_map(self) -> dict[str, Any] | None:
@@ -256,7 +270,7 @@ def _finish(
         mh[name] = (keys[keep[row_of]], lengths[keep])
     return RowChunk(
         labels=v[0][keep],
-        dense=transform_dense(dense[keep], spec.dense_transform),
+        dense=dense_transforms.apply(dense[keep], spec.reader_columns()),
         onehot=onehot[keep],
         multihot=mh,
     )
@@ -339,7 +353,7 @@ def csv_column(kind: str, cells: np.ndarray,
 
 def _csv_dense(col: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     present = col != ""
-    out = np.zeros(col.size, np.float64)
+    out = np.full(col.size, np.nan)
     bad = np.zeros(col.size, bool)
     try:
         out[present] = col[present].astype(np.float64)
@@ -350,7 +364,7 @@ def _csv_dense(col: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
             except ValueError:
                 bad[i] = True
     bad |= np.isinf(out)
-    out[np.isnan(out) | bad] = 0.0  # NaN is a missing value
+    out[bad] = 0.0  # (NaN stays: a missing value)
     return out, bad
 
 
@@ -623,9 +637,10 @@ class ParquetReader:
         cols = _Columns(n, len(spec.columns))
         cols.add(*_pa_label(col[spec.label], spec, path))
         for name in spec.dense:
-            values, _ = _pa_numbers(col[name], name, path)
+            values, null = _pa_numbers(col[name], name, path)
             bad = np.isinf(values)
-            values[np.isnan(values) | bad] = 0.0  # null and NaN are missing values
+            values[bad] = 0.0
+            values[null] = np.nan  # null and NaN are missing values
             cols.add(values, bad, lambda r: "not a finite number")
         for name in spec.categorical:
             cols.add(_pa_keys(col[name], name, path), np.zeros(n, bool), lambda r: "")

@@ -12,7 +12,9 @@ The artifact directory holds what serving needs and nothing of hybridrec::
 
 The program's inputs (B is dynamic; one-hot and multi-hot features in the dataset schema's order):
 
-- ``dense``: float32 ``[B, n_dense]``, already transformed (``log1p`` of the non-negative value);
+- ``dense``: float32 ``[B, n_dense]``, already transformed (spec.json's ``dense_transform``:
+  ``log1p`` of the non-negative value, or per column ``log1p``, ``none`` or standardized with
+  the train split's mean and std; :mod:`hybridrec.data.dense`);
 - ``ids``: int64 ``[B, n_onehot]``, each feature's table id (0 = missing or unseen);
 - with multi-hot features only, ``mh_ids``: int64 ``[nnz]``, the bags' ids sample-major (row
   0's bags in feature order, then row 1's ...), and ``mh_lengths``: int64 ``[B, n_multihot]``.
@@ -309,14 +311,26 @@ def preprocessing_spec(meta) -> tuple[dict, dict[str, Path]]:
         "rules": {
             "keys": ("criteo: the hexadecimal field as an integer (at most 8 digits); csv: the "
                      "cell's BLAKE2b-64 digest (UTF-8), little-endian, shifted right by 1"),
-            "missing": "an empty categorical value -> id 0; an empty dense value -> 0 before the transform",
+            "missing": "an empty categorical value -> id 0; an empty dense value -> 0 after the transform",
             "modulo": "id = key % modulo",
             "vocabulary": ("key (first reduced % modulo when modulo is set) found at vocab[i] -> id i + 1, "
                            "else 0 (vocab is sorted, or sorted with keys appended by preprocess --grow)"),
             "log1p": "dense = float32(log(1 + max(x, 0))), computed in float64",
+            "standardize": "dense = float32((x - mean) / std), computed in float64",
+            "dense_transform": ("one of log1p, none for every dense column, or {column: log1p | none | "
+                                "{transform: standardize, mean, std}}"),
         },
     }
     return spec, files
+
+
+def _transform_text(value) -> str:
+    """spec.json's ``dense_transform`` in a few words (the README's example)."""
+    if isinstance(value, str):
+        return value
+    kinds = [v if isinstance(v, str) else v.get("transform") for v in value.values()]
+    return "spec.json's dense_transform (" + ", ".join(
+        f"{kinds.count(k)} {k}" for k in dict.fromkeys(kinds)) + ")"
 
 
 def write_spec(out: Path, spec: dict, vocab_files: dict[str, Path]) -> None:
@@ -552,7 +566,7 @@ import torch
 from score import load_model  # score.py, beside model.pt2
 
 model = load_model("model.pt2")  # torch.export.load(...).module() once the archive is checked
-dense = torch.zeros(2, {n_dense})                   # float32 [B, {n_dense}]: {', '.join(spec['dense'][:3])}... after {spec['dense_transform']}
+dense = torch.zeros(2, {n_dense})                   # float32 [B, {n_dense}]: {', '.join(spec['dense'][:3])}... after {_transform_text(spec['dense_transform'])}
 ids = torch.zeros(2, {n_oh}, dtype=torch.int64)     # int64 [B, {n_oh}]: one-hot features' table ids{example_mh}with torch.no_grad():
     probabilities = model({call})   # float32 [B]
 ```

@@ -36,6 +36,7 @@ import numpy as np
 
 from hybridrec.data.chunk import ParseReport, RowChunk
 from hybridrec.data.criteo import CATEGORICAL, DENSE, FIELDS, CriteoReader
+from hybridrec.data.dense import from_meta as dense_from_meta
 from hybridrec.data.inputs import open_input
 from hybridrec.data.schema import DatasetMeta
 from hybridrec.data.tabular import CsvReader, ParquetReader, TabularSpec, import_pyarrow
@@ -79,10 +80,12 @@ def file_format(path: Path, meta: DatasetMeta) -> str:
 def predict_spec(meta: DatasetMeta) -> TabularSpec:
     """The tabular spec of ``meta``'s dataset, its label unmapped (prediction zeroes it)."""
     s = meta.schema
-    return TabularSpec(label=s.label, dense=list(s.dense),
+    where = str(meta.path / "meta.json") if meta.path else "meta.json"
+    spec = TabularSpec(label=s.label, dense=list(s.dense),
                        categorical=[f.name for f in s.onehot], multihot=[f.name for f in s.multihot],
-                       dense_transform=meta.preprocessing.get("dense_transform", "log1p"),
-                       source=str(meta.path / "meta.json") if meta.path else "meta.json")
+                       dense_transform=meta.preprocessing.get("dense_transform", "log1p"), source=where)
+    spec.dense_columns = dense_from_meta(spec.dense_transform, s.dense, where)
+    return spec
 
 
 def read_file(path: Path, meta: DatasetMeta, *, on_bad_line: str, report: ParseReport,

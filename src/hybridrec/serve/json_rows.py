@@ -38,6 +38,7 @@ from typing import Any
 
 import numpy as np
 
+from hybridrec.data import dense as dense_transforms
 from hybridrec.data.chunk import MISSING, RowChunk, show, transform_dense
 from hybridrec.data.criteo import CATEGORICAL, DENSE, FIELDS, CriteoReader, parse_values
 from hybridrec.data.schema import DatasetMeta
@@ -211,7 +212,7 @@ def _csv_dense(values: list, delim: str):
             a = None
         if a is not None:
             bad = np.isinf(a)
-            a[np.isnan(a) | bad] = 0.0
+            a[bad] = 0.0  # (NaN stays: a missing value)
             a += 0.0  # (-0.0 -> 0.0: its text is "0")
 
             def why(k: int) -> str:
@@ -233,7 +234,7 @@ def _number(v: Any) -> float:
 
 
 def _parquet_dense(values: list):
-    """float64 values, bad and reasons: numbers and booleans (null, NaN -> 0; bad: infinite,
+    """float64 values, bad and reasons: numbers and booleans (null, NaN: missing, NaN; bad: infinite,
     out of range, or not a number)."""
     types = set(map(type, values))
     if types <= {int, float, bool, _NONE}:
@@ -254,7 +255,7 @@ def _parquet_dense(values: list):
             except OverflowError:
                 wrong[k] = True
     inf = np.isinf(a)
-    a[np.isnan(a) | inf | wrong] = 0.0
+    a[inf | wrong] = 0.0  # (NaN stays: a missing value)
 
     def why(k: int) -> str:
         v = values[k]
@@ -366,5 +367,5 @@ def _tabular(columns: dict[str, list], n: int, meta: DatasetMeta, fmt: str) -> R
         t.mark(nd + nc + j, bad, why)
     t.check()
     return RowChunk(labels=np.zeros(n, np.uint8),
-                    dense=transform_dense(dense.reshape(nd, n).T.copy(), spec.dense_transform),
+                    dense=dense_transforms.apply(dense.reshape(nd, n).T.copy(), spec.dense_columns),
                     onehot=np.ascontiguousarray(keys.reshape(nc, n).T), multihot=mh)

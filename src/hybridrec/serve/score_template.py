@@ -79,13 +79,24 @@ class Encoder:
         return np.where(hit & (k >= 0), pos + 1, 0).astype(np.int64)
 
 
-def transform(values: np.ndarray, how: str) -> np.ndarray:
-    """float64 values (missing already 0) -> the model's float32 dense inputs."""
-    if how == "log1p":
-        return np.log1p(np.maximum(values, 0.0)).astype(np.float32)
-    if how == "none":
-        return values.astype(np.float32)
-    raise ScoreError(f"spec.json: unknown dense_transform {how!r}")
+def transform(values: np.ndarray, how, names: list[str] | None = None) -> np.ndarray:
+    """float64 values ``[n, len(names)]`` (NaN: missing) -> the model's float32 dense inputs.
+    ``how``: spec.json's ``dense_transform``, one word for every column or each column's
+    (``log1p``, ``none`` or ``{"transform": "standardize", "mean": M, "std": S}``); every
+    missing value is 0 after the transform."""
+    x = np.array(values, dtype=np.float64)
+    missing = np.isnan(x)
+    for j, name in enumerate(names if names is not None else map(str, range(x.shape[1]))):
+        entry = how if isinstance(how, str) else how.get(name) if isinstance(how, dict) else None
+        kind = entry if isinstance(entry, str) else entry.get("transform") if isinstance(entry, dict) else None
+        if kind == "log1p":
+            x[:, j] = np.log1p(np.maximum(x[:, j], 0.0))
+        elif kind == "standardize":
+            x[:, j] = (x[:, j] - float(entry["mean"])) / float(entry["std"])
+        elif kind != "none":
+            raise ScoreError(f"spec.json: dense column {name}: unknown dense_transform {entry!r}")
+    x[missing] = 0.0
+    return x.astype(np.float32)
 
 
 def sample_major(bags: list[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray]:
@@ -215,7 +226,7 @@ def string_keys(cells) -> np.ndarray:
 
 def csv_numbers(cells, path: str, lines: list[int], name: str, col: int) -> np.ndarray:
     a = np.array(cells, dtype=str)
-    out = np.zeros(a.size, dtype=np.float64)
+    out = np.full(a.size, np.nan)
     present = a != ""
     try:
         out[present] = a[present].astype(np.float64)
@@ -229,8 +240,7 @@ def csv_numbers(cells, path: str, lines: list[int], name: str, col: int) -> np.n
     if np.isinf(out).any():
         i = int(np.argmax(np.isinf(out)))
         raise ScoreError(f"{path}:{lines[i]}: field {name} (column {col}): not a finite number: {a[i]!r}")
-    out[np.isnan(out)] = 0.0  # NaN is a missing value
-    return out
+    return out  # (NaN: a missing value, 0 after the transform)
 
 
 def csv_blocks(stream, path: str, spec: dict, rows: int):
@@ -525,7 +535,7 @@ def staged(output_path: str, input_path: str):
 def model_inputs(block, spec: dict, encoders: dict) -> tuple[torch.Tensor, ...]:
     dense, onehot, bags = block
     n = len(dense)
-    x = torch.from_numpy(transform(dense, spec["dense_transform"]))
+    x = torch.from_numpy(transform(dense, spec["dense_transform"], spec["dense"]))
     ids = np.stack([encoders[f["name"]](onehot[f["name"]]) for f in spec["onehot"]], 1) \
         if spec["onehot"] else np.zeros((n, 0), np.int64)
     if not spec["multihot"]:
