@@ -71,7 +71,8 @@ class DeepFM(nn.Module):
             sharded collection of them.
         bottom_mlp: bottom MLP widths, ending in ``k``.
         top_mlp: top MLP widths, ending in 1.
-        interaction: ``dot`` or ``cat``.
+        interaction: ``dot``, ``cat`` or ``dcn`` (with ``dcn_layers`` and ``dcn_rank``, as
+            for :class:`~hybridrec.model.dlrm.DLRM`).
         precision: ``fp32`` or ``bf16``, as for :class:`~hybridrec.model.dlrm.DLRM`
             (the FM terms stay fp32).
 
@@ -80,12 +81,14 @@ class DeepFM(nn.Module):
     """
 
     def __init__(self, *, num_dense: int, sparse, bottom_mlp: list[int], top_mlp: list[int],
-                 interaction: str = "dot", precision: str = "fp32") -> None:
+                 interaction: str = "dot", precision: str = "fp32", dcn_layers: int = 3,
+                 dcn_rank: int = 512) -> None:
         super().__init__()
         self.dim = bottom_mlp[-1]
         if top_mlp[-1] != 1:
             raise ValueError(f"the top MLP must end in 1 (the logit), got {top_mlp}")
-        self.interaction, top_in = make_interaction(interaction, len(sparse.feature_names), self.dim)
+        self.interaction, top_in = make_interaction(interaction, len(sparse.feature_names), self.dim,
+                                                    dcn_layers=dcn_layers, dcn_rank=dcn_rank)
         self.sparse = sparse
         self.bottom = MLP([num_dense, *bottom_mlp], final_relu=True)
         self.top = MLP([top_in, *top_mlp], final_relu=False)

@@ -27,7 +27,9 @@ class DLRM(nn.Module):
         bottom_mlp: hidden and output widths of the bottom MLP (input width is
             ``num_dense``), e.g. ``[512, 256, 64]``.
         top_mlp: widths of the top MLP, ending in 1 (the logit), e.g. ``[512, 256, 1]``.
-        interaction: ``dot`` (DLRM) or ``cat``.
+        interaction: ``dot`` (DLRM), ``cat`` or ``dcn`` (DLRM-DCNv2:
+            :class:`~hybridrec.model.interaction.CrossInteraction`).
+        dcn_layers, dcn_rank: the cross network's layers and rank with ``dcn``.
         precision: ``fp32`` or ``bf16``: the compute dtype of the MLPs and the
             interaction (:func:`~hybridrec.model.kernels.precision_scope`); the
             parameters and the logits stay fp32, and so do the embedding tables unless
@@ -45,6 +47,8 @@ class DLRM(nn.Module):
         top_mlp: list[int],
         interaction: str = "dot",
         precision: str = "fp32",
+        dcn_layers: int = 3,
+        dcn_rank: int = 512,
     ) -> None:
         super().__init__()
         dim = bottom_mlp[-1]
@@ -56,7 +60,8 @@ class DLRM(nn.Module):
             )
         if top_mlp[-1] != 1:
             raise ValueError(f"the top MLP must end in 1 (the logit), got {top_mlp}")
-        self.interaction, top_in = make_interaction(interaction, len(sparse.feature_names), dim)
+        self.interaction, top_in = make_interaction(interaction, len(sparse.feature_names), dim,
+                                                    dcn_layers=dcn_layers, dcn_rank=dcn_rank)
         self.sparse = sparse
         self.bottom = MLP([num_dense, *bottom_mlp], final_relu=True)
         self.top = MLP([top_in, *top_mlp], final_relu=False)

@@ -209,11 +209,151 @@ class CatInteraction(nn.Module):
         return torch.cat([dense, sparse.flatten(1)], dim=1)
 
 
-def make_interaction(kind: str, num_features: int, dim: int) -> tuple[nn.Module, int]:
-    """``(module, output width)`` of interaction ``kind`` (``dot`` or ``cat``) over the
-    bottom-MLP output and ``num_features`` pooled vectors of width ``dim``."""
+DCN_RANK_SHARE = 4
+"""The low rank of a cross layer is at most its input width // ``DCN_RANK_SHARE``."""
+
+DCN_NARROW = 12_288
+"""And at most ``max(16, width**2 // DCN_NARROW)`` (:func:`dcn_rank`)."""
+
+
+def dcn_rank(width: int, rank: int) -> int:
+    """The rank a cross layer over ``width`` inputs uses for ``model.dcn_rank=rank``: at most
+    a quarter of the width and at most ``max(16, width**2 // 12288)`` (at least 1).
+
+    The quarter: TorchRec's ``LowRankCrossNet`` notes that a rank below half the width is
+    needed to save computation over a full-rank layer and that about a quarter keeps its
+    accuracy. The second cap lets a narrow input's layers cost a smaller share of a full-rank
+    layer (``2 rank / width`` of it, at most ``width / 6144``): a small model's step is mostly
+    its other costs, and rank 108 over the demo's 27 x 16 = 432 inputs made its step ~3x the
+    dot DLRM's, where rank 16 stays within the 1.3x the guide promises (docs/benchmarks.md,
+    "DLRM-DCNv2"). The constant was chosen so: the demo's 432 inputs get rank 16 and the MLPerf
+    DLRM-DCNv2's 27 x 128 = 3,456 inputs keep the reference's 512 (caps 864 and 972)."""
+    return max(1, min(rank, width // DCN_RANK_SHARE, max(16, width * width // DCN_NARROW)))
+
+
+class _CrossNet(torch.autograd.Function):
+    """The cross layers ``x_{l+1} = x0 * (U_l (V_l x_l) + b_l) + x_l`` as one autograd node.
+
+    Autograd of the plain expression runs about ten element-wise passes over ``[B, n]`` per
+    layer; here a layer is a product, a product with its bias added (``addmm``) and one fused
+    multiply-add (``addcmul``) forward, and backward ``g * x0``, one ``addcmul_`` into
+    ``x0``'s gradient, a column sum and four products, the last adding the residual's gradient
+    (``addmm``). Saved: each layer's input, ``V_l x_l`` and ``U_l V_l x_l + b_l``.
+    ``weights``: ``V_0, U_0, b_0, V_1, ...`` in ``x0``'s dtype."""
+
+    @staticmethod
+    def forward(ctx, x0, *weights):
+        x, saved = x0, []
+        for v, u, b in zip(weights[0::3], weights[1::3], weights[2::3]):
+            h = torch.mm(x, v.t())
+            y = torch.addmm(b, h, u.t())
+            saved += [x, h, y]
+            x = torch.addcmul(x, x0, y)
+        ctx.save_for_backward(x0, *weights, *saved)
+        ctx.layers = len(weights) // 3
+        return x
+
+    @staticmethod
+    def backward(ctx, g):
+        x0, *rest = ctx.saved_tensors
+        n = ctx.layers
+        weights, saved = rest[: 3 * n], rest[3 * n:]
+        grads: list = [None] * (3 * n)
+        gx0 = torch.zeros_like(x0)
+        for i in reversed(range(n)):
+            v, u = weights[3 * i], weights[3 * i + 1]
+            x, h, y = saved[3 * i: 3 * i + 3]
+            gy = g * x0
+            gx0.addcmul_(g, y)
+            gh = torch.mm(gy, u)
+            grads[3 * i: 3 * i + 3] = [torch.mm(gh.t(), x), torch.mm(gy.t(), h), gy.sum(0)]
+            g = torch.addmm(g, gh, v)
+        return (gx0.add_(g), *grads)
+
+
+class CrossInteraction(nn.Module):
+    """DCNv2's low-rank cross network in place of the dot products (DLRM-DCNv2, TorchRec's
+    ``DLRM_DCN``).
+
+    The input ``x0`` ``[B, (F+1) D]`` is the bottom-MLP output followed by the F pooled
+    embeddings, flattened; each of ``layers`` cross layers computes
+    ``x_{l+1} = x0 * (U_l (V_l x_l) + b_l) + x_l`` with ``V_l`` ``[r, (F+1) D]`` and ``U_l``
+    ``[(F+1) D, r]`` (the full-rank ``W_l = U_l V_l`` of DCNv2 at rank ``r``, :func:`dcn_rank`)
+    and the output is ``x_L`` (the top MLP's input, the same width). Initial values as
+    TorchRec's: ``U_l`` and ``V_l`` Xavier-normal, ``b_l`` zero. Under bf16 autocast the
+    input and the weights are cast to bf16 and the layers run in bf16 (like the dot
+    interaction's stacked vectors); the weights and their gradients stay fp32. One autograd
+    node for all layers (:class:`_CrossNet`).
+    """
+
+    def __init__(self, num_features: int, dim: int, *, layers: int = 3, rank: int = 512) -> None:
+        super().__init__()
+        if layers < 1 or rank < 1:
+            raise ValueError(f"a cross network needs layers >= 1 and rank >= 1, got {layers} and {rank}")
+        self.width = (num_features + 1) * dim
+        self.rank = dcn_rank(self.width, rank)
+        self.down = nn.ParameterList(nn.Parameter(torch.empty(self.rank, self.width)) for _ in range(layers))
+        self.up = nn.ParameterList(nn.Parameter(torch.empty(self.width, self.rank)) for _ in range(layers))
+        self.bias = nn.ParameterList(nn.Parameter(torch.empty(self.width)) for _ in range(layers))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        for v, u, b in zip(self.down, self.up, self.bias):
+            nn.init.xavier_normal_(v)
+            nn.init.xavier_normal_(u)
+            nn.init.zeros_(b)
+
+    @staticmethod
+    def output_dim(num_features: int, dim: int) -> int:
+        return (num_features + 1) * dim
+
+    @staticmethod
+    def num_parameters(num_features: int, dim: int, *, layers: int, rank: int) -> int:
+        """Weights of a cross network (``U_l``, ``V_l``, ``b_l`` of every layer)."""
+        width = (num_features + 1) * dim
+        return layers * (2 * width * dcn_rank(width, rank) + width)
+
+    def forward(self, dense: torch.Tensor, sparse: torch.Tensor) -> torch.Tensor:
+        """``dense`` ``[B, D]``, ``sparse`` ``[B, F, D]`` -> ``[B, (F+1) D]``."""
+        dtype = compute_dtype(dense.device) or dense.dtype
+        x0 = torch.cat([dense.to(dtype).unsqueeze(1), sparse.to(dtype)], dim=1).flatten(1)
+        weights = [w.to(dtype) for layer in zip(self.down, self.up, self.bias) for w in layer]
+        with torch.autocast(dense.device.type, enabled=False):
+            return _CrossNet.apply(x0, *weights)
+
+
+INTERACTIONS = ("dot", "cat", "dcn")
+"""``model.interaction``'s values."""
+
+
+def make_interaction(kind: str, num_features: int, dim: int, *, dcn_layers: int = 3,
+                     dcn_rank: int = 512) -> tuple[nn.Module, int]:
+    """``(module, output width)`` of interaction ``kind`` (``dot``, ``cat`` or ``dcn``: a
+    :class:`CrossInteraction` of ``dcn_layers`` layers at rank ``dcn_rank``, capped by
+    :func:`dcn_rank`) over the bottom-MLP output and ``num_features`` pooled vectors of
+    width ``dim``."""
     if kind == "dot":
         return DotInteraction(num_features, dim), DotInteraction.output_dim(num_features, dim)
     if kind == "cat":
         return CatInteraction(), CatInteraction.output_dim(num_features, dim)
-    raise ValueError(f"unknown interaction {kind!r} (dot or cat)")
+    if kind == "dcn":
+        return (CrossInteraction(num_features, dim, layers=dcn_layers, rank=dcn_rank),
+                CrossInteraction.output_dim(num_features, dim))
+    raise ValueError(f"unknown interaction {kind!r} (dot, cat or dcn)")
+
+
+def interaction_width(kind: str, num_features: int, dim: int) -> int:
+    """The output width of interaction ``kind`` (the top MLP's input), without building it."""
+    widths = {"dot": DotInteraction.output_dim, "cat": CatInteraction.output_dim,
+              "dcn": CrossInteraction.output_dim}
+    if kind not in widths:
+        raise ValueError(f"unknown interaction {kind!r} (dot, cat or dcn)")
+    return widths[kind](num_features, dim)
+
+
+def interaction_parameters(kind: str, num_features: int, dim: int, *, dcn_layers: int = 3,
+                           dcn_rank: int = 512) -> int:
+    """Weights of interaction ``kind`` (only ``dcn`` has any)."""
+    if kind != "dcn":
+        return 0
+    return CrossInteraction.num_parameters(num_features, dim, layers=dcn_layers, rank=dcn_rank)

@@ -3,9 +3,7 @@ so the classes themselves only store what they are given."""
 
 from __future__ import annotations
 
-import json
 import sys
-import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,14 +13,9 @@ import torch
 
 from hybridrec import launch_env, threads
 from hybridrec.broadcast import rank0_value
-from hybridrec.comm.codecs import Codec, TopKCodec, make_codec, tune_topk
+from hybridrec.comm.codecs import TopKCodec, tune_topk
 from hybridrec.comm.compress import (
-    CastCompressor,
-    DCTCompressor,
-    GradientCompressor,
     NoCompression,
-    TopKCompressor,
-    auto_refresh_every,
 )
 from hybridrec.comm.ddp_hooks import CompressedAllReduce, HookFactory, PowerSGDHooks
 from hybridrec.comm.ledger import CommLedger
@@ -30,19 +23,15 @@ from hybridrec.data.encode import ModuloEncoder
 from hybridrec.data.loader import ShardedLoader
 from hybridrec.data.schema import DatasetMeta
 from hybridrec.data.stream import StreamLoader
-from hybridrec.files import write_text_atomic
 from hybridrec.metrics.logger import MetricLogger
 from hybridrec.metrics.throughput import RunTotals
 from hybridrec.model.deepfm import DeepFM
 from hybridrec.model.dlrm import DLRM
 from hybridrec.model.embedding import (
-    WEIGHT_DTYPES,
-    EmbeddingBagCollection,
-    TableConfig,
     tune_lookups,
 )
 from hybridrec.model.interaction import tune_interactions
-from hybridrec.model.kernels import PRECISIONS, cache_path, machine_id
+from hybridrec.model.kernels import cache_path, machine_id
 from hybridrec.model.mlp import tune_mlps
 from hybridrec.parallel.dense_sync import (
     AllReduceSync,
@@ -53,12 +42,8 @@ from hybridrec.parallel.dense_sync import (
     synced_parameters,
 )
 from hybridrec.parallel.devices import choose_backend
-from hybridrec.parallel.parallelize import parallelize_dlrm
-from hybridrec.parallel.plan import ShardingPlan
 from hybridrec.parallel.sharded_embedding import SHARDS, ShardedEmbeddingBagCollection
-from hybridrec.parallel.threshold_dist import ThresholdMP
 from hybridrec.parallel.topology import Topology
-from hybridrec.ps.client import PushOptimizer, RemoteEmbeddingCollection
 from hybridrec.sync import (
     BackgroundRunner,
     ForegroundRunner,
@@ -71,8 +56,14 @@ from hybridrec.sync.algorithms import GroupMean
 from hybridrec.sync.compressed import CompressedMean
 from hybridrec.sync.grouped import GroupedBackgroundRunner
 from hybridrec.train import init_from, run_files
+from hybridrec.train.backends import (
+    SparseBackend,
+    build_dense_compressor,
+    local_embeddings,
+    sparse_backend,
+)
 from hybridrec.train.checkpointing import checkpoint as ckpt
-from hybridrec.train.checkpointing.checkpointer import Checkpointer, Component, TorchRNG
+from hybridrec.train.checkpointing.checkpointer import Attachment, Checkpointer, Component, TorchRNG
 from hybridrec.train.checkpointing.deltas import ShardDeltas, deltas_dir, plan_json
 from hybridrec.train.checkpointing.recovery import Recovery
 from hybridrec.train.checkpointing.resident import shards_go_resident
@@ -81,7 +72,6 @@ from hybridrec.train.loop.allocator import configure_allocator
 from hybridrec.train.loop.checkpoint_policy import Checkpoints
 from hybridrec.train.loop.early_stop import COMPONENT as EARLY_STOP
 from hybridrec.train.loop.early_stop import EarlyStopping
-from hybridrec.train.loop.hogwild import HogwildSteps
 from hybridrec.train.loop.optim import (
     LRSchedule,
     LRScheduler,
@@ -93,7 +83,6 @@ from hybridrec.train.loop.parts import (
     FailureInjection,
     Part,
     Progress,
-    ServerSteps,
     StepSource,
     StopEarly,
     Sync,
@@ -101,96 +90,32 @@ from hybridrec.train.loop.parts import (
 )
 from hybridrec.train.loop.pipeline import TrainPipeline
 from hybridrec.train.loop.recovery_part import RecoveryPart, nothing_updating
-from hybridrec.train.loop.sparse_optim import CombinedSparseOptimizer, combined_sparse_optimizer
+from hybridrec.train.loop.sparse_optim import CombinedSparseOptimizer
 from hybridrec.train.loop.stream import DynamicTables, Progressive, StreamFeed, StreamSteps
 from hybridrec.train.loop.thread_governor import thread_governor
 from hybridrec.train.loop.trainer import Optimizers, Trainer
-from hybridrec.train.ps_run import ServerCheckpoints, ps_plan
 from hybridrec.train.setup.config import CompressConfig, Config
-from hybridrec.train.setup.memory import check_memory
 from hybridrec.train.setup.rules import (
     RunFacts,
-    check_plan,
     check_run,
-    dense_plan,
     group_size,
     planned_steps,
 )
-from hybridrec.train.setup.tables import build_plan, build_tables, load_dataset
+from hybridrec.train.setup.tables import build_tables, load_dataset
 
 
-def build_model(cfg: Config, meta: DatasetMeta, *, plan: ShardingPlan | None = None,
-                topo: Topology | None = None, ledger: CommLedger | None = None, sparse=None,
-                total_steps: int = 0, init_tables: bool = True) -> DLRM:
-    """The single-device DLRM, or with ``plan`` one whose embedding collection holds only
-    this rank's shards (the whole tables are never materialised on a rank), or with
-    ``sparse`` one with that embedding collection (a parameter-server run's).
-    ``init_tables`` False: the tables start as zeros, for a checkpoint to overwrite (their
-    ``reset_parameters()`` draws the initial values)."""
+def build_model(cfg: Config, meta: DatasetMeta, *, embeddings=None, init_tables: bool | None = True) -> DLRM:
+    """The DLRM around ``embeddings(tables)`` (a sparse backend's collection:
+    :meth:`~hybridrec.train.backends.SparseBackend.embeddings`), by default one process's
+    collection of every table. ``init_tables`` False: the tables start as zeros, for a
+    checkpoint to overwrite (their ``reset_parameters()`` draws the initial values)."""
     torch.manual_seed(cfg.train.seed)
     tables = build_tables(meta, cfg)
-    if sparse is not None:
-        ebc = sparse
-    elif plan is None:  # (bf16 tables pool into bf16 for a bf16 model: no cast between)
-        weight = WEIGHT_DTYPES[cfg.model.embedding_dtype]
-        out = weight if PRECISIONS[cfg.train.precision] == weight else torch.float32
-        ebc = EmbeddingBagCollection(tables, seed=cfg.train.seed, weight_dtype=weight, output_dtype=out,
-                                     init_values=init_tables)
-    else:
-        ebc = ShardedEmbeddingBagCollection(tables, plan, topo, seed=cfg.train.seed, ledger=ledger,
-                                            codecs=build_embedding_codecs(cfg, tables, plan),
-                                            threshold=build_threshold_mp(cfg, plan, total_steps),
-                                            dp_reducer=build_replicated_reducer(cfg, plan, ledger, total_steps),
-                                            wire_dtype=PRECISIONS[cfg.train.precision],
-                                            weight_dtype=WEIGHT_DTYPES[cfg.model.embedding_dtype],
-                                            init_values=init_tables,
-                                            coded_chunks=cfg.compress.embedding_chunks)
+    ebc = embeddings(tables) if embeddings is not None else local_embeddings(cfg, tables, init_tables=init_tables)
     arch = DeepFM if cfg.model.arch == "deepfm" else DLRM
     return arch(num_dense=len(meta.schema.dense), sparse=ebc, bottom_mlp=cfg.model.bottom_mlp,
-                top_mlp=cfg.model.top_mlp, interaction=cfg.model.interaction, precision=cfg.train.precision)
-
-
-def build_embedding_codecs(cfg: Config, tables: list[TableConfig],
-                           plan: ShardingPlan) -> dict[str, Codec]:
-    """The per-table policy of ``compress.embedding*``: table -> codec of its output_dist
-    hop. One codec for every chosen table: the sharded ones (data-parallel tables have
-    no hop) named in ``embedding_tables`` (empty: all) with at least
-    ``embedding_min_rows`` rows. Tables left out travel as float32."""
-    c = cfg.compress
-    if c.embedding == "dct" and c.embedding_select == "threshold":
-        return {}  # (build_threshold_mp)
-    codec = make_codec(c.embedding, eta=c.embedding_ratio, values=c.embedding_values)
-    if codec is None:
-        return {}
-    return {t.name: codec for t in tables
-            if plan.tables[t.name].sharding_type != "data_parallel"
-            and (not c.embedding_tables or t.name in c.embedding_tables)
-            and t.num_embeddings >= c.embedding_min_rows}
-
-
-def build_replicated_reducer(cfg: Config, plan: ShardingPlan, ledger: CommLedger | None,
-                             total_steps: int) -> CompressedAllReduce | None:
-    """``compress.dense_replicated`` with ``compress.dense=dct|topk`` and replicated tables: the
-    compressor their gradients go through (its own instance: its state is per group), counted
-    as ``dp_table_allreduce``; None otherwise (the dense all-reduce)."""
-    c = cfg.compress
-    if not c.dense_replicated or c.dense not in ("dct", "topk"):
-        return None
-    if not any(tp.sharding_type == "data_parallel" for tp in plan.tables.values()):
-        return None
-    return CompressedAllReduce(build_dense_compressor(c, total_steps=total_steps), ledger,
-                               category="dp_table_allreduce", pairwise=cfg.dist.exchange == "pairwise")
-
-
-def build_threshold_mp(cfg: Config, plan: ShardingPlan, total_steps: int) -> ThresholdMP | None:
-    """``compress.embedding=dct`` with ``embedding_select=threshold``: DCT-MP's threshold over
-    every sample's whole boundary vector (:mod:`hybridrec.parallel.threshold_dist`), for every
-    sharded table; None otherwise (what that hop does not take: :mod:`hybridrec.train.setup.rules`)."""
-    c = cfg.compress
-    if c.embedding != "dct" or c.embedding_select != "threshold":
-        return None
-    every = c.embedding_refresh_every or auto_refresh_every(total_steps)
-    return ThresholdMP(c.embedding_ratio, every, cap=c.embedding_cap, values=c.embedding_values)
+                top_mlp=cfg.model.top_mlp, interaction=cfg.model.interaction, precision=cfg.train.precision,
+                dcn_layers=cfg.model.dcn_layers, dcn_rank=cfg.model.dcn_rank)
 
 
 def build_loaders(cfg: Config, meta: DatasetMeta, *, rank: int = 0, world_size: int = 1,
@@ -271,30 +196,6 @@ def ranks_backend(cfg: Config) -> str:
     if (note := choice.note(ranks)) and launch_env.rank() == 0:
         print(note, file=sys.stderr, flush=True)
     return cfg.dist.backend
-
-
-def build_sparse_optimizers(cfg: Config, sparse) -> CombinedSparseOptimizer:
-    """One sparse optimizer per local collection (a sharded model: its shards and its
-    replicated tables), behind one interface."""
-    kwargs = {} if cfg.optim.sparse == "sgd" else {"eps": cfg.optim.eps}
-    return combined_sparse_optimizer(cfg.optim.sparse, sparse, lr=cfg.optim.sparse_lr, **kwargs)
-
-
-def build_dense_compressor(c: CompressConfig, *, total_steps: int = 0) -> GradientCompressor:
-    """The payload compressor of ``compress.dense`` (dct, topk, fp16 or bf16). ``dct``'s L is
-    ``compress.dense_refresh_every``, or with 0 chosen from ``total_steps`` (the run's
-    planned steps), and its first refreshes ramp up to it."""
-    if c.dense == "dct":
-        every = c.dense_refresh_every or auto_refresh_every(total_steps)
-        return DCTCompressor(c.dense_ratio, every, error_feedback=c.dense_error_feedback,
-                             warmup_steps=c.dense_warmup_steps, ramp=True, cap=c.dense_cap or None,
-                             min_numel=c.dense_min_numel)
-    if c.dense == "topk":
-        return TopKCompressor(c.dense_ratio, error_feedback=c.dense_error_feedback,
-                              warmup_steps=c.dense_warmup_steps, min_numel=c.dense_min_numel)
-    if c.dense in ("fp16", "bf16"):
-        return CastCompressor(c.dense, warmup_steps=c.dense_warmup_steps)
-    raise ValueError(f"compress.dense={c.dense!r} is not a payload compressor")  # (the config rules refuse it)
 
 
 def build_dense_hooks(c: CompressConfig, ledger: CommLedger, *, seed: int = 0,
@@ -378,99 +279,6 @@ def build_sync_mean(cfg: Config, group, ledger: CommLedger, parts: tuple[int, ..
 SYNC_REFRESH_EVERY = 10
 
 
-def build_parallel_model(cfg: Config, meta: DatasetMeta, topo: Topology, ledger: CommLedger,
-                         dense_sync: DenseSync, run_dir: Path, *, total_steps: int = 0,
-                         init_tables: bool = True) -> torch.nn.Module:
-    """Several ranks: plan the sharding (tables, and the dense part from
-    ``dist.partition_dense`` or the plan file), build this rank's shards, place the dense
-    modules and apply parallelism; rank 0 writes the plan into the run directory."""
-    from hybridrec.parallel.placement import place_dense
-
-    plan = build_plan(cfg, build_tables(meta, cfg), topo, meta)
-    check_plan(cfg, plan, hierarchical=topo.hierarchical)  # (before the model is built)
-    cw = [n for n, tp in plan.tables.items() if tp.sharding_type == "column_wise"]
-    if cw and cfg.optim.sparse == "rowwise_adagrad" and topo.lead:
-        warnings.warn(f"column-wise tables {cw[:3]} with row-wise Adagrad keep one accumulator per "
-                      "column shard: training will not equal one process exactly", stacklevel=1)
-    model = build_model(cfg, meta, plan=plan, topo=topo, ledger=ledger, total_steps=total_steps,
-                        init_tables=init_tables)
-    if cfg.compress.embedding_when == "pays" and model.sparse.codecs:
-        decide_embedding_compression(cfg, model)
-    # (checked on every rank alike, before any collective of the dense part: a ConfigError)
-    plan.dense = dense_plan(cfg, plan, model, topo.group_size)
-    if any(d.placement == "partitioned" for d in plan.dense.values()):
-        model = place_dense(model, plan.dense, topo, ledger=ledger)
-    if cfg.compress.dense_when == "pays" and not isinstance(dense_sync, NoSync):  # (before DDP is built)
-        decide_dense_compression(cfg, model, topo, dense_sync, total_steps=total_steps)
-    model = parallelize_dlrm(model, plan, topo, ledger=ledger, dense_sync=dense_sync)
-    if topo.lead:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        # (hierarchical: the plan is one group's; "groups" says how many, for a later resume check)
-        doc = {"groups": topo.num_groups, **plan.to_dict()} if topo.hierarchical else plan.to_dict()
-        write_text_atomic(run_dir / "plan.json", json.dumps(doc, indent=2))
-    return model
-
-
-def decide_embedding_compression(cfg: Config, model: torch.nn.Module) -> None:
-    """``compress.embedding_when=pays``: measure whether the codecs of ``model.sparse`` pay
-    here, the hop travelling behind ``model.bottom`` (:mod:`hybridrec.parallel.codec_pays`),
-    and drop them where they do not; the record goes to ``ebc.compression`` (summary.json
-    ``kernels.embedding_compression``)."""
-    from hybridrec.parallel.codec_pays import measure
-
-    ebc = model.sparse
-    record = measure(ebc, cfg.data.batch_size, model.bottom)
-    if not record["pays"]:
-        ebc.drop_codecs()
-    ebc.compression = {**record, "compressed": bool(ebc.codecs)}
-    if ebc.topo.job_rank == 0:
-        verdict = "compressed" if ebc.codecs else "sent uncompressed: compressing does not pay here"
-        print(f"compress.embedding={cfg.compress.embedding}: the codecs take {record['codec_ms']:.1f} ms a step, "
-              f"the wire time they save {record['saved_ms']:.1f} ms: {verdict}", file=sys.stderr, flush=True)
-
-
-def decide_dense_compression(cfg: Config, model: torch.nn.Module, topo: Topology, dense_sync: DenseSync, *,
-                             total_steps: int = 0) -> None:
-    """``compress.dense_when=pays``: measure whether ``compress.dense``'s compressor pays on
-    the dense arches' gradients here (:func:`hybridrec.parallel.codec_pays.measure_dense`,
-    the slowest rank of the run decides, so every rank alike); where it does not,
-    ``dense_sync`` (not wrapped yet) sends the plain all-reduce. The record goes to
-    ``dense_sync.compression`` (summary.json ``kernels.dense_compression``)."""
-    from hybridrec.parallel.codec_pays import measure_dense
-
-    def make() -> GradientCompressor:  # (its warm-up steps left out: they send everything)
-        compressor = build_dense_compressor(cfg.compress, total_steps=total_steps)
-        compressor.warmup_steps = 0
-        return compressor
-
-    sizes = [[p.numel() for _, p in synced_parameters(m)] for m in dense_arches(model).values()]
-    pairwise = cfg.dist.exchange == "pairwise"
-    record = measure_dense(make, [s for s in sizes if s], topo.group, device=topo.device,
-                           slowest_over=topo.run_group, pairwise=pairwise)
-    if not record["pays"]:
-        dense_sync.send_plain()
-    dense_sync.compression = {**record, "compressed": record["pays"]}
-    if topo.job_rank == 0:
-        verdict = "compressed" if record["pays"] else "sent uncompressed: compressing does not pay here"
-        print(f"compress.dense={cfg.compress.dense}: the compressor takes {record['codec_ms']:.1f} ms a step, "
-              f"the wire time it saves {record['saved_ms']:.1f} ms: {verdict}", file=sys.stderr, flush=True)
-
-
-def build_ps_model(cfg: Config, meta: DatasetMeta, topo: Topology, ledger: CommLedger,
-                   dense_sync: DenseSync, run_dir: Path) -> tuple[torch.nn.Module, ServerCheckpoints]:
-    """A parameter-server run's trainer: its DLRM pulls rows from the servers (no table
-    here), the dense arches go to ``dense_sync``; rank 0 writes the servers' plan."""
-    tables = build_tables(meta, cfg)
-    plan = ps_plan(cfg, tables, cfg.dist.num_ps)
-    remote = RemoteEmbeddingCollection(tables, plan, trainer=topo.job_rank, num_trainers=topo.job_size,
-                                       ledger=ledger, timeout_s=cfg.dist.timeout_s)
-    model = dense_sync.wrap(build_model(cfg, meta, sparse=remote))
-    if topo.lead:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        write_text_atomic(run_dir / "plan.json", plan.to_json())
-    return model, ServerCheckpoints(topo, cfg.dist.num_ps, cfg.dist.timeout_s)
-
-
 def build_trainer(cfg: Config, *, meta: DatasetMeta | None = None, topo: Topology | None = None,
                   started_at: str | None = None, snapshot_dir: str | None = None,
                   extra_parts: Sequence[Part] = ()) -> Trainer:
@@ -484,17 +292,17 @@ def build_trainer(cfg: Config, *, meta: DatasetMeta | None = None, topo: Topolog
     meta = meta or load_dataset(cfg)
     check_run(cfg, run_facts(cfg, meta, topo, building=True))  # every option rule, before anything is built
     topo = topo or build_topology(cfg)
-    if not cfg.dist.num_ps:  # (a parameter-server run's trainers hold no table)
-        check_memory(cfg, meta, topo)  # before the model is allocated
-    ledger, run_dir, start = CommLedger(), Path(cfg.train.run_dir), run_start(cfg, topo, snapshot_dir)
+    backend = sparse_backend(cfg, topo)  # where the tables live: the one choice
+    backend.check_memory(meta)  # before the model is allocated
+    ledger, run_dir, start = CommLedger(), Path(cfg.train.run_dir), run_start(cfg, topo, snapshot_dir, backend)
     train_loader, eval_loader = build_loaders(cfg, meta, rank=topo.job_rank, world_size=topo.job_size,
                                               pin_memory=topo.device.type == "cuda", topo=topo)
     total_steps = planned_steps(cfg, len(train_loader))
     dense_sync = build_dense_sync(cfg, topo, ledger, total_steps=total_steps)
-    model, servers = build_run_model(cfg, meta, topo, ledger, dense_sync, run_dir, total_steps=total_steps,
-                                     init_tables=start.init_tables)
+    model = build_run_model(cfg, meta, backend, ledger, dense_sync, run_dir, total_steps=total_steps,
+                            init_tables=start.init_tables)
     sync_runner = build_sync_runner(cfg, topo, model, ledger)
-    dense_opt, sparse_opt = build_optimizers(cfg, model, servers)
+    dense_opt, sparse_opt = build_optimizers(cfg, model, backend)
     kernels = kernels_record(cfg, model, topo, sparse_opt, dense_sync, allocator)
     pipeline, keymaps = build_pipeline(cfg, meta, train_loader, model, sparse_opt, topo)
     scheduler = build_scheduler(cfg, dense_opt, sparse_opt, total_steps)
@@ -503,7 +311,7 @@ def build_trainer(cfg: Config, *, meta: DatasetMeta | None = None, topo: Topolog
                                        dense_sync=dense_sync, sync_runner=sync_runner, early_stop=early_stop,
                                        keymaps=keymaps)
     checkpointer = build_checkpointer(cfg, topo, run_dir, model, dense_opt, sparse_opt, components=components,
-                                      servers=servers, early_stop=early_stop)
+                                      attachment=backend.attachment, early_stop=early_stop)
     recovery = (build_recovery(cfg, topo, checkpointer, model, sparse_opt, run_dir, snapshot_dir)
                 if start.recovering else None)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -517,8 +325,8 @@ def build_trainer(cfg: Config, *, meta: DatasetMeta | None = None, topo: Topolog
                               hooks=recovery_part)
     parts = loop_parts(cfg, topo, total_steps=total_steps, run_dir=run_dir, logger=logger, totals=totals,
                        schedule=scheduler.schedule, eval_loader=eval_loader, early_stop=early_stop,
-                       sync_runner=sync_runner, remote=bool(servers), checkpoints=checkpoints, recovery=recovery_part)
-    return Trainer(model=model, optim=optim, source=build_step_source(cfg, pipeline, model, servers, keymaps, logger),
+                       sync_runner=sync_runner, backend=backend, checkpoints=checkpoints, recovery=recovery_part)
+    return Trainer(model=model, optim=optim, source=build_step_source(cfg, pipeline, model, backend, keymaps, logger),
                    checkpoints=checkpoints, parts=[*parts, *extra_parts], logger=logger, ledger=ledger,
                    total_steps=total_steps, topo=topo, kernels=kernels)
 
@@ -541,48 +349,45 @@ class RunStart:
     init_tables: bool | None  # True drawn, False zeros (a checkpoint overwrites them), None not even zeroed
 
 
-def run_start(cfg: Config, topo: Topology, snapshot_dir: str | None) -> RunStart:
+def run_start(cfg: Config, topo: Topology, snapshot_dir: str | None, backend: SparseBackend) -> RunStart:
     """:class:`RunStart`. Metrics of steps after the checkpoint it resumes from are trained
     (and logged) again; with ``train.recovery=partial`` kept up to the survivors' step. A
     checkpoint to resume from overwrites the tables: they start as zeros rather than drawn
     (0.3 s per 330 MB of a restart); the trainer draws them if none is restored
-    (synchronizers take the tables' values when built, parameter servers hold their own:
-    drawn). Recovery: several ranks, or a parameter-server run (its servers can fail under
-    a single trainer too), not groups or Hogwild threads."""
+    (``backend.initial_tables``: synchronizers take the tables' values when built, parameter
+    servers hold their own: drawn). Recovery: when a failure can hit several processes
+    (``backend.processes``: several ranks, or a parameter server, even under a single
+    trainer), not groups or Hogwild threads."""
     run_dir = Path(cfg.train.run_dir)
     latest = ckpt.list_checkpoints(run_dir) if cfg.train.resume else []
     keep_until = latest[-1][0] if latest else 0
     if cfg.train.resume and cfg.train.recovery == "partial":
         keep_until = max(keep_until, survivors_step(run_dir) or 0)
-    init_tables = not latest or cfg.sync.algorithm != "none" or bool(cfg.dist.num_ps)
-    recovering = (cfg.train.save_checkpoints and (topo.group_size > 1 or bool(cfg.dist.num_ps))
+    init_tables = backend.initial_tables(bool(latest))
+    recovering = (cfg.train.save_checkpoints and backend.processes() > 1
                   and not (topo.hierarchical or cfg.train.workers > 1))
     if not init_tables and recovering and shards_go_resident(cfg, snapshot_dir) and topo.device.type == "cpu":
         init_tables = None  # (not even zeroed: the trainer moves them into files of local memory first)
     return RunStart(bool(latest), keep_until, recovering, init_tables)
 
 
-def build_run_model(cfg: Config, meta: DatasetMeta, topo: Topology, ledger: CommLedger, dense_sync: DenseSync,
-                    run_dir: Path, *, total_steps: int, init_tables: bool | None):
-    """The run's model and, for a parameter-server run, its servers' checkpoints (else None):
-    one process's, several ranks' (:func:`build_parallel_model`) or a parameter-server
-    trainer's (:func:`build_ps_model`)."""
-    if cfg.dist.num_ps:
-        return build_ps_model(cfg, meta, topo, ledger, dense_sync, run_dir)
-    if topo.group_size == 1:
-        return build_model(cfg, meta, init_tables=init_tables).to(topo.device), None
-    return build_parallel_model(cfg, meta, topo, ledger, dense_sync, run_dir, total_steps=total_steps,
-                                init_tables=init_tables), None
+def build_run_model(cfg: Config, meta: DatasetMeta, backend: SparseBackend, ledger: CommLedger,
+                    dense_sync: DenseSync, run_dir: Path, *, total_steps: int,
+                    init_tables: bool | None) -> torch.nn.Module:
+    """The run's model: the DLRM around the backend's embeddings (one process's tables,
+    this rank's shards, or the parameter servers' rows), placed by the backend
+    (:mod:`hybridrec.train.backends`)."""
+    def embeddings(tables):
+        return backend.embeddings(meta, tables, ledger=ledger, total_steps=total_steps, init_tables=init_tables)
+
+    return backend.place(build_model(cfg, meta, embeddings=embeddings), ledger=ledger, dense_sync=dense_sync,
+                         run_dir=run_dir, total_steps=total_steps)
 
 
-def build_optimizers(cfg: Config, model: torch.nn.Module, servers) -> tuple[torch.optim.Optimizer,
-                                                                              CombinedSparseOptimizer]:
-    """The dense optimizer and the sparse one (a parameter-server run: pushes to the servers)."""
-    dense_opt = build_dense_optimizer(dense_parameters(model), cfg.optim)
-    if servers:
-        return dense_opt, CombinedSparseOptimizer({"ps": PushOptimizer(model.sparse, name=cfg.optim.sparse,
-                                                                       lr=cfg.optim.sparse_lr)})
-    return dense_opt, build_sparse_optimizers(cfg, model.sparse)
+def build_optimizers(cfg: Config, model: torch.nn.Module, backend: SparseBackend) -> tuple[torch.optim.Optimizer,
+                                                                                           CombinedSparseOptimizer]:
+    """The dense optimizer and the backend's sparse one (parameter servers: pushes to them)."""
+    return build_dense_optimizer(dense_parameters(model), cfg.optim), backend.sparse_optimizer(model)
 
 
 def kernels_record(cfg: Config, model: torch.nn.Module, topo: Topology, sparse_opt, dense_sync: DenseSync,
@@ -634,10 +439,12 @@ def checkpoint_components(topo: Topology, model: torch.nn.Module, dense_opt, *, 
 
 
 def build_checkpointer(cfg: Config, topo: Topology, run_dir: Path, model, dense_opt, sparse_opt, *,
-                       components: list[Component], servers, early_stop: EarlyStopping | None) -> Checkpointer:
-    """The run's checkpointer; with ``train.early_stop``, the best step's checkpoint kept too."""
+                       components: list[Component], attachment: Attachment,
+                       early_stop: EarlyStopping | None) -> Checkpointer:
+    """The run's checkpointer (``attachment``: the backend's); with ``train.early_stop``, the
+    best step's checkpoint kept too."""
     return Checkpointer(run_dir, topo, model=model, dense_opt=dense_opt, sparse_opt=sparse_opt,
-                        components=components, keep=cfg.train.keep_checkpoints, servers=servers,
+                        components=components, keep=cfg.train.keep_checkpoints, attachment=attachment,
                         keep_also=early_stop.kept_steps if early_stop is not None else None,
                         background=cfg.train.async_checkpoint)
 
@@ -666,19 +473,17 @@ def build_pipeline(cfg: Config, meta: DatasetMeta, loader, model, sparse_opt, to
     return TrainPipeline(loader, model.sparse, enabled=cfg.dist.pipeline, device=topo.device), keymaps
 
 
-def build_step_source(cfg: Config, pipeline, model, servers, keymaps: DynamicTables | None = None,
+def build_step_source(cfg: Config, pipeline, model, backend: SparseBackend, keymaps: DynamicTables | None = None,
                       logger: MetricLogger | None = None) -> StepSource:
-    """The loop's steps: a stream's, a parameter-server trainer's, Hogwild's threads', or one
-    thread's."""
+    """The loop's steps: a stream's, else the backend's (a parameter-server trainer's,
+    Hogwild's threads', or one thread's)."""
     if cfg.data.stream:
         return StreamSteps(pipeline, pipeline.loader, keymaps, log_every=cfg.train.log_every, logger=logger)
-    if servers:
-        return ServerSteps(pipeline, model.sparse)
-    return HogwildSteps(pipeline, cfg.train.workers) if cfg.train.workers > 1 else StepSource(pipeline)
+    return backend.step_source(pipeline, model)
 
 
 def loop_parts(cfg: Config, topo: Topology, *, total_steps: int, run_dir: Path, logger, totals, schedule,
-               eval_loader, early_stop, sync_runner, remote: bool, checkpoints: Checkpoints,
+               eval_loader, early_stop, sync_runner, backend: SparseBackend, checkpoints: Checkpoints,
                recovery: RecoveryPart | None) -> list[Part]:
     """The training loop's parts besides its step source, in the order of their hooks
     (:mod:`hybridrec.train.loop.parts`): failure injection, the thread count, the
@@ -696,7 +501,8 @@ def loop_parts(cfg: Config, topo: Topology, *, total_steps: int, run_dir: Path, 
     if eval_loader is not None:  # (a stream has none: its metrics are test-then-train)
         parts.append(Evaluation(eval_loader, eval_every=t.eval_every, total_steps=total_steps,
                                 early_stop=early_stop, save_best=t.save_checkpoints,
-                                changes_after_stop=sync_runner is not None or remote, logger=logger))
+                                changes_after_stop=sync_runner is not None or backend.changes_after_stop,
+                                logger=logger))
     else:
         parts.append(Progressive(t.progressive_window, log_every=t.log_every, logger=logger, topo=topo))
     if early_stop is not None:

@@ -88,7 +88,17 @@ class ModelConfig(ReadOnly):
     top_mlp: list[int] = field(default_factory=lambda: [512, 256, 1])
     """Top MLP widths, ending in 1."""
     interaction: str = "dot"
-    """``dot`` (pairwise dot products) or ``cat``."""
+    """``dot`` (pairwise dot products), ``cat``, or ``dcn`` (DLRM-DCNv2: a low-rank cross
+    network over the bottom-MLP output and the pooled embeddings side by side,
+    ``model.dcn_layers`` layers at rank ``model.dcn_rank``)."""
+    dcn_layers: int = 3
+    """``model.interaction=dcn``: cross layers (the MLPerf DLRM-DCNv2's 3)."""
+    dcn_rank: int = 512
+    """``model.interaction=dcn``: the cross layers' low rank (the MLPerf DLRM-DCNv2's 512),
+    capped at a quarter of their input width ``n = (F+1) x embedding_dim`` (F: the features)
+    and at ``max(16, n**2 // 12288)``, which keeps a small model's step within 1.3x of the dot
+    DLRM's (the demo: n = 432, rank 16; the MLPerf model: n = 3,456, 512 kept).
+    docs/guide.md, "DLRM-DCNv2"."""
     pooling: str = "sum"
     """Pooling of multi-hot bags: ``sum`` or ``mean``."""
     embedding_dtype: str = "fp32"

@@ -15,7 +15,7 @@ from hybridrec import launch_env
 from hybridrec.data.schema import DatasetMeta
 from hybridrec.errors import ConfigError
 from hybridrec.model.embedding import WEIGHT_DTYPES
-from hybridrec.model.interaction import make_interaction
+from hybridrec.model.interaction import interaction_parameters, interaction_width
 from hybridrec.parallel.checkpoint_io import gather
 from hybridrec.parallel.cost_model import memory_by_rank
 from hybridrec.parallel.topology import Topology
@@ -30,8 +30,9 @@ def dense_model_bytes(cfg: Config, meta: DatasetMeta, world_size: int = 1) -> in
     """The dense arches' weights, gradients and dense optimizer state (float32), plus
     DDP's gradient buckets with several ranks."""
     m = cfg.model
-    _, top_in = make_interaction(m.interaction, len(meta.schema.features), m.embedding_dim)
-    params = 0
+    top_in = interaction_width(m.interaction, len(meta.schema.features), m.embedding_dim)
+    params = interaction_parameters(m.interaction, len(meta.schema.features), m.embedding_dim,
+                                    dcn_layers=m.dcn_layers, dcn_rank=m.dcn_rank)
     for widths in ([len(meta.schema.dense), *m.bottom_mlp], [top_in, *m.top_mlp]):
         params += sum(a * b + b for a, b in itertools.pairwise(widths))
     copies = 2 + _DENSE_OPT_STATES.get(cfg.optim.dense, 2)
