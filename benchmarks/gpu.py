@@ -134,7 +134,8 @@ def build_hybridrec(spec: dict, rows: int, batch: int, precision: str, device: t
     from hybridrec.model.kernels import PRECISIONS
     from hybridrec.parallel.dense_sync import NoSync
     from hybridrec.parallel.topology import Topology
-    from hybridrec.train.build import build_sparse_optimizers, tune_kernels
+    from hybridrec.train.backends import build_sparse_optimizers
+    from hybridrec.train.build import tune_kernels
     from hybridrec.train.loop.optim import build_dense_optimizer, dense_parameters
     from hybridrec.train.loop.step import training_step
     from hybridrec.train.setup import recipes

@@ -336,7 +336,7 @@ def test_owner_layout_groups_neighbours_with_the_same_codec_and_width():
 
 def test_policy_picks_tables_by_name_and_rows():
     from hybridrec.errors import ConfigError
-    from hybridrec.train.build import build_embedding_codecs
+    from hybridrec.train.backends import build_embedding_codecs
     from hybridrec.train.setup.configure import build_config
 
     plan = make_plan("mixed")  # t2 is data-parallel: it has no hop to code

@@ -71,7 +71,8 @@ def _checkpoint_state(path, cfg) -> dict:
     """A checkpoint's tables, dense weights and optimizer state, loaded into one process."""
     from hybridrec.parallel.checkpoint import load_state
     from hybridrec.parallel.topology import Topology
-    from hybridrec.train.build import build_model, build_sparse_optimizers
+    from hybridrec.train.backends import build_sparse_optimizers
+    from hybridrec.train.build import build_model
     from hybridrec.train.loop.optim import build_dense_optimizer, dense_parameters
     from hybridrec.train.setup.tables import load_dataset
 

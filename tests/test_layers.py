@@ -582,3 +582,73 @@ def test_build_trainer_stays_short():
     tree = ast.parse(Path(build.__file__).read_text())
     (fn,) = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "build_trainer"]
     assert fn.end_lineno - fn.lineno + 1 <= 50
+
+
+# ---------------------------------------------------------------- the sparse backends
+
+PS_NAMES = r"num_ps|PS_DIR|PS_PART|remote|servers$"
+"""Names that say "a parameter-server run": ``dist.num_ps``, the servers' checkpoint part,
+the remote collection, a handle on the servers."""
+PS_HOMES = ("hybridrec/train/backends.py", "hybridrec/train/ps_run.py", "hybridrec/train/setup/rules.py")
+"""Where parameter servers may be branched on: the sparse backends (chosen once), the
+servers' own module and the run rules."""
+
+
+def ps_branches(source: str) -> list[int]:
+    """The lines of ``source`` whose branch condition names a parameter-server run (a name
+    or attribute matching :data:`PS_NAMES`): ``if``/``elif``/``while`` tests, conditional
+    expressions, comprehension filters and ``and``/``or`` expressions; comments, strings and
+    docstrings are not code and do not count."""
+    import re
+
+    pattern = re.compile(PS_NAMES)
+    found = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.If, ast.While, ast.IfExp)):
+            conditions = [node.test]
+        elif isinstance(node, ast.comprehension):
+            conditions = node.ifs
+        elif isinstance(node, ast.BoolOp):
+            conditions = [node]
+        else:
+            continue
+        for c in conditions:
+            names = [n.id if isinstance(n, ast.Name) else n.attr for n in ast.walk(c)
+                     if isinstance(n, (ast.Name, ast.Attribute))]
+            if any(pattern.search(x) for x in names):
+                found.add(c.lineno)
+    return sorted(found)
+
+
+@pytest.mark.parametrize("source, lines", [
+    ("if cfg.dist.num_ps:\n    pass\n", [1]),
+    ("x = 1\nif a:\n    pass\nelif (path / PS_DIR).is_dir():\n    pass\n", [4]),
+    ("y = f(s) if servers is None else g(s)\n", [1]),
+    ("ok = a > 1 or bool(cfg.dist.num_ps)\n", [1]),
+    ("xs = [p for p in ps if p.remote]\n", [1]),
+    ("while self.servers:\n    break\n", [1]),
+])
+def test_ps_branch_checker_finds_a_planted_branch(source, lines):
+    assert ps_branches(source) == lines
+
+
+def test_ps_branch_checker_skips_comments_strings_and_plain_uses():
+    source = ('"""if num_ps: a docstring"""\n'
+              "# if cfg.dist.num_ps: a comment\n"
+              'msg = "or servers" if a else "remote"\n'
+              "n = cfg.dist.num_ps + 1\n"
+              "self.servers.save(path)\n"
+              "if a:\n    servers.load(path)  # (the body is not the condition)\n")
+    assert ps_branches(source) == []
+
+
+def test_parameter_servers_are_branched_on_in_the_backend_alone():
+    """Parameter servers are a sparse backend chosen once (:mod:`hybridrec.train.backends`):
+    outside it, the servers' module and the rules, train/ branches on them at most 3 times
+    (the role split of :func:`hybridrec.train.run.train`: servers serve, trainers train)."""
+    train = PACKAGE / "train"
+    homes = {PACKAGE.parent / h for h in PS_HOMES}
+    assert all(h.is_file() for h in homes), homes
+    found = [f"{path.relative_to(PACKAGE.parent)}:{line}" for path in sorted(train.rglob("*.py"))
+             if path not in homes for line in ps_branches(path.read_text())]
+    assert len(found) <= 3, "branch on the sparse backend instead:\n" + "\n".join(found)

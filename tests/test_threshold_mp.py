@@ -12,7 +12,7 @@ from hybridrec.comm.ledger import CommLedger
 from hybridrec.errors import ConfigError
 from hybridrec.parallel.sharded_embedding import ShardedEmbeddingBagCollection
 from hybridrec.parallel.threshold_dist import ThresholdMP, count_dtype
-from hybridrec.train.build import build_threshold_mp
+from hybridrec.train.backends import build_threshold_mp
 from hybridrec.train.setup.configure import build_config
 
 

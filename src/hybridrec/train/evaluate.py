@@ -14,14 +14,13 @@ import numpy as np
 from hybridrec.data.schema import DatasetMeta
 from hybridrec.errors import ConfigError
 from hybridrec.files import write_json_atomic
-from hybridrec.parallel.checkpoint import load_sharded, load_state
 from hybridrec.parallel.checkpoint_io import CheckpointError
 from hybridrec.parallel.topology import Topology
+from hybridrec.train.backends import stored_backend
 from hybridrec.train.build import build_loaders, build_model
 from hybridrec.train.checkpointing import checkpoint as ckpt
 from hybridrec.train.loop.early_stop import resolve_checkpoint
 from hybridrec.train.loop.step import evaluate_model
-from hybridrec.train.ps_run import PS_DIR
 from hybridrec.train.setup.config import Config, apply_dict
 from hybridrec.train.setup.configure import replace, validate
 from hybridrec.train.setup.tables import load_dataset
@@ -84,15 +83,10 @@ def with_key_maps(meta: DatasetMeta, extra: dict, path: Path) -> DatasetMeta:
 
 
 def _load_weights(path: Path, model) -> dict:
-    """The weights of the checkpoint ``path`` into ``model`` (one process); its ``extra``."""
-    if not (path / PS_DIR).is_dir():
-        return load_sharded(path, model=model, dense_opt=None, sparse_opts=None, topo=Topology.single())
-    # A parameter-server run: the dense arches here, the tables in the servers' part.
-    extra = load_state(path, model=model, dense_opt=None, sparse_opts=None, topo=Topology.single(),
-                       parts="dense").extra
-    load_state(path / PS_DIR, model=model, dense_opt=None, sparse_opts=None, topo=Topology.single(),
-               parts="tables")
-    return extra
+    """The weights of the checkpoint ``path`` into ``model`` (one process), read by the
+    backend that wrote it (a parameter-server run's tables are in the servers' part); its
+    ``extra``."""
+    return stored_backend(path).load_weights(path, model)
 
 
 def evaluate_run(run_dir: str | Path, *, checkpoint: str | None = None,

@@ -1,5 +1,7 @@
 """Building a parameter-server run from a :class:`~hybridrec.train.setup.config.Config`: the
-servers' placement of the tables, a server's whole life, and the trainers' checkpoint hook."""
+servers' placement of the tables, a server's whole life, and the trainers' checkpoint
+attachment (:class:`ServerCheckpoints`). The trainers' side of the run is the servers' sparse
+backend, :class:`hybridrec.train.backends.ServerBackend`."""
 
 from __future__ import annotations
 
@@ -19,14 +21,17 @@ from hybridrec.parallel.topology import Topology
 from hybridrec.ps import server as srv
 from hybridrec.ps.client import ServerError, wait_reply
 from hybridrec.ps.world import Roles, init_world, join_rpc, server_name, shutdown
+from hybridrec.train.checkpointing import checkpoint as ckpt
 from hybridrec.train.checkpointing.faults import FailureInjector
+from hybridrec.train.checkpointing.lost_work import server_shard_loss
 from hybridrec.train.checkpointing.server_recovery import ServerRecovery
+from hybridrec.train.checkpointing.snapshots import clear_snapshots
 from hybridrec.train.loop.sparse_optim import combined_sparse_optimizer
 from hybridrec.train.setup.config import Config
 from hybridrec.train.setup.memory import memory_limit, size_text
 from hybridrec.train.setup.tables import build_tables, uniform_plan
 
-PS_DIR = "ps"
+PS_DIR = ckpt.PS_PART
 """The servers' part of a checkpoint: ``step-N/ps/``, a sharded checkpoint of its own."""
 
 
@@ -113,13 +118,25 @@ def local_servers_memory_problem(cfg: Config, meta: DatasetMeta) -> str | None:
 
 
 class ServerCheckpoints:
-    """The trainers' handle on the servers' checkpoints (``Checkpointer(servers=...)``).
-    :meth:`save` and :meth:`load` are collective over the trainers: rank 0 asks every
-    server at once (they save and load together, over their own group), and every trainer
-    learns of a failure."""
+    """The trainers' handle on the servers' checkpoints: the servers' backend's checkpoint
+    attachment (:class:`~hybridrec.train.checkpointing.checkpointer.Attachment`,
+    ``Checkpointer(attachment=...)``). :meth:`save` and :meth:`load` are collective over
+    the trainers: rank 0 asks every server at once (they save and load together, over
+    their own group), and every trainer learns of a failure. The trainers' checkpoint is
+    written in the foreground: the servers' part is in it before it is published."""
+
+    in_background = False
 
     def __init__(self, topo: Topology, num_ps: int, timeout_s: float) -> None:
         self.topo, self.num_ps, self.timeout_s = topo, num_ps, timeout_s
+
+    def manifest(self) -> dict:
+        """The manifest's entry of the servers' part."""
+        return {PS_DIR: "servers"}
+
+    def processes(self, trainers: int) -> int:
+        """The processes a failure can hit: the trainers and the servers."""
+        return trainers + self.num_ps
 
     def _all(self, fn, args, what: str, path: Path) -> list:
         """``fn(*args)`` on every server at once, asked by the lead trainer; every trainer
@@ -150,15 +167,29 @@ class ServerCheckpoints:
         """Into ``path/ps`` (``path``: the trainers' checkpoint, not yet published)."""
         self._all(srv.rpc_save, (str(path / PS_DIR), {"step": step}), "saving the servers' checkpoint", path)
 
-    def recover(self, resumed_at: int, checkpoint_step: int | None, *, use_snapshots: bool, run_dir: Path) -> list[dict]:
+    def no_failure(self, run_dir: Path, fast_dir) -> None:
+        """No trainer stopped under a failure: a server's snapshot, if any, is of no failure
+        to recover now (the lead trainer clears them)."""
+        if self.topo.lead:
+            clear_snapshots(run_dir, fast_dir)
+
+    def recover(self, resumed_at: int, checkpoint_step: int | None, *, use_snapshots: bool, run_dir: Path,
+                lost_since, global_batch: int, trainers_shards=None) -> dict:
         """Collective over the trainers, after the checkpoint was restored: every server's
-        part of a recovery (:meth:`ServerRecovery.recover`), one record each."""
+        part of a recovery (:meth:`ServerRecovery.recover`: its own snapshot over the
+        checkpoint's shards, or not); the recovery record's entries: the servers that
+        failed, each server's reply and its shards' losses (``lost_since(f"psJ", step)``:
+        the steps server J's shards lost; the trainers hold no shard)."""
         replies = self._all(rpc_recover, (resumed_at, checkpoint_step, use_snapshots),
                             "recovering the parameter servers", run_dir)
         kept = [x for x in replies if x["snapshot"]]
         if kept:  # every server at the sparse optimizers' step of the first that kept its state
             self._all(srv.rpc_set_clock, (kept[0]["clock"],), "recovering the parameter servers", run_dir)
-        return replies
+        return {"failed_servers": [x["server"] for x in replies
+                                   if not (x["snapshot"] if use_snapshots else x["wrote"])],
+                "servers": [{k: x[k] for k in ("server", "snapshot", "held_step", "version")} for x in replies],
+                "shards": [server_shard_loss(x["server"], s, lost_since(f"ps{x['server']}", x["held_step"]),
+                                             global_batch) for x in replies for s in x["shards"]]}
 
     def load(self, path: Path) -> None:
         self._all(srv.rpc_load, (str(path / PS_DIR),), "loading the servers' checkpoint", path)

@@ -37,6 +37,7 @@ from hybridrec.parallel.checkpoint_io import SafeFileSystemReader
 from hybridrec.parallel.checkpoint_layout import table_key
 from hybridrec.ps import world as ps_world
 from hybridrec.train import run_files, run_lock, terminate
+from hybridrec.train.backends import backend_class, stored_backend
 from hybridrec.train.build import (
     build_topology,
     build_trainer,
@@ -50,10 +51,9 @@ from hybridrec.train.checkpointing.faults import elastic_restarts
 # (a run's load and evaluation have their own module; still importable from here)
 from hybridrec.train.evaluate import evaluate_run, load_run_config, load_run_model  # noqa: F401
 from hybridrec.train.loop.parts import Part
-from hybridrec.train.ps_run import PS_DIR, run_server
+from hybridrec.train.ps_run import run_server
 from hybridrec.train.setup.config import PATH_KEYS, Config
 from hybridrec.train.setup.configure import replace
-from hybridrec.train.setup.memory import memory_problem
 from hybridrec.train.setup.rules import RunFacts, check_run, group_size, planned_steps
 from hybridrec.train.setup.tables import load_dataset
 from hybridrec.train.summary import now_iso, run_summary
@@ -221,14 +221,8 @@ def preflight(cfg: Config, *, world_size: int) -> tuple[dict | None, str, Config
             return finished, shown, cfg
         if not cfg.train.resume:  # (refused here in one line, before any rank starts)
             run_files.check_start_over(cfg.train.run_dir, shown)
-    if cfg.dist.num_ps:  # the tables live on the servers
-        from hybridrec.train.ps_run import local_servers_memory_problem
-
-        problem = local_servers_memory_problem(cfg, meta)
-    else:
-        m = group_size(cfg, world_size, world_size)  # (hierarchical: every group holds every table)
-        problem = memory_problem(cfg, meta, world_size=m, local_world_size=m, groups=world_size // m,
-                                 hierarchical=m < world_size)
+    m = group_size(cfg, world_size, world_size)  # (hierarchical: every group holds every table)
+    problem = backend_class(cfg, m).launch_memory_problem(cfg, meta, world_size=world_size, group=m)
     if problem:
         raise ConfigError(problem)
     if not cfg.train.run_dir:
@@ -369,8 +363,7 @@ def _old_tables(old: Config | None, newest: Path | None) -> dict[str, int] | Non
     """Rows of every table of the old run: the newest checkpoint's tensors, else its
     dataset's schema (None when neither can be read)."""
     if newest is not None:
-        if (newest / PS_DIR).is_dir():  # a parameter-server run: the servers' part holds them
-            newest = newest / PS_DIR
+        newest = stored_backend(newest).tables_dir(newest)  # (parameter servers: their part holds them)
         stored = SafeFileSystemReader(newest).read_metadata().state_dict_metadata
         prefix, _, suffix = table_key("{}").partition("{}")
         return {k[len(prefix):-len(suffix)]: int(m.size[0]) for k, m in stored.items()

@@ -84,6 +84,70 @@ class TorchRNG:
         torch.set_rng_state(state["cpu"])
 
 
+class Attachment(Protocol):
+    """What a run's checkpoints carry besides the trainers' own state, held elsewhere (a
+    sparse backend's: the parameter servers' tables, ``step-N/ps/``,
+    :class:`~hybridrec.train.ps_run.ServerCheckpoints`). Collective over the trainers:
+    :meth:`quiesce` on every rank before a checkpoint, :meth:`save` into the checkpoint
+    being written (before it is published), :meth:`load` before the trainers' state;
+    with a recovery (:class:`~hybridrec.train.checkpointing.recovery.Recovery`),
+    :meth:`no_failure` or :meth:`recover`."""
+
+    in_background: bool
+    """Whether the trainers' checkpoint may be written in the background beside it."""
+
+    def manifest(self) -> dict: ...
+
+    def processes(self, trainers: int) -> int: ...
+
+    def quiesce(self, sparse_opt) -> None: ...
+
+    def save(self, path: Path, step: int) -> None: ...
+
+    def load(self, path: Path) -> None: ...
+
+    def no_failure(self, run_dir: Path, fast_dir) -> None: ...
+
+    def recover(self, resumed_at: int, checkpoint_step: int | None, *, use_snapshots: bool, run_dir: Path,
+                lost_since: Callable, global_batch: int, trainers_shards: Callable[[], list]) -> dict: ...
+
+
+class NoAttachment:
+    """The trainers hold every table (one process, or several ranks' shards): nothing is
+    attached to their checkpoints; a failure can hit only them, and the record's shards
+    are theirs."""
+
+    in_background = True
+
+    def manifest(self) -> dict:
+        """The checkpoint's components besides the trainers' (their scope): none."""
+        return {}
+
+    def processes(self, trainers: int) -> int:
+        """The processes a failure can hit: the trainers."""
+        return trainers
+
+    def quiesce(self, sparse_opt) -> None:
+        pass
+
+    def save(self, path: Path, step: int) -> None:
+        pass
+
+    def load(self, path: Path) -> None:
+        pass
+
+    def no_failure(self, run_dir: Path, fast_dir) -> None:
+        pass  # (no snapshot but the trainers')
+
+    def recover(self, resumed_at: int, checkpoint_step: int | None, *, use_snapshots: bool, run_dir: Path,
+                lost_since: Callable, global_batch: int, trainers_shards: Callable[[], list]) -> dict:
+        """The recovery record's entries of the tables: the trainers' shards' losses."""
+        return {"shards": trainers_shards()}
+
+
+NO_ATTACHMENT = NoAttachment()
+
+
 class Checkpointer:
     """Saves ``RUN/checkpoints/step-N/`` and restores the newest, for every component.
 
@@ -94,10 +158,10 @@ class Checkpointer:
 
     def __init__(self, run_dir: str | Path, topo: Topology, *, model: nn.Module,
                  dense_opt: torch.optim.Optimizer, sparse_opt, components: list[Component],
-                 keep: int = 2, servers=None, keep_also: Callable[[], Iterable[int]] | None = None,
-                 background: bool = False) -> None:
-        """``servers``: a parameter-server run's :class:`~hybridrec.train.ps_run.ServerCheckpoints`
-        (the tables and their optimizer state live there; saved into ``step-N/ps/``).
+                 keep: int = 2, attachment: Attachment = NO_ATTACHMENT,
+                 keep_also: Callable[[], Iterable[int]] | None = None, background: bool = False) -> None:
+        """``attachment``: what the checkpoints carry besides the trainers' state (:class:`Attachment`:
+        a parameter-server run's tables and their optimizer state, saved into ``step-N/ps/``).
         ``keep_also``: the steps whose checkpoints pruning keeps besides the newest ``keep``
         (early stopping's best one), asked at every save.
         ``background``: :meth:`save` blocks only while the state is copied and the files are
@@ -111,7 +175,7 @@ class Checkpointer:
         self.run_dir, self.topo, self.keep = Path(run_dir), topo, keep
         self.model, self.dense_opt, self.sparse_opt = model, dense_opt, sparse_opt
         self.components = components
-        self.servers = servers
+        self.attachment = attachment
         self.keep_also = keep_also
         self.background = background
         self._pending: PendingSave | None = None  # the save being written in the background
@@ -126,8 +190,7 @@ class Checkpointer:
         whose checkpoint could still be lost with it)."""
         path = ckpt.step_dir(self.run_dir, step)
         self.wait()
-        if self.servers is not None:  # every group's pushes land before group 0's servers save
-            self.servers.quiesce(self.sparse_opt)
+        self.attachment.quiesce(self.sparse_opt)  # (servers: every group's pushes land before group 0's save)
         if self.topo.group_index == 0:
             self._save(path, step)
         if self.topo.hierarchical:
@@ -141,16 +204,15 @@ class Checkpointer:
         manifest = {"step": step, "components": {
             "model": "sharded", "dense_opt": "replicated", "sparse_opt": "sharded",
             **{c.name: "per_rank" if c.per_rank else "global" for c in self.components},
-            **({"ps": "servers"} if self.servers is not None else {})}}
-        attach = None if self.servers is None else (lambda tmp: self.servers.save(tmp, step))
+            **self.attachment.manifest()}}
         args = {"model": self.model, "dense_opt": self.dense_opt, "sparse_opts": self._sparse_opts(),
                 "extra": extra, "per_rank": per_rank, "manifest": manifest, "topo": self.topo}
-        if self.background and self.servers is None and not self.topo.hierarchical:
+        if self.background and self.attachment.in_background and not self.topo.hierarchical:
             if self._group is None and self.topo.group is not None:  # (collective: every rank saves)
                 self._group = self.topo.job_gloo_group()
             self._pending = save_sharded_async(path, group=self._group, **args)
             return
-        save_sharded(path, attach=attach, **args)
+        save_sharded(path, attach=lambda tmp: self.attachment.save(tmp, step), **args)
         self._prune()
 
     def _prune(self) -> None:
@@ -200,8 +262,7 @@ class Checkpointer:
         ``dense_only``: not the tables and their sparse optimizer state (a rank that takes
         them from its own recovery snapshot, partial recovery)."""
         self.wait()
-        if self.servers is not None:
-            self.servers.load(Path(path))
+        self.attachment.load(Path(path))
         loaded = load_state(path, model=self.model, dense_opt=self.dense_opt,
                             sparse_opts=None if dense_only else self._sparse_opts(), topo=self.topo,
                             parts="dense" if dense_only else "all")

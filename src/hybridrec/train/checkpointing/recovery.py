@@ -97,7 +97,6 @@ from hybridrec.train.checkpointing.deltas import ShardDeltas, plan_json
 from hybridrec.train.checkpointing.lost_work import (
     older_rows,
     record_event,
-    server_shard_loss,
     shard_losses,
     steps_lost_by,
 )
@@ -112,7 +111,6 @@ from hybridrec.train.checkpointing.snapshots import (
     RESIDENT_DIR,
     boot_id,
     check_snapshot_dir,
-    clear_snapshots,
     progress_file,
     read_progress,
     read_snapshot,
@@ -441,10 +439,9 @@ class Recovery:
                 path, mine = self._usable_snapshot(progress)
         err = None
         everyone = gather(self.topo, (progress, mine is not None))
-        servers = self.ckpt.servers  # (a parameter-server run: its servers recover too)
+        attachment = self.ckpt.attachment  # (a parameter-server run: its servers recover too)
         if all(p is None for p, _ in everyone):
-            if servers is not None and self.topo.lead:  # (a server's, if any, is of no failure to recover now)
-                clear_snapshots(self.run_dir, self.fast_dir)
+            attachment.no_failure(self.run_dir, self.fast_dir)
             return None
         c = checkpoint_step or 0
         reached = [p["step"] for p, _ in everyone if p is not None]
@@ -482,19 +479,18 @@ class Recovery:
         holds = gather(self.topo, held)
         lost_since = steps_lost_by(self.run_dir, checkpoint_step, failed_at)
         lost = {r: lost_since(r, step) for r, (step, *_) in enumerate(holds)}
-        if servers is not None:  # each server: its own snapshot over the checkpoint's shards, or not
-            replies = servers.recover(resumed_at, checkpoint_step, use_snapshots=bool(survivors),
-                                      run_dir=recovery_dir(self.run_dir))
-            event["failed_servers"] = [x["server"] for x in replies if not (x["snapshot"] if survivors else x["wrote"])]
-            event["servers"] = [{k: x[k] for k in ("server", "snapshot", "held_step", "version")} for x in replies]
         # rows a hot-row delta left out: {rank: {shard: {steps lost: rows}}}, by the step of their newest save
         older = older_rows(holds, failed, lost_since)
         if self.deltas is not None and survivors:
             event["deltas"] = {str(r): {"step": holds[r][0], "pending_rows": holds[r][1]} for r in failed}
-        shards = (shard_losses(self.ckpt.model.sparse, self.global_batch, lost, older) if servers is None else
-                  [server_shard_loss(x["server"], s, lost_since(f"ps{x['server']}", x["held_step"]), self.global_batch)
-                   for x in replies for s in x["shards"]])
-        event.update(resumed_at_step=resumed_at, shards=shards,
+        # the tables' shards' losses: the trainers', or each server's (its own snapshot over the
+        # checkpoint's shards, or not) with the servers that failed
+        event.update(attachment.recover(resumed_at, checkpoint_step, use_snapshots=bool(survivors),
+                                        run_dir=recovery_dir(self.run_dir), lost_since=lost_since,
+                                        global_batch=self.global_batch,
+                                        trainers_shards=lambda: shard_losses(self.ckpt.model.sparse,
+                                                                             self.global_batch, lost, older)))
+        event.update(resumed_at_step=resumed_at,
                      dense_steps_lost=max(0, failed_at - resumed_at),
                      restore_seconds=time.perf_counter() - start, resumed_time=time.time())
         event["restore_seconds"] = max(gather(self.topo, event["restore_seconds"]))

@@ -116,8 +116,7 @@ class RecoveryPart(Part, CheckpointHooks):
         deltas = rec.deltas
         # (parameter servers: a failure hits one of the N + P processes alike, and only a
         # server's loses anything, 1/P of the tables: 1/(N + P) expected, as N + P DES ranks)
-        servers = rec.ckpt.servers
-        processes = rec.topo.group_size + (servers.num_ps if servers is not None else 0)
+        processes = rec.ckpt.attachment.processes(rec.topo.group_size)
         if not (t.recovery == "partial" and processes > 1):
             return None
         inputs = {"save_s": save_s, "step_s": step_s, "mtbf_s": mtbf_s, "total_steps": total_steps,
