@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from distributed import run_ranks
 
 from hybridrec.cli.main import main
 from hybridrec.data.chunk import ParseReport
@@ -134,6 +135,12 @@ def test_bad_lines_error_or_skip(shared_stream, tmp_path):
     skip = _loader(d, on_bad_line="skip", show=lambda msg: None)
     assert sum(b.batch_size for b in skip) == 299
     assert skip.files[0]["bad_lines"] == 1 and skip.files[0]["rows"] == 299
+    # a rank parses its own lines only: a bad field in another rank's line is not its error
+    mine = CriteoReader(rows_of=lambda n: np.arange(1, n, 2))
+    with pytest.raises(DataError, match=r"hour_0000.tsv:6:"):
+        list(mine.read(d / "hour_0000.tsv", ParseReport()))
+    other = CriteoReader(rows_of=lambda n: np.arange(0, n, 2))
+    assert sum(len(c) for c, _ in other.read(d / "hour_0000.tsv", ParseReport())) == 150
 
 
 def test_a_stream_option_without_its_tables_is_refused():
@@ -323,3 +330,37 @@ def test_two_ranks_map_keys_as_one_process_and_maps_reshard(shared_stream, tmp_p
     assert [f["rows"] for f in rest["stream"]["files"]] == [1000, 1000, 1000]
     c = _row_keys(mixed)
     assert all(np.array_equal(a[f], c[f]) for f in a)
+
+
+
+def _rank_rows(topo, d: str, batch: int, cut: int, bad: str) -> list:
+    """This rank's batches (labels, keys feature-major): ``cut`` batches, the position saved,
+    a new loader resumed from it to the end; the files' state; whether it parsed its rows only."""
+    kw = {"batch_size": batch, "rank": topo.rank, "world_size": topo.group_size, "group": topo.group,
+          "on_bad_line": bad}
+    first = _loader(Path(d), **kw)
+    it = iter(first)
+    head = [next(it) for _ in range(cut)]
+    second = _loader(Path(d), **kw)
+    second.load_state_dict(json.loads(json.dumps(first.state_dict())))
+    return [[(b.labels, b.sparse.values) for b in head + list(second)], second.files, first._own_rows]
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("bad", ["error", "skip"])
+def test_ranks_parse_their_own_rows_and_resume_exact(shared_stream, tmp_path, bad):
+    """Rank r's rows of global batch t are its rows numbered i % 2 == r, parsed by that rank
+    alone with on_bad_line=error (with skip every rank parses all): together one process's
+    batches of twice the size, every row once across a resume mid-file."""
+    d = _copy_hours(shared_stream(hours=3, rows=1000), tmp_path / "s")
+    one = list(_loader(d, batch_size=256))
+    ranks = run_ranks(_rank_rows, 2, str(d), 128, 9, bad)
+    assert [r[2] for r in ranks] == [bad == "error"] * 2
+    assert all(f["done"] and f["rows"] == 1000 for r in ranks for f in r[1])
+    assert len(ranks[0][0]) == len(ranks[1][0]) == len(one)
+    for t, b in enumerate(one):
+        whole = b.sparse.values.view(len(b.sparse.keys), b.batch_size)  # (one id per bag, feature-major)
+        for r in (0, 1):
+            labels, values = ranks[r][0][t]
+            assert torch.equal(labels, b.labels[r::2]), (t, r)
+            assert torch.equal(values.view(len(b.sparse.keys), -1), whole[:, r::2]), (t, r)

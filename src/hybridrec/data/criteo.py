@@ -21,7 +21,7 @@ error message of a bad line is built in Python.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -74,6 +74,11 @@ class CriteoReader:
     labelled: bool = True
     """False: lines without the label (39 fields, like Criteo's own ``test.txt``), each read
     with a ``0`` label put in front (so the column numbers of messages count it)."""
+    rows_of: Callable[[int], np.ndarray] | None = None
+    """Given a block's line count, the lines (indices) to parse; the others are split from
+    the text and counted, not parsed (a stream's rank takes its own rows: with
+    ``on_bad_line="error"``, where a line not parsed cannot be dropped). Every block's chunk
+    is yielded, empty ones too. None: every line."""
 
     def __post_init__(self) -> None:
         check_on_bad_line(self.on_bad_line)
@@ -105,7 +110,7 @@ class CriteoReader:
                     chunk, n_lines = self.parse_block(data, line, f.path, report)
                     line += n_lines
                     report.lines_read += n_lines
-                    if len(chunk):
+                    if len(chunk) or self.rows_of is not None:
                         yield chunk, f.position
                 if tail is None or len(tail) > self.max_line_bytes:
                     raise line_too_long(f.path, line + 1, self.max_line_bytes, "a Criteo file")
@@ -125,6 +130,8 @@ class CriteoReader:
         # Zero padding: field windows of up to 19 bytes never run past the end (0 is no delimiter).
         buf = np.frombuffer(data + bytes(_PAD), dtype=np.uint8)
         lines = _split_fields(buf)
+        if self.rows_of is not None and lines.ok.all():
+            return self._parse_some(buf, data, first_line, path, lines), len(lines.ok)
         p = _parse_fields(
             buf, lines.starts, lines.ends - lines.starts, self._oh_cols, self._mh_cols
         )
@@ -135,13 +142,29 @@ class CriteoReader:
                 raise DataError(messages.first())
             report.skipped(len(messages.lines), messages)
             p = _select_rows(p, ~row_bad)
-        chunk = RowChunk(
+        return self._chunk(p), len(lines.ok)
+
+    def _chunk(self, p: dict) -> RowChunk:
+        return RowChunk(
             labels=p["labels"],
             dense=transform_dense(p["dense"], "log1p"),
             onehot=p["onehot"],
             multihot={FIELDS[c]: (p["mh"][c][0], p["mh"][c][1]) for c in self._mh_cols},
         )
-        return chunk, len(lines.ok)
+
+    def _parse_some(self, buf, data, first_line, path, lines: _Lines) -> RowChunk:
+        """The lines ``rows_of`` picks of a block whose lines all have their fields (a bad
+        field among them: the error, naming its line)."""
+        if self.on_bad_line != "error":
+            raise DataError("CriteoReader.rows_of needs on_bad_line='error' (a skipped line shifts the rows)")
+        pick = np.asarray(self.rows_of(len(lines.ok)), dtype=np.int64)
+        starts = lines.starts[pick]
+        p = _parse_fields(buf, starts, lines.ends[pick] - starts, self._oh_cols, self._mh_cols)
+        if p["bad"].any():
+            bad = np.zeros((len(lines.ok), p["bad"].shape[1]), dtype=bool)
+            bad[pick] = p["bad"]
+            raise DataError(_BadLines(self, data, first_line, path, lines, bad).first())
+        return self._chunk(p)
 
     def reason(self, col: int, text: bytes) -> str:
         """Why field ``col`` (0-based) with this text is malformed."""

@@ -20,12 +20,17 @@ A file whose name sorts before one already picked up arrived out of order: it is
 with a warning and listed in summary.json (``late``).
 
 **Ranks.** Global batch ``t`` is the stream's next ``G = batch_size * world`` rows and rank
-``r`` takes slice ``r`` of it (:func:`~hybridrec.data.loader.rank_slice`), as the dataset
-loader does: the ranks train disjoint rows and N ranks see what one process with batch G
-sees. Rank 0 alone looks at the directory and tells the others which file comes next (a
-broadcast of a few JSON bytes, never pickled); while it waits for a file the ranks meet
-every ``data.stream_poll_s``, so a quiet stream never trips a collective's timeout. Every
-rank parses each file (a simplification: the rows are split, the parsing is not).
+``r`` takes those of them numbered ``i % world == r`` (``i`` counts the stream's rows since it,
+or its resume, started; G is a multiple of world): the ranks train disjoint rows and N ranks
+see what one process with batch G sees. Rank 0 alone looks at the directory and tells the
+others which file comes next (a broadcast of a few JSON bytes, never pickled); while it waits
+for a file the ranks meet every ``data.stream_poll_s``, so a quiet stream never trips a
+collective's timeout. Each rank parses only its own rows of a Criteo file (every rank splits
+the text into lines and fields, and the field values of its rows alone are parsed:
+:attr:`~hybridrec.data.criteo.CriteoReader.rows_of`), when every line must be good
+(``data.on_bad_line=error``: a bad line stops the run from the rank that parses it). With
+``skip``, a dropped line would shift the numbers, and CSV/Parquet files have no such
+reader: there every rank parses every row and keeps its own (a simplification).
 
 **Position.** The state is the list of files picked up, each with its fingerprint, landing
 time and rows trained; every file but the last is trained whole. A checkpoint saves the
@@ -58,7 +63,7 @@ from hybridrec.broadcast import rank0_value
 from hybridrec.data import dense as dense_transforms
 from hybridrec.data.chunk import ParseReport, RowChunk
 from hybridrec.data.criteo import CATEGORICAL, DENSE, CriteoReader
-from hybridrec.data.loader import keyed_ids, rank_slice
+from hybridrec.data.loader import keyed_ids
 from hybridrec.data.schema import DatasetMeta, FeatureSpec, Schema
 from hybridrec.data.tabular import CsvReader, ParquetReader, TabularSpec
 from hybridrec.errors import ConfigError, DataError
@@ -146,31 +151,43 @@ def _fingerprint(path: Path) -> dict:
 
 
 class _Buffer:
-    """Parsed rows not trained yet: ``(file index, chunk, the chunk's first row in its file)``."""
+    """Parsed rows not trained yet, counted in the stream's rows (``rows``): pieces
+    ``[file index, chunk, rows, first]``, a piece of ``rows`` stream rows numbered from
+    ``first`` (since the stream or its resume started) whose chunk holds this rank's of them
+    only (``rank``/``world``: rows numbered ``i % world == rank``), or all (``world`` 1)."""
 
-    def __init__(self) -> None:
+    def __init__(self, rank: int = 0, world: int = 1) -> None:
         self.items: list[list] = []
         self.rows = 0
+        self.rank, self.world = rank, world
 
-    def add(self, index: int, chunk: RowChunk) -> None:
-        if len(chunk):
-            self.items.append([index, chunk])
-            self.rows += len(chunk)
+    def _held(self, first: int, n: int) -> int:
+        """This rank's rows among the stream's rows ``[first, first + n)``."""
+        if self.world == 1:
+            return n
+        below = lambda x: max(0, (x - self.rank + self.world - 1) // self.world)
+        return below(first + n) - below(first)
 
-    def take(self, n: int) -> list[tuple[int, RowChunk]]:
+    def add(self, index: int, chunk: RowChunk, rows: int, first: int) -> None:
+        if rows:
+            self.items.append([index, chunk, rows, first])
+            self.rows += rows
+
+    def take(self, n: int) -> list[tuple[int, RowChunk, int]]:
+        """The next ``n`` stream rows: ``(file index, the chunk held of them, stream rows)``."""
         out = []
         while n > 0:
-            index, chunk = self.items[0]
-            if len(chunk) <= n:
-                out.append((index, chunk))
+            index, chunk, rows, first = self.items[0]
+            if rows <= n:
+                out.append((index, chunk, rows))
                 self.items.pop(0)
-                n -= len(chunk)
-                self.rows -= len(chunk)
             else:
-                out.append((index, _rows(chunk, 0, n)))
-                self.items[0][1] = _rows(chunk, n, len(chunk))
-                self.rows -= n
-                n = 0
+                held = self._held(first, n)
+                out.append((index, _rows(chunk, 0, held), n))
+                self.items[0] = [index, _rows(chunk, held, len(chunk)), rows - n, first + n]
+                rows = n
+            n -= rows
+            self.rows -= rows
         return out
 
 
@@ -178,6 +195,11 @@ def _rows(chunk: RowChunk, lo: int, hi: int) -> RowChunk:
     if chunk.multihot:
         raise DataError("a stream of multi-hot features is not supported")
     return RowChunk(labels=chunk.labels[lo:hi], dense=chunk.dense[lo:hi], onehot=chunk.onehot[lo:hi])
+
+
+def _every(chunk: RowChunk, start: int, step: int) -> RowChunk:
+    return RowChunk(labels=chunk.labels[start::step], dense=chunk.dense[start::step],
+                    onehot=chunk.onehot[start::step])
 
 
 def _concat(chunks: list[RowChunk]) -> RowChunk:
@@ -228,7 +250,12 @@ class StreamLoader:
         self._reading: int | None = None  # the index of the file being parsed
         self._read = 0  # its good rows parsed so far
         self._skip = 0  # its rows a resumed run trained already
-        self._buffer = _Buffer()
+        # Criteo text that must be good (on_bad_line=error): each rank parses only its own rows
+        # (numbered i % world == rank); else every rank parses every row and keeps its own
+        self._own_rows = world_size > 1 and on_bad_line == "error" and self.spec is None
+        self._seq = 0  # rows buffered since the stream (or its resume) started: their numbers
+        self._pending = (0, 0)  # the block being parsed: (its rows past the skip, its first number)
+        self._buffer = self._new_buffer()
         self._idle_since = time.time()
 
     def __len__(self) -> int:
@@ -251,7 +278,10 @@ class StreamLoader:
                               f"{self.directory}")
         self.files = [dict(f) for f in state.get("files", [])]
         self.late = list(state.get("late", []))
-        self._chunks, self._reading, self._buffer = None, None, _Buffer()
+        self._chunks, self._reading, self._buffer, self._seq = None, None, self._new_buffer(), 0
+
+    def _new_buffer(self) -> _Buffer:
+        return _Buffer(self.rank, self.world_size) if self._own_rows else _Buffer()
 
     def summary(self, files: list[dict] | None = None) -> dict:
         """summary.json's ``stream``: of ``files`` (a position's; None: the files as read)."""
@@ -280,6 +310,10 @@ class StreamLoader:
             yield self._batch(self._buffer.take(min(g, self._buffer.rows)))
 
     def _add(self, chunk: RowChunk) -> None:
+        if self._own_rows:  # (the reader parsed this rank's rows of the block: _rows_of)
+            rows, first = self._pending
+            self._buffer.add(self._reading, chunk, rows, first)
+            return
         n = len(chunk)
         if self._skip:  # rows a checkpoint says were trained
             drop = min(self._skip, n)
@@ -287,17 +321,30 @@ class StreamLoader:
             chunk = _rows(chunk, drop, n) if drop < n else None
         self._read += n
         if chunk is not None:
-            self._buffer.add(self._reading, chunk)
+            self._buffer.add(self._reading, chunk, len(chunk), self._seq)
+            self._seq += len(chunk)
 
-    def _batch(self, pieces: list[tuple[int, RowChunk]]) -> Batch:
-        for index, chunk in pieces:
+    def _rows_of(self, n: int) -> np.ndarray:
+        """The reader's ``rows_of``: which of a block's ``n`` lines this rank parses (those
+        past the rows a checkpoint says were trained, numbered ``i % world == rank``)."""
+        drop = min(self._skip, n)
+        self._skip -= drop
+        self._read += n
+        kept = n - drop
+        self._pending = (kept, self._seq)
+        first = (self.rank - self._seq) % self.world_size  # (the first of this rank's numbers)
+        self._seq += kept
+        return drop + np.arange(first, kept, self.world_size, dtype=np.int64)
+
+    def _batch(self, pieces: list[tuple[int, RowChunk, int]]) -> Batch:
+        for index, _, rows in pieces:
             f = self.files[index]
-            f["rows"] += len(chunk)
+            f["rows"] += rows
             if f.get("total") is not None and f["rows"] >= f["total"]:
                 f["done"] = True
-        whole = _concat([c for _, c in pieces])
-        lo, hi = rank_slice(len(whole), self.rank, self.world_size)
-        mine = _rows(whole, lo, hi)
+        mine = _concat([c for _, c, _ in pieces])
+        if not self._own_rows and self.world_size > 1:  # (a batch starts at a number divisible by world)
+            mine = _every(mine, self.rank, self.world_size)
         ids = mine.onehot if self.encode is None else self.encode(mine.onehot)
         return Batch(dense=torch.from_numpy(np.ascontiguousarray(mine.dense, dtype=np.float32)),
                      sparse=keyed_ids(self.schema, ids, {}),
@@ -330,6 +377,8 @@ class StreamLoader:
         self._reading, self._read, self._skip = index, 0, int(f["rows"]) if resume else 0
         self._report = ParseReport()
         reader = stream_reader(path, spec=self.spec, on_bad_line=self.on_bad_line)
+        if self._own_rows:
+            reader.rows_of = self._rows_of
         self._chunks = reader.read(path, self._report)
         return True
 
