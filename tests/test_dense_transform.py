@@ -71,25 +71,28 @@ def tabular(tmp_path_factory):
 
 def test_auto_logs_counts_and_standardizes_the_rest_with_train_numbers(tabular):
     meta, train, held, _ = tabular
-    temp = raw_column(train, 2)
-    mean, std = np.nanmean(temp), np.nanstd(temp)
+    temp, logs = raw_column(train, 2), np.log1p(raw_column(train, 1))
     got = meta.preprocessing["dense_transform"]
-    assert set(got) == {"visits", "temp"} and got["visits"] == "log1p"
-    assert got["temp"]["transform"] == "standardize"
-    assert got["temp"]["mean"] == pytest.approx(mean, rel=1e-12)
-    assert got["temp"]["std"] == pytest.approx(std, rel=1e-12)
+    assert set(got) == {"visits", "temp"}
+    v, t = got["visits"], got["temp"]
+    assert v["transform"] == "log1p_standardize" and t["transform"] == "standardize"
+    assert v["mean"] == pytest.approx(np.nanmean(logs), rel=1e-12)
+    assert v["std"] == pytest.approx(np.nanstd(logs), rel=1e-12)
+    assert t["mean"] == pytest.approx(np.nanmean(temp), rel=1e-12)
+    assert t["std"] == pytest.approx(np.nanstd(temp), rel=1e-12)
     # meta.json on disk says the same, and the shards hold the transformed values: the
     # held-out part standardized with the train split's numbers; a missing value 0.
     assert json.loads((meta.path / "meta.json").read_text())["preprocessing"]["dense_transform"] == got
     for part, body in (("part-00000", train), ("part-00001", held)):
         d = np.load(meta.path / part / "dense.npy")
         visits, t = raw_column(body, 1), raw_column(body, 2)
-        want_v = np.where(np.isnan(visits), 0.0, np.log1p(np.nan_to_num(visits)))
+        want_v = np.where(np.isnan(visits), 0.0, (np.log1p(np.nan_to_num(visits)) - v["mean"]) / v["std"])
         want_t = np.where(np.isnan(t), 0.0, (t - got["temp"]["mean"]) / got["temp"]["std"])
         assert np.array_equal(d[:, 0], want_v.astype(np.float32))
         assert np.array_equal(d[:, 1], want_t.astype(np.float32))
     d = np.load(meta.path / "part-00000" / "dense.npy")
-    assert abs(d[:, 1].mean()) < 0.01 and 0.9 < d[:, 1].std() < 1.0  # (missing values: 0)
+    for j in range(2):  # (missing values: 0, the mean)
+        assert abs(d[:, j].mean()) < 0.01 and 0.9 < d[:, j].std() < 1.0
 
 
 def test_parquet_chooses_as_csv_does(tabular, tmp_path):
@@ -113,6 +116,7 @@ def test_schema_override_wins(tabular, tmp_path):
     a, b = root / "a.csv", root / "b.csv"
     schema = write_schema(tmp_path / "s1.json", dense_transform={"visits": "standardize", "temp": "log1p"})
     got = preprocess_tabular([a, b], tmp_path / "d1", schema_path=schema).preprocessing["dense_transform"]
+    assert set(got) == {"visits", "temp"}
     visits = raw_column(train, 1)
     assert got["temp"] == "log1p" and got["visits"]["transform"] == "standardize"
     assert got["visits"]["mean"] == pytest.approx(np.nanmean(visits), rel=1e-12)
@@ -159,12 +163,14 @@ def test_old_meta_reads_as_log1p():
     assert dense.from_meta("log1p", names, "m") == [dense.Column("log1p")] * 2
     assert dense.from_meta(None, names, "m") == [dense.Column("log1p")] * 2  # (no entry at all)
     assert dense.from_meta("none", names, "m") == [dense.Column("none")] * 2
-    cols = [dense.Column("log1p"), dense.Column("standardize", 1.5, 2.0)]
+    cols = [dense.Column("log1p"), dense.Column("standardize", 1.5, 2.0), dense.Column("log1p_standardize", 1.0, 0.5)]
+    names = ["a", "b", "c"]
     assert dense.from_meta(dense.to_meta(cols, names), names, "m") == cols
     with pytest.raises(DataError, match="not one preprocessing wrote"):
         dense.from_meta("auto", names, "m/meta.json")
-    x = np.array([[3.0, np.nan], [np.nan, 5.5], [-1.0, -0.5]])
-    assert np.array_equal(dense.apply(x, cols), np.array([[np.log1p(3.0), 0.0], [0.0, 2.0], [0.0, -1.0]], np.float32))
+    x = np.array([[3.0, np.nan, 0.0], [np.nan, 5.5, np.nan], [-1.0, -0.5, np.e - 1]])
+    want = np.array([[np.log1p(3.0), 0.0, -2.0], [0.0, 2.0, 0.0], [0.0, -1.0, 0.0]], np.float32)
+    assert np.array_equal(dense.apply(x, cols), want)
 
 
 def test_like_reuses_the_numbers(tabular, tmp_path):

@@ -13,8 +13,8 @@ The artifact directory holds what serving needs and nothing of hybridrec::
 The program's inputs (B is dynamic; one-hot and multi-hot features in the dataset schema's order):
 
 - ``dense``: float32 ``[B, n_dense]``, already transformed (spec.json's ``dense_transform``:
-  ``log1p`` of the non-negative value, or per column ``log1p``, ``none`` or standardized with
-  the train split's mean and std; :mod:`hybridrec.data.dense`);
+  ``log1p`` of the non-negative value, or per column ``log1p``, ``none``, or standardized
+  (after ``log1p`` or not) with the train split's mean and std; :mod:`hybridrec.data.dense`);
 - ``ids``: int64 ``[B, n_onehot]``, each feature's table id (0 = missing or unseen);
 - with multi-hot features only, ``mh_ids``: int64 ``[nnz]``, the bags' ids sample-major (row
   0's bags in feature order, then row 1's ...), and ``mh_lengths``: int64 ``[B, n_multihot]``.
@@ -317,8 +317,9 @@ def preprocessing_spec(meta) -> tuple[dict, dict[str, Path]]:
                            "else 0 (vocab is sorted, or sorted with keys appended by preprocess --grow)"),
             "log1p": "dense = float32(log(1 + max(x, 0))), computed in float64",
             "standardize": "dense = float32((x - mean) / std), computed in float64",
+            "log1p_standardize": "dense = float32((log(1 + max(x, 0)) - mean) / std), computed in float64",
             "dense_transform": ("one of log1p, none for every dense column, or {column: log1p | none | "
-                                "{transform: standardize, mean, std}}"),
+                                "{transform: standardize | log1p_standardize, mean, std}}"),
         },
     }
     return spec, files

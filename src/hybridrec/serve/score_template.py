@@ -82,18 +82,19 @@ class Encoder:
 def transform(values: np.ndarray, how, names: list[str] | None = None) -> np.ndarray:
     """float64 values ``[n, len(names)]`` (NaN: missing) -> the model's float32 dense inputs.
     ``how``: spec.json's ``dense_transform``, one word for every column or each column's
-    (``log1p``, ``none`` or ``{"transform": "standardize", "mean": M, "std": S}``); every
+    (``log1p``, ``none`` or ``{"transform": "standardize" | "log1p_standardize", "mean": M,
+    "std": S}``: the log first, then the numbers); every
     missing value is 0 after the transform."""
     x = np.array(values, dtype=np.float64)
     missing = np.isnan(x)
     for j, name in enumerate(names if names is not None else map(str, range(x.shape[1]))):
         entry = how if isinstance(how, str) else how.get(name) if isinstance(how, dict) else None
         kind = entry if isinstance(entry, str) else entry.get("transform") if isinstance(entry, dict) else None
-        if kind == "log1p":
+        if kind in ("log1p", "log1p_standardize"):
             x[:, j] = np.log1p(np.maximum(x[:, j], 0.0))
-        elif kind == "standardize":
+        if kind in ("standardize", "log1p_standardize"):
             x[:, j] = (x[:, j] - float(entry["mean"])) / float(entry["std"])
-        elif kind != "none":
+        elif kind not in ("log1p", "none"):
             raise ScoreError(f"spec.json: dense column {name}: unknown dense_transform {entry!r}")
     x[missing] = 0.0
     return x.astype(np.float32)
