@@ -224,9 +224,9 @@ def dcn_rank(width: int, rank: int) -> int:
     needed to save computation over a full-rank layer and that about a quarter keeps its
     accuracy. The second cap lets a narrow input's layers cost a smaller share of a full-rank
     layer (``2 rank / width`` of it, at most ``width / 6144``): a small model's step is mostly
-    its other costs, and rank 108 over the demo's 27 x 16 = 432 inputs made its step ~3x the
-    dot DLRM's, where rank 16 stays within the 1.3x the guide promises (docs/benchmarks.md,
-    "DLRM-DCNv2"). The constant was chosen so: the demo's 432 inputs get rank 16 and the MLPerf
+    its other costs: rank 108 over the demo's 27 x 16 = 432 inputs made its step ~3x the dot
+    DLRM's, rank 16 1.03-1.08x in bf16 and 1.32-1.43x in fp32 on a loaded 2-core machine
+    (docs/benchmarks.md, "DLRM-DCNv2"; the bar is 1.3x). The constant was chosen so: the demo's 432 inputs get rank 16 and the MLPerf
     DLRM-DCNv2's 27 x 128 = 3,456 inputs keep the reference's 512 (caps 864 and 972)."""
     return max(1, min(rank, width // DCN_RANK_SHARE, max(16, width * width // DCN_NARROW)))
 

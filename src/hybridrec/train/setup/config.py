@@ -96,8 +96,9 @@ class ModelConfig(ReadOnly):
     dcn_rank: int = 512
     """``model.interaction=dcn``: the cross layers' low rank (the MLPerf DLRM-DCNv2's 512),
     capped at a quarter of their input width ``n = (F+1) x embedding_dim`` (F: the features)
-    and at ``max(16, n**2 // 12288)``, which keeps a small model's step within 1.3x of the dot
-    DLRM's (the demo: n = 432, rank 16; the MLPerf model: n = 3,456, 512 kept).
+    and at ``max(16, n**2 // 12288)``, which keeps a small model's step near the dot DLRM's
+    (the demo: n = 432, rank 16: 1.03-1.08x in bf16, 1.32-1.43x in fp32 on a loaded machine;
+    the MLPerf model: n = 3,456, 512 kept).
     docs/guide.md, "DLRM-DCNv2"."""
     pooling: str = "sum"
     """Pooling of multi-hot bags: ``sum`` or ``mean``."""
