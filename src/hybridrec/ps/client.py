@@ -29,6 +29,11 @@ Counted bytes (ledger categories ``ps_pull`` and ``ps_push``): the tensors hande
 (ids as int64, rows as float32) and the rows received; RPC's own framing is not counted.
 Evaluation pulls are outside the training step and not counted.
 
+A stream's dynamic tables (:mod:`hybridrec.train.loop.stream`) give rows to new keys on the
+trainers; the rows start again on their servers (:meth:`RemoteEmbeddingCollection.reset_rows`,
+the servers' ``reset``): queued by the mapping, sent before the trainer's next pull (after its
+own pushes landed) and before a checkpoint. Not counted in the ledger.
+
 Simplification: FM tables (DeepFM's first-order column and square sums) are not served;
 ``model.arch=deepfm`` with ``dist.num_ps`` is refused by the configuration.
 """
@@ -168,6 +173,9 @@ class RemoteEmbeddingCollection(nn.Module):
         # step's pull.
         self._threads: dict[int, _ThreadState] = {}
         self._lock = threading.Lock()  # pushed_steps, from several threads
+        self._resets: list[tuple[int, dict]] = []  # rows to start again, not sent yet (reset_rows)
+        self._resets_lock = threading.Lock()  # (queued by a stream feed's thread)
+        self.rows_reset = 0  # rows this trainer sent to be reset
 
     @property
     def _mine(self) -> _ThreadState:
@@ -187,6 +195,7 @@ class RemoteEmbeddingCollection(nn.Module):
 
     def _pull(self, ids_by_table: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         self.flush_pushes()
+        self.send_resets()
         routes = {t: self._route(t, ids) for t, ids in ids_by_table.items()}
         asks: dict[int, dict[str, torch.Tensor]] = {}
         for t, by_server in routes.items():
@@ -294,6 +303,37 @@ class RemoteEmbeddingCollection(nn.Module):
         if every_thread:  # (no thread trains now) threads that ended leave nothing behind
             self._threads = {k: v for k, v in self._threads.items() if v.pending}
 
+    # -- rows given to new keys (a stream's dynamic tables) ---------------------
+    def reset_rows(self, generation: int, tables: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Queue ``tables``' rows (``{table: (global rows, values [n, dim])}``) to start again on
+        the servers that hold them (their values, the optimizer's initial per-row state);
+        ``generation``: the mapping's (the same on every trainer). Sent before this trainer's
+        next pull, after its own pushes landed, or by :meth:`send_resets` (a checkpoint)."""
+        with self._resets_lock:
+            self._resets.append((generation, tables))
+
+    def send_resets(self) -> None:
+        """The queued resets to their servers, in the order they were queued, and wait."""
+        with self._resets_lock:
+            queued, self._resets = self._resets, []
+        if not queued:
+            return
+        asks: dict[int, list] = {}
+        step = self.pushed_steps  # (after this trainer's pushes so far: the lockstep servers wait for the others')
+        for generation, tables in queued:
+            per: dict[int, dict] = {}
+            for t, (rows, values) in tables.items():
+                for server, (pos, sub) in self._route(t, rows).items():
+                    per.setdefault(server, {})[t] = (sub, values.index_select(0, pos))
+            for server, part in per.items():
+                asks.setdefault(server, []).append((generation, part))
+        futs = [(j, rpc.rpc_async(server_name(j), srv.rpc_reset, args=(self.trainer, step, a),
+                                 timeout=self.timeout_s))
+                for j, a in asks.items()]
+        for j, f in futs:
+            wait_reply(f, "reset", server_name(j))
+        self.rows_reset += sum(int(r.numel()) for _, tables in queued for r, _ in tables.values())
+
     def summary(self) -> dict:
         s = self.staleness
         return {"servers": self.plan.world_size, "steps_pushed": self.pushed_steps,
@@ -313,9 +353,10 @@ class PushOptimizer:
         self.remote.push(grads, self.lr)
 
     def flush(self) -> None:
-        """Wait for the pushes in flight, every training thread's (before a checkpoint, at
-        the end)."""
+        """Wait for the pushes in flight, every training thread's, then send the rows queued
+        to be reset (before a checkpoint, at the end)."""
         self.remote.flush_pushes(every_thread=True)
+        self.remote.send_resets()
 
     def state_dict(self) -> dict:
         return {"name": self.name, "lr": self.lr, "step": self.step_count, "tables": {}}

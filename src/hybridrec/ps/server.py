@@ -21,6 +21,13 @@ ranks; it never runs a forward), and one of the project's sparse optimizers over
   lazy Adam included); staleness 0. A push without rows (the trainer read nothing from
   this server in that step: ``pulled_version`` None) is no update: it counts the trainer's
   step for the bound, changes no version and has no staleness (None).
+- ``reset(trainer, step, resets)``: rows that a stream's dynamic tables gave to new keys start again:
+  the values the trainers send (the key's initial values) and the optimizer's initial per-row
+  state, applied under the lock in order with pushes and pulls. Every trainer sends every
+  reset (the trainers map the same keys) before its next pull, after its own pushes landed;
+  the first to arrive applies it, the others only count it (so a trainer that already trained
+  on the row does not see its update wiped), and it is forgotten once every trainer sent it.
+  In lockstep a reset waits until every trainer pushed the step its sender had pushed.
 - ``save(path)`` / ``load(path)``: a sharded checkpoint of the servers (DCP, collective
   over the servers, the checkpoint module's format).
 
@@ -88,6 +95,8 @@ class EmbeddingServer:
         self._waiting_pulls: list[_Held] = []  # pulls held back by the staleness bound
         self._expiry: threading.Thread | None = None  # fails held pulls at their deadline
         self.on_step: Callable[[int], None] | None = None  # called with min(pushed) when a push raised it
+        self._resets: dict[int, int] = {}  # a reset's generation -> the trainers that sent it
+        self._deferred: list[tuple[int, dict]] = []  # resets not applied yet: (step, rows by table)
 
     def _rows(self, table: str, ids: torch.Tensor) -> tuple[int, torch.Tensor]:
         try:
@@ -176,6 +185,7 @@ class EmbeddingServer:
             before = min(self.pushed)
             self.pushed[trainer] = max(self.pushed[trainer], step)
             done = min(self.pushed)
+            self._apply_resets()  # (before the pulls this push lets through)
             released = self._release()
             self._cond.notify_all()
         if self.on_step is not None and done > before:  # (e.g. a failure injected at that step)
@@ -192,6 +202,42 @@ class EmbeddingServer:
         self.opt.lr = lr
         self.opt.step({"shards": rows})
         self.version += 1
+
+    def reset(self, trainer: int, step: int, resets: list) -> None:
+        """``resets``: ``[(generation, {table: (global ids, values [n, dim]))}]`` in the order
+        the trainer mapped them, sent after it pushed ``step``; each generation applied by the
+        first trainer that sends it (see the module's docstring). In lockstep (``B = 0``) a
+        step's pushes wait for one another: the resets then wait for every trainer's push of
+        ``step`` too (applied by the push that completes it, before the pulls it lets through),
+        so that no update of a row's previous key lands after its reset."""
+        with self._cond:
+            for generation, tables in resets:
+                seen = self._resets.get(generation, 0) + 1
+                if seen == 1:
+                    self._deferred.append((step, tables))
+                if seen >= self.num_trainers:
+                    self._resets.pop(generation, None)
+                else:
+                    self._resets[generation] = seen
+            self._apply_resets()
+
+    def _apply_resets(self) -> None:
+        """Under the lock: the queued resets whose step every trainer's update has reached."""
+        buffered = self.max_staleness == 0 and self.num_trainers > 1
+        while self._deferred and (not buffered or min(self.pushed) >= self._deferred[0][0]):
+            self._reset_rows(self._deferred.pop(0)[1])
+
+    def _reset_rows(self, tables: dict) -> None:
+        opt = self.opt.optimizers.get("shards")  # (the shards' optimizer: _apply's)
+        with torch.no_grad():
+            for table, (ids, values) in tables.items():
+                group, rows = self._rows(table, ids)
+                weight = self.model.sparse.local.group_weight(group)
+                weight[rows] = values.to(weight.dtype)
+                if opt is not None:
+                    initial = float(getattr(opt, "initial_accumulator", 0.0))
+                    for key, state in opt.row_state(group).items():
+                        state[rows] = initial if key == "sum" else 0
 
     @property
     def lock(self) -> threading.Condition:
@@ -235,6 +281,8 @@ class EmbeddingServer:
         with self._cond:
             self.pushed = [step] * self.num_trainers
             self._waiting.clear()
+            self._resets.clear()  # (the trainers map those steps' keys again from their checkpoint)
+            self._deferred.clear()
 
     def save(self, path: str, extra: dict) -> None:
         with self._cond:
@@ -246,6 +294,8 @@ class EmbeddingServer:
             extra = load_state(Path(path), model=self.model, dense_opt=None, sparse_opts=list(self.opt),
                                topo=self.topo).extra
             self.version, self.pushed = int(extra["version"]), [int(s) for s in extra["pushed"]]
+            self._resets.clear()  # (the trainers' key maps are the checkpoint's: they reset from there)
+            self._deferred.clear()
             released = self._release()
             self._cond.notify_all()
         for fut, value in released:
@@ -294,6 +344,10 @@ def rpc_pull(trainer: int, step: int | None, ids: dict) -> torch.futures.Future:
 
 def rpc_push(trainer: int, step: int, lr: float, grads: dict, pulled_version: int | None) -> int | None:
     return _server().push(trainer, step, lr, grads, pulled_version)
+
+
+def rpc_reset(trainer: int, step: int, resets: list) -> None:
+    _server().reset(trainer, step, resets)
 
 
 def rpc_save(path: str, extra: dict) -> None:

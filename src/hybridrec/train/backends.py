@@ -31,6 +31,7 @@ import json
 import sys
 import warnings
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 
@@ -60,6 +61,7 @@ from hybridrec.train.checkpointing.checkpointer import NO_ATTACHMENT, Attachment
 from hybridrec.train.loop.hogwild import HogwildSteps
 from hybridrec.train.loop.parts import ServerSteps, StepSource
 from hybridrec.train.loop.sparse_optim import CombinedSparseOptimizer, combined_sparse_optimizer
+from hybridrec.train.loop.stream import StreamSteps
 from hybridrec.train.ps_run import PS_DIR, ServerCheckpoints, local_servers_memory_problem, ps_plan
 from hybridrec.train.setup.config import CompressConfig, Config
 from hybridrec.train.setup.memory import check_memory, memory_problem
@@ -124,6 +126,14 @@ class SparseBackend:
         Hogwild's threads' (``train.workers``), or one thread's."""
         workers = self.cfg.train.workers
         return HogwildSteps(pipeline, workers) if workers > 1 else StepSource(pipeline)
+
+    def stream_steps(self, pipeline, model: torch.nn.Module, keymaps, *, log_every: int, logger) -> StepSource:
+        """A stream's steps (``data.stream``: the pipeline's loader is its feed)."""
+        return StreamSteps(pipeline, pipeline.loader, keymaps, log_every=log_every, logger=logger)
+
+    def row_reset(self, model: torch.nn.Module):
+        """What a dynamic table's fresh rows go to (:class:`~hybridrec.train.loop.stream.DynamicTables`'s
+        ``reset``); None: the trainers hold the rows and reset them in place."""
 
     # -- a checkpoint's weights --------------------------------------------------------------
     @classmethod
@@ -238,6 +248,12 @@ class ServerBackend(SparseBackend):
     def step_source(self, pipeline, model):
         return ServerSteps(pipeline, model.sparse)
 
+    def stream_steps(self, pipeline, model, keymaps, *, log_every, logger):
+        return ServerStreamSteps(pipeline, pipeline.loader, keymaps, model.sparse, log_every=log_every, logger=logger)
+
+    def row_reset(self, model):
+        return model.sparse.reset_rows  # (sent to the servers before the trainer's next pull)
+
     @classmethod
     def load_weights(cls, path, model):
         # the dense arches from the trainers' checkpoint, the tables from the servers' part
@@ -250,6 +266,27 @@ class ServerBackend(SparseBackend):
     @classmethod
     def tables_dir(cls, path):
         return path / PS_DIR
+
+
+class ServerStreamSteps(StreamSteps):
+    """A stream's steps on a parameter-server trainer: the stream's (its files, rows and
+    dynamic tables in the summary), ending as :class:`ServerSteps` do (every trainer's last
+    push and reset landed before anyone goes on; the pushes, their staleness and the rows
+    this trainer sent to be reset in the summary)."""
+
+    absent: ClassVar[dict] = {**StreamSteps.absent, **ServerSteps.absent}
+
+    def __init__(self, pipeline, stream, tables, remote, *, log_every: int = 0, logger=None) -> None:
+        super().__init__(pipeline, stream, tables, log_every=log_every, logger=logger)
+        self.remote = remote
+
+    def finish(self, loop, end) -> None:
+        super().finish(loop, end)
+        if loop.topo.job_size > 1:
+            torch.distributed.barrier(group=loop.topo.run_group)
+
+    def summary(self) -> dict:
+        return {**super().summary(), "ps": {**self.remote.summary(), "rows_reset": self.remote.rows_reset}}
 
 
 def backend_class(cfg: Config, group_size: int) -> type[SparseBackend]:

@@ -91,7 +91,7 @@ from hybridrec.train.loop.parts import (
 from hybridrec.train.loop.pipeline import TrainPipeline
 from hybridrec.train.loop.recovery_part import RecoveryPart, nothing_updating
 from hybridrec.train.loop.sparse_optim import CombinedSparseOptimizer
-from hybridrec.train.loop.stream import DynamicTables, Progressive, StreamFeed, StreamSteps
+from hybridrec.train.loop.stream import DynamicTables, Progressive, StreamFeed
 from hybridrec.train.loop.thread_governor import thread_governor
 from hybridrec.train.loop.trainer import Optimizers, Trainer
 from hybridrec.train.setup.config import CompressConfig, Config
@@ -304,7 +304,7 @@ def build_trainer(cfg: Config, *, meta: DatasetMeta | None = None, topo: Topolog
     sync_runner = build_sync_runner(cfg, topo, model, ledger)
     dense_opt, sparse_opt = build_optimizers(cfg, model, backend)
     kernels = kernels_record(cfg, model, topo, sparse_opt, dense_sync, allocator)
-    pipeline, keymaps = build_pipeline(cfg, meta, train_loader, model, sparse_opt, topo)
+    pipeline, keymaps = build_pipeline(cfg, meta, train_loader, model, sparse_opt, topo, backend.row_reset(model))
     scheduler = build_scheduler(cfg, dense_opt, sparse_opt, total_steps)
     totals, early_stop = build_run_totals(started_at), build_early_stop(cfg)
     components = checkpoint_components(topo, model, dense_opt, pipeline=pipeline, totals=totals,
@@ -459,15 +459,17 @@ def build_recovery(cfg: Config, topo: Topology, checkpointer: Checkpointer, mode
                     deltas=build_shard_deltas(cfg, topo, model, sparse_opt, run_dir), fast_dir=snapshot_dir)
 
 
-def build_pipeline(cfg: Config, meta: DatasetMeta, loader, model, sparse_opt, topo: Topology):
+def build_pipeline(cfg: Config, meta: DatasetMeta, loader, model, sparse_opt, topo: Topology, reset=None):
     """The pipeline over the training batches and, for dynamic tables, their key maps (the
-    stream's raw keys mapped to rows before the pipeline takes a batch)."""
+    stream's raw keys mapped to rows before the pipeline takes a batch; ``reset``: where their
+    fresh rows go when the tables are held elsewhere, the backend's ``row_reset``)."""
     keymaps = None
     if cfg.model.tables == "dynamic":
         m, tables = cfg.model, build_tables(meta, cfg)
         keymaps = DynamicTables({t.name: t.num_embeddings for t in tables}, admit_after=m.admit_after,
                                 evict=m.evict, ttl_steps=m.ttl_steps, seed=cfg.train.seed, model_sparse=model.sparse,
-                                sparse_opt=sparse_opt, topo=topo, dims={t.name: t.embedding_dim for t in tables})
+                                sparse_opt=sparse_opt, topo=topo, dims={t.name: t.embedding_dim for t in tables},
+                                reset=reset)
     if cfg.data.stream:  # (read, parsed and key-mapped ahead on a thread)
         loader = StreamFeed(loader, keymaps)
     return TrainPipeline(loader, model.sparse, enabled=cfg.dist.pipeline, device=topo.device), keymaps
@@ -478,7 +480,7 @@ def build_step_source(cfg: Config, pipeline, model, backend: SparseBackend, keym
     """The loop's steps: a stream's, else the backend's (a parameter-server trainer's,
     Hogwild's threads', or one thread's)."""
     if cfg.data.stream:
-        return StreamSteps(pipeline, pipeline.loader, keymaps, log_every=cfg.train.log_every, logger=logger)
+        return backend.stream_steps(pipeline, model, keymaps, log_every=cfg.train.log_every, logger=logger)
     return backend.step_source(pipeline, model)
 
 

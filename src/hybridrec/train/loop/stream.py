@@ -14,7 +14,8 @@ and a checkpoint of the maps (rows-sized arrays) loads into any world size: the 
 only dealt out again. A row given to a new key (``fresh``) starts again: its embedding takes
 the key's own initial values (a hash of the key, so the same on every rank and world size)
 and its optimizer state its initial value, on every rank that holds the row (a shard, a
-replica). Rows a batch uses are never evicted while it may still be ahead of the step or in it
+replica), or on its parameter server (``reset``: the backend's; sent before the trainer's next
+pull). Rows a batch uses are never evicted while it may still be ahead of the step or in it
 (:data:`PROTECT_STEPS`), so a batch mapped ahead never takes a row a step still updates.
 
 **Test-then-train** (:class:`Progressive`): the training step's forward is the batch's score
@@ -98,15 +99,20 @@ class DynamicTables:
         model_sparse: the model's embedding collection (local, sharded); sparse_opt: its
             sparse optimizers (their per-row state is reset with a fresh row).
         topo: the run's topology (``group``: the ranks that share the tables).
+        reset: where the tables are held elsewhere (parameter servers: the backend's
+            ``row_reset``), what takes the fresh rows instead of the local collections:
+            ``reset(generation, {table: (rows, values [n, dim])})``, ``generation`` the
+            mapping's step (the same on every rank).
     """
 
     def __init__(self, rows: dict[str, int], *, admit_after: int, evict: str, ttl_steps: int, seed: int,
-                 model_sparse, sparse_opt, topo, dims: dict[str, int]) -> None:
+                 model_sparse, sparse_opt, topo, dims: dict[str, int], reset=None) -> None:
         self.features = list(rows)
         self.rows, self.dims, self.seed = dict(rows), dict(dims), seed
         self.maps = {f: KeyMap(rows[f], slots=min(SLOTS, rows[f] - 1), admit_after=admit_after, evict=evict,
                                ttl_steps=ttl_steps, protect_steps=PROTECT_STEPS) for f in self.features}
         self.sparse, self.sparse_opt, self.topo = model_sparse, sparse_opt, topo
+        self.reset = reset
         self.world = topo.group_size if topo is not None else 1
         self.rank = topo.rank if topo is not None else 0
         self.group = topo.group if topo is not None and self.world > 1 else None
@@ -284,6 +290,11 @@ class DynamicTables:
             return
         by_table = {self.features[int(i)]: (rows, keys) for i, rows, keys in fresh}
         self.fresh_rows += sum(len(r) for r, _ in by_table.values())
+        if self.reset is not None:  # (held elsewhere: the whole rows, with their values)
+            self.reset(self.step, {t: (torch.from_numpy(np.ascontiguousarray(rows, dtype=np.int64)),
+                                       key_initial_values(keys, t, self.dims[t], self.rows[t], self.seed))
+                                   for t, (rows, keys) in by_table.items()})
+            return
         optimizers = getattr(self.sparse_opt, "optimizers", {})
         with torch.no_grad():
             for name, coll in self.sparse.updated_collections().items():

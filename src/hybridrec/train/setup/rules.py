@@ -383,8 +383,6 @@ def _stream_checks(cfg: Config) -> list[tuple[bool, str]]:
          f"train.publish_every {t.publish_every!r}: STEPS or SECONDSs (e.g. 500 or 30s)"),
         (t.publish_keep >= 1, f"train.publish_keep must be >= 1, got {t.publish_keep}"),
         (t.progressive_window >= 1, f"train.progressive_window must be >= 1, got {t.progressive_window}"),
-        (not (stream and cfg.dist.num_ps), ("data.stream with dist.num_ps: parameter servers do not hold "
-                                           "dynamic tables yet; train the stream on ranks (dist.nproc)")),
         (not (stream and t.workers > 1), ("data.stream with train.workers > 1: Hogwild threads share one loader "
                                          "position per step; use train.workers=1")),
         (not (stream and (t.eval_every or t.early_stop)),
