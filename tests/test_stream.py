@@ -225,6 +225,10 @@ def test_train_on_a_stream_publish_and_predict(shared_stream, tmp_path):
     assert s["dynamic_tables"]["live"] > 0 and s["dynamic_tables"]["evicted"] >= 0
     records = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert any(r["split"] == "progressive" and r.get("progressive_auc") is not None for r in records)
+    last = [r for r in records if r["split"] == "stream"][-1]  # (each table's counts beside the totals)
+    for k in ("live", "admitted", "evicted"):
+        assert sum(v for name, v in last.items() if name.startswith(f"keys_{k}/")) == last[f"keys_{k}"]
+    assert last["keys_live/C1"] > 0 and len([n for n in last if n.startswith("keys_live/")]) == 26
     # published every 10 steps and at the end; LATEST names the newest; freshness per file
     assert (run / "published" / "LATEST").read_text().strip() == "v3"
     assert s["published"]["versions"] == 3
@@ -324,6 +328,8 @@ def test_two_ranks_map_keys_as_one_process_and_maps_reshard(shared_stream, tmp_p
     two = tmp_path / "two"
     s2 = _train([f"data.stream={d}", f"train.run_dir={two}", "dist.nproc=2", *args2, *small])
     assert s2["dynamic_tables"]["evicted"] == s1["dynamic_tables"]["evicted"]
+    assert {f: t["evicted"] for f, t in s2["dynamic_tables"]["tables"].items()} == \
+        {f: t["evicted"] for f, t in s1["dynamic_tables"]["tables"].items()}  # (per table, summed over ranks)
     a, b = _row_keys(one), _row_keys(two)
     assert all(np.array_equal(a[f], b[f]) for f in a)
     # resharded: one file on one process, then the rest on 2 ranks (the same global batch)

@@ -147,14 +147,18 @@ class DynamicTables:
             self._own()
 
     def stats(self) -> dict:
+        """Live, admitted and evicted keys: the totals, and ``tables`` each table's (with
+        several ranks, summed over the ranks' slots: a collective)."""
         with self.lock:
             per = {f: m.stats() for f, m in self.maps.items()}
-        total = {k: sum(int(s[k]) for s in per.values()) for k in ("live", "admitted", "evicted")}
+        counts = ("live", "admitted", "evicted")
+        t = torch.tensor([[int(per[f][k]) for k in counts] for f in self.features], dtype=torch.int64)
         if self.group is not None:  # (each rank counts its own slots)
-            t = torch.tensor([total["live"], total["admitted"], total["evicted"]], dtype=torch.int64)
             dist.all_reduce(t, group=self.group)
-            total = dict(zip(("live", "admitted", "evicted"), t.tolist(), strict=True))
-        return {**total, "fresh_rows": self.fresh_rows, "tables": per if self.group is None else None}
+        tables = {f: {**per[f], **dict(zip(counts, row, strict=True))} for f, row in zip(self.features, t.tolist(),
+                                                                                      strict=True)}
+        total = dict(zip(counts, t.sum(0).tolist(), strict=True))
+        return {**total, "fresh_rows": self.fresh_rows, "tables": tables}
 
     # -- a batch ---------------------------------------------------------------------
     def map_batch(self, batch: Batch) -> Batch:
@@ -453,7 +457,8 @@ class StreamSteps(StepSource):
 
     def after_step(self, loop, done) -> None:
         """Every ``train.log_every`` steps: the stream's rows and files and the dynamic tables'
-        live, admitted and evicted keys (all tables), a ``stream`` record of metrics.jsonl."""
+        live, admitted and evicted keys (``keys_live``, ... of all tables, ``keys_live/C1``, ...
+        of each), a ``stream`` record of metrics.jsonl."""
         if not self.log_every or done.step % self.log_every:
             return
         files = self.stream.files
@@ -462,6 +467,8 @@ class StreamSteps(StepSource):
         if self.tables is not None:  # (a collective with several ranks: every rank logs alike)
             stats = self.tables.stats()
             record.update({f"keys_{k}": stats[k] for k in ("live", "admitted", "evicted")})
+            record.update({f"keys_{k}/{f}": c[k] for f, c in stats["tables"].items()
+                           for k in ("live", "admitted", "evicted")})
         if self.logger is not None:
             self.logger.log(done.step, record, split="stream")
 
