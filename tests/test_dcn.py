@@ -176,6 +176,19 @@ def test_bf16_dcn_trains(tiny_data, tmp_path):
     assert np.isfinite(_summary(run)["train_loss"])
 
 
+@pytest.mark.slow
+def test_a_resumed_run_that_changes_the_cross_network_is_refused_in_one_line(tiny_data, tmp_path, capsys):
+    def args(run, *extra):
+        return ["train", f"data.path={tiny_data}", f"train.run_dir={tmp_path / run}", *SMALL, *extra]
+
+    assert main(args("dcn", "train.max_steps=2")) == 0
+    assert main(args("dcn", "train.max_steps=3", "model.dcn_layers=2")) != 0
+    assert "model.dcn_layers: 3 -> 2" in capsys.readouterr().err
+    # a dot run ignores the cross network's keys
+    assert main(args("dot", "train.max_steps=2", "model.interaction=dot")) == 0
+    assert main(args("dot", "train.max_steps=3", "model.interaction=dot", "model.dcn_layers=2")) == 0
+
+
 @pytest.mark.distributed
 @pytest.mark.slow
 @pytest.mark.parametrize("extra", [

@@ -251,6 +251,10 @@ COMPARED_KEYS = ("model.arch", "model.embedding_dim", "model.bottom_mlp", "model
 the global batch and the training rows, compared separately): the model's shapes, the
 optimizers' state, the order of the rows."""
 
+CROSS_KEYS = ("model.dcn_layers", "model.dcn_rank")
+"""The cross network's shape: compared as :data:`COMPARED_KEYS` where either run has one
+(``model.interaction=dcn``; the dot and cat interactions ignore them)."""
+
 
 def inspect_run_dir(cfg: Config, meta: DatasetMeta, *, world_size: int,
                     shown: str | None = None) -> dict | None:
@@ -310,7 +314,8 @@ def _differences(old: Config | None, new: Config, meta: DatasetMeta, world_size:
     """``key: old -> new`` for everything the old run and this one must share."""
     diffs: list[str] = []
     if old is not None:
-        for key in COMPARED_KEYS:
+        cross = "dcn" in (old.model.interaction, new.model.interaction)
+        for key in (*COMPARED_KEYS, *(CROSS_KEYS if cross else ())):
             section, name = key.split(".")
             a, b = getattr(getattr(old, section), name), getattr(getattr(new, section), name)
             if a != b:
