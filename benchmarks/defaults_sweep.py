@@ -536,7 +536,9 @@ def reference(args, out: Path, sets: dict, results: dict) -> None:
             done = results.setdefault("reference", {}).setdefault(name, {})
             if str(seed) in done and done[str(seed)].get("epochs") == int(epochs[name]):
                 continue
-            r = reference_learner.train(str(ds.path), epochs=int(epochs[name]), seed=seed)
+            # (the click logs' tables of up to millions of rows: sparse gradients, SparseAdam)
+            r = reference_learner.train(str(ds.path), epochs=int(epochs[name]), seed=seed,
+                                        sparse=name in ("kaggle", "multihot"))
             done[str(seed)] = r
             log(f"{name:8s} reference (plain PyTorch) seed {seed}: AUC {r['auc']:.4f}")
 
