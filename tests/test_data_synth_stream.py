@@ -125,10 +125,13 @@ def test_land_every_spaces_the_landings(tmp_path):
     out = tmp_path / "s"
     landed, done = {}, threading.Event()
 
-    def watch():
-        while not done.is_set():
+    def watch():  # (a last look after the generator returned: a busy machine may starve this thread)
+        while True:
+            last = done.is_set()
             for p in out.glob("hour_*.tsv") if out.is_dir() else ():
                 landed.setdefault(p.name, time.monotonic())
+            if last:
+                return
             time.sleep(0.005)
 
     watcher = threading.Thread(target=watch)
