@@ -429,8 +429,7 @@ def checkpoint_components(topo: Topology, model: torch.nn.Module, dense_opt, *, 
     if keymaps is not None:  # (the dynamic tables' maps: every rank's slots, merged)
         components.append(Component("keymaps", keymaps))
         if recovery == "partial":  # (a snapshot's: this rank's slots, without a collective)
-            components.append(Component("keymaps_own", OwnSlots(keymaps), per_rank=True,
-                                        snapshot_only=True))
+            components.append(Component("keymaps_own", OwnSlots(keymaps), per_rank=True))
     if (reducer := getattr(model.sparse, "dp_reducer", None)) is not None:
         components.append(Component("replicated_compressor", reducer, per_rank=True))
     if sync_runner is not None:
