@@ -9,7 +9,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -26,7 +25,7 @@ from hybridrec.errors import ConfigError, DataError
 from hybridrec.model.embedding import EmbeddingBagCollection
 from hybridrec.train.build import build_tables
 from hybridrec.train.loop.sparse_optim import combined_sparse_optimizer
-from hybridrec.train.loop.stream import DynamicTables, OwnSlots, SnapshotBusy, key_initial_values
+from hybridrec.train.loop.stream import DynamicTables, key_initial_values
 from hybridrec.train.setup.configure import build_config
 
 
@@ -201,56 +200,6 @@ def test_dynamic_tables_map_keys_to_their_own_rows_and_reset_fresh_rows(shared_s
     other, _, _ = _dynamic()
     other.load_state_dict(state)
     assert torch.equal(other.map_batch(batch).sparse.values, mapped.sparse.values)
-
-
-def _same_maps(a: dict, b: dict) -> bool:
-    return all(torch.equal(a["tables"][f][k], b["tables"][f][k]) for f in a["tables"] for k in a["tables"][f])
-
-
-def test_a_recovery_snapshot_of_the_key_maps(shared_stream, monkeypatch):
-    """Partial recovery's pieces: a survivor loads its own slots (OwnSlots, per rank) over the
-    checkpoint's maps and the step from the donor; a failed rank keeps the checkpoint's maps
-    with the donor's step; a checkpoint holds no second copy; a lock the mapping keeps is
-    waited for a bounded time, then the snapshot is refused."""
-    import hybridrec.train.loop.stream as stream_mod
-
-    dyn, _, _ = _dynamic()
-    batches = iter(_loader(shared_stream(hours=3, rows=1000), batch_size=64))
-    dyn.map_batch(next(batches))
-    checkpoint = dyn.state_dict()
-    dyn.map_batches([next(batches), next(batches)])
-    assert OwnSlots(dyn).state_dict() == {}  # (a checkpoint's: keymaps has the slots)
-    donor, own = dyn.snapshot_state(), OwnSlots(dyn).snapshot_state()
-    assert donor == {"step": 3}
-    survivor, _, _ = _dynamic()
-    survivor.load_state_dict(checkpoint)
-    OwnSlots(survivor).load_state_dict(own)
-    survivor.load_state_dict(donor)
-    assert survivor.step == 3 and _same_maps(survivor.state_dict(), dyn.state_dict())
-    failed, _, _ = _dynamic()
-    failed.load_state_dict(checkpoint)
-    OwnSlots(failed).load_state_dict({})  # (nothing of a checkpoint's)
-    failed.load_state_dict(donor)
-    assert failed.step == 3 and _same_maps(failed.state_dict(), checkpoint)
-    assert not _same_maps(checkpoint, dyn.state_dict())  # (keys mapped since the checkpoint: forgotten)
-    busy, _, _ = _dynamic()
-    monkeypatch.setattr(stream_mod, "SNAPSHOT_LOCK_WAIT_S", 0.1)
-    taken, release = threading.Event(), threading.Event()
-
-    def hold() -> None:
-        with busy.lock:
-            taken.set()
-            release.wait(5)
-
-    holder = threading.Thread(target=hold)
-    holder.start()
-    taken.wait(5)
-    try:
-        with pytest.raises(SnapshotBusy, match="roll back to the checkpoint"):
-            OwnSlots(busy).snapshot_state()
-    finally:
-        release.set()
-        holder.join()
 
 
 def _train(args: list[str]) -> dict:
@@ -490,31 +439,3 @@ def test_parameter_servers_killed_and_started_again_train_every_row_once(shared_
     assert s["stream"]["rows"] == 3000 and s["step"] == 47
     assert s["run"]["samples"] == 3000 and s["run"]["invocations"] == 2
     assert s["dynamic_tables"]["live"] > 0 and s["dynamic_tables"]["evicted"] > 0
-
-
-@pytest.mark.slow
-@pytest.mark.distributed
-def test_partial_recovery_of_a_stream_trains_every_row_once(shared_stream, tmp_path):
-    """Rank 1 dies after step 9 (the checkpoint is step 6): the survivor's snapshot holds its
-    own slots of the key maps and the stream's position after step 9; the restarted run goes
-    on from step 9 (no step trained again) and every file's rows are trained once."""
-    d = shared_stream(hours=3, rows=1000)
-    run = tmp_path / "run"
-    args = [f"data.stream={d}", f"train.run_dir={run}", "train.checkpoint_every=6", "dist.nproc=2",
-            "train.recovery=partial", "train.inject_failure=1:9", "dist.max_restarts=1", *STREAM_ARGS]
-    args = [a.replace("data.batch_size=128", "data.batch_size=64") for a in args]
-    cmd = [sys.executable, "-m", "hybridrec", "train", *args]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, check=False,
-                          env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "resumed from step 9 (partial recovery" in proc.stderr, proc.stderr[-3000:]
-    s = json.loads((run / "summary.json").read_text())
-    assert [f["rows"] for f in s["stream"]["files"]] == [_lines(p) for p in sorted(d.glob("hour_*.tsv"))]
-    assert s["stream"]["rows"] == 3000 and s["step"] == 24  # ceil(3000 / 128): no step twice
-    (event,) = s["recovery"]["events"]
-    assert (event["mode"], event["checkpoint_step"], event["failed_at_step"], event["resumed_at_step"]) == \
-        ("partial", 6, 9, 9)
-    assert event["failed_ranks"] == [1] and event["survivors"] == [0] and event["dense_steps_lost"] == 0
-    records = [json.loads(x) for x in (run / "recovery.jsonl").read_text().splitlines()]
-    assert [r["mode"] for r in records] == ["partial"]
-    assert s["dynamic_tables"]["live"] > 0

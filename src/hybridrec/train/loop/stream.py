@@ -38,7 +38,6 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from hybridrec.errors import HybridrecError
 from hybridrec.metrics.classification import auc, log_loss
 from hybridrec.sparse.keyed_jagged import Batch, KeyedJagged
 from hybridrec.sparse.keymap import KeyMap, key_slots
@@ -59,15 +58,7 @@ PROTECT_STEPS = 4 + MAP_CHUNK
 one the pipeline took ahead, those the feed's queue holds (:class:`StreamFeed`, 2), and the
 chunk being mapped (its uses are marked at its last batch's step)."""
 
-SNAPSHOT_LOCK_WAIT_S = 5.0
-"""How long a partial recovery's snapshot waits for the feed's thread to finish mapping a
-chunk (within the agent's 30-s grace, after the step's own wait)."""
-
 _MASK = (1 << 64) - 1
-
-
-class SnapshotBusy(HybridrecError):
-    """The dynamic tables' maps could not be taken for a recovery snapshot in time."""
 
 
 def _mix(x: np.ndarray) -> np.ndarray:
@@ -130,7 +121,6 @@ class DynamicTables:
         self.step = 0  # batches mapped
         self.fresh_rows = 0
         self.lock = threading.RLock()  # (a feed's thread maps while the loop saves or reads counts)
-        self._held_for_snapshot = False
 
     def _own(self) -> None:
         if self.world > 1:
@@ -149,29 +139,9 @@ class DynamicTables:
             states = {f: KeyMap.merge_states([g[f] for g in gathered]) for f in self.features}
         return {"step": step, "tables": states}
 
-    def snapshot_state(self) -> dict:
-        """A partial recovery's snapshot (written after a peer died: no collective): the step
-        alone; this rank's slots are :class:`OwnSlots`'. Takes the lock for good (the process
-        is ending: no batch is mapped after it), so the step and the slots saved next are of
-        one moment; raises :class:`SnapshotBusy` when the feed's thread keeps it past
-        :data:`SNAPSHOT_LOCK_WAIT_S` (mapping: in a collective with the lost peer)."""
-        self.hold_for_snapshot()
-        return {"step": self.step}
-
-    def hold_for_snapshot(self) -> None:
-        if self._held_for_snapshot:
-            return
-        if not self.lock.acquire(timeout=SNAPSHOT_LOCK_WAIT_S):
-            raise SnapshotBusy(f"the dynamic tables' maps: the stream's mapping held them past "
-                               f"{SNAPSHOT_LOCK_WAIT_S:g} s (a key exchange with the lost peer); this rank's "
-                               "slots roll back to the checkpoint")
-        self._held_for_snapshot = True  # (never released: the process ends after the snapshot)
-
     def load_state_dict(self, state: dict) -> None:
         with self.lock:
             self.step = int(state["step"])
-            if "tables" not in state:  # (a recovery snapshot's: the step; OwnSlots loads the slots)
-                return
             for f, m in self.maps.items():
                 m.load_state_dict(state["tables"][f])
             self._own()
@@ -370,39 +340,6 @@ class DynamicTables:
             initial = float(getattr(opt, "initial_accumulator", 0.0))
             for key, state in opt.row_state(g).items():
                 state[index] = initial if key == "sum" else 0
-
-
-class OwnSlots:
-    """This rank's slots of the dynamic tables' maps, for partial recovery's snapshots
-    (component ``keymaps_own``, per rank; ``keymaps`` holds every rank's slots, merged by a
-    collective that a snapshot written after a peer died cannot make). In a checkpoint it
-    holds nothing (``keymaps`` has the slots). In a snapshot: this rank's maps, without a
-    collective (under :meth:`DynamicTables.hold_for_snapshot`); loaded from a survivor's own
-    snapshot over the checkpoint's maps, so a survivor's slots are those of its snapshot and
-    a failed rank's (it loads no snapshot) the checkpoint's."""
-
-    def __init__(self, tables: DynamicTables) -> None:
-        self.tables = tables
-
-    def state_dict(self) -> dict:
-        return {}
-
-    def snapshot_state(self) -> dict:
-        t = self.tables
-        t.hold_for_snapshot()
-        return {"rank": t.rank, "world": t.world, "tables": {f: m.state_dict() for f, m in t.maps.items()}}
-
-    def load_state_dict(self, state: dict) -> None:
-        t = self.tables
-        if "tables" not in state:  # (a checkpoint's: nothing)
-            return
-        if (int(state["rank"]), int(state["world"])) != (t.rank, t.world):
-            raise ValueError(f"keymaps_own: rank {state['rank']} of {state['world']}'s slots, this is rank "
-                             f"{t.rank} of {t.world}")
-        with t.lock:
-            for f, m in t.maps.items():
-                m.load_state_dict(state["tables"][f])
-            t._own()
 
 
 _END = object()
