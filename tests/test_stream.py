@@ -249,6 +249,14 @@ def test_train_on_a_stream_publish_and_predict(shared_stream, tmp_path):
     assert again["stream"]["rows"] == 3000 and again["step"] == 24
 
 
+def _killed_and_again(args: list[str], run: Path, after_step: int) -> dict:
+    """``hybridrec train ARGS`` killed (-9) once its checkpoint of ``after_step`` is there,
+    then the same command again to the stream's end: its summary."""
+    _kill_during([sys.executable, "-m", "hybridrec", "train", *args, "data.stream_stop=idle:30"], run,
+                 {**os.environ, "PYTHONUNBUFFERED": "1"}, after_step)
+    return _train([*args, "data.stream_stop=idle:0"])
+
+
 def _kill_during(cmd: list[str], run: Path, env: dict, after_step: int) -> None:
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     deadline = time.time() + 240
@@ -273,10 +281,7 @@ def test_killed_and_started_again_trains_every_row_once(shared_stream, tmp_path,
     args = [f"data.stream={d}", f"train.run_dir={run}", "train.checkpoint_every=3", f"dist.nproc={nproc}",
             *STREAM_ARGS]
     args = [a.replace("data.batch_size=128", f"data.batch_size={128 // nproc}") for a in args]
-    cmd = [sys.executable, "-m", "hybridrec", "train", *args, "data.stream_stop=idle:30"]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    _kill_during(cmd, run, env, after_step=6)
-    s = _train([*args, "data.stream_stop=idle:0"])
+    s = _killed_and_again(args, run, after_step=6)
     assert [f["rows"] for f in s["stream"]["files"]] == [1000, 1000, 1000]
     assert s["stream"]["rows"] == 3000 and s["step"] == 24
     assert s["run"]["samples"] == 3000 and s["run"]["invocations"] == 2  # (the rows the checkpoints count)
@@ -431,10 +436,7 @@ def test_parameter_servers_killed_and_started_again_train_every_row_once(shared_
     run = tmp_path / "run"
     args = [f"data.stream={d}", f"train.run_dir={run}", "train.checkpoint_every=6", "dist.nproc=2", "dist.num_ps=1",
             "data.batch_size=32", *PS_STREAM_ARGS]
-    cmd = [sys.executable, "-m", "hybridrec", "train", *args, "data.stream_stop=idle:30"]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    _kill_during(cmd, run, env, after_step=12)
-    s = _train([*args, "data.stream_stop=idle:0"])
+    s = _killed_and_again(args, run, after_step=12)
     assert [f["rows"] for f in s["stream"]["files"]] == [1000, 1000, 1000]
     assert s["stream"]["rows"] == 3000 and s["step"] == 47
     assert s["run"]["samples"] == 3000 and s["run"]["invocations"] == 2

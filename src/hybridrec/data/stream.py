@@ -191,15 +191,12 @@ class _Buffer:
         return out
 
 
-def _rows(chunk: RowChunk, lo: int, hi: int) -> RowChunk:
+def _rows(chunk: RowChunk, lo: int, hi: int | None, step: int = 1) -> RowChunk:
+    """Rows ``lo:hi:step`` of ``chunk`` (one-hot features only)."""
     if chunk.multihot:
         raise DataError("a stream of multi-hot features is not supported")
-    return RowChunk(labels=chunk.labels[lo:hi], dense=chunk.dense[lo:hi], onehot=chunk.onehot[lo:hi])
-
-
-def _every(chunk: RowChunk, start: int, step: int) -> RowChunk:
-    return RowChunk(labels=chunk.labels[start::step], dense=chunk.dense[start::step],
-                    onehot=chunk.onehot[start::step])
+    at = slice(lo, hi, step)
+    return RowChunk(labels=chunk.labels[at], dense=chunk.dense[at], onehot=chunk.onehot[at])
 
 
 def _concat(chunks: list[RowChunk]) -> RowChunk:
@@ -344,7 +341,7 @@ class StreamLoader:
                 f["done"] = True
         mine = _concat([c for _, c, _ in pieces])
         if not self._own_rows and self.world_size > 1:  # (a batch starts at a number divisible by world)
-            mine = _every(mine, self.rank, self.world_size)
+            mine = _rows(mine, self.rank, None, self.world_size)
         ids = mine.onehot if self.encode is None else self.encode(mine.onehot)
         return Batch(dense=torch.from_numpy(np.ascontiguousarray(mine.dense, dtype=np.float32)),
                      sparse=keyed_ids(self.schema, ids, {}),

@@ -164,7 +164,7 @@ class MapResult:
     """keys evicted in this call"""
     admitted: int
     """keys admitted in this call"""
-    fresh_keys: np.ndarray | None = None
+    fresh_keys: np.ndarray
     """int64 [m]: the key each of ``fresh`` was given (in ``fresh``'s order)."""
 
 
