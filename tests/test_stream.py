@@ -9,6 +9,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -25,7 +26,13 @@ from hybridrec.errors import ConfigError, DataError
 from hybridrec.model.embedding import EmbeddingBagCollection
 from hybridrec.train.build import build_tables
 from hybridrec.train.loop.sparse_optim import combined_sparse_optimizer
-from hybridrec.train.loop.stream import DynamicTables, key_initial_values
+from hybridrec.train.loop.stream import (
+    DynamicTables,
+    OwnSlots,
+    SnapshotBusy,
+    StreamFeed,
+    key_initial_values,
+)
 from hybridrec.train.setup.configure import build_config
 
 
@@ -158,14 +165,14 @@ def test_a_stream_option_without_its_tables_is_refused():
         build_config(overrides=["data.stream=/x", "model.tables=dynamic", "dist.num_ps=2", "train.recovery=partial"])
 
 
-def _dynamic(rows: int = 1001):
+def _dynamic(rows: int = 1001, topo=None, reset=None):
     cfg = build_config(overrides=["data.stream=/x", "model.tables=dynamic", f"model.table_rows={rows - 1}"])
     meta = stream_meta("/x", "dynamic", str(rows - 1))
     tables = build_tables(meta, cfg)
     ebc = EmbeddingBagCollection(tables, seed=0)
     opt = combined_sparse_optimizer("rowwise_adagrad", ebc, lr=0.1)
     dyn = DynamicTables({t.name: t.num_embeddings for t in tables}, admit_after=1, evict="lru", ttl_steps=0,
-                        seed=0, model_sparse=ebc, sparse_opt=opt, topo=None,
+                        seed=0, model_sparse=ebc, sparse_opt=opt, topo=topo, reset=reset,
                         dims={t.name: t.embedding_dim for t in tables})
     return dyn, ebc, opt
 
@@ -200,6 +207,117 @@ def test_dynamic_tables_map_keys_to_their_own_rows_and_reset_fresh_rows(shared_s
     other, _, _ = _dynamic()
     other.load_state_dict(state)
     assert torch.equal(other.map_batch(batch).sparse.values, mapped.sparse.values)
+
+
+def test_a_checkpoint_during_a_chunks_mapping_resets_its_fresh_rows_after_a_load(shared_stream):
+    """The feed holds the maps' lock only between a chunk's collectives, so a checkpoint can
+    fall after a chunk's keys entered the maps and before its fresh rows were reset: the
+    state names them (``pending``) and a load resets them before the next chunk (here the
+    checkpoint is taken from inside the chunk's reset, the latest such moment)."""
+    batch = next(iter(_loader(shared_stream(hours=3, rows=1000), batch_size=64)))
+    taken = {}
+    dyn, _, _ = _dynamic(reset=lambda step, rows: taken.setdefault("state", dyn.state_dict()))
+    mapped = dyn.map_batch(batch)
+    state = taken["state"]
+    by_table = batch.sparse.values.view(26, 64)
+    distinct = sum(len(torch.unique(k[k >= 0])) for k in by_table)  # (admit_after=1: each one fresh)
+    assert state["step"] == 0 and len(state["pending"]) == distinct
+    assert not len(dyn.state_dict()["pending"])  # (the chunk done: nothing pending)
+    other, ebc, _ = _dynamic()
+    other.load_state_dict(state)
+    weight = ebc.table_weight("C3")
+    weight.data.fill_(7.0)  # (the rows as a checkpoint taken before the reset holds them)
+    again = other.map_batch(batch)  # (the keys are in the maps: not fresh, but reset as pending)
+    assert torch.equal(again.sparse.values, mapped.sparse.values)
+    rows = again.sparse.values[2 * 64:3 * 64]
+    rows = rows[rows > 0]
+    keys = batch.sparse.values[2 * 64:3 * 64]
+    want = key_initial_values(keys[keys >= 0].numpy(), "C3", 16, 1001, 0)
+    assert torch.equal(weight[rows], want) and other.fresh_rows == 0
+
+
+def _save_while_the_peer_maps(topo, d: str) -> list:
+    """Rank 0's feed is in its first chunk's key exchange when rank 1's loop takes its maps'
+    lock and starts a checkpoint's collective; then rank 1's feed starts the same chunk."""
+    import torch.distributed as dist
+
+    stream_group = dist.new_group(backend="gloo")
+    dyn, _, _ = _dynamic(topo=topo)
+    feed = StreamFeed(_loader(Path(d), batch_size=64, rank=topo.rank, world_size=2, group=stream_group), dyn)
+    out = {}
+    taker = threading.Thread(target=lambda: out.setdefault("batch", next(iter(feed))))  # (starts the feed)
+    if topo.rank == 0:
+        taker.start()
+        time.sleep(0.5)
+        with dyn.lock:  # (a checkpoint's saving: the lock, then the collectives)
+            state = dyn.state_dict()
+    else:
+        with dyn.lock:
+            taker.start()
+            time.sleep(0.5)
+            state = dyn.state_dict()
+    taker.join(30)
+    assert not taker.is_alive(), "no batch came from the feed"
+    return [state["step"], out["batch"].sparse.values]
+
+
+@pytest.mark.distributed
+def test_a_checkpoint_while_a_peers_feed_maps_does_not_deadlock(shared_stream):
+    """Two ranks: the loop's checkpoint (lock held through its collectives) and the feed's
+    key exchange (on the stream's group) at once, in the order that once deadlocked."""
+    ranks = run_ranks(_save_while_the_peer_maps, 2, str(shared_stream(hours=3, rows=1000)), timeout_s=40)
+    assert ranks[0][0] == ranks[1][0] == 0  # (no chunk mapped yet when the checkpoint's maps were taken)
+    assert all(len(r[1]) == 26 * 64 and bool((r[1] >= 0).all()) for r in ranks)  # (mapped: rows, not keys)
+
+
+def _same_maps(a: dict, b: dict) -> bool:
+    return all(torch.equal(a["tables"][f][k], b["tables"][f][k]) for f in a["tables"] for k in a["tables"][f])
+
+
+def test_a_recovery_snapshot_of_the_key_maps(shared_stream, monkeypatch):
+    """Partial recovery's pieces: a survivor loads its own slots (OwnSlots, per rank) over the
+    checkpoint's maps and the step from the donor; a failed rank keeps the checkpoint's maps
+    with the donor's step; a checkpoint holds no second copy; a lock the mapping keeps is
+    waited for a bounded time, then the snapshot is refused."""
+    import hybridrec.train.loop.stream as stream_mod
+
+    dyn, _, _ = _dynamic()
+    batches = iter(_loader(shared_stream(hours=3, rows=1000), batch_size=64))
+    dyn.map_batch(next(batches))
+    checkpoint = dyn.state_dict()
+    dyn.map_batches([next(batches), next(batches)])
+    assert OwnSlots(dyn).state_dict() == {}  # (a checkpoint's: keymaps has the slots)
+    donor, own = dyn.snapshot_state(), OwnSlots(dyn).snapshot_state()
+    assert donor == {"step": 3}
+    survivor, _, _ = _dynamic()
+    survivor.load_state_dict(checkpoint)
+    OwnSlots(survivor).load_state_dict(own)
+    survivor.load_state_dict(donor)
+    assert survivor.step == 3 and _same_maps(survivor.state_dict(), dyn.state_dict())
+    failed, _, _ = _dynamic()
+    failed.load_state_dict(checkpoint)
+    OwnSlots(failed).load_state_dict({})  # (nothing of a checkpoint's)
+    failed.load_state_dict(donor)
+    assert failed.step == 3 and _same_maps(failed.state_dict(), checkpoint)
+    assert not _same_maps(checkpoint, dyn.state_dict())  # (keys mapped since the checkpoint: forgotten)
+    busy, _, _ = _dynamic()
+    monkeypatch.setattr(stream_mod, "SNAPSHOT_LOCK_WAIT_S", 0.1)
+    taken, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with busy.lock:
+            taken.set()
+            release.wait(5)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    taken.wait(5)
+    try:
+        with pytest.raises(SnapshotBusy, match="roll back to the checkpoint"):
+            OwnSlots(busy).snapshot_state()
+    finally:
+        release.set()
+        holder.join()
 
 
 def _train(args: list[str]) -> dict:
@@ -441,3 +559,31 @@ def test_parameter_servers_killed_and_started_again_train_every_row_once(shared_
     assert s["stream"]["rows"] == 3000 and s["step"] == 47
     assert s["run"]["samples"] == 3000 and s["run"]["invocations"] == 2
     assert s["dynamic_tables"]["live"] > 0 and s["dynamic_tables"]["evicted"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_partial_recovery_of_a_stream_trains_every_row_once(shared_stream, tmp_path):
+    """Rank 1 dies after step 9 (the checkpoint is step 6): the survivor's snapshot holds its
+    own slots of the key maps and the stream's position after step 9; the restarted run goes
+    on from step 9 (no step trained again) and every file's rows are trained once."""
+    d = shared_stream(hours=3, rows=1000)
+    run = tmp_path / "run"
+    args = [f"data.stream={d}", f"train.run_dir={run}", "train.checkpoint_every=6", "dist.nproc=2",
+            "train.recovery=partial", "train.inject_failure=1:9", "dist.max_restarts=1", *STREAM_ARGS]
+    args = [a.replace("data.batch_size=128", "data.batch_size=64") for a in args]
+    cmd = [sys.executable, "-m", "hybridrec", "train", *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, check=False,
+                          env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "resumed from step 9 (partial recovery" in proc.stderr, proc.stderr[-3000:]
+    s = json.loads((run / "summary.json").read_text())
+    assert [f["rows"] for f in s["stream"]["files"]] == [_lines(p) for p in sorted(d.glob("hour_*.tsv"))]
+    assert s["stream"]["rows"] == 3000 and s["step"] == 24  # ceil(3000 / 128): no step twice
+    (event,) = s["recovery"]["events"]
+    assert (event["mode"], event["checkpoint_step"], event["failed_at_step"], event["resumed_at_step"]) == \
+        ("partial", 6, 9, 9)
+    assert event["failed_ranks"] == [1] and event["survivors"] == [0] and event["dense_steps_lost"] == 0
+    records = [json.loads(x) for x in (run / "recovery.jsonl").read_text().splitlines()]
+    assert [r["mode"] for r in records] == ["partial"]
+    assert s["dynamic_tables"]["live"] > 0

@@ -91,7 +91,7 @@ from hybridrec.train.loop.parts import (
 from hybridrec.train.loop.pipeline import TrainPipeline
 from hybridrec.train.loop.recovery_part import RecoveryPart, nothing_updating
 from hybridrec.train.loop.sparse_optim import CombinedSparseOptimizer
-from hybridrec.train.loop.stream import DynamicTables, Progressive, StreamFeed
+from hybridrec.train.loop.stream import DynamicTables, OwnSlots, Progressive, StreamFeed
 from hybridrec.train.loop.thread_governor import thread_governor
 from hybridrec.train.loop.trainer import Optimizers, Trainer
 from hybridrec.train.setup.config import CompressConfig, Config
@@ -309,7 +309,7 @@ def build_trainer(cfg: Config, *, meta: DatasetMeta | None = None, topo: Topolog
     totals, early_stop = build_run_totals(started_at), build_early_stop(cfg)
     components = checkpoint_components(topo, model, dense_opt, pipeline=pipeline, totals=totals,
                                        dense_sync=dense_sync, sync_runner=sync_runner, early_stop=early_stop,
-                                       keymaps=keymaps)
+                                       keymaps=keymaps, recovery=cfg.train.recovery)
     checkpointer = build_checkpointer(cfg, topo, run_dir, model, dense_opt, sparse_opt, components=components,
                                       attachment=backend.attachment, early_stop=early_stop)
     recovery = (build_recovery(cfg, topo, checkpointer, model, sparse_opt, run_dir, snapshot_dir)
@@ -420,12 +420,17 @@ def build_early_stop(cfg: Config) -> EarlyStopping | None:
 
 def checkpoint_components(topo: Topology, model: torch.nn.Module, dense_opt, *, pipeline, totals: RunTotals,
                           dense_sync: DenseSync, sync_runner, early_stop: EarlyStopping | None,
-                          keymaps: DynamicTables | None = None) -> list[Component]:
-    """Everything a checkpoint holds besides the model and the optimizers."""
+                          keymaps: DynamicTables | None = None, recovery: str = "full") -> list[Component]:
+    """Everything a checkpoint holds besides the model and the optimizers (``recovery``:
+    ``train.recovery``; partial: each rank's own slots of the key maps too, for its
+    snapshot)."""
     components = [Component("loader", pipeline), Component("run_totals", totals),
                   Component("dense_sync", dense_sync, per_rank=True), Component("rng", TorchRNG(), per_rank=True)]
     if keymaps is not None:  # (the dynamic tables' maps: every rank's slots, merged)
         components.append(Component("keymaps", keymaps))
+        if recovery == "partial":  # (a snapshot's: this rank's slots, without a collective)
+            components.append(Component("keymaps_own", OwnSlots(keymaps), per_rank=True,
+                                        snapshot_only=True))
     if (reducer := getattr(model.sparse, "dp_reducer", None)) is not None:
         components.append(Component("replicated_compressor", reducer, per_rank=True))
     if sync_runner is not None:

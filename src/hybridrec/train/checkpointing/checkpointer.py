@@ -67,11 +67,14 @@ class Stateful(Protocol):
 @dataclass(frozen=True)
 class Component:
     """A stateful part of a run, saved under ``name``; ``per_rank``: each rank's own
-    (bound to the world size), else global (equal on every rank; rank 0's is saved)."""
+    (bound to the world size), else global (equal on every rank; rank 0's is saved);
+    ``snapshot_only``: its state lives in recovery snapshots alone (a checkpoint's is empty),
+    so a checkpoint without it, or of another world size, loses nothing and says nothing."""
 
     name: str
     obj: Stateful
     per_rank: bool = False
+    snapshot_only: bool = False
 
 
 class TorchRNG:
@@ -267,6 +270,8 @@ class Checkpointer:
                             sparse_opts=None if dense_only else self._sparse_opts(), topo=self.topo,
                             parts="dense" if dense_only else "all")
         for c in self.components:
+            if c.snapshot_only:
+                continue
             if not c.per_rank and c.name not in loaded.extra:  # e.g. saved before it existed
                 self._warn(f"{c.name}: not in the checkpoint {path}; it starts from its initial state")
             elif not c.per_rank:

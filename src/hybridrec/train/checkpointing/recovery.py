@@ -56,6 +56,21 @@ cannot keep ``train.lost_fraction`` at a cost below full recovery's:
 :meth:`Recovery.fall_back`: from then on its ranks recover fully (no snapshot, no deltas),
 and its records say ``full``.
 
+A stream with dynamic tables (``data.stream``, ``model.tables=dynamic``): the key maps'
+checkpointed state merges every rank's slots (a collective that a snapshot written after a
+peer died cannot make), so a component may give a snapshot a state of its own
+(``snapshot_state``, written in place of ``state_dict``): the maps' global component
+(``keymaps``) writes only the mapping's step, taken from the donor, and each rank's own slots
+go in the per-rank ``keymaps_own``
+(:class:`~hybridrec.train.loop.stream.OwnSlots`), loaded from a survivor's own snapshot over
+the checkpoint's maps; the stream's position is the loader's of the last whole step, the
+donor's. Taking the maps waits for the feed's thread to finish mapping a chunk, at most
+:data:`~hybridrec.train.loop.stream.SNAPSHOT_LOCK_WAIT_S`; past that the rank writes no
+snapshot and rolls back. What this loses besides the failed shards' updates: the failed
+rank's slots forget the keys mapped since the checkpoint (admitted again later as fresh
+rows), and a row whose key changed since the checkpoint on one side (the failed rank's
+slots, or its shards) may hold another key's values until it is evicted.
+
 Simplifications: the snapshot is written to the run directory (``RUN/recovery/``), which
 every rank of a run already shares for its checkpoints; a rank that stops inside an update
 (an error of its own there) writes no snapshot and rolls back like a failed one; a
@@ -369,8 +384,9 @@ class Recovery:
         """What a snapshot holds (``resident``: not the shards and their optimizer's tables,
         whose files it takes instead)."""
         model, c = self.ckpt.model, self.ckpt
+        # (a component whose state_dict is a collective gives a snapshot its own: snapshot_state)
         comps = {x.name: (self._loader_state if x.name == "loader" and self._loader_state is not None
-                          else x.obj.state_dict()) for x in c.components}
+                          else getattr(x.obj, "snapshot_state", x.obj.state_dict)()) for x in c.components}
         weights = {k: w.detach() for k, w in local_weights(model.sparse).items()
                    if not resident or k.endswith("@*")}
         sparse_opt = c.sparse_opt.state_dict()

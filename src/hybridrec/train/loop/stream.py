@@ -38,6 +38,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from hybridrec.errors import HybridrecError
 from hybridrec.metrics.classification import auc, log_loss
 from hybridrec.sparse.keyed_jagged import Batch, KeyedJagged
 from hybridrec.sparse.keymap import KeyMap, key_slots
@@ -58,7 +59,16 @@ PROTECT_STEPS = 4 + MAP_CHUNK
 one the pipeline took ahead, those the feed's queue holds (:class:`StreamFeed`, 2), and the
 chunk being mapped (its uses are marked at its last batch's step)."""
 
+SNAPSHOT_LOCK_WAIT_S = 5.0
+"""How long a partial recovery's snapshot waits for the maps' lock (the feed's thread holds it
+for a chunk's local lookups or resets, never across a collective; within the agent's 30-s
+grace, after the step's own wait)."""
+
 _MASK = (1 << 64) - 1
+
+
+class SnapshotBusy(HybridrecError):
+    """The dynamic tables' maps could not be taken for a recovery snapshot in time."""
 
 
 def _mix(x: np.ndarray) -> np.ndarray:
@@ -121,6 +131,9 @@ class DynamicTables:
         self.step = 0  # batches mapped
         self.fresh_rows = 0
         self.lock = threading.RLock()  # (a feed's thread maps while the loop saves or reads counts)
+        self._held_for_snapshot = False
+        self._pending = np.zeros((0, 3), dtype=np.int64)  # (see :meth:`state_dict`)
+        self._reset_at_next = np.zeros((0, 3), dtype=np.int64)
 
     def _own(self) -> None:
         if self.world > 1:
@@ -129,22 +142,54 @@ class DynamicTables:
 
     # -- the component -------------------------------------------------------------
     def state_dict(self) -> dict:
-        """Every table's whole map (on every rank: the ranks' slots merged), and the step."""
+        """Every table's whole map (on every rank: the ranks' slots merged), the step, and
+        ``pending``: the fresh rows of a chunk whose mapping was under way (its keys are in
+        the maps, its rows maybe not reset yet: :meth:`map_batches` holds the lock only
+        between its collectives), ``[n, 3]`` int64 (table index, row, key), reset again
+        after a load, before the next chunk is mapped."""
         with self.lock:
             states = {f: m.state_dict() for f, m in self.maps.items()}
-            step = self.step
+            step, pending = self.step, self._pending.copy()
         if self.group is not None:
             gathered = [None] * self.world
-            dist.all_gather_object(gathered, states, group=self.group)
-            states = {f: KeyMap.merge_states([g[f] for g in gathered]) for f in self.features}
-        return {"step": step, "tables": states}
+            dist.all_gather_object(gathered, (states, pending), group=self.group)
+            states = {f: KeyMap.merge_states([g[0][f] for g in gathered]) for f in self.features}
+            pending = np.concatenate([g[1] for g in gathered])
+        return {"step": step, "tables": states, "pending": torch.from_numpy(pending)}
+
+    def snapshot_state(self) -> dict:
+        """A partial recovery's snapshot (written after a peer died: no collective): the step
+        alone; this rank's slots are :class:`OwnSlots`'. Takes the lock for good (the process
+        is ending: no batch is mapped after it), so the step and the slots saved next are of
+        one moment (a chunk's exchange cut short by the lost peer leaves its fresh rows in
+        ``pending``, reset after the load); raises :class:`SnapshotBusy` when the lock is not
+        free within :data:`SNAPSHOT_LOCK_WAIT_S`."""
+        self.hold_for_snapshot()
+        return {"step": self.step}
+
+    def hold_for_snapshot(self) -> None:
+        if self._held_for_snapshot:
+            return
+        if not self.lock.acquire(timeout=SNAPSHOT_LOCK_WAIT_S):
+            raise SnapshotBusy(f"the dynamic tables' maps: the stream's mapping held them past "
+                               f"{SNAPSHOT_LOCK_WAIT_S:g} s; this rank's slots roll back to the checkpoint")
+        self._held_for_snapshot = True  # (never released: the process ends after the snapshot)
 
     def load_state_dict(self, state: dict) -> None:
         with self.lock:
             self.step = int(state["step"])
+            if "tables" not in state:  # (a recovery snapshot's: the step; OwnSlots loads the slots)
+                return
             for f, m in self.maps.items():
                 m.load_state_dict(state["tables"][f])
             self._own()
+            self._reset_later(state.get("pending"))
+
+    def _reset_later(self, pending) -> None:
+        """Rows a loaded state's ``pending`` names: reset before the next chunk is mapped
+        (after the tables' weights are loaded; idempotent: a key's initial values)."""
+        if pending is not None and len(pending):
+            self._reset_at_next = np.concatenate([self._reset_at_next, np.asarray(pending, dtype=np.int64)])
 
     def stats(self) -> dict:
         """Live, admitted and evicted keys: the totals, and ``tables`` each table's (with
@@ -182,8 +227,16 @@ class DynamicTables:
             inverses.append(inv)
             counts.append(c.astype(np.int64))
         step = self.step + len(batches) - 1
+        if len(self._reset_at_next):  # (a loaded state's pending rows: before any lookup)
+            with self.lock:
+                self._reset(self._triples(self._reset_at_next), count=False)
+                self._reset_at_next = np.zeros((0, 3), dtype=np.int64)
+        # The lock is held between collectives, never across one: a rank's loop may hold it
+        # through a checkpoint's collectives, waiting for a peer whose feed is in this exchange.
         if self._exchange_group() is None:
-            rows, fresh = self._lookup_all(uniques, counts, step)
+            with self.lock:
+                rows, fresh = self._lookup_all(uniques, counts, step)
+                self._pending = self._stack(fresh)
         else:
             rows, fresh = self._exchange(uniques, counts, step)
         outs = [np.empty_like(v) for v in values]
@@ -193,8 +246,10 @@ class DynamicTables:
                 n = int(b[i + 1] - b[i])
                 out[b[i]:b[i + 1]] = mapped[at:at + n]
                 at += n
-        self._reset(fresh)
-        self.step += len(batches)
+        with self.lock:
+            self._reset(fresh)
+            self.step += len(batches)
+            self._pending = np.zeros((0, 3), dtype=np.int64)
         return [Batch(batch.dense, KeyedJagged(batch.sparse.keys, torch.from_numpy(out), batch.sparse.lengths,
                                                length_per_key=list(p), one_id_per_bag=batch.sparse.one_id_per_bag()),
                       batch.labels)
@@ -248,16 +303,18 @@ class DynamicTables:
         at = np.concatenate([[0], np.cumsum(recv_counts.reshape(-1))])
         reply = np.empty(len(got), dtype=np.int64)
         fresh = []
-        for i in range(nf):
-            idx = np.concatenate([np.arange(at[r * nf + i], at[r * nf + i + 1]) for r in range(w)])
-            if not len(idx):
-                continue
-            u, inv = np.unique(got[idx, 0], return_inverse=True)
-            c = np.bincount(inv, weights=got[idx, 1], minlength=len(u)).astype(np.int64)
-            rows, f = self._lookup(i, u, c, step)
-            reply[idx] = rows[inv]
-            if f is not None:
-                fresh.append((i, *f))
+        with self.lock:  # (this rank's slots change: fresh keys pending until reset everywhere)
+            for i in range(nf):
+                idx = np.concatenate([np.arange(at[r * nf + i], at[r * nf + i + 1]) for r in range(w)])
+                if not len(idx):
+                    continue
+                u, inv = np.unique(got[idx, 0], return_inverse=True)
+                c = np.bincount(inv, weights=got[idx, 1], minlength=len(u)).astype(np.int64)
+                rows, f = self._lookup(i, u, c, step)
+                reply[idx] = rows[inv]
+                if f is not None:
+                    fresh.append((i, *f))
+            self._pending = self._stack(fresh)
         back = torch.empty(int(sum(out_split)), dtype=torch.int64)
         dist.all_to_all_single(back, torch.from_numpy(reply), out_split, in_split, group=group)
         back = back.numpy()
@@ -270,10 +327,20 @@ class DynamicTables:
                 pos += len(idx)
         return rows, self._all_fresh(fresh, group)
 
+    @staticmethod
+    def _stack(fresh) -> np.ndarray:
+        """Fresh ``(table index, rows, keys)`` pieces as one ``[n, 3]`` int64 array."""
+        return (np.concatenate([np.stack([np.full(len(r), i), r, k], axis=1) for i, r, k in fresh])
+                if fresh else np.zeros((0, 3), dtype=np.int64)).astype(np.int64)
+
+    @staticmethod
+    def _triples(every: np.ndarray) -> list:
+        """:meth:`_stack`'s inverse: ``(table index, rows, keys)`` per table."""
+        return [(i, every[every[:, 0] == i, 1], every[every[:, 0] == i, 2]) for i in np.unique(every[:, 0])]
+
     def _all_fresh(self, fresh, group):
         """Every owner's fresh (feature, row, key) triples, on every rank."""
-        mine = (np.concatenate([np.stack([np.full(len(r), i), r, k], axis=1) for i, r, k in fresh])
-                if fresh else np.zeros((0, 3), dtype=np.int64)).astype(np.int64)
+        mine = self._stack(fresh)
         size = torch.tensor([len(mine)], dtype=torch.int64)
         sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world)]
         dist.all_gather(sizes, size, group=group)
@@ -285,15 +352,16 @@ class DynamicTables:
         parts = [torch.empty(most, 3, dtype=torch.int64) for _ in range(self.world)]
         dist.all_gather(parts, padded, group=group)
         every = np.concatenate([p.numpy()[: int(s.item())] for p, s in zip(parts, sizes, strict=True)])
-        return [(i, every[every[:, 0] == i, 1], every[every[:, 0] == i, 2]) for i in np.unique(every[:, 0])]
+        return self._triples(every)
 
-    def _reset(self, fresh) -> None:
+    def _reset(self, fresh, *, count: bool = True) -> None:
         """Fresh rows start again wherever they are held: the key's initial values, the
-        optimizer's initial per-row state."""
+        optimizer's initial per-row state (``count``: into ``fresh_rows``)."""
         if not fresh:
             return
         by_table = {self.features[int(i)]: (rows, keys) for i, rows, keys in fresh}
-        self.fresh_rows += sum(len(r) for r, _ in by_table.values())
+        if count:
+            self.fresh_rows += sum(len(r) for r, _ in by_table.values())
         if self.reset is not None:  # (held elsewhere: the whole rows, with their values)
             self.reset(self.step, {t: (torch.from_numpy(np.ascontiguousarray(rows, dtype=np.int64)),
                                        key_initial_values(keys, t, self.dims[t], self.rows[t], self.seed))
@@ -342,6 +410,41 @@ class DynamicTables:
                 state[index] = initial if key == "sum" else 0
 
 
+class OwnSlots:
+    """This rank's slots of the dynamic tables' maps, for partial recovery's snapshots
+    (component ``keymaps_own``, per rank; ``keymaps`` holds every rank's slots, merged by a
+    collective that a snapshot written after a peer died cannot make). In a checkpoint it
+    holds nothing (``keymaps`` has the slots). In a snapshot: this rank's maps, without a
+    collective (under :meth:`DynamicTables.hold_for_snapshot`); loaded from a survivor's own
+    snapshot over the checkpoint's maps, so a survivor's slots are those of its snapshot and
+    a failed rank's (it loads no snapshot) the checkpoint's."""
+
+    def __init__(self, tables: DynamicTables) -> None:
+        self.tables = tables
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def snapshot_state(self) -> dict:
+        t = self.tables
+        t.hold_for_snapshot()
+        return {"rank": t.rank, "world": t.world, "tables": {f: m.state_dict() for f, m in t.maps.items()},
+                "pending": torch.from_numpy(t._pending.copy())}
+
+    def load_state_dict(self, state: dict) -> None:
+        t = self.tables
+        if "tables" not in state:  # (a checkpoint's: nothing)
+            return
+        if (int(state["rank"]), int(state["world"])) != (t.rank, t.world):
+            raise ValueError(f"keymaps_own: rank {state['rank']} of {state['world']}'s slots, this is rank "
+                             f"{t.rank} of {t.world}")
+        with t.lock:
+            for f, m in t.maps.items():
+                m.load_state_dict(state["tables"][f])
+            t._own()
+            t._reset_later(state.get("pending"))
+
+
 _END = object()
 
 
@@ -356,7 +459,10 @@ class StreamFeed:
     The thread maps up to :data:`MAP_CHUNK` batches as one, those the stream has parsed
     already; with several ranks their key exchange travels on the stream's group (every
     rank's thread maps the same chunks in the same order: they parse the same blocks), and
-    the map's lock is never held by the loop's thread across a collective.
+    the thread holds the maps' lock only between the exchange's collectives, never across one
+    (the loop's thread holds it through a checkpoint's collectives: were the feed to wait in
+    an exchange with the lock held, a peer whose loop holds its own lock in the checkpoint
+    would wait for this rank's loop, which waits for the lock: a deadlock, seen under load).
     ``freshness``: each file's seconds from landing to its first publication
     (:mod:`hybridrec.serve.publisher`), kept with the position."""
 
@@ -423,8 +529,7 @@ class StreamFeed:
                 if self.tables is not None:
                     while len(chunk) < MAP_CHUNK and self.stream.ready():  # (parsed: no waiting)
                         chunk.append((next(batches), copy.deepcopy(self.stream.state_dict())))
-                    with self.tables.lock:
-                        mapped = self.tables.map_batches([b for b, _ in chunk])
+                    mapped = self.tables.map_batches([b for b, _ in chunk])  # (it takes the lock)
                     chunk = [(b, state) for b, (_, state) in zip(mapped, chunk, strict=True)]
                 for item in chunk:
                     while not stop.is_set():

@@ -389,9 +389,9 @@ def _stream_checks(cfg: Config) -> list[tuple[bool, str]]:
          ("data.stream has no held-out split: train.eval_every and train.early_stop are off for a stream "
          "(its metrics are test-then-train: each batch scored before it trains)")),
         (not (stream and cfg.dist.group_size), "data.stream with dist.group_size: not with hierarchical groups yet"),
-        (not (stream and t.recovery == "partial"),
-         ("data.stream with train.recovery=partial: not yet (the stream's position and key maps are restored "
-         "from the last checkpoint); use train.recovery=full")),
+        (not (stream and t.recovery == "partial" and cfg.dist.num_ps),
+         ("data.stream with dist.num_ps and train.recovery=partial: not yet (the servers' rows and the "
+         "trainers' key maps are restored from the last checkpoint); use train.recovery=full")),
         (not (stream and cfg.optim.decay != "none" and not t.max_steps),
          f"optim.decay={cfg.optim.decay} needs a last step: a stream has none unless train.max_steps is set"),
     ]
