@@ -19,9 +19,11 @@ from hybridrec.model.dlrm import DLRM
 from hybridrec.model.embedding import EmbeddingBagCollection, TableConfig
 from hybridrec.model.interaction import (
     CrossInteraction,
+    cross_impls,
     dcn_rank,
     interaction_parameters,
     make_interaction,
+    tune_interactions,
 )
 from hybridrec.train.run import load_run_model
 from hybridrec.train.setup import recipes
@@ -57,6 +59,35 @@ def test_cross_network_values_and_gradients_match_the_formula():
     for a, b in zip(got, ref):
         assert torch.allclose(a, b, atol=1e-12)
     assert torch.autograd.gradcheck(lambda d, s: m(d, s), (dense, sparse))
+
+
+def test_each_cross_implementation_matches_the_formula_and_one_is_chosen_by_measurement(tmp_path, monkeypatch):
+    """fp32: ``torch`` (addmm) and, where oneDNN runs, ``onednn`` (the bias in the product's
+    epilogue) give the formula's values and gradients; the choice is timed, then cached."""
+    monkeypatch.setenv("HYBRIDREC_CACHE_DIR", str(tmp_path))
+    torch.manual_seed(0)
+    m = CrossInteraction(26, 16, layers=3, rank=16)
+    for b in m.bias:
+        torch.nn.init.normal_(b, std=0.1)
+    dense = torch.randn(64, 16, requires_grad=True)
+    sparse = torch.randn(64, 26, 16, requires_grad=True)
+    inputs = [dense, sparse, *m.parameters()]
+    want = _plain(m, dense, sparse)
+    g = torch.randn_like(want)
+    ref = torch.autograd.grad((want * g).sum(), inputs)
+    assert cross_impls("cpu")[0] == "torch"
+    for impl in cross_impls("cpu"):
+        m.impl = impl
+        out = m(dense, sparse)
+        torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+        for a, r in zip(torch.autograd.grad((out * g).sum(), inputs), ref):
+            torch.testing.assert_close(a, r, rtol=1e-4, atol=1e-4)
+    holder = torch.nn.ModuleDict({"interaction": m})
+    got = tune_interactions(holder, 64)
+    assert len(got) == 1 and got[0].source == "measured" and set(got[0].seconds) == set(cross_impls("cpu"))
+    assert got[0].key == "cross_net cpu float32 64x432 rank 16 x3" and m.impl == got[0].impl
+    assert tune_interactions(holder, 64)[0].source == "cached"
+    assert tune_interactions(holder, 64, mode="torch")[0].impl == "torch" and m.impl == "torch"
 
 
 def test_rank_caps():

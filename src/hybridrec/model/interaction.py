@@ -8,7 +8,16 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from hybridrec.model.kernels import Choice, Timing, choose, compute_dtype, race_checked, small_ints
+from hybridrec.model.kernels import (
+    _LINEAR_POINTWISE,
+    Choice,
+    Timing,
+    _onednn_fits,
+    choose,
+    compute_dtype,
+    race_checked,
+    small_ints,
+)
 
 
 class _PairwiseDot(torch.autograd.Function):
@@ -175,21 +184,61 @@ def time_dot_interaction(batch: int, num_features: int, dim: int, impls: list[st
                         reps=reps, budget_s=budget_s)
 
 
+def time_cross_net(batch: int, width: int, rank: int, layers: int, impls: list[str], *, device: str = "cpu",
+                   dtype: str = "float32", reps: int = 5, budget_s: float = 0.2) -> Timing:
+    """Seconds of one forward and backward of a :class:`CrossInteraction`'s layers with each
+    of ``impls`` (:func:`~hybridrec.model.kernels.race_checked`: the output and every gradient
+    compared; operands :func:`~hybridrec.model.kernels.small_ints` scaled by 1/8, so that three
+    layers' products stay well inside float32's exact integers)."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    low = getattr(torch, dtype)
+
+    def ints(*shape: int) -> torch.Tensor:
+        return (small_ints(*shape, generator=gen, device=device) / 8).to(low).requires_grad_()
+
+    x0 = ints(batch, width)
+    weights = [w for _ in range(layers) for w in (ints(rank, width), ints(width, rank), ints(width))]
+    grad = small_ints(batch, width, generator=gen, device=device).to(low)
+
+    def run(impl: str) -> tuple:
+        for t in (x0, *weights):
+            t.grad = None
+        out = _CrossNet.apply(impl, x0, *weights)
+        out.backward(grad)
+        return out, x0.grad, *(w.grad for w in weights)
+
+    return race_checked(impls, run, device=device, what=f"cross network {batch}x{width} rank {rank}",
+                        reps=reps, budget_s=budget_s)
+
+
 def tune_interactions(model: nn.Module, batch: int, *, mode: str = "auto", device: str = "cpu",
                       dtype: str = "float32", agree=None) -> list[Choice]:
-    """Choose every :class:`DotInteraction` of ``model``'s implementation by measurement
-    at ``batch`` rows (``mode`` and ``agree`` as for :func:`~hybridrec.model.mlp.tune_mlps`;
-    the ``torch``/``onednn`` overrides concern the linears and leave this measured)."""
+    """Choose every :class:`DotInteraction`'s and :class:`CrossInteraction`'s implementation
+    in ``model`` by measurement at ``batch`` rows (``mode`` and ``agree`` as for
+    :func:`~hybridrec.model.mlp.tune_mlps`; the ``torch``/``onednn`` overrides concern the
+    linears and leave the dot interaction measured; a cross network takes them as its
+    linears do)."""
     mods = [(name, m) for name, m in model.named_modules()
-            if isinstance(m, DotInteraction) and m.dim is not None]
+            if (isinstance(m, DotInteraction) and m.dim is not None) or isinstance(m, CrossInteraction)]
     if not mods:
         return []
-    keys = {name: f"dot_interaction {device} {dtype} {batch}x{m.num_features + 1}x{m.dim}" for name, m in mods}
-    shape = {keys[name]: (m.num_features, m.dim) for name, m in mods}
-    got = choose([(k, interaction_impls(device), None) for k in dict.fromkeys(keys.values())],
-                 lambda key, cands, budget: time_dot_interaction(batch, *shape[key], cands, device=device,
-                                                                 dtype=dtype, budget_s=budget),
-                 mode=mode, budget_s=0.3)
+    keys, timers, items = {}, {}, {}
+    for name, m in mods:
+        if isinstance(m, CrossInteraction):
+            key = f"cross_net {device} {dtype} {batch}x{m.width} rank {m.rank} x{len(m.down)}"
+            cands = cross_impls(device, dtype)
+            forced = (mode if mode in cands else "torch") if mode in CROSS_IMPLS else None
+            timers[key] = (lambda c, b, m=m: time_cross_net(batch, m.width, m.rank, len(m.down), c, device=device,
+                                                             dtype=dtype, budget_s=b))
+        else:
+            key = f"dot_interaction {device} {dtype} {batch}x{m.num_features + 1}x{m.dim}"
+            cands, forced = interaction_impls(device), None
+            timers[key] = (lambda c, b, m=m: time_dot_interaction(batch, m.num_features, m.dim, c, device=device,
+                                                                   dtype=dtype, budget_s=b))
+        keys[name] = key
+        items[key] = (key, cands, forced)
+    got = choose(list(items.values()), lambda key, cands, budget: timers[key](cands, budget), mode=mode,
+                 budget_s=0.3 * len(items))
     picks = {name: got[keys[name]].impl for name, _ in mods}
     if agree is not None:
         picks = agree(picks)
@@ -231,22 +280,38 @@ def dcn_rank(width: int, rank: int) -> int:
     return max(1, min(rank, width // DCN_RANK_SHARE, max(16, width * width // DCN_NARROW)))
 
 
+CROSS_IMPLS = ("torch", "onednn")
+"""How a cross layer's up-projection adds its bias: ``torch`` (``addmm``: the bias copied into
+the output, then the product added) or ``onednn`` (oneDNN's linear, the bias added in the
+product's epilogue: one pass over ``[B, n]`` fewer; CPU, fp32 or bf16 where oneDNN computes it).
+Chosen by measurement (:func:`tune_interactions`)."""
+
+
+def cross_impls(device: str, dtype: str = "float32") -> list[str]:
+    """The cross network's candidates that can run on ``device`` in ``dtype``."""
+    return [i for i in CROSS_IMPLS if i == "torch" or _onednn_fits(torch.device(device).type, getattr(torch, dtype))]
+
+
 class _CrossNet(torch.autograd.Function):
     """The cross layers ``x_{l+1} = x0 * (U_l (V_l x_l) + b_l) + x_l`` as one autograd node.
 
     Autograd of the plain expression runs about ten element-wise passes over ``[B, n]`` per
-    layer; here a layer is a product, a product with its bias added (``addmm``) and one fused
-    multiply-add (``addcmul``) forward, and backward ``g * x0``, one ``addcmul_`` into
-    ``x0``'s gradient, a column sum and four products, the last adding the residual's gradient
-    (``addmm``). Saved: each layer's input, ``V_l x_l`` and ``U_l V_l x_l + b_l``.
-    ``weights``: ``V_0, U_0, b_0, V_1, ...`` in ``x0``'s dtype."""
+    layer; here a layer is, forward, a product, a product with its bias added (``impl``:
+    :data:`CROSS_IMPLS`) and one fused multiply-add (``addcmul``); backward ``g * x0`` into
+    one buffer reused by every layer, one ``addcmul_`` into ``x0``'s gradient, a column sum and
+    four products, the last adding into the layer's input gradient in place (out of place only
+    for the incoming gradient, which is autograd's). Fresh ``[B, n]`` outputs cost more than
+    their arithmetic on a CPU (memory not in cache), hence the buffer and the in-place
+    products. Saved: each layer's input, ``V_l x_l`` and ``U_l V_l x_l + b_l``. ``weights``:
+    ``V_0, U_0, b_0, V_1, ...`` in ``x0``'s dtype."""
 
     @staticmethod
-    def forward(ctx, x0, *weights):
+    def forward(ctx, impl, x0, *weights):
         x, saved = x0, []
+        fused = impl == "onednn"
         for v, u, b in zip(weights[0::3], weights[1::3], weights[2::3]):
             h = torch.mm(x, v.t())
-            y = torch.addmm(b, h, u.t())
+            y = _LINEAR_POINTWISE(h, u, b, "none", [], "") if fused else torch.addmm(b, h, u.t())
             saved += [x, h, y]
             x = torch.addcmul(x, x0, y)
         ctx.save_for_backward(x0, *weights, *saved)
@@ -259,16 +324,17 @@ class _CrossNet(torch.autograd.Function):
         n = ctx.layers
         weights, saved = rest[: 3 * n], rest[3 * n:]
         grads: list = [None] * (3 * n)
-        gx0 = torch.zeros_like(x0)
+        gy = torch.empty_like(x0)
+        gx0, own = None, False
         for i in reversed(range(n)):
             v, u = weights[3 * i], weights[3 * i + 1]
             x, h, y = saved[3 * i: 3 * i + 3]
-            gy = g * x0
-            gx0.addcmul_(g, y)
+            torch.mul(g, x0, out=gy)
+            gx0 = torch.mul(g, y) if gx0 is None else gx0.addcmul_(g, y)
             gh = torch.mm(gy, u)
             grads[3 * i: 3 * i + 3] = [torch.mm(gh.t(), x), torch.mm(gy.t(), h), gy.sum(0)]
-            g = torch.addmm(g, gh, v)
-        return (gx0.add_(g), *grads)
+            g, own = (g.addmm_(gh, v), True) if own else (torch.addmm(g, gh, v), True)
+        return (None, gx0.add_(g), *grads)
 
 
 class CrossInteraction(nn.Module):
@@ -295,6 +361,9 @@ class CrossInteraction(nn.Module):
         self.down = nn.ParameterList(nn.Parameter(torch.empty(self.rank, self.width)) for _ in range(layers))
         self.up = nn.ParameterList(nn.Parameter(torch.empty(self.width, self.rank)) for _ in range(layers))
         self.bias = nn.ParameterList(nn.Parameter(torch.empty(self.width)) for _ in range(layers))
+        self.impl = "torch"
+        """How the up-projection adds its bias (:data:`CROSS_IMPLS`); set by
+        :func:`tune_interactions` from measurements."""
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -318,8 +387,10 @@ class CrossInteraction(nn.Module):
         dtype = compute_dtype(dense.device) or dense.dtype
         x0 = torch.cat([dense.to(dtype).unsqueeze(1), sparse.to(dtype)], dim=1).flatten(1)
         weights = [w.to(dtype) for layer in zip(self.down, self.up, self.bias) for w in layer]
+        impl = self.impl if self.impl in cross_impls(dense.device.type, str(dtype).removeprefix("torch.")) \
+            else "torch"
         with torch.autocast(dense.device.type, enabled=False):
-            return _CrossNet.apply(x0, *weights)
+            return _CrossNet.apply(impl, x0, *weights)
 
 
 INTERACTIONS = ("dot", "cat", "dcn")
