@@ -9,12 +9,12 @@ import torch
 from torch import nn
 
 from hybridrec.model.kernels import (
-    _LINEAR_POINTWISE,
     Choice,
     Timing,
-    _onednn_fits,
     choose,
     compute_dtype,
+    onednn_fits,
+    onednn_linear,
     race_checked,
     small_ints,
 )
@@ -289,7 +289,7 @@ Chosen by measurement (:func:`tune_interactions`)."""
 
 def cross_impls(device: str, dtype: str = "float32") -> list[str]:
     """The cross network's candidates that can run on ``device`` in ``dtype``."""
-    return [i for i in CROSS_IMPLS if i == "torch" or _onednn_fits(torch.device(device).type, getattr(torch, dtype))]
+    return [i for i in CROSS_IMPLS if i == "torch" or onednn_fits(torch.device(device).type, getattr(torch, dtype))]
 
 
 class _CrossNet(torch.autograd.Function):
@@ -311,7 +311,7 @@ class _CrossNet(torch.autograd.Function):
         fused = impl == "onednn"
         for v, u, b in zip(weights[0::3], weights[1::3], weights[2::3]):
             h = torch.mm(x, v.t())
-            y = _LINEAR_POINTWISE(h, u, b, "none", [], "") if fused else torch.addmm(b, h, u.t())
+            y = onednn_linear(h, u, b) if fused else torch.addmm(b, h, u.t())
             saved += [x, h, y]
             x = torch.addcmul(x, x0, y)
         ctx.save_for_backward(x0, *weights, *saved)

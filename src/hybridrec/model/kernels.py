@@ -92,9 +92,15 @@ def compute_dtype(device: torch.device | str) -> torch.dtype | None:
     return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else None
 
 
-def _onednn_fits(device_type: str, dtype: torch.dtype, ndim: int = 2) -> bool:
+def onednn_fits(device_type: str, dtype: torch.dtype, ndim: int = 2) -> bool:
     return (device_type == "cpu" and ndim == 2 and onednn_available()
             and (dtype == torch.float32 or (dtype == torch.bfloat16 and onednn_bf16_available())))
+
+
+def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weight.T + bias`` through oneDNN (the bias added in the product's epilogue); no
+    autograd: for an autograd function's own forward (where :func:`onednn_fits`)."""
+    return _LINEAR_POINTWISE(x, weight, bias, "none", [], "")
 
 
 class _OneDNNLinear(torch.autograd.Function):
@@ -136,7 +142,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *,
     dtype = compute_dtype(x.device) or x.dtype
     if impl == PADDED and (pad := -x.shape[-1] % 8):
         x, weight = F.pad(x, (0, pad)), F.pad(weight, (0, pad))
-    elif impl == "onednn" and _onednn_fits(x.device.type, dtype, x.dim()):
+    elif impl == "onednn" and onednn_fits(x.device.type, dtype, x.dim()):
         x, weight = x.to(dtype), weight.to(dtype)
         bias = None if bias is None else bias.to(dtype)
         with torch.autocast(x.device.type, enabled=False):
@@ -169,7 +175,7 @@ class LinearShape:
 
 def candidates(shape: LinearShape) -> list[str]:
     kind = torch.device(shape.device).type
-    fits = _onednn_fits(kind, getattr(torch, shape.dtype))
+    fits = onednn_fits(kind, getattr(torch, shape.dtype))
     pad = [PADDED] if kind == "cuda" and shape.fan_in % 8 else []
     return [i for i in IMPLS if i == "torch" or fits] + pad
 
