@@ -166,3 +166,13 @@ def test_the_readme_config_file_loads_as_it_says(tmp_path, monkeypatch, capsys):
     for item in overrides:
         (section, key), value = item.split("=")[0].split("."), item.split("=")[1]
         assert str(printed[section][key]) == value
+
+
+def test_a_warm_up_longer_than_half_the_run_is_warned_of():
+    from hybridrec.train.build import warmup_problem
+
+    assert warmup_problem(50, 100) is None and warmup_problem(0, 10) is None and warmup_problem(50, 0) is None
+    assert warmup_problem(100, 48) == (
+        "optim.warmup_steps=100 is 208% of this run's 48 steps: the learning rates never reach their peak; "
+        "on a small dataset set a shorter warm-up (optim.warmup_steps=N) or more train.epochs")
+    assert "reach their peak only in its second half" in warmup_problem(50, 96)
