@@ -324,16 +324,16 @@ class _CrossNet(torch.autograd.Function):
         n = ctx.layers
         weights, saved = rest[: 3 * n], rest[3 * n:]
         grads: list = [None] * (3 * n)
-        gy = torch.empty_like(x0)
-        gx0, own = None, False
+        gy, gx0 = torch.empty_like(x0), None
         for i in reversed(range(n)):
+            last = i == n - 1  # (the first one back: g is autograd's, x0's gradient not begun)
             v, u = weights[3 * i], weights[3 * i + 1]
             x, h, y = saved[3 * i: 3 * i + 3]
             torch.mul(g, x0, out=gy)
-            gx0 = torch.mul(g, y) if gx0 is None else gx0.addcmul_(g, y)
+            gx0 = torch.mul(g, y) if last else gx0.addcmul_(g, y)
             gh = torch.mm(gy, u)
             grads[3 * i: 3 * i + 3] = [torch.mm(gh.t(), x), torch.mm(gy.t(), h), gy.sum(0)]
-            g, own = (g.addmm_(gh, v), True) if own else (torch.addmm(g, gh, v), True)
+            g = torch.addmm(g, gh, v) if last else g.addmm_(gh, v)
         return (None, gx0.add_(g), *grads)
 
 

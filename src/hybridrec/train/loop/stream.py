@@ -66,6 +66,9 @@ grace, after the step's own wait)."""
 
 _MASK = (1 << 64) - 1
 
+_NO_ROWS = np.zeros((0, 3), dtype=np.int64)
+"""No fresh rows: an empty ``[n, 3]`` (table index, row, key) array (never written to)."""
+
 
 class SnapshotBusy(HybridrecError):
     """The dynamic tables' maps could not be taken for a recovery snapshot in time."""
@@ -132,8 +135,8 @@ class DynamicTables:
         self.fresh_rows = 0
         self.lock = threading.RLock()  # (a feed's thread maps while the loop saves or reads counts)
         self._held_for_snapshot = False
-        self._pending = np.zeros((0, 3), dtype=np.int64)  # (see :meth:`state_dict`)
-        self._reset_at_next = np.zeros((0, 3), dtype=np.int64)
+        self._pending = _NO_ROWS  # (see :meth:`state_dict`)
+        self._reset_at_next = _NO_ROWS
 
     def _own(self) -> None:
         if self.world > 1:
@@ -230,7 +233,7 @@ class DynamicTables:
         if len(self._reset_at_next):  # (a loaded state's pending rows: before any lookup)
             with self.lock:
                 self._reset(self._triples(self._reset_at_next), count=False)
-                self._reset_at_next = np.zeros((0, 3), dtype=np.int64)
+                self._reset_at_next = _NO_ROWS
         # The lock is held between collectives, never across one: a rank's loop may hold it
         # through a checkpoint's collectives, waiting for a peer whose feed is in this exchange.
         if self._exchange_group() is None:
@@ -249,7 +252,7 @@ class DynamicTables:
         with self.lock:
             self._reset(fresh)
             self.step += len(batches)
-            self._pending = np.zeros((0, 3), dtype=np.int64)
+            self._pending = _NO_ROWS
         return [Batch(batch.dense, KeyedJagged(batch.sparse.keys, torch.from_numpy(out), batch.sparse.lengths,
                                                length_per_key=list(p), one_id_per_bag=batch.sparse.one_id_per_bag()),
                       batch.labels)
@@ -331,7 +334,7 @@ class DynamicTables:
     def _stack(fresh) -> np.ndarray:
         """Fresh ``(table index, rows, keys)`` pieces as one ``[n, 3]`` int64 array."""
         return (np.concatenate([np.stack([np.full(len(r), i), r, k], axis=1) for i, r, k in fresh])
-                if fresh else np.zeros((0, 3), dtype=np.int64)).astype(np.int64)
+                if fresh else _NO_ROWS).astype(np.int64, copy=False)
 
     @staticmethod
     def _triples(every: np.ndarray) -> list:
