@@ -15,8 +15,11 @@ import ctypes, json, resource, sys
 # counts below would depend on the machine: this process takes 4 KiB pages (PR_SET_THP_DISABLE).
 assert ctypes.CDLL(None).prctl(41, 1, 0, 0, 0) == 0
 import torch
-from hybridrec.train.loop.allocator import configure_allocator
-done = configure_allocator(sys.argv[1])
+from hybridrec.train.loop.allocator import M_MMAP_THRESHOLD, configure_allocator
+if sys.argv[1] == "fresh":  # every block of 128 KiB or more mapped afresh: a fixed threshold is not raised
+    done = {"mode": "fresh", "applied": ctypes.CDLL(None).mallopt(M_MMAP_THRESHOLD, 128 << 10) == 1}
+else:
+    done = configure_allocator(sys.argv[1])
 def faults():
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 def step():  # a step's temporaries: blocks of 8 and 24 MiB live at once, written, then freed
@@ -38,14 +41,17 @@ def probe(mode):
 @pytest.mark.slow
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="the thresholds are glibc's")
 def test_retain_reuses_freed_blocks_instead_of_faulting_new_pages():
-    system, retain = probe("system"), probe("retain")
+    fresh, system, retain = probe("fresh"), probe("system"), probe("retain")
+    assert fresh["done"]["applied"]
     assert system["done"] == {"mode": "system", "applied": False, "reason": "malloc's own settings"}
     assert retain["done"]["applied"] and retain["done"]["mmap_threshold"] == 32 << 20
-    # Without it, fresh pages again and again (a step's blocks are 16,384 pages; measured:
-    # 216k-327k faults over the 20 steps); with it, the heap's pages serve them (4k-18k). With
-    # huge pages "always" and no PR_SET_THP_DISABLE the first count fell to 22k-41k.
-    assert system["faults"] > 50_000
-    assert retain["faults"] * 5 < system["faults"]
+    # A step's blocks are 16,384 pages (64 MiB); 20 steps that map them afresh fault on each
+    # (measured 327,760). glibc's own settings are not asserted: its mmap threshold rises with
+    # the blocks it frees and its heap is trimmed or not depending on the order, so the count
+    # varies from run to run on one machine (measured 22k-327k). Retained, the heap's pages
+    # serve the blocks (4k-18k).
+    assert fresh["faults"] >= 20 * 16_384
+    assert retain["faults"] * 10 < fresh["faults"]
 
 
 def test_unknown_mode_is_refused():
