@@ -48,9 +48,10 @@ def _weights(run) -> dict[str, torch.Tensor]:
     return model.state_dict()
 
 
-@pytest.mark.parametrize("arch,optim", [("dlrm", "adagrad"), ("dlrm", "sgd"), ("deepfm", "adagrad")])
+@pytest.mark.parametrize("arch,optim", [("dlrm", "adagrad"), ("dlrm", "sgd"), ("deepfm", "adagrad"),
+                                        ("dlrm-dcn", "adagrad")])
 def test_one_process_trains_on_the_gpu_as_on_the_cpu(dataset, tmp_path, arch, optim):
-    opts = [f"model.arch={arch}"]
+    opts = ["model.arch=dlrm", "model.interaction=dcn"] if arch == "dlrm-dcn" else [f"model.arch={arch}"]
     if optim == "sgd":
         opts += ["optim.dense=sgd", "optim.sparse=sgd", "optim.dense_lr=0.1", "optim.sparse_lr=0.1"]
     cpu = _train(dataset, tmp_path / "cpu", "dist.backend=gloo", *opts)
@@ -71,10 +72,14 @@ def test_one_process_trains_on_the_gpu_as_on_the_cpu(dataset, tmp_path, arch, op
     assert ev["auc"] == pytest.approx(gpu["eval"]["auc"], abs=1e-4)
 
 
-def test_bf16_on_the_gpu(dataset, tmp_path):
-    fp32 = _train(dataset, tmp_path / "fp32", "dist.backend=auto")
-    bf16 = _train(dataset, tmp_path / "bf16", "dist.backend=auto", "train.precision=bf16")
+@pytest.mark.parametrize("interaction", ["dot", "dcn"])
+def test_bf16_on_the_gpu(dataset, tmp_path, interaction):
+    fp32 = _train(dataset, tmp_path / "fp32", "dist.backend=auto", f"model.interaction={interaction}")
+    bf16 = _train(dataset, tmp_path / "bf16", "dist.backend=auto", "train.precision=bf16",
+                  f"model.interaction={interaction}")
     assert {c["shape"].split()[1] for c in bf16["kernels"]["linear"]} == {"bfloat16"}
+    if interaction == "dcn":  # the cross layers ran on the GPU, in bf16
+        assert [c["shape"].split()[:3] for c in bf16["kernels"]["interaction"]] == [["cross_net", "cuda", "bfloat16"]]
     assert bf16["eval"]["auc"] == pytest.approx(fp32["eval"]["auc"], abs=0.01)
 
 
