@@ -2,6 +2,7 @@
 and rolls back only the failed rank's shards; full recovery equals the uninterrupted run."""
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -201,48 +202,62 @@ def test_partial_recovery_loses_only_the_failed_shards_updates(dataset, tmp_path
 
 
 @pytest.mark.distributed
-def test_full_recovery_equals_the_uninterrupted_run(dataset, tmp_path):
-    common = ["dist.sharding=row_wise", "train.max_steps=8", "train.checkpoint_every=4"]
-    ref, run = tmp_path / "ref", tmp_path / "run"
-    _train(dataset, ref, 2, *common)
+def test_full_recovery_equals_the_uninterrupted_run(dataset, tmp_path, tmp_path_factory):
+    """The uninterrupted run is the partial-recovery tests' 2-rank reference (made once)."""
+    refs = _reference(dataset, tmp_path_factory, 2, "table_wise")
+    run = tmp_path / "run"
     # (train.resume=false starts this command's run over, not its restart after the failure)
-    err = _train(dataset, run, 2, *common, "train.inject_failure=0:6", "dist.max_restarts=1", "train.resume=false")
+    err = _train(dataset, run, 2, "dist.sharding=table_wise", "train.max_steps=7", "train.checkpoint_every=4",
+                 "train.inject_failure=0:6", "dist.max_restarts=1", "train.resume=false")
     assert "resumed from step 4" in err
     (event,) = json.loads((run / "summary.json").read_text())["recovery"]["events"]
     assert (event["mode"], event["checkpoint_step"], event["failed_at_step"], event["resumed_at_step"]) == \
         ("full", 4, 6, 4)
     assert {s["steps_lost"] for s in event["shards"]} == {2}  # every shard trains steps 5-6 again
-    a, b = _weights(dataset, ref, 8), _weights(dataset, run, 8)
+    a, b = refs[7], _weights(dataset, run, 7)
     for k in a:
         assert torch.equal(a[k], b[k]), k
 
 
+SNAPSHOT_KEPT = ["train.max_steps=6", "train.checkpoint_every=4", "train.recovery=partial", "train.inject_failure=1:6"]
+
+
+@pytest.fixture(scope="module")
+def failed_for_good(dataset, tmp_path_factory):
+    """A 2-rank run whose rank 1 kills itself after step 6, with no restart: it fails for
+    good, once for both tests below (each recovers its own copy). Returns the run and the
+    launcher's process."""
+    run = tmp_path_factory.mktemp("failed_for_good") / "run"
+    argv = [sys.executable, "-m", "hybridrec", "train", "--recipe", "demo", f"data.path={dataset}",
+            f"train.run_dir={run}", "dist.nproc=2", *SMALL, *SNAPSHOT_KEPT]
+    return run, subprocess.run(argv, capture_output=True, text=True, timeout=240, check=False)
+
+
 @pytest.mark.distributed
 @pytest.mark.parametrize("rebooted", [False, True])
-def test_the_same_command_again_recovers_from_the_snapshot_the_launcher_kept(dataset, tmp_path, rebooted):
+def test_the_same_command_again_recovers_from_the_snapshot_the_launcher_kept(dataset, failed_for_good, tmp_path,
+                                                                             rebooted):
     """The survivor writes its snapshot to the launcher's directory in /dev/shm; the run
     fails for good (no restarts), and the launcher moves the snapshot into RUN/recovery/
     and removes its directory. The same command again recovers partially from it. A
     snapshot is not synced to disk: its ``rank-R.json`` records the boot it was written in,
     and after another boot (``rebooted``) that rank rolls back like the failed one (here
     none is left: a full recovery)."""
-    run = tmp_path / "run"
-    common = ["train.max_steps=6", "train.checkpoint_every=4", "train.recovery=partial", "train.inject_failure=1:6"]
-    argv = [sys.executable, "-m", "hybridrec", "train", "--recipe", "demo", f"data.path={dataset}",
-            f"train.run_dir={run}", "dist.nproc=2", *SMALL, *common]
-    proc = subprocess.run(argv, capture_output=True, text=True, timeout=240, check=False)
+    failed, proc = failed_for_good
     assert proc.returncode != 0 and "kills itself" in proc.stderr, proc.stderr[-3000:]
-    progress = run / "recovery" / "rank-00000.json"
-    written = json.loads(progress.read_text())
+    written = json.loads((failed / "recovery" / "rank-00000.json").read_text())
     assert written["snapshot"] and written["step"] == 6 and written["boot"]
     fast = Path(written["path"]).parent
     if Path("/dev/shm").is_dir():  # (else written to RUN/recovery/ directly)
         assert fast.parent == Path("/dev/shm") and fast.name.startswith("hybridrec-"), written["path"]
         assert not fast.exists()  # moved: nothing is left in memory
-    assert (run / "recovery" / "rank-00000" / ".metadata").is_file()
+    assert (failed / "recovery" / "rank-00000" / ".metadata").is_file()
+    run = tmp_path / "run"
+    shutil.copytree(failed, run, symlinks=True)  # (the same command, on this test's own copy)
+    progress = run / "recovery" / "rank-00000.json"
     if rebooted:
         progress.write_text(json.dumps({**written, "boot": "another-boot"}))
-    err = _train(dataset, run, 2, *common)  # (the injection is recorded: it does not happen again)
+    err = _train(dataset, run, 2, *SNAPSHOT_KEPT)  # (the injection is recorded: it does not happen again)
     (event,) = json.loads((run / "summary.json").read_text())["recovery"]["events"]
     if rebooted:
         assert "written before the machine restarted" in err, err[-3000:]
