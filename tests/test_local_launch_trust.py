@@ -275,7 +275,7 @@ def test_two_machines_rendezvous_and_train_on_the_named_interface_alone(dataset,
         port = s.getsockname()[1]
     run = tmp_path / "run"
     common = ["dist.nnodes=2", f"dist.master={address}:{port}", f"dist.interface={name}",
-              "train.epochs=50", "train.max_steps=400", "train.eval_every=0"]
+              "train.epochs=50", "train.max_steps=100", "train.eval_every=0"]
     machines = [_start(dataset, run, *common, f"dist.node_rank={r}") for r in (0, 1)]
     try:
         seen: set[str] = set()
