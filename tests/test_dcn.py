@@ -231,9 +231,10 @@ def test_a_resumed_run_that_changes_the_cross_network_is_refused_in_one_line(tin
     ("dist.sharding=row_wise", "compress.embedding=dct"),
 ], ids=lambda e: "+".join(x.split("=")[1] for x in e))
 def test_two_ranks_train_dcn_with_every_sharding(shared_dataset, tmp_path, extra):
-    """2 gloo ranks: the cross network's weights are dense parameters (all-reduced, compressed
-    with DCT); every sharding type feeds it the same pooled vectors. The ranks end with equal
-    cross weights, and the run's checkpoint loads into one process."""
+    """2 gloo ranks through the CLI: the cross network's weights are dense parameters
+    (all-reduced, compressed with DCT), fed by every sharding type; the run trains and its
+    checkpoint loads into one process. (That sharded training equals one process's is
+    test_sharded_embedding's cross-network test.)"""
     data = shared_dataset(days=2, rows=1000)
     run = tmp_path / "run"
     assert main(["train", f"data.path={data}", f"train.run_dir={run}", *SMALL, "train.max_steps=8",
