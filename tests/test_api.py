@@ -88,6 +88,10 @@ def test_predict_in_memory_equals_the_file_predictions(readme_run):
     as_ints = dict(cols, C5=[None if v is None else int(v, 16) for v in cols["C5"]])  # ids as integers
     np.testing.assert_array_equal(model.predict(as_ints), written)
     # A row the model never saw still has a probability; a malformed one is an error.
+    unseen, days = "fffffffe", sorted((root / "data/raw").glob("day_*.tsv"))
+    assert len(days) == 7 and not any(unseen in day.read_text().lower() for day in days)
+    new = model.predict({**{f"I{i}": [7] for i in range(1, 14)}, **{f"C{i}": [unseen] for i in range(1, 27)}})
+    assert new.shape == (1,) and 0 < new[0] < 1
     with pytest.raises(DataError, match=r"input:3: field C2 \(column 16\): not a hexadecimal id"):
         model.predict(dict(cols, C2=["68fd1e64", "68fd1e64", "not-hex"] + cols["C2"][3:]))
     with pytest.raises(DataError, match="no column C26"):
