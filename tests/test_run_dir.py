@@ -109,6 +109,9 @@ def test_a_finished_run_named_again_is_left_alone(dataset, finished_run, tmp_pat
                       "train.reevaluate=true")) == 0
     assert "AUC" in capsys.readouterr().out
     assert _records(again) == records
+    old_eval, new_eval = ([r for r in map(json.loads, (d / "metrics.jsonl").read_text().splitlines())
+                           if r["split"] == "eval"] for d in (finished_run, again))
+    assert new_eval[-1]["time"] > old_eval[-1]["time"]  # written again, in the old one's place
     old, new = (json.loads((d / "summary.json").read_text()) for d in (finished_run, again))
     assert new["eval"]["auc"] == pytest.approx(old["eval"]["auc"]) and new["step"] == 10
     assert new["train_loss"] == pytest.approx(old["train_loss"])
