@@ -232,6 +232,7 @@ def test_every_exchange_order_gives_bit_identical_gradients_bytes_and_state(hook
             for s, ((grads, counted), (grads_r, counted_r)) in enumerate(zip(run["steps"], ref["steps"])):
                 assert counted == counted_r, (name, s)
                 assert all(torch.equal(a, b) for a, b in zip(grads, grads_r)), (name, s)
+            assert ref["state"]["tensors"] and ref["state"]["tensors"].keys() == run["state"]["tensors"].keys()
             for key, st in ref["state"]["tensors"].items():
                 other = run["state"]["tensors"][key]
                 assert st["step"] == other["step"] == 5 and st["refreshes"] == other["refreshes"]

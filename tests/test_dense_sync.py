@@ -70,8 +70,10 @@ def test_ddp_and_explicit_allreduce_train_the_same_model(trained, dct):
         for k in a:
             assert torch.equal(a[k], b[k]), k
         if dct:  # the same per-parameter compressor state, whichever strategy carried it
-            for key, st in sa["compressor"]["tensors"].items():
-                other = sb["compressor"]["tensors"][key]
+            ta, tb = sa["compressor"]["tensors"], sb["compressor"]["tensors"]
+            assert ta and ta.keys() == tb.keys(), (ta.keys(), tb.keys())
+            for key, st in ta.items():
+                other = tb[key]
                 assert st["step"] == other["step"] and torch.equal(st["residual"], other["residual"])
     for k in ddp[0][0]:  # averaged gradients: the replicas are identical
         assert torch.equal(ddp[0][0][k], ddp[1][0][k]), k
