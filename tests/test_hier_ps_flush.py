@@ -33,6 +33,7 @@ def quiesce_worker(topo):
 
 def test_group_0_saves_only_after_every_groups_pushes_landed():
     ranks = run_ranks(quiesce_worker, 4, timeout_s=60)
+    assert sorted(r[0] for r in ranks) == [0, 0, 1, 1]  # (two groups of two: group 0's are checked below)
     landed = max(r[1] for r in ranks if r[0] == 1)
     assert all(r[1] is not None for r in ranks)  # every trainer flushed, not only group 0's
     for group, _, ready in ranks:
