@@ -84,6 +84,7 @@ def test_resume_equals_uninterrupted(dataset, tmp_path, optim):
     assert _train(dataset, full, "train.max_steps=30", *common) == 0
     assert _train(dataset, cut, "train.max_steps=14", *common) == 0  # stops at a checkpoint
     assert _train(dataset, cut, "train.max_steps=30", *common) == 0  # resumes from step 14
+    assert json.loads((cut / "summary.json").read_text())["resumed_from"] == 14
     _assert_same_run(full, cut)
 
 
@@ -111,6 +112,7 @@ def test_resume_after_a_killed_process(dataset, tmp_path):
     killed_at = ckpt.list_checkpoints(cut)[-1][0]
     assert killed_at in (5, 10, 15)
     subprocess.run([*args, f"train.run_dir={cut}"], check=True, capture_output=True)
+    assert json.loads((cut / "summary.json").read_text())["resumed_from"] == killed_at
     _assert_same_run(full, cut)
 
 
