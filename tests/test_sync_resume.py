@@ -266,6 +266,8 @@ def test_cli_foreground_easgd_killed_and_resumed_equals_uninterrupted(shared_dat
     _, full = _cli_train(dataset, tmp_path / "full")
     proc, cut = _cli_train(dataset, tmp_path / "cut", "train.inject_failure=1:14", "dist.max_restarts=1")
     assert "resumed from step 10" in proc.stderr and cut["step"] == full["step"] == 20
-    for k in ("log_loss", "auc", "calibration"):
+    metrics = set(full["eval"]) - {"eval_seconds"}
+    assert metrics >= {"log_loss", "auc", "calibration"} and set(cut["eval"]) - {"eval_seconds"} == metrics
+    for k in metrics:
         assert cut["eval"][k] == full["eval"][k], k
     assert cut["sync"]["rounds"] == full["sync"]["rounds"] == 6  # (the count carried over too)
