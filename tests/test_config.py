@@ -152,6 +152,7 @@ def test_the_readme_config_file_loads_as_it_says(tmp_path, monkeypatch, capsys):
     KEY=VALUE wins."""
     block, command = _readme_config()
     name, *overrides = command.removeprefix("hybridrec train --config ").split()
+    assert overrides, command  # (the KEY=VALUE checked below)
     (tmp_path / "conf").mkdir()
     (tmp_path / "conf" / name).write_text(block)
     monkeypatch.chdir(tmp_path)

@@ -283,3 +283,4 @@ def test_cli_plan_from_dataset_and_errors(tmp_path, capsys):
     assert main(["plan", "--nproc", "2", "--tables", "3xx10"]) == 2
     assert "COUNTxROWSxDIM" in capsys.readouterr().err
     assert main(["plan", "--nproc", "2", "--tables", "3x10", "--bandwidth", "fast"]) == 2
+    assert "--bandwidth: cannot read 'fast'" in capsys.readouterr().err
