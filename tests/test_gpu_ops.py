@@ -578,6 +578,7 @@ def test_a_collection_trains_alike_with_every_lookup():
         outs.append((out.values.detach().cpu(), [(g, i.cpu(), r.cpu()) for g, i, r, _ in ebc.pop_sparse_grads()]))
     for values, grads in outs[1:]:
         assert torch.equal(values, outs[0][0])
+        assert len(grads) == len(outs[0][1]) > 0
         for (g, i, r), (g0, i0, r0) in zip(grads, outs[0][1]):
             assert g == g0 and torch.equal(i, i0) and torch.equal(r, r0)
 
