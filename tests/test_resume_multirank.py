@@ -60,6 +60,7 @@ def test_compressed_two_rank_resume_equals_uninterrupted(dataset, stopped, tmp_p
         assert b["eval"][k] == a["eval"][k], k
     # The compressors did compress: the residuals and thresholds that made this exact are real.
     assert a["comm"]["by_category"]["dense_allreduce"]["ratio"] > 5
+    assert a["comm"]["by_category"]["output_dist"]["ratio"] > 1
 
 
 def test_resume_on_another_world_size_resets_compressor_state_with_a_warning(dataset, stopped, tmp_path):
