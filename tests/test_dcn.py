@@ -254,4 +254,9 @@ def test_background_sync_and_parameter_servers_train_dcn(shared_dataset, tmp_pat
     run = tmp_path / "run"
     assert main(["train", f"data.path={data}", f"train.run_dir={run}", *SMALL, "train.max_steps=8",
                  "dist.nproc=2", *extra]) == 0
-    assert np.isfinite(_summary(run)["train_loss"])
+    s = _summary(run)
+    assert np.isfinite(s["train_loss"])
+    if extra == ("sync.algorithm=bmuf",):  # the replicas were BMUF's, synchronized in the background
+        assert (s["sync"]["algorithm"], s["sync"]["mode"]) == ("bmuf", "background")
+    else:  # the tables were the server's: every step pushed to it
+        assert s["ps"]["servers"] == 1 and s["ps"]["steps_pushed"] == s["step"] > 0
