@@ -106,6 +106,8 @@ def test_table_row_wise_predicts_what_it_counts(world, codec):
         assert set(cmp) == {e["category"] for e in summary["entries"]}
         assert {"input_dist", "input_dist_counts", "trw_intra", "dense_allreduce"} <= set(cmp)
         assert ("output_dist" in cmp) == (world == 4)
+        if world == 4:  # the sums that cross hosts are coded: fewer bytes than they stand for
+            assert summary["by_category"]["output_dist"]["ratio"] > 1
         assert set(cmp["trw_intra"]["by_direction"]) == {"fwd", "bwd"}
         for category, entry in cmp.items():
             assert entry["match"] and entry["predicted"] == entry["counted"], (category, entry)
