@@ -66,6 +66,7 @@ def test_two_synchronous_trainers_equal_one_process_across_a_resume(data, tmp_pa
     assert main(["train", *ps, "train.max_steps=7"]) == 0
     assert main(["train", *common, "data.batch_size=512", "train.max_steps=7", f"train.run_dir={tmp_path / 'one'}"]) == 0
     a, b = load_run_model(tmp_path / "one")[2].state_dict(), load_run_model(run)[2].state_dict()
+    assert a.keys() == b.keys()
     for k in a:
         torch.testing.assert_close(b[k], a[k], rtol=1e-4, atol=1e-6, msg=k)
     s = _summary(run)

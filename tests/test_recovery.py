@@ -161,6 +161,7 @@ def test_partial_recovery_loses_only_the_failed_shards_updates(dataset, tmp_path
         if ".tables." not in k:  # the dense part: a survivor's
             assert torch.equal(got[k], now[k]), k
     lost_rows = saved_hot = left_out = 0
+    assert {s["rank"] for s in event["shards"]} == set(range(nproc)), event["shards"]  # survivors' too
     for shard in event["shards"]:
         key = f"sparse.tables.{shard['table']}.weight"
         rows = slice(shard["row_start"], shard["row_start"] + shard["rows"])
