@@ -17,8 +17,16 @@ recipe on the reference's full table sizes, refused by the memory check (its one
 A precision the processor refuses (bf16 without bf16 kernels, a Zen 3) is recorded with its
 refusal and not run.
 
+Part 3 (``--products``, alone with ``--skip-demo --skip-mlperf``): the six products of one
+cross layer at the demo's shape (batch 512, 432 inputs, rank 16; fp32, 2 threads), each timed
+through torch (MKL on an x86 CPU) and through oneDNN's linear
+(:func:`~hybridrec.model.kernels.onednn_linear`, which may use instructions MKL leaves unused
+on an AMD processor): whether routing the cross layers' products through oneDNN could pay on
+this processor, in a few seconds. The last product accumulates in place in torch
+(``addmm_``); oneDNN's is a product and an ``add_``.
+
 Usage: ``.venv/bin/python benchmarks/dcn.py [--out DIR] [--seeds 0 1 2] [--rounds N]
-[--skip-demo] [--skip-mlperf]``; writes ``DIR/results.json`` and prints a table.
+[--skip-demo] [--skip-mlperf] [--products]``; writes ``DIR/results.json`` and prints a table.
 """
 
 from __future__ import annotations
@@ -118,6 +126,55 @@ def mlperf(out: Path) -> dict:
             "full_refusal": refusal}
 
 
+def products(reps: int = 2000, batch: int = 512, width: int = 432, rank: int = 16) -> dict:
+    """Microseconds of each product of a cross layer (forward: ``h = x V^T``, ``y = h U^T + b``;
+    backward: ``gh = gy U``, ``gV = gh^T x``, ``gU = gy^T h``, ``g += gh V``) through torch and
+    through oneDNN, median of 3 passes of ``reps`` calls each."""
+    import statistics
+
+    import torch
+
+    from hybridrec.model.kernels import onednn_available, onednn_linear
+
+    torch.set_num_threads(2)
+    g = torch.Generator().manual_seed(0)
+    x, gy, g_in = (torch.randn(batch, width, generator=g) for _ in range(3))
+    h, gh = (torch.randn(batch, rank, generator=g) for _ in range(2))
+    v, u, b = torch.randn(rank, width, generator=g), torch.randn(width, rank, generator=g), torch.randn(width)
+    cases = {
+        "h = x V^T": (lambda: torch.mm(x, v.t()), lambda: onednn_linear(x, v)),
+        "y = h U^T + b": (lambda: torch.addmm(b, h, u.t()), lambda: onednn_linear(h, u, b)),
+        "gh = gy U": (lambda: torch.mm(gy, u), lambda: onednn_linear(gy, u.t())),
+        "gV = gh^T x": (lambda: torch.mm(gh.t(), x), lambda: onednn_linear(gh.t(), x.t())),
+        "gU = gy^T h": (lambda: torch.mm(gy.t(), h), lambda: onednn_linear(gy.t(), h.t())),
+        "g += gh V": (lambda: g_in.addmm_(gh, v), lambda: g_in.add_(onednn_linear(gh, v.t()))),
+    }
+
+    def us(f) -> float:
+        for _ in range(50):
+            f()
+        passes = []
+        for _ in range(3):
+            t = time.perf_counter()
+            for _ in range(reps):
+                f()
+            passes.append((time.perf_counter() - t) / reps * 1e6)
+        return statistics.median(passes)
+
+    rows = {}
+    for name, (plain, onednn) in cases.items():
+        rows[name] = {"torch_us": us(plain), "onednn_us": us(onednn) if onednn_available() else None}
+        o = rows[name]["onednn_us"]
+        print(f"{name:14s} torch {rows[name]['torch_us']:7.1f} us   oneDNN "
+              + (f"{o:7.1f} us ({o / rows[name]['torch_us']:.2f}x)" if o is not None else "not available"),
+              flush=True)
+    total = {k: sum(r[k] for r in rows.values()) if all(r[k] is not None for r in rows.values()) else None
+             for k in ("torch_us", "onednn_us")}
+    print(f"{'a layer':14s} torch {total['torch_us']:7.1f} us   oneDNN "
+          + (f"{total['onednn_us']:7.1f} us" if total["onednn_us"] is not None else "-"), flush=True)
+    return {"shape": {"batch": batch, "width": width, "rank": rank, "threads": 2}, "products": rows, "layer": total}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default=str(HERE / "out" / "dcn"))
@@ -126,6 +183,8 @@ def main() -> None:
                    "ratio is pooled over all pairs: the sum of dcn steps over the sum of dot steps)")
     p.add_argument("--skip-demo", action="store_true")
     p.add_argument("--skip-mlperf", action="store_true")
+    p.add_argument("--products", action="store_true", help="time a cross layer's six products through "
+                   "torch and through oneDNN (part 3)")
     a = p.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -135,6 +194,8 @@ def main() -> None:
         result["demo"] = demo_bar(out, a.seeds, a.rounds)
     if not a.skip_mlperf:
         result["mlperf"] = mlperf(out)
+    if a.products:
+        result["products"] = products()
     write_json_atomic(out / "results.json", result)
     print(f"-> {out / 'results.json'}")
 
