@@ -171,22 +171,39 @@ def dataset(shared_dataset):
     return shared_dataset(days=2, rows=4000)  # 15 steps of 4 x 64
 
 
+def _args(dataset, run, *extra) -> list[str]:
+    return ["train", "--recipe", "demo", f"data.path={dataset}", f"train.run_dir={run}", *SMALL, "dist.nproc=4",
+            "dist.group_size=2", "sync.algorithm=ma", "dist.timeout_s=30", "train.max_steps=12",
+            "train.checkpoint_every=4", *extra]
+
+
 def _launch(dataset, run, *extra, timeout=240):
+    """In a new interpreter: for a test that reads what the ranks print (ranks forked from
+    this process's fork server, if one runs, write where its stderr was when it started,
+    not into a test's ``capfd``)."""
     import subprocess
     import sys
 
-    argv = [sys.executable, "-m", "hybridrec", "train", "--recipe", "demo", f"data.path={dataset}",
-            f"train.run_dir={run}", *SMALL, "dist.nproc=4", "dist.group_size=2", "sync.algorithm=ma",
-            "dist.timeout_s=30", "train.max_steps=12", "train.checkpoint_every=4", *extra]
-    return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, check=False)
+    return subprocess.run([sys.executable, "-m", "hybridrec", *_args(dataset, run, *extra)], capture_output=True,
+                          text=True, timeout=timeout, check=False)
 
 
-def test_cli_a_group_size_that_does_not_divide_the_ranks_is_one_line_before_launch(dataset, tmp_path):
-    proc = _launch(dataset, tmp_path / "run", "dist.group_size=3")
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    assert proc.stderr.strip().splitlines()[-1] == (
+def _refused(capfd, dataset, run, *extra) -> tuple[int, str]:
+    """A launch refused before any rank starts, through the CLI's entry in this process: its
+    exit status and what it wrote to stderr."""
+    from hybridrec.cli.main import main
+
+    capfd.readouterr()  # (what came before is not this launch's)
+    status = main(_args(dataset, run, *extra))
+    return status, capfd.readouterr().err
+
+
+def test_cli_a_group_size_that_does_not_divide_the_ranks_is_one_line_before_launch(dataset, tmp_path, capfd):
+    status, err = _refused(capfd, dataset, tmp_path / "run", "dist.group_size=3")
+    assert status == 2, err[-2000:]
+    assert err.strip().splitlines()[-1] == (
         "hybridrec: error: dist.group_size=3 does not divide the 4 ranks of this run into equal groups")
-    assert "launching" not in proc.stderr and not (tmp_path / "run").exists()
+    assert "launching" not in err and not (tmp_path / "run").exists()
 
 
 def test_cli_a_dead_group_member_ends_the_run_and_the_same_command_resumes(dataset, tmp_path):
@@ -219,9 +236,10 @@ def test_cli_a_dead_group_member_ends_the_run_and_the_same_command_resumes(datas
 def test_cli_groups_share_parameter_servers(dataset, tmp_path):
     import json
 
+    from hybridrec.cli.main import main
+
     run = tmp_path / "run"
-    proc = _launch(dataset, run, "dist.num_ps=1", "train.max_steps=8", timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert main(_args(dataset, run, "dist.num_ps=1", "train.max_steps=8")) == 0
     summary = json.loads((run / "summary.json").read_text())
     assert summary["hierarchy"] == {"groups": 2, "group_size": 2} and summary["step"] == 8
     levels = summary["bytes_by_level"]
@@ -230,27 +248,27 @@ def test_cli_groups_share_parameter_servers(dataset, tmp_path):
     assert "dense_allreduce" in levels["intra"]["categories"]
 
 
-def test_cli_a_plan_for_other_ranks_or_with_missing_members_is_one_line_before_launch(dataset, tmp_path):
+def test_cli_a_plan_for_other_ranks_or_with_missing_members_is_one_line_before_launch(dataset, tmp_path, capfd):
     import json
 
     from hybridrec.cli.main import main
 
     plan = tmp_path / "plan.json"
     assert main(["plan", "--nproc", "4", "--data", str(dataset), "--dim", "8", "--out", str(plan)]) == 0
-    proc = _launch(dataset, tmp_path / "run", f"dist.plan={plan}")  # groups of 2, a plan for 4
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    assert proc.stderr.strip().splitlines()[-1] == (
+    status, err = _refused(capfd, dataset, tmp_path / "run", f"dist.plan={plan}")  # groups of 2, a plan for 4
+    assert status == 2, err[-2000:]
+    assert err.strip().splitlines()[-1] == (
         f"hybridrec: error: dist.plan {plan} is for 4 ranks, each group of this run has 2")
     doc = json.loads(plan.read_text())
     doc["world_size"] = 2
     first = next(iter(doc["tables"].values()))
     first["shards"][0]["rank"] = 3  # a member group 0 does not have
     plan.write_text(json.dumps(doc))
-    proc = _launch(dataset, tmp_path / "run", f"dist.plan={plan}")
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    last = proc.stderr.strip().splitlines()[-1]
+    status, err = _refused(capfd, dataset, tmp_path / "run", f"dist.plan={plan}")
+    assert status == 2, err[-2000:]
+    last = err.strip().splitlines()[-1]
     assert last.startswith(f"hybridrec: error: dist.plan {plan}: ") and "rank 3 outside world of 2" in last, last
-    assert "launching" not in proc.stderr
+    assert "launching" not in err
 
 
 def one_group_worker(topo):
