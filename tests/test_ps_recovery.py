@@ -26,10 +26,16 @@ def dataset(shared_dataset):
     return shared_dataset(days=2, rows=2000)
 
 
+def _args(dataset, run, *extra) -> list[str]:
+    return ["train", "--recipe", "demo", f"data.path={dataset}", f"train.run_dir={run}", *SMALL, *extra]
+
+
 def _train(dataset, run, *extra):
-    argv = [sys.executable, "-m", "hybridrec", "train", "--recipe", "demo", f"data.path={dataset}",
-            f"train.run_dir={run}", *SMALL, *extra]
-    proc = subprocess.run(argv, capture_output=True, text=True, timeout=300, check=False)
+    """A run in a new interpreter, and what it and its ranks wrote to stderr (ranks forked from
+    this process's fork server write where its stderr was when it started, not into a test's
+    ``capfd``)."""
+    proc = subprocess.run([sys.executable, "-m", "hybridrec", *_args(dataset, run, *extra)], capture_output=True,
+                          text=True, timeout=300, check=False)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return proc.stderr
 
@@ -45,7 +51,10 @@ def _reference(dataset, tmp_path_factory):
     """The uninterrupted run (synchronous servers), a checkpoint after each of the last three steps."""
     if not _REFERENCE:
         ref = tmp_path_factory.mktemp("ref") / "ref"
-        _train(dataset, ref, "train.checkpoint_every=1", "train.keep_checkpoints=3")
+        from hybridrec.cli.main import main
+
+        # (its output is not read: through the CLI's entry in this process)
+        assert main(_args(dataset, ref, "train.checkpoint_every=1", "train.keep_checkpoints=3")) == 0
         _REFERENCE.update({s: _weights(dataset, ref, s) for s in (4, 5, 6)})
     return _REFERENCE
 
