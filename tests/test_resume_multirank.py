@@ -4,10 +4,10 @@ resumed on another world size, the per-rank compressor state is reset with a war
 
 import json
 import shutil
-import subprocess
-import sys
 
 import pytest
+
+from hybridrec.cli.main import main
 
 pytestmark = pytest.mark.distributed
 
@@ -24,11 +24,12 @@ def dataset(shared_dataset):
 
 
 def _train(dataset, run, nproc, *extra):
-    cmd = [sys.executable, "-m", "hybridrec", "train", "--recipe", "demo", f"data.path={dataset}",
-           f"train.run_dir={run}", f"dist.nproc={nproc}", "dist.sharding=row_wise", *SMALL, *DCT, *extra]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc, json.loads((run / "summary.json").read_text())
+    """The run through the CLI's entry in this process (the ranks start through the same
+    launcher); what it prints is on the test's file descriptors (``capfd`` reads it)."""
+    code = main(["train", "--recipe", "demo", f"data.path={dataset}", f"train.run_dir={run}",
+                 f"dist.nproc={nproc}", "dist.sharding=row_wise", *SMALL, *DCT, *extra])
+    assert code == 0
+    return json.loads((run / "summary.json").read_text())
 
 
 @pytest.fixture(scope="module")
@@ -52,9 +53,9 @@ def stopped(dataset, tmp_path_factory):
 @pytest.mark.parametrize("dense_sync", ["ddp", "allreduce"])
 def test_compressed_two_rank_resume_equals_uninterrupted(dataset, stopped, tmp_path, dense_sync):
     full = tmp_path / "full"
-    _, a = _train(dataset, full, 2, "train.max_steps=30", f"dist.dense_sync={dense_sync}")
+    a = _train(dataset, full, 2, "train.max_steps=30", f"dist.dense_sync={dense_sync}")
     cut = stopped(dense_sync, tmp_path / "cut")  # saved 10, 15
-    _, b = _train(dataset, cut, 2, "train.max_steps=30", f"dist.dense_sync={dense_sync}")
+    b = _train(dataset, cut, 2, "train.max_steps=30", f"dist.dense_sync={dense_sync}")
     assert b["resumed_from"] == 15 and b["step"] == a["step"] == 30
     for k in ("log_loss", "auc", "calibration"):
         assert b["eval"][k] == a["eval"][k], k
@@ -63,9 +64,12 @@ def test_compressed_two_rank_resume_equals_uninterrupted(dataset, stopped, tmp_p
     assert a["comm"]["by_category"]["output_dist"]["ratio"] > 1
 
 
-def test_resume_on_another_world_size_resets_compressor_state_with_a_warning(dataset, stopped, tmp_path):
+def test_resume_on_another_world_size_resets_compressor_state_with_a_warning(dataset, stopped, tmp_path,
+                                                                             capfd):
     run = stopped("ddp", tmp_path / "run")  # 2 ranks, dist.dense_sync's default
-    proc, summary = _train(dataset, run, 1, "train.max_steps=17", "data.batch_size=128")  # same global batch
+    capfd.readouterr()  # (the stopped run's output, where this test trained it)
+    summary = _train(dataset, run, 1, "train.max_steps=17", "data.batch_size=128")  # same global batch
+    err = capfd.readouterr().err
     assert summary["resumed_from"] == 15 and summary["step"] == 17
-    assert "dense_sync: saved by 2 ranks, this run has 1" in proc.stderr
-    assert "rng: saved by 2 ranks" in proc.stderr
+    assert "dense_sync: saved by 2 ranks, this run has 1" in err
+    assert "rng: saved by 2 ranks" in err
