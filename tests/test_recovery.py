@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from hybridrec.cli.main import main
 from hybridrec.errors import ConfigError
 from hybridrec.model.embedding import EmbeddingBagCollection, TableConfig
 from hybridrec.parallel.sharded_embedding import SHARDS
@@ -38,6 +39,17 @@ def _train(dataset, run, nproc, *extra):
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=240, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc.stderr
+
+
+def _train_here(capfd, dataset, run, nproc, *extra):
+    """``hybridrec train`` in this process, for a test that reads none of its output: the
+    launcher forks the ranks from this process's fork server, whose output goes where this
+    process's went when that server started, not to ``capfd`` (what the ranks print is read
+    through :func:`_train`)."""
+    capfd.readouterr()
+    status = main(["train", "--recipe", "demo", f"data.path={dataset}", f"train.run_dir={run}",
+                   f"dist.nproc={nproc}", *SMALL, *extra])
+    assert status == 0, capfd.readouterr().err[-3000:]  # (the launcher's lines: a failed rank's named)
 
 
 def _weights(dataset, run, step):
@@ -102,14 +114,14 @@ def test_recovery_config_errors(overrides, message):
 _REFERENCES = {}
 
 
-def _reference(dataset, tmp_path_factory, nproc, sharding):
+def _reference(capfd, dataset, tmp_path_factory, nproc, sharding):
     """The uninterrupted run (7 steps, a checkpoint after each of the last four), once per
     world size and sharding."""
     key = (nproc, sharding)
     if key not in _REFERENCES:
         ref = tmp_path_factory.mktemp("ref") / "ref"
-        _train(dataset, ref, nproc, f"dist.sharding={sharding}", "train.max_steps=7", "train.checkpoint_every=1",
-               "train.keep_checkpoints=4")
+        _train_here(capfd, dataset, ref, nproc, f"dist.sharding={sharding}", "train.max_steps=7",
+                    "train.checkpoint_every=1", "train.keep_checkpoints=4")
         _REFERENCES[key] = {s: _weights(dataset, ref, s) for s in (4, 5, 6, 7)}
     return _REFERENCES[key]
 
@@ -117,7 +129,7 @@ def _reference(dataset, tmp_path_factory, nproc, sharding):
 @pytest.mark.distributed
 @pytest.mark.parametrize("nproc, sharding, deltas", [(2, "table_wise", "none"), (3, "row_wise", "touched"),
                                                      (2, "table_wise", "hot")])
-def test_partial_recovery_loses_only_the_failed_shards_updates(dataset, tmp_path, tmp_path_factory, nproc,
+def test_partial_recovery_loses_only_the_failed_shards_updates(dataset, tmp_path, tmp_path_factory, capfd, nproc,
                                                                sharding, deltas):
     """Rank 1 dies after step 7 (the last); the newest checkpoint is step 4. After the
     restart, the survivors' shards and the dense part are those of the uninterrupted run at
@@ -132,7 +144,7 @@ def test_partial_recovery_loses_only_the_failed_shards_updates(dataset, tmp_path
     they hold is 5 or 6, and the shards, the record (``deltas``, ``steps_lost``,
     ``held_rows``) and what is left on disk agree on which. With ``hot``, each row holds
     its own newest save: the rows left out of the delta hold an older step, counted so."""
-    refs = _reference(dataset, tmp_path_factory, nproc, sharding)
+    refs = _reference(capfd, dataset, tmp_path_factory, nproc, sharding)
     run = tmp_path / "run"
     extra = [] if deltas == "none" else ["train.shard_delta_every=1", f"train.shard_delta_rows={deltas}",
                                          "train.shard_delta_hot=0.5"]
@@ -203,9 +215,9 @@ def test_partial_recovery_loses_only_the_failed_shards_updates(dataset, tmp_path
 
 
 @pytest.mark.distributed
-def test_full_recovery_equals_the_uninterrupted_run(dataset, tmp_path, tmp_path_factory):
+def test_full_recovery_equals_the_uninterrupted_run(dataset, tmp_path, tmp_path_factory, capfd):
     """The uninterrupted run is the partial-recovery tests' 2-rank reference (made once)."""
-    refs = _reference(dataset, tmp_path_factory, 2, "table_wise")
+    refs = _reference(capfd, dataset, tmp_path_factory, 2, "table_wise")
     run = tmp_path / "run"
     # (train.resume=false starts this command's run over, not its restart after the failure)
     err = _train(dataset, run, 2, "dist.sharding=table_wise", "train.max_steps=7", "train.checkpoint_every=4",
@@ -481,7 +493,7 @@ def test_deltas_of_the_earlier_layout_are_still_applied(tmp_path):
 
 
 @pytest.mark.distributed
-def test_incremental_saves_outlive_a_recovery_and_serve_the_next_failure(dataset, tmp_path):
+def test_incremental_saves_outlive_a_recovery_and_serve_the_next_failure(dataset, tmp_path, capfd):
     """Rank 1 fails at step 5, rank 0 at 7 (rank 1 survives it), rank 1 again at 8: its
     shards roll back to its newest delta, written after its recovery at 5, which the
     recovery at 7 must not have deleted, and lose the steps since it (not the three since
@@ -492,12 +504,12 @@ def test_incremental_saves_outlive_a_recovery_and_serve_the_next_failure(dataset
     ended); its delta of step 7 is there too unless the launcher stopped rank 1 before it
     staged it (on a loaded machine it can). So step 6 or 7, and the record says which."""
     run = tmp_path / "run"
-    err = _train(dataset, run, 2, "dist.sharding=table_wise", "train.max_steps=9", "train.checkpoint_every=4",
-                 "train.recovery=partial", "train.shard_delta_every=1", "train.inject_failure=1:5,0:7,1:8",
-                 "dist.max_restarts=3")
+    _train_here(capfd, dataset, run, 2, "dist.sharding=table_wise", "train.max_steps=9", "train.checkpoint_every=4",
+                "train.recovery=partial", "train.shard_delta_every=1", "train.inject_failure=1:5,0:7,1:8",
+                "dist.max_restarts=3")
     events = json.loads((run / "summary.json").read_text())["recovery"]["events"]
     assert [(e["failed_ranks"], e["failed_at_step"], e["resumed_at_step"]) for e in events] == \
-        [([1], 5, 5), ([0], 7, 7), ([1], 8, 8)], err[-3000:]
+        [([1], 5, 5), ([0], 7, 7), ([1], 8, 8)], events
     last = events[-1]
     held = last["deltas"]["1"]["step"]
     assert held in (6, 7), last["deltas"]
