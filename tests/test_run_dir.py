@@ -211,7 +211,7 @@ def test_a_plan_that_cannot_fit_is_refused_before_anything_is_allocated(dataset,
 
 
 @pytest.mark.distributed
-def test_two_ranks_agree_on_a_new_run_dir_and_both_refuse_another_config(dataset, tmp_path):
+def test_two_ranks_agree_on_a_new_run_dir_and_both_refuse_another_config(dataset, tmp_path, capfd):
     cli = [sys.executable, "-m", "hybridrec"]
     proc = subprocess.run([*cli, *_args(dataset, "dist.nproc=2", "train.max_steps=3")], cwd=tmp_path,
                           capture_output=True, text=True, timeout=240, check=False)
@@ -238,11 +238,12 @@ def test_two_ranks_agree_on_a_new_run_dir_and_both_refuse_another_config(dataset
     assert [rc for rc, _ in outcomes] == [2, 2], outcomes
     message = "global batch (data.batch_size x ranks): 128 (64 x 2) -> 64 (32 x 2)"
     assert message in outcomes[0][1], outcomes
-    # Through the launcher: one line, and no rank is started.
-    proc = subprocess.run([*cli, *_args(dataset, f"train.run_dir={run}", "dist.nproc=2", "data.batch_size=32")],
-                          capture_output=True, text=True, timeout=120, check=False)
-    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
-    assert "global batch" in proc.stderr and "launching" not in proc.stderr
+    # Through the launcher (this process's): one line, and no rank is started.
+    capfd.readouterr()
+    status = main(_args(dataset, f"train.run_dir={run}", "dist.nproc=2", "data.batch_size=32"))
+    err = capfd.readouterr().err
+    assert status == 2 and err.count("\n") == 1, err
+    assert "global batch" in err and "launching" not in err
     assert _snapshot(run) == before
 
 
