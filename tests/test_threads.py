@@ -99,3 +99,37 @@ def test_a_helper_threads_team_makes_every_parallel_operator_sleep_and_wake():
     multi, single = switches("multi"), switches("single")
     assert multi > 1000, multi  # (measured 3,997-4,000: both team members sleep and wake)
     assert single < 100, single
+
+
+# A process whose fork server was started before any launch, by code that read no
+# OMP_NUM_THREADS (as a user's own multiprocessing, or the tests' run_ranks, may do), then
+# `hybridrec train dist.nproc=2` through the CLI's main() in that process: the launch reuses
+# that server (multiprocessing keeps one per process), whose OpenMP took every core.
+_FOREIGN_SERVER = """
+import multiprocessing, sys
+from multiprocessing import forkserver
+multiprocessing.get_context("forkserver").set_forkserver_preload(["torch"])
+forkserver.ensure_running()
+from hybridrec.cli.main import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.distributed
+@pytest.mark.skipif(not OPENMP or (os.cpu_count() or 1) < 2, reason="needs OpenMP and 2 CPUs")
+def test_ranks_forked_from_a_server_started_elsewhere_run_omp_num_threads(shared_dataset, tmp_path):
+    """Each rank runs OMP_NUM_THREADS threads (1, torchrun's default for several ranks), as
+    ranks of a new interpreter do, not the count the fork server's OpenMP read when another
+    process's code started it (every core: 2 ranks x 2 threads on 2 cores, and results not bit
+    for bit a new interpreter's)."""
+    data = shared_dataset(days=2, rows=400)
+    run = tmp_path / "run"
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    proc = subprocess.run([sys.executable, "-c", _FOREIGN_SERVER, "train", f"data.path={data}",
+                           f"train.run_dir={run}", "dist.nproc=2", "train.max_steps=3", "train.progress=false",
+                           "model.embedding_dim=8", "model.bottom_mlp=16,8", "model.top_mlp=16,1",
+                           "data.batch_size=64"],
+                          capture_output=True, text=True, timeout=240, env=env, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["versions"]["threads"] == 1

@@ -210,6 +210,7 @@ def rank_main(entry: Callable[[list[str]], int], argv: list[str], environ: dict[
     os.environ.clear()
     os.environ.update(environ)
     os.environ.update(agent)
+    _threads_as_a_new_interpreter()
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(AttributeError, ValueError):
             stream.reconfigure(write_through=True)
@@ -225,6 +226,21 @@ def rank_main(entry: Callable[[list[str]], int], argv: list[str], environ: dict[
         # error, is the one to find. The agent's SIGTERM ends the wait.
         time.sleep(PEER_LOST_WAIT_S)
     raise SystemExit(status)
+
+
+def _threads_as_a_new_interpreter() -> None:
+    """Give this rank the thread count a new interpreter would take from ``OMP_NUM_THREADS``
+    (1 unless the user set it: :func:`_ranks_env`). OpenMP read the variable once, when the
+    fork server imported torch, from that server's environment: a server another launch or
+    another library started first (multiprocessing keeps one per process, and a later launch
+    reuses it) may have had none, and its ranks would run torch's default, every core each: a
+    2-rank run on 2 cores then ran 2 threads a rank, oversubscribed, and not bit for bit the
+    run a new interpreter makes."""
+    threads = os.environ.get("OMP_NUM_THREADS", "")
+    if threads.isdigit() and int(threads) > 0:
+        import torch
+
+        torch.set_num_threads(int(threads))
 
 
 def check_port_free(port: int) -> None:
