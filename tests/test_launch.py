@@ -25,9 +25,13 @@ def dataset(shared_dataset):
     return shared_dataset(days=2, rows=2000)
 
 
+def _args(dataset, run, *extra):
+    return ["train", "--recipe", "demo", f"data.path={dataset}", f"train.run_dir={run}", "dist.nproc=2", *SMALL,
+            *extra]
+
+
 def _cmd(dataset, run, *extra):
-    return [sys.executable, "-m", "hybridrec", "train", "--recipe", "demo", f"data.path={dataset}",
-            f"train.run_dir={run}", "dist.nproc=2", *SMALL, *extra]
+    return [sys.executable, "-m", "hybridrec", *_args(dataset, run, *extra)]
 
 
 RESUME = ["dist.sharding=row_wise", "train.checkpoint_every=4", "optim.sparse=rowwise_adagrad"]
@@ -136,8 +140,8 @@ def test_two_rank_resume_equals_uninterrupted_and_reshards_to_one(dataset, two_r
     """The uninterrupted run (12 steps, the fixture's) has the input pipeline off, the
     interrupted one on: stopping, resuming and pipelining must all leave the result unchanged."""
     full, cut = two_rank_run[0], tmp_path / "cut"
-    for steps in (8, 12):  # (in this process, the same launcher: `python -m hybridrec` left off the command)
-        assert main(_cmd(dataset, cut, *RESUME, f"train.max_steps={steps}", "dist.pipeline=true")[3:]) == 0
+    for steps in (8, 12):  # (in this process: the same launcher)
+        assert main(_args(dataset, cut, *RESUME, f"train.max_steps={steps}", "dist.pipeline=true")) == 0
     (sa, a), (sb, b) = _load_single(dataset, full), _load_single(dataset, cut)
     assert sa == sb == 12
     for k in a:

@@ -25,7 +25,8 @@ def dataset(shared_dataset):
 
 def _train(dataset, run, nproc, *extra):
     """The run through the CLI's entry in this process (the ranks start through the same
-    launcher); what it prints is on the test's file descriptors (``capfd`` reads it)."""
+    launcher). What a 1-rank run prints is this process's (``capfd`` reads it); the ranks of
+    a 2-rank run write where this process's fork server's stderr was when it started."""
     code = main(["train", "--recipe", "demo", f"data.path={dataset}", f"train.run_dir={run}",
                  f"dist.nproc={nproc}", "dist.sharding=row_wise", *SMALL, *DCT, *extra])
     assert code == 0
